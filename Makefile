@@ -1,0 +1,47 @@
+# The two commands of the README: `make demo` and `make test`. Both create .venv and install into it.
+# On a machine without an NVIDIA GPU, torch is pinned to the local CPU build (2.13.0) first: any looser
+# requirement pulls several GB of CUDA packages.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_CPU := torch==2.13.0
+# Extras `make test` installs: everything testable on a CPU machine (see README, "Dependencies").
+TEST_EXTRAS := openvino,tvm,launch,kernels,viz,dev
+DEMO_DIR := build/demo
+
+.PHONY: demo test lint install-core install-test clean
+
+$(VENV)/bin/activate:
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# Core install: enough for inspect, zoo, validate, place on onnxruntime, plan.
+$(VENV)/.core: pyproject.toml | $(VENV)/bin/activate
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.test: pyproject.toml | $(VENV)/bin/activate
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then echo "no NVIDIA GPU: installing the CPU build $(TORCH_CPU)"; $(PIP) install -q $(TORCH_CPU); fi
+	$(PIP) install -q -e ".[$(TEST_EXTRAS)]"
+	touch $@ $(VENV)/.core
+
+install-core: $(VENV)/.core
+install-test: $(VENV)/.test
+
+demo: $(VENV)/.core
+	@mkdir -p $(DEMO_DIR)
+	$(VENV)/bin/tessera zoo build mmt --size tiny -o $(DEMO_DIR)/mmt.onnx
+	$(VENV)/bin/tessera inspect $(DEMO_DIR)/mmt.onnx
+	$(VENV)/bin/tessera zoo build gpt --size paper -o $(DEMO_DIR)/gpt-paper.onnx
+	$(VENV)/bin/tessera inspect $(DEMO_DIR)/gpt-paper.onnx --top 6
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+lint: $(VENV)/.test
+	$(VENV)/bin/ruff format --check tessera tests bench
+	$(VENV)/bin/ruff check tessera tests bench
+
+clean:
+	rm -rf $(VENV) build .pytest_cache

@@ -1,0 +1,94 @@
+"""``tessera inspect MODEL``: what a model is made of, and where it branches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import click
+from rich.table import Table
+
+from tessera.cli.options import json_option, model_options
+from tessera.cli.render import console, emit_json, human_bytes, human_count
+from tessera.core.graph import Graph, write_model
+from tessera.core.structure import branch_structure
+
+
+def inspect_report(graph: Graph) -> dict[str, Any]:
+    """The inspect summary as plain data (the ``--json`` document)."""
+    structure = branch_structure(graph)
+    model = graph.model
+    return {
+        "model": {
+            "path": graph.source,
+            "sha256": graph.sha256,
+            "ir_version": model.ir_version,
+            "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
+            "producer": f"{model.producer_name} {model.producer_version}".strip(),
+        },
+        "nodes": graph.num_nodes,
+        "op_types": graph.op_histogram(),
+        "parameters": {"count": graph.num_params, "bytes": graph.param_bytes},
+        "flops": graph.total_flops,
+        "bytes_moved": sum(op.bytes_moved for op in graph.ops()),
+        "inputs": [t.to_json() for t in graph.inputs.values()],
+        "outputs": [t.to_json() for t in graph.outputs.values()],
+        "defaulted_dims": graph.defaulted_dims,
+        "branches": structure.to_json(),
+    }
+
+
+@click.command()
+@model_options
+@json_option
+@click.option(
+    "--write-named",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="Write the model with every node named.",
+)
+@click.option("--top", default=12, show_default=True, help="Op types shown in the histogram (human output).")
+def inspect(graph: Graph, as_json: bool, write_named: str | None, top: int) -> None:
+    """Summarize MODEL: nodes, op types, parameters, FLOPs, inputs/outputs and branch structure."""
+    report = inspect_report(graph)
+    if write_named:
+        write_model(graph.model, write_named)
+    if as_json:
+        emit_json(report)
+        return
+    out = console()
+    params = report["parameters"]
+    out.print(
+        f"[bold]{graph.source}[/bold]  (IR {report['model']['ir_version']}, opsets {report['model']['opsets']})"
+    )
+    out.print(
+        f"nodes {report['nodes']}   parameters {human_count(params['count'])} ({human_bytes(params['bytes'])})   "
+        f"FLOPs {human_count(report['flops'])}   bytes moved {human_bytes(report['bytes_moved'])}"
+    )
+    io = Table(title="inputs and outputs", title_justify="left")
+    for col in ("", "name", "shape", "dtype"):
+        io.add_column(col)
+    for kind in ("inputs", "outputs"):
+        for t in report[kind]:
+            io.add_row(kind[:-1], t["name"], "x".join(map(str, t["shape"] or ["?"])), t["dtype"])
+    out.print(io)
+    hist = Table(title="op types", title_justify="left")
+    hist.add_column("op")
+    hist.add_column("count", justify="right")
+    items = list(report["op_types"].items())
+    for op, n in items[:top]:
+        hist.add_row(op, str(n))
+    if len(items) > top:
+        hist.add_row(f"… {len(items) - top} more", str(sum(n for _, n in items[top:])))
+    out.print(hist)
+    b = report["branches"]
+    segments = b["parallel_segments"]
+    out.print(
+        f"branches: up to {b['max_parallel_branches']} in parallel; "
+        f"{len(segments)} parallel segment(s), {b['articulation_operators']} articulation operator(s)"
+    )
+    for seg in segments[:5]:
+        out.print(
+            f"  {seg['branches']} branches, {seg['nodes']} nodes: {seg['start'] or 'inputs'} → {seg['end'] or 'outputs'}"
+        )
+    if graph.defaulted_dims:
+        dims = ", ".join(f"{k}={v}" for k, v in graph.defaulted_dims.items())
+        out.print(f"symbolic dims bound to 1: {dims} (override with --input-shape)")

@@ -1,0 +1,70 @@
+"""The ``tessera`` command group and the one place where errors become exit codes.
+
+Exit codes: 0 success, 1 internal error, 2 bad input (click usage errors too), 3 infeasible,
+4 launch or verification failure (see :mod:`tessera.core.errors`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import click
+
+from tessera import __version__
+from tessera.cli.inspect_cmd import inspect
+from tessera.cli.validate_cmd import validate
+from tessera.cli.zoo_cmd import zoo
+from tessera.core.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TesseraError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, "--version", prog_name="tessera", message="%(prog)s %(version)s")
+@click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
+def cli(verbose: int) -> None:
+    """tessera: place ONNX models on backends, plan parallel training and decoding, and run the plans."""
+    level = logging.WARNING - 10 * min(verbose, 2)
+    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+
+
+cli.add_command(inspect)
+cli.add_command(validate)
+cli.add_command(zoo)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Console entry point: run the group and map every failure to its documented exit code."""
+    args = sys.argv[1:] if argv is None else argv
+    try:
+        cli.main(args=args, prog_name="tessera", standalone_mode=False)
+    except TesseraError as exc:
+        click.echo(f"tessera: error: {exc.one_line()}", err=True)
+        sys.exit(exc.exit_code)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        click.echo("tessera: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        # Usage errors (unknown option, missing argument, bad value): exit 2, as click does.
+        message = " ".join(exc.format_message().split())
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} --help')" if ctx is not None else ""
+        click.echo(f"tessera: error: {message}{hint}", err=True)
+        sys.exit(exc.exit_code if exc.exit_code else EXIT_BAD_INPUT)
+    except KeyboardInterrupt:
+        click.echo("tessera: interrupted", err=True)
+        sys.exit(130)
+    except BrokenPipeError:
+        sys.exit(0)
+    except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback unless asked
+        if os.environ.get("TESSERA_DEBUG") or "-v" in args or "--verbose" in args:
+            raise
+        click.echo(
+            f"tessera: internal error: {type(exc).__name__}: {' '.join(str(exc).split())} "
+            "(set TESSERA_DEBUG=1 for the traceback; please report it)",
+            err=True,
+        )
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(0)

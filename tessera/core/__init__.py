@@ -1,0 +1,1 @@
+"""Core: graph IR, ONNX loading and extraction, cluster specs, plan schemas, cost model."""

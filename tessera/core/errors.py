@@ -1,0 +1,60 @@
+"""The error hierarchy and the exit codes every command shares.
+
+Exit codes (documented in the README; CI scripts depend on them):
+
+====  =====================================================================
+code  meaning
+====  =====================================================================
+0     success
+1     internal error (a bug in tessera: please report it)
+2     bad input: usage, an unreadable or invalid model, spec or plan
+3     infeasible: no plan meets the constraints
+4     launch or verification failure
+====  =====================================================================
+
+Every error raised on purpose is a :class:`TesseraError`; its message is one line that names the
+file (and the field or node) and says what is wrong. The CLI prints it without a traceback.
+"""
+
+from __future__ import annotations
+
+from os import PathLike
+
+EXIT_OK = 0
+EXIT_INTERNAL = 1
+EXIT_BAD_INPUT = 2
+EXIT_INFEASIBLE = 3
+EXIT_LAUNCH_FAILED = 4
+
+
+class TesseraError(Exception):
+    """Base of every error tessera raises on purpose."""
+
+    exit_code = EXIT_INTERNAL
+
+    def __init__(self, message: str, *, source: str | PathLike[str] | None = None) -> None:
+        # One line, always: a multi-line message from a library is folded.
+        self.message = " ".join(str(message).split())
+        self.source = None if source is None else str(source)
+        super().__init__(self.one_line())
+
+    def one_line(self) -> str:
+        return f"{self.source}: {self.message}" if self.source else self.message
+
+
+class InputError(TesseraError):
+    """A model, spec or plan the user gave is unreadable or invalid (exit code 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class InfeasibleError(TesseraError):
+    """No plan meets the constraints (exit code 3)."""
+
+    exit_code = EXIT_INFEASIBLE
+
+
+class LaunchError(TesseraError):
+    """Running or verifying a plan failed (exit code 4)."""
+
+    exit_code = EXIT_LAUNCH_FAILED

@@ -1,0 +1,194 @@
+"""FLOPs and bytes moved per operator, from shapes alone.
+
+Conventions (the ones FLOP counters in this field use, stated so numbers can be checked by hand):
+
+- A multiply-accumulate is **2 FLOPs**.
+- ``Conv``: ``2 · N · C_out · prod(out_spatial) · (C_in / group) · prod(kernel)``, plus
+  ``N · C_out · prod(out_spatial)`` for the bias when present.
+- ``ConvTranspose``: ``2 · N · C_in · prod(in_spatial) · (C_out / group) · prod(kernel)`` (+ bias).
+- ``MatMul``: ``2 · prod(batch) · M · K · N`` with numpy broadcasting of batch dims; ``Gemm``:
+  ``2 · M · K · N`` plus ``M · N`` when C is added.
+- ``Attention`` (ONNX opset 23): ``2·B·H·Sq·Sk·Dqk + 2·B·H·Sq·Sk·Dv`` for the two products, plus
+  5 per score for the softmax.
+- Elementwise (Add, Relu, Erf, Exp, …): 1 FLOP per output element (transcendentals count as 1).
+- ``Softmax``/``LogSoftmax``: 5 per element (max, subtract, exp, sum, divide).
+- ``LayerNormalization``: 8 per element (mean, subtract, square, sum, rsqrt-scale, γ, β, round-off);
+  ``BatchNormalization`` at inference: 2 per element (folded scale and shift);
+  ``InstanceNormalization``/``GroupNormalization``: 8 per element.
+- Reductions and pooling: one FLOP per input element read (per window element for pooling).
+- ``Gather`` and data movement (Transpose, Concat, Slice, Split, Cast, …): 0 FLOPs.
+
+Bytes moved: every input read once and every output written once (activations and weights alike),
+except pure metadata ops (Reshape, Flatten, Squeeze, Unsqueeze, Identity, Shape, Size), which are
+views and move nothing; ``Gather`` reads only the rows it gathers (output size) plus the indices.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Shape = tuple[int, ...]
+
+ELEMENTWISE = frozenset(
+    {
+        "Add", "Sub", "Mul", "Div", "Pow", "Mod", "Max", "Min", "Sum", "Mean",
+        "Relu", "LeakyRelu", "PRelu", "Elu", "Selu", "Celu", "Gelu", "Sigmoid", "HardSigmoid",
+        "HardSwish", "Tanh", "Softplus", "Softsign", "Mish", "Swish", "ThresholdedRelu",
+        "Exp", "Log", "Sqrt", "Reciprocal", "Neg", "Abs", "Erf", "Sin", "Cos", "Tan",
+        "Floor", "Ceil", "Round", "Sign", "Clip", "Where", "Not", "And", "Or", "Xor",
+        "Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "IsNaN", "IsInf",
+        "BitShift", "QuantizeLinear", "DequantizeLinear", "Dropout",
+    }
+)  # fmt: skip
+REDUCTIONS = frozenset(
+    {
+        "ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL1", "ReduceL2",
+        "ReduceLogSum", "ReduceLogSumExp", "ReduceSumSquare", "GlobalAveragePool", "GlobalMaxPool",
+        "ArgMax", "ArgMin", "LpNormalization",
+    }
+)  # fmt: skip
+POOLS = frozenset({"AveragePool", "MaxPool", "LpPool"})
+VIEWS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size"})
+NORMS_8 = frozenset({"LayerNormalization", "InstanceNormalization", "GroupNormalization"})
+
+
+@dataclass(frozen=True)
+class OpCost:
+    """What one execution of an operator costs: arithmetic and memory traffic."""
+
+    flops: int
+    bytes_moved: int
+
+
+def numel(shape: Shape | None) -> int:
+    return math.prod(shape) if shape is not None else 0
+
+
+def op_cost(
+    op_type: str,
+    attributes: Mapping[str, Any],
+    input_shapes: Sequence[Shape | None],
+    output_shapes: Sequence[Shape | None],
+    input_bytes: Sequence[int],
+    output_bytes: Sequence[int],
+) -> OpCost:
+    """FLOPs and bytes moved of one operator (see the module docstring for the formulas).
+
+    ``input_shapes``/``input_bytes`` follow the node's inputs in order (None/0 for an absent
+    optional input); a shape that inference could not resolve counts as 0.
+    """
+    flops = op_flops(op_type, attributes, input_shapes, output_shapes)
+    if op_type in VIEWS:
+        moved = 0
+    elif op_type == "Gather" or op_type == "GatherElements" or op_type == "GatherND":
+        moved = 2 * sum(output_bytes) + (input_bytes[1] if len(input_bytes) > 1 else 0)
+    else:
+        moved = sum(input_bytes) + sum(output_bytes)
+    return OpCost(flops=int(flops), bytes_moved=int(moved))
+
+
+def op_flops(
+    op_type: str,
+    attributes: Mapping[str, Any],
+    input_shapes: Sequence[Shape | None],
+    output_shapes: Sequence[Shape | None],
+) -> int:
+    out = output_shapes[0] if output_shapes else None
+    ins = list(input_shapes)
+
+    def has_input(i: int) -> bool:
+        return len(ins) > i and ins[i] is not None
+
+    if op_type == "Conv":
+        return _conv_flops(ins, out, attributes, has_bias=has_input(2))
+    if op_type == "ConvTranspose":
+        return _conv_transpose_flops(ins, out, attributes, has_bias=has_input(2))
+    if op_type == "MatMul" or op_type == "MatMulInteger":
+        return _matmul_flops(ins[0], ins[1], out)
+    if op_type == "Gemm":
+        return _gemm_flops(ins, out, attributes)
+    if op_type == "Attention":
+        return _attention_flops(ins, attributes)
+    if op_type in ("Softmax", "LogSoftmax"):
+        return 5 * numel(out)
+    if op_type in NORMS_8:
+        return 8 * numel(out)
+    if op_type == "BatchNormalization":
+        return 2 * numel(out)
+    if op_type in REDUCTIONS:
+        return numel(ins[0]) if ins else 0
+    if op_type in POOLS:
+        kernel = attributes.get("kernel_shape") or []
+        return numel(out) * math.prod(kernel)
+    if op_type in ELEMENTWISE:
+        return numel(out)
+    return 0
+
+
+def _conv_flops(
+    ins: list[Shape | None], out: Shape | None, attrs: Mapping[str, Any], *, has_bias: bool
+) -> int:
+    if out is None or len(ins) < 2 or ins[1] is None:
+        return 0
+    weight = ins[1]  # [C_out, C_in/group, k...]
+    batch, c_out, *spatial = out
+    per_output = 2 * weight[1] * math.prod(weight[2:])
+    flops = batch * c_out * math.prod(spatial) * per_output
+    if has_bias:
+        flops += batch * c_out * math.prod(spatial)
+    return flops
+
+
+def _conv_transpose_flops(
+    ins: list[Shape | None], out: Shape | None, attrs: Mapping[str, Any], *, has_bias: bool
+) -> int:
+    if out is None or len(ins) < 2 or ins[0] is None or ins[1] is None:
+        return 0
+    x, weight = ins[0], ins[1]  # weight: [C_in, C_out/group, k...]
+    batch, c_in, *in_spatial = x
+    flops = 2 * batch * c_in * math.prod(in_spatial) * weight[1] * math.prod(weight[2:])
+    if has_bias:
+        flops += numel(out)
+    return flops
+
+
+def _matmul_flops(a: Shape | None, b: Shape | None, out: Shape | None) -> int:
+    if a is None or b is None:
+        return 0
+    k = a[-1]
+    # The output holds M·N per batch element (1-D operands drop their axis, numpy semantics).
+    return 2 * k * numel(out) if out is not None else 0
+
+
+def _gemm_flops(ins: list[Shape | None], out: Shape | None, attrs: Mapping[str, Any]) -> int:
+    if out is None or not ins or ins[0] is None:
+        return 0
+    a = ins[0]
+    k = a[0] if attrs.get("transA", 0) else a[-1]
+    flops = 2 * k * numel(out)
+    if len(ins) > 2 and ins[2] is not None and attrs.get("beta", 1.0) != 0:
+        flops += numel(out)
+    return flops
+
+
+def _attention_flops(ins: list[Shape | None], attrs: Mapping[str, Any]) -> int:
+    """ONNX ``Attention`` (opset 23): Q [B,Hq,Sq,D] or [B,Sq,Hq·D]; K, V likewise."""
+    if len(ins) < 3 or any(s is None for s in ins[:3]):
+        return 0
+    q, k, v = ins[0], ins[1], ins[2]
+    assert q is not None and k is not None and v is not None
+    if len(q) == 4:
+        batch, heads, s_q, d_qk = q
+        s_k, d_v = k[2], v[3]
+    else:
+        heads = int(attrs.get("q_num_heads", 1))
+        kv_heads = int(attrs.get("kv_num_heads", heads))
+        batch, s_q = q[0], q[1]
+        d_qk = q[2] // heads
+        s_k = k[1]
+        d_v = v[2] // kv_heads
+    scores = batch * heads * s_q * s_k
+    return 2 * scores * d_qk + 2 * scores * d_v + 5 * scores

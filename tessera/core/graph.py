@@ -1,0 +1,475 @@
+"""The graph IR every planner reads: an ONNX model as a networkx DAG of operators.
+
+``load_graph`` loads a model (path or bytes), checks it, infers shapes, names nodes, and builds a
+:class:`Graph`. Nodes of ``Graph.dag`` are operator names (the ONNX node names after naming) with an
+:class:`OpNode` under the ``"op"`` attribute; an edge ``u → v`` carries the activation tensors
+produced by ``u`` and consumed by ``v`` (``"tensors"``: tuple of :class:`TensorInfo`) and their total
+``"bytes"``. Graph inputs, outputs and initializers (weights) are kept apart from activations.
+
+:meth:`Graph.extract` cuts any set of nodes out as a standalone, valid ONNX model; backends and
+executors run subgraphs through it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from tessera.core.errors import InputError
+from tessera.core.flops import OpCost, op_cost
+from tessera.core.onnx_io import Shape, prepare_model, read_bytes
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """A tensor's name, concrete shape (None when inference could not resolve it) and dtype."""
+
+    name: str
+    shape: Shape | None
+    dtype: str  # numpy dtype name, e.g. "float32"
+
+    @property
+    def numel(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) if self.shape is not None else 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * _itemsize(self.dtype)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "shape": list(self.shape) if self.shape is not None else None,
+            "dtype": self.dtype,
+        }
+
+
+@dataclass(frozen=True)
+class OpNode:
+    """One operator: its ONNX identity, tensors, and costs at the loaded shapes."""
+
+    name: str
+    op_type: str
+    domain: str
+    attributes: Mapping[str, Any]
+    inputs: tuple[str, ...]  # tensor names in ONNX order ("" for an absent optional input)
+    outputs: tuple[str, ...]
+    flops: int
+    bytes_moved: int
+    params: int  # parameter elements first consumed by this node (floating-point initializers)
+    param_bytes: int
+
+
+@dataclass
+class Graph:
+    """A loaded ONNX model and its operator DAG (see the module docstring)."""
+
+    model: onnx.ModelProto  # named, IR-lowered, shape-inferred
+    dag: nx.DiGraph
+    inputs: dict[str, TensorInfo]
+    outputs: dict[str, TensorInfo]
+    initializers: dict[str, TensorInfo]
+    tensors: dict[str, TensorInfo]  # every tensor with known type: inputs, activations, outputs, weights
+    producer: dict[str, str]  # activation tensor → node that produces it
+    consumers: dict[str, tuple[str, ...]]  # tensor → nodes that read it, in topological order
+    constant_nodes: frozenset[str] = frozenset()  # operators that read no activation (weight producers)
+    source: str = "<model>"
+    source_sha256: str = ""
+    input_shapes: dict[str, Shape] = field(default_factory=dict)  # as given (--input-shape)
+    defaulted_dims: dict[str, int] = field(default_factory=dict)
+
+    # -- views ---------------------------------------------------------------------------------
+
+    def op(self, name: str) -> OpNode:
+        return self.dag.nodes[name]["op"]
+
+    @cached_property
+    def order(self) -> tuple[str, ...]:
+        """Node names in the model's (topological) order."""
+        return tuple(n.name for n in self.model.graph.node)
+
+    def ops(self) -> list[OpNode]:
+        return [self.op(n) for n in self.order]
+
+    @property
+    def num_nodes(self) -> int:
+        return self.dag.number_of_nodes()
+
+    @property
+    def total_flops(self) -> int:
+        return sum(op.flops for op in self.ops())
+
+    @property
+    def num_params(self) -> int:
+        return sum(op.params for op in self.ops())
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(op.param_bytes for op in self.ops())
+
+    def op_histogram(self) -> dict[str, int]:
+        counts = Counter(op.op_type for op in self.ops())
+        return dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+
+    @property
+    def sha256(self) -> str:
+        """sha256 of the model as given (the file's bytes): what plans record to name their model."""
+        return self.source_sha256
+
+    # -- extraction ----------------------------------------------------------------------------
+
+    def boundary(self, nodes: Iterable[str]) -> tuple[list[str], list[str]]:
+        """Input and output activation tensors of a node set, in a deterministic order.
+
+        Inputs: tensors read by the set and produced outside it (by other nodes or graph inputs);
+        initializers are not inputs (they travel with the subgraph). Outputs: tensors produced in
+        the set and read outside it, or graph outputs.
+        """
+        members = set(nodes)
+        unknown = members - set(self.dag.nodes)
+        if unknown:
+            raise KeyError(f"unknown node(s): {', '.join(sorted(unknown))}")
+        ins: list[str] = []
+        outs: list[str] = []
+        seen_in: set[str] = set()
+        for name in self.order:
+            if name not in members:
+                continue
+            op = self.op(name)
+            for t in op.inputs:
+                if not t or t in self.initializers or t in seen_in:
+                    continue
+                if self.producer.get(t) not in members:
+                    seen_in.add(t)
+                    ins.append(t)
+            for t in op.outputs:
+                if not t:
+                    continue
+                read_outside = any(c not in members for c in self.consumers.get(t, ()))
+                if read_outside or t in self.outputs:
+                    outs.append(t)
+        return ins, outs
+
+    def extract(self, nodes: Iterable[str], *, name: str | None = None) -> onnx.ModelProto:
+        """Cut ``nodes`` out as a standalone ONNX model that passes ``onnx.checker``.
+
+        Inputs and outputs come from :meth:`boundary`; the initializers the nodes read are copied in;
+        node order, opsets and IR version are the parent's.
+        """
+        members = set(nodes)
+        ins, outs = self.boundary(members)
+        node_protos = [self._node_proto[n] for n in self.order if n in members]
+        used = {t for n in node_protos for t in n.input if t}
+        inits = [self._initializer_proto[t] for t in sorted(used) if t in self._initializer_proto]
+        value_info = [
+            self._value_info(t)
+            for n in node_protos
+            for t in n.output
+            if t and t not in outs and t in self.tensors
+        ]
+        graph = helper.make_graph(
+            node_protos,
+            name or f"{self.model.graph.name or 'graph'}_sub",
+            [self._value_info(t) for t in ins],
+            [self._value_info(t) for t in outs],
+            initializer=inits,
+            value_info=value_info,
+        )
+        sub = helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        sub.ir_version = self.model.ir_version
+        return sub
+
+    @cached_property
+    def _node_proto(self) -> dict[str, onnx.NodeProto]:
+        return {n.name: n for n in self.model.graph.node}
+
+    @cached_property
+    def _initializer_proto(self) -> dict[str, onnx.TensorProto]:
+        return {t.name: t for t in self.model.graph.initializer}
+
+    def _value_info(self, tensor: str) -> onnx.ValueInfoProto:
+        info = self.tensors[tensor]
+        elem = helper.np_dtype_to_tensor_dtype(np.dtype(info.dtype))
+        return helper.make_tensor_value_info(
+            tensor, elem, list(info.shape) if info.shape is not None else None
+        )
+
+
+def load_graph(
+    source: str | os.PathLike[str] | bytes | onnx.ModelProto,
+    *,
+    input_shapes: Mapping[str, Shape] | None = None,
+    label: str | None = None,
+) -> Graph:
+    """Load an ONNX model (path, bytes or ModelProto) into a :class:`Graph`.
+
+    Raises :class:`~tessera.core.errors.InputError` with a one-line message for anything a user can
+    get wrong: unreadable or non-ONNX files, cycles, dangling inputs, checker failures, shapes.
+    """
+    if label is None:
+        label = "<bytes>" if isinstance(source, bytes | bytearray | onnx.ModelProto) else str(source)
+    base_dir = None if isinstance(source, bytes | bytearray | onnx.ModelProto) else Path(source).parent
+    if isinstance(source, onnx.ModelProto):
+        source = source.SerializeToString(deterministic=True)
+    elif not isinstance(source, bytes | bytearray):
+        source = read_bytes(source)
+    digest = hashlib.sha256(source).hexdigest()
+    model, defaulted = prepare_model(source, input_shapes=input_shapes, label=label, base_dir=base_dir)
+    graph = build_graph(model, label=label, defaulted_dims=defaulted)
+    graph.source_sha256 = digest
+    graph.input_shapes = dict(input_shapes or {})
+    return graph
+
+
+def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str, int] | None = None) -> Graph:
+    """Build the DAG and per-node costs of an already prepared (named, shape-inferred) model."""
+    g = model.graph
+    tensors: dict[str, TensorInfo] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        info = _tensor_info_from_value_info(vi)
+        if info is not None:
+            tensors[vi.name] = info
+    initializers: dict[str, TensorInfo] = {}
+    for t in g.initializer:
+        initializers[t.name] = TensorInfo(
+            t.name, tuple(int(d) for d in t.dims), _dtype_name(t.data_type, label)
+        )
+    for t in g.sparse_initializer:
+        initializers[t.values.name] = TensorInfo(
+            t.values.name, tuple(int(d) for d in t.dims), _dtype_name(t.values.data_type, label)
+        )
+    tensors.update(initializers)
+    for node in g.node:
+        if node.op_type == "Constant":
+            for out in node.output:
+                if out not in tensors:
+                    tensors[out] = _constant_info(node, label)
+
+    producer: dict[str, str] = {}
+    consumers: dict[str, list[str]] = {}
+    for node in g.node:
+        for out in node.output:
+            if out:
+                producer[out] = node.name
+        for inp in node.input:
+            if inp:
+                consumers.setdefault(inp, []).append(node.name)
+
+    inputs = {vi.name: tensors[vi.name] for vi in g.input if vi.name in tensors}
+    outputs = {vi.name: tensors[vi.name] for vi in g.output if vi.name in tensors}
+    _check_shapes(tensors, label)
+
+    # Operators that read no activation compute constants (Constant, or ConstantOfShape making the
+    # weights of "light" models). Their floating outputs are parameters when a parametric operator
+    # reads them as a weight, or an affine op reads a leaf constant (a scale or bias); a derived
+    # constant such as a causal mask (ConstantOfShape → Trilu → Add) is not a parameter.
+    constant_nodes: set[str] = set()
+    for node in g.node:
+        if all(
+            not t or t in initializers or producer_is_constant(t, producer, constant_nodes)
+            for t in node.input
+        ):
+            if not any(t in inputs for t in node.input):
+                constant_nodes.add(node.name)
+    weights = dict(initializers)
+    # Leaf constants: made by Constant/ConstantOfShape, possibly reshaped by view ops.
+    leaf: set[str] = set(initializers)
+    for node in g.node:
+        if node.name not in constant_nodes:
+            continue
+        if node.op_type in ("Constant", "ConstantOfShape") or (
+            node.op_type in VIEW_OPS and node.input and node.input[0] in leaf
+        ):
+            leaf.update(node.output)
+    for node in g.node:
+        for t in node.input:
+            if producer.get(t) not in constant_nodes or t not in tensors:
+                continue
+            affine = (
+                t in leaf and node.op_type in AFFINE_OPS and tensors[t].numel > 1
+            )  # not a scalar like 0.5
+            if node.op_type in PARAMETRIC_OPS or affine:
+                weights[t] = tensors[t]
+
+    dag = nx.DiGraph()
+    counted: set[str] = set()
+    for node in g.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        attrs = {k: _plain(v) for k, v in attrs.items()}
+        in_infos = [tensors.get(t) if t else None for t in node.input]
+        out_infos = [tensors.get(t) if t else None for t in node.output]
+        cost: OpCost = op_cost(
+            node.op_type,
+            attrs,
+            [i.shape if i else None for i in in_infos],
+            [o.shape if o else None for o in out_infos],
+            [i.nbytes if i else 0 for i in in_infos],
+            [o.nbytes if o else 0 for o in out_infos],
+        )
+        params = param_bytes = 0
+        for t in node.input:
+            info = initializers.get(t) if node.name in constant_nodes else weights.get(t)
+            # Parameters are floating tensors; a rank-0 scalar (GELU's 0.5, a 1/sqrt(d) scale) is a constant.
+            if (
+                info is None
+                or t in counted
+                or info.shape == ()
+                or not np.issubdtype(np.dtype(info.dtype), np.floating)
+            ):
+                continue
+            counted.add(t)
+            params += info.numel
+            param_bytes += info.nbytes
+        dag.add_node(
+            node.name,
+            op=OpNode(
+                name=node.name,
+                op_type=node.op_type,
+                domain=node.domain,
+                attributes=attrs,
+                inputs=tuple(node.input),
+                outputs=tuple(node.output),
+                flops=cost.flops,
+                bytes_moved=cost.bytes_moved,
+                params=params,
+                param_bytes=param_bytes,
+            ),
+        )
+    for node in g.node:
+        for t in node.input:
+            src = producer.get(t)
+            if src is None:
+                continue
+            info = tensors.get(t) or TensorInfo(t, None, "float32")
+            if dag.has_edge(src, node.name):
+                edge = dag.edges[src, node.name]
+                if all(x.name != t for x in edge["tensors"]):
+                    edge["tensors"] = (*edge["tensors"], info)
+                    edge["bytes"] += info.nbytes
+            else:
+                dag.add_edge(src, node.name, tensors=(info,), bytes=info.nbytes)
+    return Graph(
+        model=model,
+        dag=dag,
+        inputs=inputs,
+        outputs=outputs,
+        initializers=initializers,
+        tensors=tensors,
+        producer=producer,
+        consumers={k: tuple(v) for k, v in consumers.items()},
+        constant_nodes=frozenset(constant_nodes),
+        source=label,
+        defaulted_dims=dict(defaulted_dims or {}),
+    )
+
+
+def producer_is_constant(tensor: str, producer: Mapping[str, str], constant_nodes: set[str]) -> bool:
+    return producer.get(tensor) in constant_nodes
+
+
+# Operators whose non-activation operands are weights: a constant tensor they read is a parameter.
+PARAMETRIC_OPS = frozenset(
+    {
+        "Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "LayerNormalization",
+        "InstanceNormalization", "GroupNormalization", "PRelu", "Gather", "LSTM", "GRU", "RNN",
+    }
+)  # fmt: skip
+
+# Elementwise operators that apply a learned scale or shift when their operand is a leaf constant.
+AFFINE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
+VIEW_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
+
+# Dims above this are taken as a mistake (a declared 2**40-element tensor is not a real model).
+MAX_TENSOR_ELEMENTS = 2**40
+
+
+def _check_shapes(tensors: Mapping[str, TensorInfo], label: str) -> None:
+    for info in tensors.values():
+        if info.shape is None:
+            continue
+        if any(d < 0 for d in info.shape):
+            raise InputError(
+                f"tensor {info.name!r} has a negative dimension {list(info.shape)}", source=label
+            )
+        if info.numel > MAX_TENSOR_ELEMENTS:
+            raise InputError(
+                f"tensor {info.name!r} declares {info.numel:.3g} elements {list(info.shape)}: "
+                f"more than {MAX_TENSOR_ELEMENTS:.3g}, not a plausible model",
+                source=label,
+            )
+
+
+def _tensor_info_from_value_info(vi: onnx.ValueInfoProto) -> TensorInfo | None:
+    if not vi.type.HasField("tensor_type"):
+        return None
+    tt = vi.type.tensor_type
+    try:
+        dtype = np.dtype(helper.tensor_dtype_to_np_dtype(tt.elem_type)).name
+    except (KeyError, TypeError, ValueError):
+        return None
+    shape: Shape | None = None
+    if tt.HasField("shape"):
+        dims = []
+        for d in tt.shape.dim:
+            if not d.HasField("dim_value"):
+                dims = None
+                break
+            dims.append(int(d.dim_value))
+        shape = tuple(dims) if dims is not None else None
+    return TensorInfo(vi.name, shape, dtype)
+
+
+def _constant_info(node: onnx.NodeProto, label: str) -> TensorInfo:
+    for attr in node.attribute:
+        if attr.name == "value":
+            return TensorInfo(
+                node.output[0], tuple(int(d) for d in attr.t.dims), _dtype_name(attr.t.data_type, label)
+            )
+    return TensorInfo(node.output[0], None, "float32")
+
+
+def _dtype_name(elem_type: int, label: str) -> str:
+    try:
+        return np.dtype(helper.tensor_dtype_to_np_dtype(elem_type)).name
+    except (KeyError, TypeError, ValueError):
+        raise InputError(f"unsupported tensor element type {elem_type}", source=label) from None
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:
+        return 1
+
+
+def _plain(value: Any) -> Any:
+    """Attribute values as plain Python (bytes → str, tensors → lists) so they serialize."""
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, onnx.TensorProto):
+        if value.data_location == onnx.TensorProto.EXTERNAL:
+            return {"tensor": list(value.dims)}
+        return numpy_helper.to_array(value).tolist()
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, onnx.GraphProto):
+        return {"graph": value.name}
+    return value
+
+
+def write_model(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
+    """Write a model atomically (serialized deterministically)."""
+    from tessera.core.files import write_atomic
+
+    return write_atomic(path, model.SerializeToString(deterministic=True))

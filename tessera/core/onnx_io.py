@@ -1,0 +1,372 @@
+"""Loading ONNX models the way models are found in the wild, and turning failures into one-line errors.
+
+The named steps, each usable alone (TVM-pass style, IR in, IR out):
+
+``read_model`` (bytes → ModelProto) → ``hoist_initializer_inputs`` → ``sort_nodes`` (structure checks:
+dangling inputs, cycles) → ``name_nodes`` → ``lower_ir_version`` → ``check_model`` → ``bind_input_shapes``
+→ ``infer_shapes``. :func:`prepare_model` runs them in that order.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import networkx as nx
+import onnx
+from google.protobuf.message import DecodeError
+from onnx import external_data_helper
+
+from tessera.core.errors import InputError
+
+Shape = tuple[int, ...]
+
+# Element types introduced by each IR version; a model using one cannot be lowered below it.
+_DTYPE_MIN_IR: dict[int, int] = {
+    onnx.TensorProto.FLOAT8E4M3FN: 9,
+    onnx.TensorProto.FLOAT8E4M3FNUZ: 9,
+    onnx.TensorProto.FLOAT8E5M2: 9,
+    onnx.TensorProto.FLOAT8E5M2FNUZ: 9,
+    onnx.TensorProto.UINT4: 10,
+    onnx.TensorProto.INT4: 10,
+    onnx.TensorProto.FLOAT4E2M1: 11,
+}
+
+
+def read_bytes(path: str | os.PathLike[str]) -> bytes:
+    """A model file's bytes, or an InputError naming the file."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise InputError("no such file", source=path) from None
+    except IsADirectoryError:
+        raise InputError("is a directory, not an ONNX file", source=path) from None
+    except OSError as exc:
+        raise InputError(f"cannot read file: {exc.strerror}", source=path) from None
+
+
+def read_model(
+    source: str | os.PathLike[str] | bytes,
+    *,
+    label: str | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+) -> onnx.ModelProto:
+    """Parse an ONNX file (path) or serialized bytes into a ModelProto.
+
+    External data whose file exists in ``base_dir`` (the model's folder) is loaded; external data
+    that points nowhere (the zoo's lazily generated weights) is left external: planning needs only
+    dims and dtypes.
+    """
+    if isinstance(source, bytes | bytearray):
+        data = bytes(source)
+        label = label or "<bytes>"
+    else:
+        data = read_bytes(source)
+        label = label or str(source)
+        base_dir = Path(source).parent if base_dir is None else base_dir
+    if not data:
+        raise InputError("file is empty, not an ONNX model", source=label)
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as exc:
+        raise InputError(f"not an ONNX model (protobuf parse failed: {exc})", source=label) from None
+    # Protobuf accepts many byte strings (a text file can parse as a message of unknown fields):
+    # a model must at least have a graph with a node or an output.
+    if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
+        raise InputError("not an ONNX model (no graph with nodes or outputs)", source=label)
+    if base_dir is not None:
+        _load_present_external_data(model, Path(base_dir), label)
+    return model
+
+
+def _load_present_external_data(model: onnx.ModelProto, base_dir: Path, label: str) -> None:
+    for tensor in external_data_helper._get_all_tensors(model):
+        if not external_data_helper.uses_external_data(tensor):
+            continue
+        entries = {e.key: e.value for e in tensor.external_data}
+        location = base_dir / entries.get("location", "")
+        if not location.is_file():
+            continue  # lazily generated or missing weights: shapes still plan, execution will say
+        try:
+            external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
+        except (OSError, ValueError) as exc:
+            raise InputError(f"external data of {tensor.name!r} unreadable: {exc}", source=label) from None
+        tensor.data_location = onnx.TensorProto.DEFAULT
+        del tensor.external_data[:]
+
+
+def hoist_initializer_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Drop graph inputs that are also initializers (exports before IR 4 list weights as inputs).
+
+    They are weights, not activations: keeping them as inputs would make every backend expect them
+    to be fed. IR versions below 4 require initializers to be inputs, so such a model is raised to
+    IR 4 (a superset of IR 3). Returns the model (modified in place).
+    """
+    if model.ir_version < 4:
+        model.ir_version = 4
+    init_names = {t.name for t in model.graph.initializer}
+    keep = [vi for vi in model.graph.input if vi.name not in init_names]
+    if len(keep) != len(model.graph.input):
+        del model.graph.input[:]
+        model.graph.input.extend(keep)
+    return model
+
+
+def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
+    """Check every node input has a producer, reject cycles, and put nodes in topological order.
+
+    Exporters sometimes emit acyclic graphs out of order; those are sorted (stably) rather than
+    rejected. A dangling input or a cycle is an InputError naming the node and tensor.
+    """
+    graph = model.graph
+    available = {vi.name for vi in graph.input} | {t.name for t in graph.initializer}
+    available |= {t.name for t in graph.sparse_initializer}
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for out in node.output:
+            if not out:
+                continue
+            if out in producer or out in available:
+                raise InputError(
+                    f"tensor {out!r} is produced twice (node {_node_label(node, i)})", source=label
+                )
+            producer[out] = i
+    deps = nx.DiGraph()
+    deps.add_nodes_from(range(len(graph.node)))
+    for i, node in enumerate(graph.node):
+        for name in node.input:
+            if not name or name in available:
+                continue
+            if name not in producer:
+                raise InputError(
+                    f"node {_node_label(node, i)} has dangling input {name!r}: no node, graph input or "
+                    "initializer produces it",
+                    source=label,
+                )
+            deps.add_edge(producer[name], i)
+    for vi in graph.output:
+        if vi.name not in producer and vi.name not in available:
+            raise InputError(f"graph output {vi.name!r} is produced by no node", source=label)
+    try:
+        order = list(nx.lexicographical_topological_sort(deps))
+    except nx.NetworkXUnfeasible:
+        cycle = nx.find_cycle(deps)
+        names = [_node_label(graph.node[u], u) for u, _ in cycle]
+        raise InputError(f"graph has a cycle: {' -> '.join(names + names[:1])}", source=label) from None
+    if order != list(range(len(graph.node))):
+        nodes = [graph.node[i] for i in order]
+        sorted_nodes = [onnx.NodeProto() for _ in nodes]
+        for dst, src in zip(sorted_nodes, nodes, strict=True):
+            dst.CopyFrom(src)
+        del graph.node[:]
+        graph.node.extend(sorted_nodes)
+    return model
+
+
+def _node_label(node: onnx.NodeProto, index: int) -> str:
+    return repr(node.name) if node.name else f"#{index} ({node.op_type})"
+
+
+def name_nodes(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Give every unnamed node a stable unique name and make duplicated names unique.
+
+    An unnamed node becomes ``{op_type}_{index}`` (its position in topological order); a name seen
+    before gets ``__{k}`` appended. The same model always gets the same names.
+    """
+    seen: set[str] = {n.name for n in model.graph.node if n.name}
+    used: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        name = node.name or f"{node.op_type}_{i}"
+        if not node.name and name in seen:
+            name = f"{name}__auto"
+        base, k = name, 1
+        while name in used:
+            name = f"{base}__{k}"
+            k += 1
+        used.add(name)
+        node.name = name
+    return model
+
+
+@functools.cache
+def max_runtime_ir_version() -> int:
+    """The highest IR version the installed onnxruntime loads (probed once with a one-node model)."""
+    import onnxruntime as ort
+
+    for ir in range(onnx.IR_VERSION, 3, -1):
+        probe = _identity_model(ir)
+        try:
+            ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
+            return ir
+        except Exception:  # noqa: BLE001 - any refusal means "not this IR version"
+            continue
+    return 7
+
+
+def _identity_model(ir_version: int) -> onnx.ModelProto:
+    x = onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1])
+    y = onnx.helper.make_tensor_value_info("y", onnx.TensorProto.FLOAT, [1])
+    graph = onnx.helper.make_graph([onnx.helper.make_node("Identity", ["x"], ["y"])], "probe", [x], [y])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 13)])
+    model.ir_version = ir_version
+    return model
+
+
+def _min_ir_for_opsets(model: onnx.ModelProto) -> int:
+    """Smallest IR version whose release supports the model's default-domain opset."""
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=1)
+    candidates = [ir for _, ir, ai_onnx, *_ in onnx.helper.VERSION_TABLE if ai_onnx >= opset]
+    return min(candidates) if candidates else onnx.IR_VERSION
+
+
+def _min_ir_for_dtypes(model: onnx.ModelProto) -> int:
+    graph = model.graph
+    dtypes = {t.data_type for t in graph.initializer}
+    for vi in [*graph.input, *graph.output, *graph.value_info]:
+        dtypes.add(vi.type.tensor_type.elem_type)
+    return max((_DTYPE_MIN_IR.get(d, 3) for d in dtypes), default=3)
+
+
+def lower_ir_version(model: onnx.ModelProto, *, label: str, limit: int | None = None) -> onnx.ModelProto:
+    """Lower ``ir_version`` to what onnxruntime accepts, when that is safe.
+
+    Safe means the model's opset and element types exist at the lower IR version. A model that needs
+    a newer IR than the runtime knows is refused with the versions named.
+    """
+    limit = max_runtime_ir_version() if limit is None else limit
+    if model.ir_version <= limit:
+        return model
+    needed = max(_min_ir_for_opsets(model), _min_ir_for_dtypes(model))
+    if needed > limit:
+        raise InputError(
+            f"IR version {model.ir_version} cannot be lowered to {limit} (what onnxruntime "
+            f"{_ort_version()} accepts): its opset or element types need IR {needed}",
+            source=label,
+        )
+    model.ir_version = max(needed, min(limit, model.ir_version))
+    return model
+
+
+def _ort_version() -> str:
+    import onnxruntime as ort
+
+    return ort.__version__
+
+
+def check_model(model: onnx.ModelProto, *, label: str) -> None:
+    """Run ``onnx.checker`` and turn its multi-line report into one line."""
+    try:
+        onnx.checker.check_model(model)
+    except onnx.checker.ValidationError as exc:
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "invalid model")
+        raise InputError(f"invalid ONNX model: {first}", source=label) from None
+
+
+def parse_input_shapes(specs: Sequence[str], *, option: str = "--input-shape") -> dict[str, Shape]:
+    """Parse ``NAME=1x3x224x224`` strings (the CLI's ``--input-shape``) into a mapping."""
+    shapes: dict[str, Shape] = {}
+    for spec in specs:
+        name, sep, dims = spec.rpartition("=")
+        try:
+            if not sep or not name:
+                raise ValueError
+            shape = tuple(int(d) for d in dims.lower().split("x")) if dims else ()
+        except ValueError:
+            raise InputError(
+                f"{spec!r}: expected NAME=D0xD1x… (e.g. input=1x3x224x224)", source=option
+            ) from None
+        if any(d <= 0 for d in shape):
+            raise InputError(f"{spec!r}: dimensions must be positive", source=option)
+        shapes[name] = shape
+    return shapes
+
+
+def bind_input_shapes(
+    model: onnx.ModelProto, shapes: Mapping[str, Shape], *, label: str, default_dim: int = 1
+) -> dict[str, int]:
+    """Make every graph input's shape concrete.
+
+    ``shapes`` gives whole shapes by input name; a symbolic or unknown dimension left after that is
+    bound to ``default_dim`` (1: one sample, the unit every planner scales from). Returns the
+    symbolic dimensions that were bound by default, ``{"input:axis (param)": value}``, so callers
+    can tell the user.
+    """
+    inputs = {vi.name: vi for vi in model.graph.input}
+    for name in shapes:
+        if name not in inputs:
+            raise InputError(
+                f"--input-shape names {name!r}, which is not a graph input (inputs: {', '.join(inputs)})",
+                source=label,
+            )
+    defaulted: dict[str, int] = {}
+    for name, vi in inputs.items():
+        tensor_type = vi.type.tensor_type
+        if not vi.type.HasField("tensor_type"):
+            raise InputError(
+                f"input {name!r} is not a tensor (sequences and maps are not supported)", source=label
+            )
+        dims = tensor_type.shape.dim
+        if name in shapes:
+            want = shapes[name]
+            if tensor_type.HasField("shape") and len(dims) != len(want):
+                raise InputError(
+                    f"--input-shape {name}: rank {len(want)} given, the model declares rank {len(dims)}",
+                    source=label,
+                )
+            for axis, (dim, value) in enumerate(zip(dims, want, strict=False)):
+                if dim.HasField("dim_value") and dim.dim_value not in (0, value) and dim.dim_value > 0:
+                    raise InputError(
+                        f"--input-shape {name}: axis {axis} is fixed to {dim.dim_value} in the model, {value} given",
+                        source=label,
+                    )
+            del dims[:]
+            for value in want:
+                dims.add().dim_value = value
+            continue
+        if not tensor_type.HasField("shape"):
+            raise InputError(
+                f"input {name!r} has no declared rank: give --input-shape {name}=…", source=label
+            )
+        for axis, dim in enumerate(dims):
+            if dim.HasField("dim_value") and dim.dim_value > 0:
+                continue
+            if dim.HasField("dim_value") and dim.dim_value < 0:
+                raise InputError(
+                    f"input {name!r} axis {axis} has negative size {dim.dim_value}", source=label
+                )
+            param = dim.dim_param or "?"
+            defaulted[f"{name}:{axis} ({param})"] = default_dim
+            dim.Clear()
+            dim.dim_value = default_dim
+    return defaulted
+
+
+def infer_shapes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
+    """ONNX shape inference with data propagation (so Shape→Gather→Reshape chains resolve)."""
+    try:
+        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+    except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
+        first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "shape inference failed")
+        raise InputError(f"shape inference failed: {first}", source=label) from None
+
+
+def prepare_model(
+    source: str | os.PathLike[str] | bytes,
+    *,
+    input_shapes: Mapping[str, Shape] | None = None,
+    label: str | None = None,
+    base_dir: str | os.PathLike[str] | None = None,
+) -> tuple[onnx.ModelProto, dict[str, int]]:
+    """Run every loading step; returns the named, shape-inferred model and the defaulted dims."""
+    model = read_model(source, label=label, base_dir=base_dir)
+    label = label or ("<bytes>" if isinstance(source, bytes | bytearray) else str(source))
+    model = hoist_initializer_inputs(model)
+    model = sort_nodes(model, label=label)
+    model = name_nodes(model)
+    model = lower_ir_version(model, label=label)
+    check_model(model, label=label)
+    defaulted = bind_input_shapes(model, input_shapes or {}, label=label)
+    return infer_shapes(model, label=label), defaulted

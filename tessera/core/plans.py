@@ -1,0 +1,267 @@
+"""Plan schemas: the three plan kinds of DESIGN.md as typed, versioned documents.
+
+Every plan has ``schema_version``, ``kind`` (``placement`` | ``gpp`` | ``cp``), ``tool_version``,
+``model`` {``path``, ``sha256``, ``num_nodes``}, ``cluster`` (the resolved spec, or null for a
+placement on the local machine), ``predicted`` {…} and the kind's own body. Plans are deterministic:
+:func:`dump_plan` writes the same bytes for the same plan (fixed field order, no timestamps).
+
+:func:`load_plan` reads and validates a plan file; :func:`check_plan_against_model` checks it
+against the model it names (sha256, node names, coverage). Structural checks that need a planner's
+knowledge (GraphPipe's C1–C5, memory) are added by the planners through ``PLAN_CHECKS``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import networkx as nx
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    ValidationError,
+)
+
+from tessera import __version__
+from tessera.core.errors import InputError
+from tessera.core.files import write_atomic
+
+SCHEMA_VERSION = 1
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelRef(_Strict):
+    """Which model a plan is for: the path given, the sha256 of the loaded (named) model."""
+
+    path: str
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    num_nodes: NonNegativeInt
+    input_shapes: dict[str, list[PositiveInt]] = Field(default_factory=dict)
+
+    @classmethod
+    def of(cls, graph: Any) -> ModelRef:
+        """The reference a plan records for a loaded graph."""
+        return cls(
+            path=graph.source,
+            sha256=graph.sha256,
+            num_nodes=graph.num_nodes,
+            input_shapes={k: list(v) for k, v in sorted(graph.input_shapes.items())},
+        )
+
+
+class _PlanBase(_Strict):
+    schema_version: Literal[1] = SCHEMA_VERSION
+    tool_version: str = __version__
+    model: ModelRef
+    cluster: dict[str, Any] | None = None
+    predicted: dict[str, Any] = Field(default_factory=dict)
+
+
+# -- placement (tessera place) -----------------------------------------------------------------
+
+
+class PlacementGroup(_Strict):
+    id: NonNegativeInt
+    backend: str
+    nodes: list[str] = Field(min_length=1)
+    pattern: str
+    measured_time_s: NonNegativeFloat | None = None
+
+
+class PlacementPlan(_PlanBase):
+    kind: Literal["placement"] = "placement"
+    device: str = "cpu"
+    groups: list[PlacementGroup]
+    measured: dict[str, Any] = Field(default_factory=dict)
+
+
+# -- graph pipeline parallel training (tessera plan --kind gpp) --------------------------------
+
+
+class StageSchedule(_Strict):
+    kind: Literal["1f1b", "kfkb", "greedy", "gpipe"]
+    k: PositiveInt = 1
+    # Ordered passes in PyTorch's pipelining vocabulary: "F3" (forward of micro-batch 3), "B3".
+    actions: list[Annotated[str, Field(pattern=r"^[FB]\d+$")]]
+
+
+class StageMemory(_Strict):
+    weights: NonNegativeInt
+    optimizer: NonNegativeInt
+    activations: NonNegativeInt
+    peak: NonNegativeInt
+
+
+class Stage(_Strict):
+    id: NonNegativeInt
+    nodes: list[str] = Field(min_length=1)
+    devices: list[str] = Field(min_length=1)
+    micro_batch_size: PositiveInt
+    schedule: StageSchedule
+    in_flight: PositiveInt
+    memory: StageMemory
+    predicted: dict[str, float] = Field(default_factory=dict)
+
+
+class EdgeTensor(_Strict):
+    name: str
+    bytes: NonNegativeInt
+
+
+class StageEdge(_Strict):
+    src: NonNegativeInt
+    dst: NonNegativeInt
+    tensors: list[EdgeTensor]
+    bytes: NonNegativeInt
+
+
+class GppPlan(_PlanBase):
+    kind: Literal["gpp", "spp"] = "gpp"
+    mini_batch_size: PositiveInt
+    stages: list[Stage] = Field(min_length=1)
+    edges: list[StageEdge] = Field(default_factory=list)
+    baseline: dict[str, Any] | None = None
+
+
+# -- cache-parallel decode (tessera plan --kind cp) --------------------------------------------
+
+
+class KvShard(_Strict):
+    device: str
+    start: NonNegativeInt
+    stop: NonNegativeInt
+
+
+class CpPlan(_PlanBase):
+    kind: Literal["cp"] = "cp"
+    strategy: Literal["cp", "tp", "dp", "cp+tp"]
+    degree: PositiveInt
+    llm: dict[str, Any]
+    workload: dict[str, Any]
+    kv_shards: list[KvShard] = Field(default_factory=list)
+    collectives: list[dict[str, Any]] = Field(default_factory=list)
+    alternatives: list[dict[str, Any]] = Field(default_factory=list)
+
+
+Plan = PlacementPlan | GppPlan | CpPlan
+_KINDS: dict[str, type[_PlanBase]] = {
+    "placement": PlacementPlan,
+    "gpp": GppPlan,
+    "spp": GppPlan,
+    "cp": CpPlan,
+}
+
+# Planner-specific structural checks, by plan kind: each gets (plan, graph) and returns problems.
+PLAN_CHECKS: dict[str, list[Callable[[Any, Any], list[str]]]] = {}
+
+
+def dump_plan(plan: _PlanBase) -> str:
+    """The plan as canonical JSON text (field order fixed by the schema; 2-space indent)."""
+    return json.dumps(plan.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
+
+
+def write_plan(plan: _PlanBase, path: str | os.PathLike[str]) -> Path:
+    return write_atomic(path, dump_plan(plan))
+
+
+def parse_plan(data: dict[str, Any], *, label: str) -> Plan:
+    """Validate a decoded JSON document as a plan of its kind."""
+    if not isinstance(data, dict):
+        raise InputError("a plan must be a JSON object", source=label)
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise InputError(
+            f"schema_version {version!r} is not supported (this tessera reads version {SCHEMA_VERSION})",
+            source=label,
+        )
+    kind = data.get("kind")
+    if kind not in _KINDS:
+        raise InputError(
+            f"kind {kind!r} is not a plan kind (expected one of: placement, gpp, spp, cp)", source=label
+        )
+    try:
+        return _KINDS[kind].model_validate(data)  # type: ignore[return-value]
+    except ValidationError as exc:
+        raise InputError(_first_error(exc), source=label) from None
+
+
+def load_plan(path: str | os.PathLike[str]) -> Plan:
+    label = str(path)
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("no such file", source=label) from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read plan: {exc}", source=label) from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", source=label
+        ) from None
+    return parse_plan(data, label=label)
+
+
+def _first_error(exc: ValidationError) -> str:
+    errors = exc.errors()
+    first = errors[0]
+    where = ".".join(str(p) for p in first["loc"]) or "plan"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"field {where}: {first['msg']}{more}"
+
+
+def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
+    """Problems of a plan against the loaded model it names (empty when it fits).
+
+    Checks the sha256, the node count, that every node the plan names exists, and — for placement
+    and pipeline plans — that every node is covered exactly once and the stage graph is a DAG.
+    """
+    problems: list[str] = []
+    if plan.model.sha256 != graph.sha256:
+        problems.append(
+            f"model changed: the plan was made for sha256 {plan.model.sha256[:12]}…, "
+            f"the model is {graph.sha256[:12]}…"
+        )
+        return problems
+    known = set(graph.dag.nodes)
+    groups: list[list[str]] = []
+    if isinstance(plan, PlacementPlan):
+        groups = [g.nodes for g in plan.groups]
+    elif isinstance(plan, GppPlan):
+        groups = [s.nodes for s in plan.stages]
+    if groups:
+        seen: dict[str, int] = {}
+        for i, nodes in enumerate(groups):
+            for n in nodes:
+                if n not in known:
+                    problems.append(f"group/stage {i} names unknown node {n!r}")
+                elif n in seen:
+                    problems.append(f"node {n!r} is in both group/stage {seen[n]} and {i}")
+                else:
+                    seen[n] = i
+        missing = [n for n in graph.order if n not in seen]
+        if missing:
+            problems.append(f"{len(missing)} node(s) not covered by any group/stage, first {missing[0]!r}")
+    if isinstance(plan, GppPlan):
+        ids = {s.id for s in plan.stages}
+        stage_dag = nx.DiGraph()
+        stage_dag.add_nodes_from(ids)
+        for e in plan.edges:
+            if e.src not in ids or e.dst not in ids:
+                problems.append(f"edge {e.src}->{e.dst} names an unknown stage")
+            stage_dag.add_edge(e.src, e.dst)
+        if not nx.is_directed_acyclic_graph(stage_dag):
+            problems.append("stage graph has a cycle")
+    for check in PLAN_CHECKS.get(plan.kind, []):
+        problems.extend(check(plan, graph))
+    return problems

@@ -1,0 +1,533 @@
+"""Cluster and device specs: the typed, validated form of a cluster YAML file.
+
+The format (DESIGN.md, "Cluster YAML"; every field is documented in ``configs/README.md``)::
+
+    name: dgx-a100-2node
+    device_types:
+      a100-80g: {kind: gpu, memory: 80GiB, flops: {fp32: 19.5TFLOPS, bf16: 312TFLOPS},
+                 memory_bandwidth: 2039GB/s}
+    nodes:
+      - {name: node, count: 2, devices: [{type: a100-80g, count: 8}]}
+    links:
+      intra_node: {bandwidth: 300GB/s, latency: 2us}
+      inter_node: {bandwidth: 25GB/s, latency: 5us}
+
+Quantities are numbers in SI base units or strings with units (:mod:`tessera.core.units`). Link
+bandwidths are per direction, from one device to one other device.
+
+:func:`load_cluster` reads a file or a preset from ``configs/clusters/`` and raises
+:class:`~tessera.core.errors.InputError` with a one-line message naming the file and the field path
+(``device_types.a100.memory: …``) for every problem. A :class:`ClusterSpec` resolves to the list of
+:class:`Device` the planners place work on. Device ids read ``{node}{i}/{type}:{k}``: the ``i``-th
+instance of node group ``node`` (counting from 0 within the group; written ``{node}-{i}`` when the
+group name ends in a digit, e.g. ``rack1-0``), and the ``k``-th device of type ``type`` in that node
+instance, e.g. ``node1/a100-80g:3``. Ids depend only on the spec, so they are
+stable across runs and can be written into plans.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from tessera.core.errors import InputError
+from tessera.core.units import UnitError, parse_bandwidth, parse_bytes, parse_flops, parse_seconds
+
+__all__ = [
+    "DTYPES",
+    "DEFAULT_KERNEL_LAUNCH_OVERHEAD",
+    "ClusterSpec",
+    "Device",
+    "DeviceSlot",
+    "DeviceType",
+    "Link",
+    "Links",
+    "NodeGroup",
+    "list_presets",
+    "load_cluster",
+    "parse_cluster",
+    "presets_dir",
+]
+
+# The data types a device may list a peak rate for, in the order plans print them.
+DTYPES: tuple[str, ...] = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
+
+# Fixed cost of starting one kernel (GPU) or one operator (CPU), added by the cost model per operator.
+# GPU: a CUDA kernel launch costs a few microseconds from the host; 5 us is the usual figure for a
+# launch plus the framework's dispatch. CPU: an ONNX Runtime operator dispatch costs about 1 us.
+DEFAULT_KERNEL_LAUNCH_OVERHEAD: dict[str, float] = {"gpu": 5e-6, "cpu": 1e-6}
+
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+# ---------------------------------------------------------------------------------------------------
+# Field types
+
+
+def _unit(parse: Callable[..., Any], *, allow_zero: bool) -> BeforeValidator:
+    def validate(value: object) -> Any:
+        try:
+            return parse(value, allow_zero=allow_zero)
+        except UnitError as err:
+            raise ValueError(err.detail) from None
+
+    return BeforeValidator(validate)
+
+
+def _check_name(value: str) -> str:
+    if not _NAME.match(value):
+        raise ValueError(
+            f"expected a name of letters, digits, '_', '-' and '.' (no spaces, '/' or ':'); got {value!r}"
+        )
+    return value
+
+
+Bytes = Annotated[int, _unit(parse_bytes, allow_zero=False)]
+Bandwidth = Annotated[float, _unit(parse_bandwidth, allow_zero=False)]
+FlopRate = Annotated[float, _unit(parse_flops, allow_zero=False)]
+Seconds = Annotated[float, _unit(parse_seconds, allow_zero=True)]
+Count = Annotated[int, Field(strict=True, ge=1)]
+Name = Annotated[str, Field(strict=True), AfterValidator(_check_name)]
+
+
+class _SpecModel(BaseModel):
+    """Frozen, with unknown fields rejected by name (so a typo such as ``memroy`` is caught)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            allowed = list(cls.model_fields)
+            for key in data:
+                if key not in allowed:
+                    close = difflib.get_close_matches(str(key), allowed, n=1)
+                    hint = (
+                        f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(allowed)}"
+                    )
+                    raise ValueError(f"unknown field {key!r} ({hint})")
+        return data
+
+
+# ---------------------------------------------------------------------------------------------------
+# The spec
+
+
+def _node_instance(group: str, index: int) -> str:
+    """The name of the ``index``-th node of a group: ``node0``, or ``rack1-0`` if the name ends in a digit."""
+    return f"{group}-{index}" if group[-1].isdigit() else f"{group}{index}"
+
+
+class DeviceType(_SpecModel):
+    """One kind of device: its memory, its peak FLOP rate per data type, its memory bandwidth."""
+
+    kind: Literal["gpu", "cpu"]
+    name: str | None = None
+    """A description for people, e.g. ``NVIDIA A100-SXM4-80GB``."""
+    memory: Bytes
+    flops: dict[str, FlopRate]
+    """Peak (dense) FLOP/s per data type; ``fp32`` is required, the others optional."""
+    memory_bandwidth: Bandwidth
+    kernel_launch_overhead: Seconds = Field(
+        default_factory=lambda data: DEFAULT_KERNEL_LAUNCH_OVERHEAD.get(data.get("kind"), 5e-6)
+    )
+    cores: Count | None = None
+    """CPU devices only: the cores the device's FLOP rate counts (the threads a worker should use)."""
+
+    @field_validator("flops", mode="before")
+    @classmethod
+    def _known_dtypes(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            for key in value:
+                if key not in DTYPES:
+                    raise ValueError(f"unknown data type {key!r}: expected keys among {', '.join(DTYPES)}")
+            if "fp32" not in value:
+                raise ValueError("an fp32 rate is required (the rate planners fall back to)")
+        return value
+
+    @model_validator(mode="after")
+    def _cores_on_cpu_only(self) -> DeviceType:
+        if self.cores is not None and self.kind != "cpu":
+            raise ValueError(f"cores applies to cpu devices only; this device type is a {self.kind}")
+        return self
+
+    def peak_flops(self, dtype: str) -> float:
+        """Peak FLOP/s for ``dtype``, falling back to the fp32 rate when the spec gives none for it."""
+        return self.flops.get(dtype, self.flops["fp32"])
+
+
+class DeviceSlot(_SpecModel):
+    """``count`` devices of device type ``type`` in every instance of a node group."""
+
+    type: Name
+    count: Count = 1
+
+
+class NodeGroup(_SpecModel):
+    """``count`` identical nodes (machines), named ``{name}0``, ``{name}1``, … (``{name}-0`` … if
+    the name ends in a digit)."""
+
+    name: Name
+    count: Count = 1
+    devices: list[DeviceSlot] = Field(min_length=1)
+
+
+class Link(_SpecModel):
+    """A link between two devices: bandwidth per direction (bytes/s) and latency (s)."""
+
+    bandwidth: Bandwidth
+    latency: Seconds = 0.0
+
+    def transfer_time(self, nbytes: float) -> float:
+        """Seconds to send ``nbytes`` over the link: latency + size / bandwidth (the alpha-beta model)."""
+        return self.latency + nbytes / self.bandwidth
+
+
+class Links(_SpecModel):
+    """The link between two devices of one node, and between devices of different nodes.
+
+    ``intra_node`` is required when a node holds more than one device, ``inter_node`` when the
+    cluster has more than one node.
+    """
+
+    intra_node: Link | None = None
+    inter_node: Link | None = None
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of a cluster, resolved from the spec."""
+
+    id: str
+    """Stable id, ``{node}/{type}:{k}`` (e.g. ``node1/a100-80g:3``)."""
+    rank: int
+    """Index in :meth:`ClusterSpec.devices` (node by node, in spec order)."""
+    node: str
+    """The node instance: ``{group name}{i}`` (e.g. ``node1``; ``rack1-0`` for a name ending in a digit)."""
+    node_index: int
+    """Index of the node instance in the cluster (across all node groups)."""
+    local_rank: int
+    """Index of the device within its node instance."""
+    type_name: str
+    type: DeviceType = field(compare=False, repr=False)
+
+
+class ClusterSpec(_SpecModel):
+    """A cluster: named device types, groups of identical nodes holding devices, and the links."""
+
+    name: Name
+    device_types: dict[Name, DeviceType] = Field(min_length=1)
+    nodes: list[NodeGroup] = Field(min_length=1)
+    links: Links = Field(default_factory=Links)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ClusterSpec:
+        # Errors raised here have no location of their own, so each message starts with its path.
+        group_names: set[str] = set()
+        for g, group in enumerate(self.nodes):
+            if group.name in group_names:
+                raise ValueError(f"nodes[{g}].name: duplicate node name {group.name!r}")
+            group_names.add(group.name)
+            seen: set[str] = set()
+            for s, slot in enumerate(group.devices):
+                path = f"nodes[{g}].devices[{s}].type"
+                if slot.type not in self.device_types:
+                    known = ", ".join(self.device_types)
+                    raise ValueError(
+                        f"{path}: unknown device type {slot.type!r} (device_types defines: {known})"
+                    )
+                if slot.type in seen:
+                    raise ValueError(f"{path}: device type {slot.type!r} is listed twice in this node")
+                seen.add(slot.type)
+        instances: set[str] = set()
+        for g, group in enumerate(self.nodes):
+            for i in range(group.count):
+                instance = _node_instance(group.name, i)
+                if instance in instances:
+                    raise ValueError(
+                        f"nodes[{g}].name: node instance name {instance!r} is ambiguous "
+                        "(node instances are named name + index); rename a node group"
+                    )
+                instances.add(instance)
+        num_nodes = sum(group.count for group in self.nodes)
+        if num_nodes > 1 and self.links.inter_node is None:
+            raise ValueError(f"links.inter_node: required, the cluster has {num_nodes} nodes")
+        if self.links.intra_node is None and any(
+            sum(slot.count for slot in group.devices) > 1 for group in self.nodes
+        ):
+            raise ValueError("links.intra_node: required, a node holds more than one device")
+        return self
+
+    # -- resolved views ----------------------------------------------------------------------------
+
+    @cached_property
+    def _devices(self) -> tuple[Device, ...]:
+        devices: list[Device] = []
+        node_index = 0
+        for group in self.nodes:
+            for i in range(group.count):
+                node = _node_instance(group.name, i)
+                local_rank = 0
+                for slot in group.devices:
+                    for k in range(slot.count):
+                        devices.append(
+                            Device(
+                                id=f"{node}/{slot.type}:{k}",
+                                rank=len(devices),
+                                node=node,
+                                node_index=node_index,
+                                local_rank=local_rank,
+                                type_name=slot.type,
+                                type=self.device_types[slot.type],
+                            )
+                        )
+                        local_rank += 1
+                node_index += 1
+        return tuple(devices)
+
+    @cached_property
+    def _by_id(self) -> dict[str, Device]:
+        return {device.id: device for device in self._devices}
+
+    def devices(self) -> list[Device]:
+        """Every device, node by node in spec order, each node's devices in slot order."""
+        return list(self._devices)
+
+    def device(self, device_id: str) -> Device:
+        """The device with id ``device_id``; ``KeyError`` naming the cluster if there is none."""
+        try:
+            return self._by_id[device_id]
+        except KeyError:
+            raise KeyError(f"cluster {self.name!r} has no device {device_id!r}") from None
+
+    @property
+    def num_devices(self) -> int:
+        return len(self._devices)
+
+    @property
+    def num_nodes(self) -> int:
+        """The number of node instances (machines)."""
+        return sum(group.count for group in self.nodes)
+
+    def link_between(self, a: Device | str, b: Device | str) -> Link:
+        """The link data takes from device ``a`` to device ``b`` (intra-node or inter-node)."""
+        dev_a = a if isinstance(a, Device) else self.device(a)
+        dev_b = b if isinstance(b, Device) else self.device(b)
+        if dev_a.id == dev_b.id:
+            raise ValueError(f"no link from device {dev_a.id!r} to itself")
+        link = self.links.intra_node if dev_a.node_index == dev_b.node_index else self.links.inter_node
+        # Validation guarantees the link exists wherever two devices need it.
+        assert link is not None
+        return link
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The resolved spec as plain data in SI units (bytes, bytes/s, FLOP/s, s), for plans.
+
+        Deterministic: device types sorted by name, rates in :data:`DTYPES` order, devices in rank
+        order. :meth:`from_json_dict` reads it back.
+        """
+
+        def link(value: Link | None) -> dict[str, float] | None:
+            return None if value is None else {"bandwidth": value.bandwidth, "latency": value.latency}
+
+        return {
+            "name": self.name,
+            "device_types": {
+                name: {
+                    "kind": dtype.kind,
+                    "name": dtype.name,
+                    "memory": dtype.memory,
+                    "flops": {key: dtype.flops[key] for key in DTYPES if key in dtype.flops},
+                    "memory_bandwidth": dtype.memory_bandwidth,
+                    "kernel_launch_overhead": dtype.kernel_launch_overhead,
+                    "cores": dtype.cores,
+                }
+                for name, dtype in sorted(self.device_types.items())
+            },
+            "nodes": [
+                {
+                    "name": group.name,
+                    "count": group.count,
+                    "devices": [{"type": slot.type, "count": slot.count} for slot in group.devices],
+                }
+                for group in self.nodes
+            ],
+            "links": {"intra_node": link(self.links.intra_node), "inter_node": link(self.links.inter_node)},
+            "num_nodes": self.num_nodes,
+            "num_devices": self.num_devices,
+            "devices": [
+                {
+                    "id": d.id,
+                    "rank": d.rank,
+                    "node": d.node,
+                    "node_index": d.node_index,
+                    "local_rank": d.local_rank,
+                    "type": d.type_name,
+                }
+                for d in self._devices
+            ],
+        }
+
+    @classmethod
+    def from_json_dict(cls, data: Mapping[str, Any], *, source: str | None = None) -> ClusterSpec:
+        """Read back :meth:`to_json_dict` (e.g. the ``cluster`` of a plan); derived keys are ignored."""
+        derived = {"num_nodes", "num_devices", "devices"}
+        spec = {key: value for key, value in data.items() if key not in derived}
+        # Optional fields written as null read as absent.
+        spec["device_types"] = {
+            name: {k: v for k, v in fields.items() if v is not None}
+            for name, fields in dict(spec.get("device_types") or {}).items()
+        }
+        links = dict(spec.get("links") or {})
+        spec["links"] = {k: v for k, v in links.items() if v is not None}
+        return parse_cluster(spec, source=source)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key; the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def presets_dir() -> Path:
+    """The folder of cluster presets: ``configs/clusters`` packaged with tessera, or at the repo root."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "configs" / "clusters", package.parent / "configs" / "clusters"):
+        if candidate.is_dir():
+            return candidate
+    return package.parent / "configs" / "clusters"
+
+
+def list_presets() -> list[str]:
+    """The names of the cluster presets (file stems in :func:`presets_dir`), sorted."""
+    folder = presets_dir()
+    return sorted(path.stem for path in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def _format_loc(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if part == "[key]":  # the error is in a mapping key, which the previous part names
+            path += " (key)"
+        elif isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def _format_validation_error(err: ValidationError) -> str:
+    """The first error as one line, ``path: what was expected (got …)``, plus how many others."""
+    # A default computed from other fields is not computed once they fail: not a problem of its own.
+    errors = [e for e in err.errors(include_url=False) if e["type"] != "default_factory_not_called"]
+    errors = errors or err.errors(include_url=False)
+    first = errors[0]
+    kind = first["type"]
+    message = str(first["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(prefix)
+    if kind == "missing":
+        message = "required field is missing"
+    elif kind not in ("value_error", "assertion_error") and "input" in first:
+        shown = repr(first["input"])
+        message += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+    path = _format_loc(tuple(first["loc"]))
+    line = f"{path}: {message}" if path else message
+    if len(errors) > 1:
+        others = len(errors) - 1
+        line += f" (and {others} more problem{'s' if others > 1 else ''})"
+    return line
+
+
+def parse_cluster(data: Any, *, source: str | None = None) -> ClusterSpec:
+    """Validate already-loaded data (e.g. parsed YAML) as a cluster spec.
+
+    Raises :class:`InputError` with one line naming ``source`` and the field path.
+    """
+    if not isinstance(data, Mapping):
+        got = "an empty document" if data is None else f"a YAML {type(data).__name__}"
+        raise InputError(
+            f"expected a cluster spec mapping (name, device_types, nodes, links); got {got}", source=source
+        )
+    try:
+        return ClusterSpec.model_validate(data)
+    except ValidationError as err:
+        raise InputError(_format_validation_error(err), source=source) from None
+
+
+def _resolve(path_or_preset: str | Path) -> Path:
+    path = Path(path_or_preset)
+    if path.is_file():
+        return path
+    text = str(path_or_preset)
+    if path.exists():
+        raise InputError("expected a cluster spec YAML file; this is a directory", source=path)
+    if "/" in text or "\\" in text or path.suffix in (".yaml", ".yml"):
+        raise InputError("cluster spec file not found", source=path)
+    preset = presets_dir() / f"{text}.yaml"
+    if preset.is_file():
+        return preset
+    presets = ", ".join(list_presets()) or "none found"
+    raise InputError(
+        f"unknown cluster preset {text!r}: give a YAML file path or a preset ({presets})", source=text
+    )
+
+
+def load_cluster(path_or_preset: str | Path) -> ClusterSpec:
+    """Load a cluster spec from a YAML file or a preset name (a file stem in ``configs/clusters/``).
+
+    Every problem raises :class:`InputError` whose one-line message names the file and, for an
+    invalid spec, the field path (``device_types.a100.memory: …``) and what was expected.
+    """
+    path = _resolve(path_or_preset)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise InputError("not a cluster spec: not UTF-8 text", source=path) from None
+    except OSError as err:
+        raise InputError(f"cannot read the cluster spec: {err.strerror or err}", source=path) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = getattr(err, "problem", None) or str(err)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise InputError(f"not valid YAML: {problem}{where}", source=path) from None
+    return parse_cluster(data, source=str(path))

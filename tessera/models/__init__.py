@@ -1,0 +1,141 @@
+"""The model zoo: deterministic builders of the seeds' benchmark models as ONNX.
+
+Every model is built in code (``onnx.helper``), its weights drawn from numpy generators seeded by
+``seed`` and each parameter's name, so the same (name, size, seed) always gives byte-identical
+``SerializeToString()`` output. Each has a ``tiny`` size (for tests: a few hundred KB, builds in
+milliseconds) and the ``paper`` size of the seed it comes from.
+
+Conventions: opset 17 (default domain), IR version 8, fp32; inputs and outputs have meaningful names
+and a symbolic first dimension ``batch``, every other dimension concrete; every node has a unique,
+readable, scoped name (``branch2/layer1/attn/qk_matmul``); ``metadata_props`` record the model's
+config as ``tessera.<field>`` and its parameter count as ``tessera.parameters``.
+
+Paper-size models are *lazy* (:mod:`tessera.models.weights`): their parameters are external-data
+initializers with real dims and dtype whose location is ``#tessera-lazy``, so they build in well
+under a second, save to a few hundred KB, check and shape-infer. :func:`materialize` fills in the
+real weights when one must run::
+
+    model = build("gpt", "tiny", seed=0)
+    gqa = build("gpt", "tiny", kv_heads=2)      # override a config field
+    big = build("gpt", "paper")                 # lazy: shapes only
+    runnable = materialize(big)                 # ~0.65 GB of weights
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import onnx
+
+from tessera.core.errors import InputError
+from tessera.models import bert, candle_uno, dlrm, gpt, mmt, resnext
+from tessera.models.weights import LAZY_LOCATION, is_lazy, materialize
+
+__all__ = ["LAZY_LOCATION", "SIZES", "ZOO", "ModelSpec", "build", "is_lazy", "materialize", "parameter_count"]
+
+SIZES = ("tiny", "paper")
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A zoo entry: what the model is, its configs by size, and its builder."""
+
+    name: str
+    description: str
+    configs: Mapping[str, Any]
+    builder: Callable[..., onnx.ModelProto]
+
+    @property
+    def sizes(self) -> tuple[str, ...]:
+        return tuple(self.configs)
+
+
+ZOO: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "mmt",
+            "multi-modal transformer: parallel transformer branches concatenated, then a classifier "
+            "(GraphPipe A.2; paper: 4 branches x 8 layers, seq 256, hidden 1024, 16 heads, FFN 4096)",
+            mmt.CONFIGS,
+            mmt.build_mmt,
+        ),
+        ModelSpec(
+            "dlrm",
+            "recommendation model: 7 dense MLP branches + 7 embedding-bag branches, concat, top MLP "
+            "(GraphPipe A.2; paper: width 4096, 1M x 64 tables, bag 100)",
+            dlrm.CONFIGS,
+            dlrm.build_dlrm,
+        ),
+        ModelSpec(
+            "candle_uno",
+            "drug-response model: 7 branches of 4 feed-forward layers, concat, top MLP "
+            "(GraphPipe A.2; paper: width 4096)",
+            candle_uno.CONFIGS,
+            candle_uno.build_candle_uno,
+        ),
+        ModelSpec(
+            "resnext",
+            "CNN of grouped-convolution bottleneck blocks (paper: ResNeXt-50 32x4d, 224x224)",
+            resnext.CONFIGS,
+            resnext.build_resnext,
+        ),
+        ModelSpec(
+            "bert",
+            "BERT-style post-norm encoder (paper: BERT-base, 12 layers, 768, 12 heads, seq 128)",
+            bert.CONFIGS,
+            bert.build_bert,
+        ),
+        ModelSpec(
+            "gpt",
+            "GPT-2-style decoder-only transformer, causal, optional grouped-query attention "
+            "(paper: GPT-2 small, 12 layers, 768, 12 heads, seq 1024, vocab 50257)",
+            gpt.CONFIGS,
+            gpt.build_gpt,
+        ),
+    )
+}
+
+
+def build(
+    name: str, size: str = "tiny", seed: int = 0, *, lazy: bool | None = None, **overrides: Any
+) -> onnx.ModelProto:
+    """Build zoo model ``name`` at ``size`` with weights drawn from ``seed``.
+
+    ``lazy`` (default: only for ``paper``) leaves the weights to :func:`materialize`.
+    ``overrides`` replace fields of the size's config, e.g. ``build("gpt", kv_heads=2)``.
+    Raises :class:`InputError` for an unknown name, size or config field, or a negative seed.
+    """
+    spec = ZOO.get(name)
+    if spec is None:
+        raise InputError(f"unknown model {name!r}; the zoo has: {', '.join(ZOO)}")
+    if size not in spec.configs:
+        raise InputError(f"model {name!r} has no size {size!r}; sizes: {', '.join(spec.sizes)}")
+    if seed < 0:
+        raise InputError(f"seed must be a non-negative integer, got {seed}")
+    config = spec.configs[size]
+    if overrides:
+        fields = [f.name for f in dataclasses.fields(config)]
+        unknown = sorted(set(overrides) - set(fields))
+        if unknown:
+            raise InputError(
+                f"model {name!r} has no config field {', '.join(unknown)}; fields: {', '.join(fields)}"
+            )
+        config = dataclasses.replace(config, **overrides)
+    try:
+        model = spec.builder(config, seed=seed, lazy=size == "paper" if lazy is None else lazy)
+    except ValueError as error:  # an inconsistent override, e.g. kv_heads not dividing heads
+        raise InputError(f"model {name!r}: {error}") from error
+    model.metadata_props.add(key="tessera.size", value=size)
+    return model
+
+
+def parameter_count(model: onnx.ModelProto) -> int:
+    """The parameter count a zoo model records (``tessera.parameters``), for lazy and eager models."""
+    for prop in model.metadata_props:
+        if prop.key == "tessera.parameters":
+            return int(prop.value)
+    raise InputError(f"model {model.graph.name!r} was not built by the zoo (no tessera.parameters)")

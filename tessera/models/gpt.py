@@ -1,0 +1,93 @@
+"""GPT: a GPT-2-style decoder-only transformer, the model cache-parallel decode planning targets.
+
+The decoder whose KV cache the thesis's chapter 4 (cache parallelism, thesis-jeon-collage-graphpipe-cp.txt)
+splits along the sequence; sizes are GPT-2 small's (12 layers, hidden 768, 12 heads, FFN 3072,
+vocabulary 50257, context 1024).
+
+Structure, regular so a recognizer can match it layer by layer (node names in parentheses):
+
+- ``input_ids`` ``[batch, seq]`` (int64); ``embed/token`` Gather from ``embed/token/weight``
+  ``[vocab, hidden]``, ``embed/position`` Gather of the constant positions ``0..seq-1`` from
+  ``embed/position/weight`` ``[seq, hidden]``, summed by ``embed/add``.
+- ``layer{i}``: ``ln1`` -> ``attn`` (``q``/``k``/``v`` MatMul + bias Add, split heads, ``qk_matmul``,
+  ``qk_scale``, causal ``mask_add``, ``softmax``, ``av_matmul``, ``merge_heads``, ``out``) ->
+  ``attn_residual`` -> ``ln2`` -> ``ffn`` (``fc1``, Erf GELU, ``fc2``) -> ``ffn_residual``.
+- ``final_norm``, then ``lm_head`` (MatMul, no bias; not tied to the token embedding, so each
+  pipeline stage owns its weights) to ``logits`` ``[batch, seq, vocab]``.
+
+``kv_heads < heads`` gives grouped-query attention (``k``/``v`` project to ``kv_heads * head_dim``).
+The config is recorded in ``metadata_props``: ``tessera.layers``, ``tessera.hidden``,
+``tessera.heads``, ``tessera.kv_heads``, ``tessera.head_dim``, ``tessera.ffn``, ``tessera.vocab``,
+``tessera.seq``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from tessera.models.layers import BATCH, GraphBuilder, layer_norm, transformer_layer
+from tessera.models.weights import Init
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+CONFIGS = {
+    "tiny": GPTConfig(layers=2, hidden=32, heads=4, kv_heads=4, ffn=128, vocab=128, seq=16),
+    "paper": GPTConfig(layers=12, hidden=768, heads=12, kv_heads=12, ffn=3072, vocab=50257, seq=1024),
+}
+
+
+def build_gpt(config: GPTConfig, *, seed: int = 0, lazy: bool = False) -> onnx.ModelProto:
+    """Build the GPT of ``config`` (pre-norm, GPT-2 layout; see the module docstring)."""
+    c = config
+    if c.hidden % c.heads or c.heads % c.kv_heads:
+        raise ValueError(
+            f"heads ({c.heads}) must divide hidden ({c.hidden}) and kv_heads ({c.kv_heads}) must divide heads"
+        )
+    g = GraphBuilder("gpt", seed=seed, lazy=lazy)
+    ids = g.input("input_ids", TensorProto.INT64, [BATCH, c.seq])
+    with g.scope("embed"):
+        with g.scope("token"):
+            tokens = g.op(
+                "Gather", [g.param("weight", (c.vocab, c.hidden), Init.normal(0.02)), ids], "gather"
+            )
+        with g.scope("position"):
+            table = g.param("weight", (c.seq, c.hidden), Init.normal(0.01))
+            positions = g.const("positions", np.arange(c.seq, dtype=np.int64))
+            positions = g.op("Gather", [table, positions], "gather")
+        x = g.op("Add", [tokens, positions], "add")
+    for i in range(c.layers):
+        with g.scope(f"layer{i}"):
+            x = transformer_layer(
+                g,
+                x,
+                hidden=c.hidden,
+                heads=c.heads,
+                kv_heads=c.kv_heads,
+                ffn_dim=c.ffn,
+                seq=c.seq,
+                causal=True,
+            )
+    x = layer_norm(g, x, c.hidden, "final_norm")
+    with g.scope("lm_head"):
+        weight = g.param("weight", (c.hidden, c.vocab), Init.normal(0.02))
+        logits = g.op("MatMul", [x, weight], "matmul", output="logits")
+    g.output(logits, TensorProto.FLOAT, [BATCH, c.seq, c.vocab])
+    return g.build(c, "GPT-2-style decoder-only transformer.", extra={"head_dim": str(c.head_dim)})

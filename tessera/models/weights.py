@@ -1,0 +1,115 @@
+"""Deterministic weights, eager or lazy, and the lazy-weight representation.
+
+Every parameter of a zoo model is drawn from its own generator, seeded by the model seed and the
+parameter's name, so a weight is the same whether it is generated while building (eager) or later by
+:func:`materialize` (lazy), and whatever order the parameters are generated in.
+
+Lazy parameters (paper-size models: planning needs only shapes) are ONNX external-data tensors that
+point at no file. Such an initializer keeps its real ``dims`` and ``data_type``, has
+``data_location = EXTERNAL`` and these ``external_data`` entries:
+
+==================  ===============================================================
+key                 value
+==================  ===============================================================
+``location``        ``#tessera-lazy`` (:data:`LAZY_LOCATION`)
+``tessera.init``    ``normal``, ``ones`` or ``zeros``
+``tessera.std``     the standard deviation of ``normal`` (``repr`` of a float)
+``tessera.seed``    the model seed
+==================  ===============================================================
+
+The leading ``#`` is ONNX's marker for a location that is not a file: ``onnx.checker.check_model``
+on the in-memory model skips its file checks for it, and ``onnx.shape_inference`` never reads
+initializer data. So load a saved lazy model with ``onnx.load(path, load_external_data=False)`` and
+check the proto, not the path (checking by path looks for a file ``#tessera-lazy`` next to it).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+LAZY_LOCATION = "#tessera-lazy"
+"""The external-data ``location`` of a lazily generated parameter."""
+
+_INIT_KEY = "tessera.init"
+_STD_KEY = "tessera.std"
+_SEED_KEY = "tessera.seed"
+
+
+@dataclass(frozen=True)
+class Init:
+    """How a parameter's values are drawn: ``normal`` (mean 0, ``std``), ``ones`` or ``zeros``."""
+
+    kind: Literal["normal", "ones", "zeros"]
+    std: float = 0.0
+
+    @staticmethod
+    def normal(std: float) -> Init:
+        return Init("normal", float(std))
+
+
+ONES = Init("ones")
+ZEROS = Init("zeros")
+
+
+def generate(name: str, shape: tuple[int, ...], init: Init, seed: int) -> np.ndarray:
+    """The fp32 values of parameter ``name``: a function of (name, shape, init, seed) only."""
+    if init.kind == "ones":
+        return np.ones(shape, dtype=np.float32)
+    if init.kind == "zeros":
+        return np.zeros(shape, dtype=np.float32)
+    # One generator per parameter, keyed by its name, so generation order does not matter.
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    values = rng.standard_normal(shape, dtype=np.float32)
+    values *= np.float32(init.std)
+    return values
+
+
+def lazy_tensor(name: str, shape: tuple[int, ...], init: Init, seed: int) -> TensorProto:
+    """An fp32 initializer with real dims whose values :func:`materialize` generates later."""
+    tensor = TensorProto(name=name, data_type=TensorProto.FLOAT, dims=shape)
+    tensor.data_location = TensorProto.EXTERNAL
+    for key, value in (
+        ("location", LAZY_LOCATION),
+        (_INIT_KEY, init.kind),
+        (_STD_KEY, repr(init.std)),
+        (_SEED_KEY, str(seed)),
+    ):
+        tensor.external_data.add(key=key, value=value)
+    return tensor
+
+
+def is_lazy_tensor(tensor: TensorProto) -> bool:
+    return tensor.data_location == TensorProto.EXTERNAL and any(
+        entry.key == "location" and entry.value == LAZY_LOCATION for entry in tensor.external_data
+    )
+
+
+def is_lazy(model: onnx.ModelProto) -> bool:
+    """Whether any initializer of ``model`` is a lazily generated parameter."""
+    return any(is_lazy_tensor(tensor) for tensor in model.graph.initializer)
+
+
+def materialize(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` with every lazy parameter filled with its deterministic values.
+
+    The result is byte-identical to building the same model eagerly. Paper-size models get large
+    (GPT-2-like: ~0.65 GB, DLRM: ~5 GB); only materialize one that must actually run.
+    """
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    for tensor in result.graph.initializer:
+        if not is_lazy_tensor(tensor):
+            continue
+        entries = {entry.key: entry.value for entry in tensor.external_data}
+        init = Init(entries[_INIT_KEY], float(entries[_STD_KEY]))  # type: ignore[arg-type]
+        values = generate(tensor.name, tuple(tensor.dims), init, int(entries[_SEED_KEY]))
+        del tensor.external_data[:]
+        tensor.ClearField("data_location")
+        tensor.raw_data = values.tobytes()
+    return result
