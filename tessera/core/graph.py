@@ -270,40 +270,10 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
     outputs = {vi.name: tensors[vi.name] for vi in g.output if vi.name in tensors}
     _check_shapes(tensors, label)
 
-    # Operators that read no activation compute constants (Constant, or ConstantOfShape making the
-    # weights of "light" models). Their floating outputs are parameters when a parametric operator
-    # reads them as a weight, or an affine op reads a leaf constant (a scale or bias); a derived
-    # constant such as a causal mask (ConstantOfShape → Trilu → Add) is not a parameter.
-    constant_nodes: set[str] = set()
-    for node in g.node:
-        if all(
-            not t or t in initializers or producer_is_constant(t, producer, constant_nodes)
-            for t in node.input
-        ):
-            if not any(t in inputs for t in node.input):
-                constant_nodes.add(node.name)
-    weights = dict(initializers)
-    # Leaf constants: made by Constant/ConstantOfShape, possibly reshaped by view ops.
-    leaf: set[str] = set(initializers)
-    for node in g.node:
-        if node.name not in constant_nodes:
-            continue
-        if node.op_type in ("Constant", "ConstantOfShape") or (
-            node.op_type in VIEW_OPS and node.input and node.input[0] in leaf
-        ):
-            leaf.update(node.output)
-    for node in g.node:
-        for t in node.input:
-            if producer.get(t) not in constant_nodes or t not in tensors:
-                continue
-            affine = (
-                t in leaf and node.op_type in AFFINE_OPS and tensors[t].numel > 1
-            )  # not a scalar like 0.5
-            if node.op_type in PARAMETRIC_OPS or affine:
-                weights[t] = tensors[t]
+    constant_nodes = _constant_nodes(g, inputs, initializers, producer)
+    param_owner = _parameter_owners(g, tensors, initializers, constant_nodes, consumers)
 
     dag = nx.DiGraph()
-    counted: set[str] = set()
     for node in g.node:
         attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         attrs = {k: _plain(v) for k, v in attrs.items()}
@@ -317,20 +287,9 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
             [i.nbytes if i else 0 for i in in_infos],
             [o.nbytes if o else 0 for o in out_infos],
         )
-        params = param_bytes = 0
-        for t in node.input:
-            info = initializers.get(t) if node.name in constant_nodes else weights.get(t)
-            # Parameters are floating tensors; a rank-0 scalar (GELU's 0.5, a 1/sqrt(d) scale) is a constant.
-            if (
-                info is None
-                or t in counted
-                or info.shape == ()
-                or not np.issubdtype(np.dtype(info.dtype), np.floating)
-            ):
-                continue
-            counted.add(t)
-            params += info.numel
-            param_bytes += info.nbytes
+        owned = [tensors[t] for t in param_owner.get(node.name, ())]
+        params = sum(t.numel for t in owned)
+        param_bytes = sum(t.nbytes for t in owned)
         dag.add_node(
             node.name,
             op=OpNode(
@@ -374,8 +333,62 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
     )
 
 
-def producer_is_constant(tensor: str, producer: Mapping[str, str], constant_nodes: set[str]) -> bool:
-    return producer.get(tensor) in constant_nodes
+def _constant_nodes(
+    g: onnx.GraphProto,
+    inputs: Mapping[str, TensorInfo],
+    initializers: Mapping[str, TensorInfo],
+    producer: Mapping[str, str],
+) -> set[str]:
+    """Operators that read no activation: they compute constants (Constant, ConstantOfShape, …)."""
+    constant: set[str] = set()
+    for node in g.node:
+        if any(t in inputs for t in node.input):
+            continue
+        if all(not t or t in initializers or producer.get(t) in constant for t in node.input):
+            constant.add(node.name)
+    return constant
+
+
+def _parameter_owners(
+    g: onnx.GraphProto,
+    tensors: Mapping[str, TensorInfo],
+    initializers: Mapping[str, TensorInfo],
+    constant_nodes: set[str],
+    consumers: Mapping[str, list[str]],
+) -> dict[str, list[str]]:
+    """Which operator each parameter is charged to: ``{node: [parameter tensor, …]}``.
+
+    A parameter is a floating, non-scalar leaf constant — an initializer, or the output of a
+    Constant/ConstantOfShape node (the "light" test models make their weights that way) — counted
+    once, at the first activation-reading operator it reaches. A leaf is followed through constant
+    view ops (Unsqueeze, Reshape, …) to that operator. Initializers are always parameters (a
+    position-embedding table read by a constant Gather too); a generated constant that is further
+    computed on (ConstantOfShape → Trilu: a causal mask) is not. A rank-0 scalar (GELU's 0.5, a
+    1/sqrt(d) scale) is a constant, not a parameter.
+    """
+    nodes = {n.name: n for n in g.node}
+    position = {n.name: i for i, n in enumerate(g.node)}
+    leaves = [t.name for t in g.initializer] + [
+        out for n in g.node if n.op_type in ("Constant", "ConstantOfShape") for out in n.output
+    ]
+    owners: dict[str, list[str]] = {}
+    for leaf in leaves:
+        info = tensors.get(leaf)
+        if info is None or info.shape == () or not np.issubdtype(np.dtype(info.dtype), np.floating):
+            continue
+        # Walk through constant operators to the first activation-reading ones.
+        reached: list[str] = []
+        frontier, views_only = [leaf], True
+        while frontier:
+            for c in consumers.get(frontier.pop(), ()):
+                if c not in constant_nodes:
+                    reached.append(c)
+                    continue
+                views_only = views_only and nodes[c].op_type in VIEW_OPS
+                frontier.extend(nodes[c].output)
+        if reached and (leaf in initializers or views_only):
+            owners.setdefault(min(reached, key=position.__getitem__), []).append(leaf)
+    return owners
 
 
 # Operators whose non-activation operands are weights: a constant tensor they read is a parameter.

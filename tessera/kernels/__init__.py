@@ -63,7 +63,9 @@ def get_partial_attention(name: str) -> Callable[..., tuple[torch.Tensor, torch.
     """
     implementations = {"torch": decode_attention_partial, "triton": decode_attention_partial_triton}
     if name not in implementations:
-        raise ValueError(f"unknown decode attention implementation {name!r}; known: {sorted(implementations)}")
+        raise ValueError(
+            f"unknown decode attention implementation {name!r}; known: {sorted(implementations)}"
+        )
     reason = available_implementations()[name]
     if reason is not None:
         raise KernelUnavailableError(f"decode attention implementation {name!r} is unavailable: {reason}")

@@ -231,7 +231,9 @@ def shard_sizes(seq_len: int, num_shards: int, *, block: int = 16) -> list[int]:
     are fewer blocks than shards.
     """
     if num_shards < 1 or block < 1 or seq_len < 0:
-        raise ValueError(f"need num_shards >= 1, block >= 1, seq_len >= 0; got {num_shards}, {block}, {seq_len}")
+        raise ValueError(
+            f"need num_shards >= 1, block >= 1, seq_len >= 0; got {num_shards}, {block}, {seq_len}"
+        )
     num_blocks = -(-seq_len // block)
     per, extra = divmod(num_blocks, num_shards)
     sizes, start = [], 0
@@ -287,7 +289,12 @@ def split_kv(
     for size in sizes:
         local_len = (total - start).clamp(min=0, max=size).to(total.dtype)
         shards.append(
-            KVShard(start=start, k=k[:, :, start : start + size], v=v[:, :, start : start + size], kv_len=local_len)
+            KVShard(
+                start=start,
+                k=k[:, :, start : start + size],
+                v=v[:, :, start : start + size],
+                kv_len=local_len,
+            )
         )
         start += size
     return shards

@@ -146,7 +146,7 @@ if triton is not None:
         else:
             kv_len = seq_len
         lo = split * split_size
-        hi = tl.minimum(lo + split_size, seq_len)
+        hi = tl.minimum(lo + split_size, kv_len)
 
         k_base = k_ptr + b * stride_kb + h * stride_kh
         v_base = v_ptr + b * stride_vb + h * stride_vh

@@ -44,9 +44,9 @@ from tessera.kernels import (  # noqa: E402
     merge_partials,
     shard_sizes,
     split_kv,
+    triton_decode,
     triton_unavailable_reason,
 )
-from tessera.kernels import triton_decode  # noqa: E402
 
 TRITON_REASON = triton_unavailable_reason("cpu")
 needs_triton = pytest.mark.skipif(TRITON_REASON is not None, reason=f"Triton kernel: {TRITON_REASON}")
@@ -312,6 +312,16 @@ def test_triton_empty_shard_and_defaults():
     q, k, v = make_inputs(8, 2, torch.float32, d=24)
     o, lse = decode_attention_partial_triton(q, k, v, scale=0.2)
     assert_matches(o, lse, *full_decode_attention(q, k, v, scale=0.2), torch.float32)
+
+
+@needs_triton
+def test_triton_merges_more_splits_than_one_merge_block():
+    """65 splits: the split-merge kernel loops over two blocks of 64 splits."""
+    q, k, v = make_inputs(2, 1, torch.float32, b=2, s=65 * 16, d=16, seed=5)
+    k[:, 0, -16:] = q[:, None, 0] * 2  # the last split dominates head 0: the running max must move
+    kv_len = torch.tensor([65 * 16, 64 * 16 + 3])
+    o, lse = decode_attention_partial_triton(q, k, v, kv_len=kv_len, block_n=16, num_splits=65)
+    assert_matches(o, lse, *ground_truth(q, k, v, kv_len), torch.float32)
 
 
 @needs_triton

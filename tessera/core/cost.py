@@ -1,0 +1,165 @@
+"""Analytical cost model: time and memory of every operator, and of communication.
+
+The default (and, for now, only) source of costs is a roofline model — deterministic, instant,
+and good enough to rank pipeline plans (GraphPipe thesis §3.5 estimates stage times the same way
+from per-operator costs; FlexFlow's simulator, thesis-jia §3.4, takes per-task times as input):
+
+- forward time of an operator on ``s`` samples (the IR's costs are at batch 1 and scale linearly
+  with the samples, except weights, which are read once per pass)::
+
+      t_fw(s) = max(flops · s / peak, (param_bytes + activation_bytes · s) / memory_bandwidth) + launch
+
+- backward time: ``2×`` the forward FLOPs and bytes for operators with weights (the gradient with
+  respect to the input *and* to the weights), ``1×`` otherwise (only the input gradient)::
+
+      t_bw(s) = max(r · flops · s / peak, r · bytes(s) / memory_bandwidth) + launch,  r = 2 if params else 1
+
+- a transfer of ``n`` bytes over a link: ``latency + n / bandwidth`` (the alpha-beta model);
+- ring all-reduce of ``n`` bytes over ``p`` devices (data parallelism inside a stage)::
+
+      2 (p − 1) / p · n / bandwidth + 2 (p − 1) · latency
+
+- training memory per parameter (``TrainingMemory``), by default Adam with mixed precision:
+  16 bytes/param = fp16 weight 2 + fp16 gradient 2 + fp32 master weight 4 + Adam m 4 + Adam v 4.
+  Activations are stored at the compute precision (fp16 under mixed precision: half the IR's fp32
+  bytes).
+
+Measured costs (``--profile``: torch profiles in the SQLite cache) are not implemented yet; every
+caller gets the analytical model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from tessera.core.graph import Graph, OpNode
+from tessera.core.specs import DeviceType, Link
+
+Precision = Literal["mixed", "fp32"]
+
+
+@dataclass(frozen=True)
+class TrainingMemory:
+    """Bytes kept per parameter during training, and the scale of stored activations.
+
+    ``weights`` is the copy the forward pass reads; ``optimizer`` is everything else a parameter
+    costs (its gradient and the optimizer state: fp32 master copy, Adam m and v).
+    """
+
+    weight_bytes_per_param: float = 2.0
+    gradient_bytes_per_param: float = 2.0
+    optimizer_state_bytes_per_param: float = 12.0
+    activation_scale: float = 0.5  # stored activation bytes / the IR's (fp32) bytes
+
+    @classmethod
+    def adam(cls, precision: Precision = "mixed") -> TrainingMemory:
+        """Adam: mixed precision 2 + 2 + 12 = 16 B/param; fp32 4 + 4 + 8 (m, v) = 16 B/param."""
+        if precision == "mixed":
+            return cls(2.0, 2.0, 12.0, 0.5)
+        return cls(4.0, 4.0, 8.0, 1.0)
+
+    @property
+    def bytes_per_param(self) -> float:
+        return self.weight_bytes_per_param + self.gradient_bytes_per_param + self.optimizer_state_bytes_per_param
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Roofline operator costs on one device type at one precision (see the module docstring)."""
+
+    device: DeviceType
+    precision: Precision = "mixed"
+    memory: TrainingMemory = TrainingMemory()
+
+    @classmethod
+    def for_device(
+        cls, device: DeviceType, precision: Precision = "mixed", bytes_per_param: float | None = None
+    ) -> CostModel:
+        """The model for ``device``; ``bytes_per_param`` overrides the optimizer-state total (16)."""
+        memory = TrainingMemory.adam(precision)
+        if bytes_per_param is not None:
+            extra = bytes_per_param - memory.weight_bytes_per_param - memory.gradient_bytes_per_param
+            if extra < 0:
+                raise ValueError(f"bytes_per_param {bytes_per_param} is below weights + gradients")
+            memory = TrainingMemory(
+                memory.weight_bytes_per_param, memory.gradient_bytes_per_param, extra, memory.activation_scale
+            )
+        return cls(device=device, precision=precision, memory=memory)
+
+    @property
+    def peak_flops(self) -> float:
+        return self.device.peak_flops("fp16" if self.precision == "mixed" else "fp32")
+
+    def _scaled_bytes(self, op: OpNode, samples: float) -> float:
+        activation = max(op.bytes_moved - op.param_bytes, 0)
+        weight_scale = self.memory.weight_bytes_per_param / 4.0
+        return op.param_bytes * weight_scale + activation * self.memory.activation_scale * samples
+
+    def forward_time(self, op: OpNode, samples: float) -> float:
+        """Seconds for the forward pass of ``op`` on ``samples`` samples (roofline + launch)."""
+        if samples <= 0:
+            return 0.0
+        compute = op.flops * samples / self.peak_flops
+        memory = self._scaled_bytes(op, samples) / self.device.memory_bandwidth
+        return max(compute, memory) + self.device.kernel_launch_overhead
+
+    def backward_time(self, op: OpNode, samples: float) -> float:
+        """Seconds for the backward pass: 2× the forward work with weights, 1× without."""
+        if samples <= 0:
+            return 0.0
+        r = backward_ratio(op)
+        compute = r * op.flops * samples / self.peak_flops
+        memory = r * self._scaled_bytes(op, samples) / self.device.memory_bandwidth
+        return max(compute, memory) + self.device.kernel_launch_overhead
+
+    def activation_bytes(self, graph: Graph, node: str) -> float:
+        """Bytes per sample that ``node`` saves for its backward pass: its activation outputs."""
+        total = 0
+        for t in graph.op(node).outputs:
+            info = graph.tensors.get(t)
+            if t and info is not None and t not in graph.initializers:
+                total += info.nbytes
+        return total * self.memory.activation_scale
+
+    def weight_bytes(self, op: OpNode) -> float:
+        return op.params * self.memory.weight_bytes_per_param
+
+    def optimizer_bytes(self, op: OpNode) -> float:
+        """Gradient + optimizer state of ``op``'s parameters."""
+        return op.params * (self.memory.gradient_bytes_per_param + self.memory.optimizer_state_bytes_per_param)
+
+    def gradient_bytes(self, op: OpNode) -> float:
+        return op.params * self.memory.gradient_bytes_per_param
+
+    def wire_bytes(self, ir_bytes: float) -> float:
+        """Bytes an activation of ``ir_bytes`` (fp32 in the IR) takes on the wire at this precision."""
+        return ir_bytes * self.memory.activation_scale
+
+
+def backward_ratio(op: OpNode) -> float:
+    """Backward/forward work ratio: 2 for operators with weights, 1 otherwise (module docstring)."""
+    return 2.0 if op.params > 0 else 1.0
+
+
+def transfer_time(link: Link, nbytes: float) -> float:
+    """Seconds to move ``nbytes`` over ``link`` (latency + bytes / bandwidth); 0 for nothing."""
+    return link.transfer_time(nbytes) if nbytes > 0 else 0.0
+
+
+def allreduce_time(nbytes: float, devices: int, link: Link | None) -> float:
+    """Ring all-reduce: 2(p−1)/p · n / bandwidth + 2(p−1) · latency; 0 for one device."""
+    if devices <= 1 or nbytes <= 0 or link is None:
+        return 0.0
+    p = devices
+    return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def per_device_samples(micro_batch: int, devices: int) -> int:
+    """Samples each data-parallel replica of a stage processes for one micro-batch (ceil split)."""
+    return max(1, math.ceil(micro_batch / devices))
