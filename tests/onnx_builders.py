@@ -40,5 +40,3 @@ def single_op_model(
             if vi.name == "y" and vi.type.tensor_type.HasField("shape"):
                 model.graph.output[0].CopyFrom(vi)
     return model
-
-

@@ -257,7 +257,19 @@ def _ort_version() -> str:
 
 
 def check_model(model: onnx.ModelProto, *, label: str) -> None:
-    """Run ``onnx.checker`` and turn its multi-line report into one line."""
+    """Run ``onnx.checker`` and turn its multi-line report into one line.
+
+    Operators that ONNX has no schema for (custom domains, unknown ops) are refused first: their
+    shapes and costs are unknowable, and no backend but the one defining them could run them.
+    """
+    for node in model.graph.node:
+        if not onnx.defs.has(node.op_type, node.domain):
+            domain = node.domain or "ai.onnx"
+            raise InputError(
+                f"node {node.name!r} uses op {node.op_type!r} of domain {domain!r}, which has no ONNX "
+                "schema (a custom or unknown op): tessera cannot infer its shapes or cost it",
+                source=label,
+            )
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
@@ -333,9 +345,10 @@ def bind_input_shapes(
         for axis, dim in enumerate(dims):
             if dim.HasField("dim_value") and dim.dim_value > 0:
                 continue
-            if dim.HasField("dim_value") and dim.dim_value < 0:
+            if dim.HasField("dim_value"):
                 raise InputError(
-                    f"input {name!r} axis {axis} has negative size {dim.dim_value}", source=label
+                    f"input {name!r} axis {axis} has size {dim.dim_value}: sizes must be positive",
+                    source=label,
                 )
             param = dim.dim_param or "?"
             defaulted[f"{name}:{axis} ({param})"] = default_dim

@@ -20,7 +20,9 @@ def only_op(model):
 def test_conv_counts_macs_twice_plus_bias():
     # x [2,3,8,8], w [4,3,3,3], pads 1 → y [2,4,8,8]; per output 3*3*3 MACs.
     w, b = rng.normal(size=(4, 3, 3, 3)), rng.normal(size=(4,))
-    _, op = only_op(single_op_model("Conv", [("x", (2, 3, 8, 8))], initializers={"w": w, "b": b}, pads=[1, 1, 1, 1]))
+    _, op = only_op(
+        single_op_model("Conv", [("x", (2, 3, 8, 8))], initializers={"w": w, "b": b}, pads=[1, 1, 1, 1])
+    )
     outputs = 2 * 4 * 8 * 8
     assert op.flops == outputs * 2 * 27 + outputs
     assert op.params == 4 * 3 * 3 * 3 + 4
@@ -37,7 +39,9 @@ def test_grouped_conv_divides_input_channels_by_group():
 def test_strided_conv_uses_output_spatial_size():
     w = rng.normal(size=(8, 3, 7, 7))
     graph, op = only_op(
-        single_op_model("Conv", [("x", (1, 3, 224, 224))], initializers={"w": w}, strides=[2, 2], pads=[3, 3, 3, 3])
+        single_op_model(
+            "Conv", [("x", (1, 3, 224, 224))], initializers={"w": w}, strides=[2, 2], pads=[3, 3, 3, 3]
+        )
     )
     assert graph.tensors["y"].shape == (1, 8, 112, 112)
     assert op.flops == 2 * 8 * 112 * 112 * 3 * 49
@@ -59,8 +63,6 @@ def test_matmul_batched_and_broadcast():
 def test_matmul_with_vector_operand():
     _, op = only_op(single_op_model("MatMul", [("a", (4, 6)), ("b", (6,))]))
     assert op.flops == 2 * 4 * 6
-
-
 
 
 def test_gemm_hand_count():
@@ -105,7 +107,9 @@ def test_binary_elementwise_counts_broadcast_output():
 
 def test_layer_norm_and_batch_norm():
     s, b = rng.normal(size=(8,)), rng.normal(size=(8,))
-    _, ln = only_op(single_op_model("LayerNormalization", [("x", (2, 5, 8))], initializers={"s": s, "b": b}, axis=-1))
+    _, ln = only_op(
+        single_op_model("LayerNormalization", [("x", (2, 5, 8))], initializers={"s": s, "b": b}, axis=-1)
+    )
     assert ln.flops == 8 * 80
     assert ln.params == 16
     bn_w = {k: rng.normal(size=(3,)) for k in ("scale", "bias", "mean")}

@@ -240,7 +240,9 @@ def layer_nodes(graph, prefix: str) -> list[str]:
     return [n for n in graph.order if n.startswith(prefix)]
 
 
-@pytest.mark.parametrize(("name", "prefix"), [("gpt", "layer1/"), ("resnext", "stage1/"), ("mmt", "branch1/")])
+@pytest.mark.parametrize(
+    ("name", "prefix"), [("gpt", "layer1/"), ("resnext", "stage1/"), ("mmt", "branch1/")]
+)
 def test_extracted_subgraph_is_valid_and_computes_what_the_full_model_does(name, prefix):
     graph = load_graph(build(name, "tiny"))
     nodes = layer_nodes(graph, prefix)

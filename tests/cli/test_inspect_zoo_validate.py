@@ -1,0 +1,130 @@
+"""inspect, zoo and validate end to end: JSON on stdout only, deterministic, right numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from cli_runner import run_cli, run_tessera
+from onnx_builders import ONNX_LIGHT_MODELS
+
+from tessera import __version__
+from tessera.core.graph import load_graph
+from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, write_plan
+from tessera.models import ZOO, build, parameter_count
+
+
+@pytest.fixture
+def mmt_path(tmp_path: Path) -> Path:
+    path = tmp_path / "mmt.onnx"
+    assert run_cli("zoo", "build", "mmt", "-o", str(path)).code == 0
+    return path
+
+
+def test_version():
+    result = run_tessera("--version")
+    assert result.code == 0 and result.out.strip() == f"tessera {__version__}"
+
+
+def test_zoo_list_json_names_every_model():
+    rows = json.loads(run_cli("zoo", "list", "--json").out)
+    assert [r["name"] for r in rows] == list(ZOO)
+    assert all(r["sizes"] == ["tiny", "paper"] for r in rows)
+
+
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_inspect_json_on_every_zoo_model(tmp_path, name):
+    path = tmp_path / f"{name}.onnx"
+    assert run_cli("zoo", "build", name, "--size", "paper", "-o", str(path)).code == 0
+    result = run_cli("inspect", str(path), "--json")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)  # stdout is JSON and nothing else
+    assert report["parameters"]["count"] == parameter_count(build(name, "paper"))
+    assert report["nodes"] == load_graph(path).num_nodes
+    assert sum(report["op_types"].values()) == report["nodes"]
+    assert report["flops"] > 0
+
+
+@pytest.mark.parametrize("path", ONNX_LIGHT_MODELS, ids=lambda p: p.stem)
+def test_inspect_onnx_wheel_models(path):
+    result = run_cli("inspect", str(path), "--json")
+    assert result.code == 0, result.err
+    report = json.loads(result.out)
+    graph = load_graph(path)
+    assert report["flops"] == graph.total_flops
+    assert report["inputs"][0]["shape"] == list(next(iter(graph.inputs.values())).shape)
+
+
+def test_inspect_human_output_and_determinism(mmt_path):
+    first = run_cli("inspect", str(mmt_path))
+    assert first.code == 0
+    assert "branches: up to 2 in parallel" in first.out
+    assert "MatMul" in first.out and "\x1b[" not in first.out  # no colour when not a terminal
+    assert run_cli("inspect", str(mmt_path)).out == first.out
+    assert run_cli("inspect", str(mmt_path), "--json").out == run_cli("inspect", str(mmt_path), "--json").out
+
+
+def test_inspect_input_shape_and_write_named(tmp_path, write_model):
+    from onnx_builders import single_op_model
+
+    model = single_op_model("Relu", [("x", ("n", 3))])
+    model.graph.node[0].name = ""
+    path = write_model(model)
+    named = tmp_path / "named.onnx"
+    result = run_cli("inspect", str(path), "--input-shape", "x=5x3", "--write-named", str(named), "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["inputs"][0]["shape"] == [5, 3]
+    assert load_graph(named).order == ("Relu_0",)
+
+
+def placement_for(path: Path) -> PlacementPlan:
+    graph = load_graph(path)
+    return PlacementPlan(
+        model=ModelRef.of(graph),
+        groups=[PlacementGroup(id=0, backend="onnxruntime", nodes=list(graph.order), pattern="whole-model")],
+    )
+
+
+def test_validate_accepts_a_plan_that_fits_its_model(tmp_path, mmt_path):
+    plan_path = write_plan(placement_for(mmt_path), tmp_path / "plan.json")
+    result = run_cli("validate", str(plan_path), "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["valid"] is True
+
+
+def test_validate_refuses_a_changed_model(tmp_path, mmt_path):
+    plan_path = write_plan(placement_for(mmt_path), tmp_path / "plan.json")
+    assert run_cli("zoo", "build", "mmt", "--seed", "1", "-o", str(mmt_path)).code == 0
+    result = run_cli("validate", str(plan_path))
+    assert result.code == 2 and "model changed" in result.err and str(plan_path) in result.err
+
+
+def test_validate_finds_unknown_duplicated_and_missing_nodes(tmp_path, mmt_path):
+    plan = placement_for(mmt_path)
+    nodes = plan.groups[0].nodes
+    bad = plan.model_copy(
+        update={
+            "groups": [
+                PlacementGroup(id=0, backend="onnxruntime", nodes=[*nodes[:-1], "ghost"], pattern="p"),
+                PlacementGroup(id=1, backend="openvino", nodes=[nodes[0]], pattern="p"),
+            ]
+        }
+    )
+    plan_path = write_plan(bad, tmp_path / "bad.json")
+    result = run_cli("validate", str(plan_path))
+    assert result.code == 2
+    assert "unknown node 'ghost'" in result.err and "(and 2 more)" in result.err
+
+
+def test_validate_names_a_missing_model(tmp_path, mmt_path):
+    plan_path = write_plan(placement_for(mmt_path), tmp_path / "plan.json")
+    mmt_path.unlink()
+    result = run_cli("validate", str(plan_path))
+    assert result.code == 2 and "does not exist" in result.err
+
+
+def test_plans_are_written_byte_identically(tmp_path, mmt_path):
+    a = write_plan(placement_for(mmt_path), tmp_path / "a.json").read_bytes()
+    b = write_plan(placement_for(mmt_path), tmp_path / "b.json").read_bytes()
+    assert a == b

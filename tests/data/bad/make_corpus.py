@@ -1,0 +1,97 @@
+"""Regenerate the bad-input corpus in this folder: `python tests/data/bad/make_corpus.py`.
+
+Each file is one way a user's input goes wrong; tests/cli/test_bad_inputs.py runs tessera on each
+and checks the exit code and the one-line message. The files are committed, so the tests do not
+depend on this script; it documents how each was made.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from onnx import TensorProto, helper
+
+HERE = Path(__file__).parent
+
+
+def model(nodes, inputs, outputs, *, opset: int = 17, domains: tuple[str, ...] = ()) -> bytes:
+    graph = helper.make_graph(nodes, "bad", inputs, outputs)
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, 1) for d in domains]
+    m = helper.make_model(graph, opset_imports=opsets, producer_name="tessera-corpus")
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+def vi(name: str, shape) -> object:
+    return helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)
+
+
+def relu(shape) -> bytes:
+    return model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [vi("x", shape)], [vi("y", shape)])
+
+
+def main() -> None:
+    good = relu([2, 3])
+    files: dict[str, bytes | str] = {
+        "empty.onnx": b"",
+        "truncated.onnx": good[: len(good) // 2],
+        "text.onnx": "this is a text file, not an ONNX model\n",
+        "cycle.onnx": model(
+            [
+                helper.make_node("Relu", ["b"], ["a"], name="first"),
+                helper.make_node("Neg", ["a"], ["b"], name="second"),
+                helper.make_node("Identity", ["a"], ["y"], name="out"),
+            ],
+            [vi("x", [2])],
+            [vi("y", [2])],
+        ),
+        "dangling_input.onnx": model(
+            [helper.make_node("Add", ["x", "ghost"], ["y"], name="add")], [vi("x", [2])], [vi("y", [2])]
+        ),
+        "unknown_op.onnx": model(
+            [helper.make_node("FooBar", ["x"], ["y"], name="foo")], [vi("x", [2])], [vi("y", [2])]
+        ),
+        "custom_domain.onnx": model(
+            [helper.make_node("Fancy", ["x"], ["y"], name="fancy", domain="com.example")],
+            [vi("x", [2])],
+            [vi("y", [2])],
+            domains=("com.example",),
+        ),
+        "huge_dims.onnx": relu([2**31, 2**20]),
+        "negative_dim.onnx": relu([2, -3]),
+        "zero_dim.onnx": relu([0, 3]),
+        "not_yaml.yaml": "name: [unclosed\n  devices: {\n",
+        "spec_wrong_types.yaml": (
+            "name: bad\ndevice_types:\n  gpu: {kind: gpu, memory: lots, flops: {fp32: 1TFLOPS}, memory_bandwidth: 1GB/s}\n"
+            "nodes:\n  - {name: n, devices: [{type: gpu}]}\n"
+        ),
+        "spec_missing_fields.yaml": "name: bad\nnodes:\n  - {name: n, devices: [{type: gpu}]}\n",
+        "spec_zero_bandwidth.yaml": (
+            "name: bad\ndevice_types:\n  gpu: {kind: gpu, memory: 16GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 0GB/s}\n"
+            "nodes:\n  - {name: n, devices: [{type: gpu}]}\n"
+        ),
+        "spec_unknown_device_type.yaml": (
+            "name: bad\ndevice_types:\n  gpu: {kind: gpu, memory: 16GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 1TB/s}\n"
+            "nodes:\n  - {name: n, devices: [{type: tpu}]}\n"
+        ),
+        "spec_duplicate_names.yaml": (
+            "name: bad\ndevice_types:\n  gpu: {kind: gpu, memory: 16GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 1TB/s}\n"
+            "  gpu: {kind: gpu, memory: 32GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 1TB/s}\n"
+            "nodes:\n  - {name: n, devices: [{type: gpu}]}\n"
+        ),
+        "plan_not_json.json": "{ this is not json\n",
+        "plan_wrong_schema_version.json": json.dumps({"schema_version": 99, "kind": "gpp"}),
+        "plan_wrong_kind.json": json.dumps({"schema_version": 1, "kind": "teleport"}),
+        "plan_missing_field.json": json.dumps({"schema_version": 1, "kind": "placement", "groups": []}),
+    }
+    for name, data in files.items():
+        path = HERE / name
+        if isinstance(data, str):
+            path.write_text(data)
+        else:
+            path.write_bytes(data)
+
+
+if __name__ == "__main__":
+    main()
