@@ -14,6 +14,7 @@ import click
 
 from tessera import __version__
 from tessera.cli.inspect_cmd import inspect
+from tessera.cli.render import NO_PROGRESS_ENV
 from tessera.cli.validate_cmd import validate
 from tessera.cli.zoo_cmd import zoo
 from tessera.core.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TesseraError
@@ -22,8 +23,11 @@ from tessera.core.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TesseraError
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "--version", prog_name="tessera", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
-def cli(verbose: int) -> None:
+@click.option("--no-progress", is_flag=True, help="No progress bars (they are off anyway when stderr is not a terminal).")
+def cli(verbose: int, no_progress: bool) -> None:
     """tessera: place ONNX models on backends, plan parallel training and decoding, and run the plans."""
+    if no_progress:
+        os.environ[NO_PROGRESS_ENV] = "1"
     level = logging.WARNING - 10 * min(verbose, 2)
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 

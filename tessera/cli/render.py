@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+# Set by `tessera --no-progress` (and honoured by library code that shows progress).
+NO_PROGRESS_ENV = "TESSERA_NO_PROGRESS"
 
 
 def emit_json(data: Any) -> None:
@@ -32,3 +37,21 @@ def human_bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.2f} {suffix}"
     return f"{int(n)} B"
+
+
+def progress_enabled() -> bool:
+    """Progress bars only on an interactive stderr, and never with --no-progress."""
+    return sys.stderr.isatty() and not os.environ.get(NO_PROGRESS_ENV)
+
+
+def progress_bar() -> Progress:
+    """A rich progress bar on stderr; disabled (prints nothing) when progress is off."""
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=Console(file=sys.stderr),
+        disable=not progress_enabled(),
+        transient=True,
+    )
