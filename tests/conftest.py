@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 from pathlib import Path
+
+# Triton picks interpreter mode when first imported: on a machine without an NVIDIA GPU, set it before
+# any test module imports triton, so the kernel tests run on the interpreter instead of skipping.
+if shutil.which("nvidia-smi") is None:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import onnx
 import pytest

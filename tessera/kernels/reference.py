@@ -41,6 +41,7 @@ __all__ = [
     "decode_attention_partial",
     "full_decode_attention",
     "merge_partials",
+    "shard_sizes",
     "split_kv",
 ]
 

@@ -20,14 +20,13 @@ The split count is chosen so that ``num_splits * B * Hkv`` programs fill the GPU
 (bandwidth comes from many loads in flight), which is what a 128K-token cache at batch 1 needs.
 
 Runs on CUDA tensors, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-the first call). Importing this module never fails: without Triton,
+Triton is first imported). Importing this module never fails: without Triton,
 :func:`decode_attention_partial_triton` raises :class:`KernelUnavailableError` with the reason.
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -57,21 +56,39 @@ class KernelUnavailableError(LaunchError):
 
 
 def _interpreting() -> bool:
-    """Whether ``triton.jit`` would now build interpreted kernels (``TRITON_INTERPRET``)."""
-    knobs = getattr(triton, "knobs", None)
-    if knobs is not None:
-        return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    """Whether Triton runs kernels in its CPU interpreter.
+
+    Triton fixes this when it is imported: ``TRITON_INTERPRET`` is read as ``triton.language`` jits its
+    own library functions (``tl.zeros`` …), so setting it later has no effect. The kernels' own type
+    tells which mode they were built in.
+    """
+    if triton is None:
+        return False
+    return type(_decode_split_kernel).__name__ == "InterpretedFunction"
+
+
+def _mode_mismatch() -> str | None:
+    """A reason when tessera's kernels and Triton's library were built in different modes."""
+    library = type(getattr(tl, "zeros", None)).__name__
+    if (
+        library in ("JITFunction", "InterpretedFunction")
+        and (library == "InterpretedFunction") != _interpreting()
+    ):
+        return "TRITON_INTERPRET changed between importing triton and tessera.kernels; set it before both"
+    return None
 
 
 def triton_unavailable_reason(device: torch.device | str | None = None) -> str | None:
     """Why the Triton kernel cannot run (on ``device`` if given), or ``None`` when it can.
 
-    CPU tensors need Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before the first
-    call); CUDA tensors need a visible GPU.
+    CPU tensors need Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before Triton is
+    first imported); CUDA tensors need a visible GPU.
     """
     if _TRITON_IMPORT_ERROR is not None:
         return _TRITON_IMPORT_ERROR
+    mismatch = _mode_mismatch()
+    if mismatch is not None:
+        return mismatch
     if device is None:
         return None
     dev = torch.device(device)
@@ -80,15 +97,13 @@ def triton_unavailable_reason(device: torch.device | str | None = None) -> str |
     if dev.type == "cpu":
         if _interpreting():
             return None
-        return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before the first call"
+        return "CPU tensors need Triton's interpreter: set TRITON_INTERPRET=1 before triton is imported"
     return f"device type {dev.type!r} is not supported by the Triton decode kernel"
 
 
-# The kernels are plain functions, jitted on first use (see _jitted) rather than at import: Triton
-# decides at decoration time between compiling and interpreting (TRITON_INTERPRET), so decorating late
-# honours a TRITON_INTERPRET set after this module was imported (as the tests do).
 if triton is not None:
 
+    @triton.jit
     def _decode_split_kernel(
         q_ptr,
         k_ptr,
@@ -159,7 +174,11 @@ if triton is not None:
         for start_n in range(lo, hi, BLOCK_N):
             pos = start_n + offs_n
             mask_n = pos < hi
-            kv_mask = mask_n[:, None] & mask_d[None, :]
+            # A mask only along the sequence when D fills the tile keeps the loads vectorized along D.
+            if HEAD_DIM == BLOCK_D:
+                kv_mask = mask_n[:, None]
+            else:
+                kv_mask = mask_n[:, None] & mask_d[None, :]
             k = tl.load(
                 k_base + pos[:, None] * stride_ks + offs_d[None, :] * stride_kd, mask=kv_mask, other=0.0
             )
@@ -203,6 +222,7 @@ if triton is not None:
         )
         tl.store(lse_part_ptr + row, lse, mask=mask_g)
 
+    @triton.jit
     def _merge_splits_kernel(
         o_part_ptr,
         lse_part_ptr,
@@ -258,17 +278,6 @@ if triton is not None:
             mask=mask_d,
         )
         tl.store(lse_ptr + bh + tl.zeros([1], dtype=tl.int64), lse)
-
-
-_JITTED: dict[bool, tuple] = {}
-
-
-def _jitted() -> tuple:
-    """``(split_kernel, merge_kernel)`` jitted for the current mode (interpreted or compiled)."""
-    mode = _interpreting()
-    if mode not in _JITTED:
-        _JITTED[mode] = (triton.jit(_decode_split_kernel), triton.jit(_merge_splits_kernel))
-    return _JITTED[mode]
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -351,7 +360,7 @@ def decode_attention_partial_triton(
     use_dot = group > 1
     # Triton 3.x's interpreter multiplies bf16 dot operands as their raw uint16 bits; there the kernel
     # upcasts them (after the same bf16 rounding of p) so the interpreter computes what the GPU does.
-    dot_in_fp32 = q.device.type == "cpu" and q.dtype == torch.bfloat16
+    dot_in_fp32 = _interpreting() and q.dtype == torch.bfloat16
     if block_n is None:
         block_n = 64 if use_dot else 32
     if block_n < 16 or block_n & (block_n - 1):
@@ -379,8 +388,7 @@ def decode_attention_partial_triton(
     if num_stages is not None:
         launch["num_stages"] = num_stages
     kv_len_arg = kv_len if kv_len is not None else lse_part  # unused pointer when HAS_KV_LEN is False
-    split_kernel, merge_kernel = _jitted()
-    split_kernel[(num_splits, b * hkv)](
+    _decode_split_kernel[(num_splits, b * hkv)](
         q,
         k,
         v,
@@ -407,7 +415,7 @@ def decode_attention_partial_triton(
         DOT_IN_FP32=dot_in_fp32,
         **launch,
     )
-    merge_kernel[(b * hq,)](
+    _merge_splits_kernel[(b * hq,)](
         o_part,
         lse_part,
         o,
