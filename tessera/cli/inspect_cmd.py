@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import click
 from rich.table import Table
 
-from tessera.cli.options import json_option, model_options
+from tessera.cli.options import json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, human_bytes, human_count
+from tessera.core.files import write_atomic
 from tessera.core.graph import Graph, write_model
 from tessera.core.structure import branch_structure
 
@@ -40,17 +42,20 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
 @click.command()
 @model_options
 @json_option
+@output_option
 @click.option(
     "--write-named",
     type=click.Path(dir_okay=False, path_type=str),
     help="Write the model with every node named.",
 )
 @click.option("--top", default=12, show_default=True, help="Op types shown in the histogram (human output).")
-def inspect(graph: Graph, as_json: bool, write_named: str | None, top: int) -> None:
+def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | None, top: int) -> None:
     """Summarize MODEL: nodes, op types, parameters, FLOPs, inputs/outputs and branch structure."""
     report = inspect_report(graph)
     if write_named:
         write_model(graph.model, write_named)
+    if output:
+        write_atomic(output, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     if as_json:
         emit_json(report)
         return

@@ -72,9 +72,21 @@ def test_inspect_input_shape_and_write_named(tmp_path, write_model):
     model.graph.node[0].name = ""
     path = write_model(model)
     named = tmp_path / "named.onnx"
-    result = run_cli("inspect", str(path), "--input-shape", "x=5x3", "--write-named", str(named), "--json")
+    report = tmp_path / "report.json"
+    result = run_cli(
+        "inspect",
+        str(path),
+        "--input-shape",
+        "x=5x3",
+        "--write-named",
+        str(named),
+        "--json",
+        "-o",
+        str(report),
+    )
     assert result.code == 0, result.err
     assert json.loads(result.out)["inputs"][0]["shape"] == [5, 3]
+    assert json.loads(report.read_text()) == json.loads(result.out)
     assert load_graph(named).order == ("Relu_0",)
 
 
