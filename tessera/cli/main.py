@@ -14,6 +14,7 @@ import click
 
 from tessera import __version__
 from tessera.cli.inspect_cmd import inspect
+from tessera.cli.plan_cmd import plan
 from tessera.cli.render import NO_PROGRESS_ENV
 from tessera.cli.validate_cmd import validate
 from tessera.cli.zoo_cmd import zoo
@@ -23,7 +24,11 @@ from tessera.core.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TesseraError
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "--version", prog_name="tessera", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
-@click.option("--no-progress", is_flag=True, help="No progress bars (they are off anyway when stderr is not a terminal).")
+@click.option(
+    "--no-progress",
+    is_flag=True,
+    help="No progress bars (they are off anyway when stderr is not a terminal).",
+)
 def cli(verbose: int, no_progress: bool) -> None:
     """tessera: place ONNX models on backends, plan parallel training and decoding, and run the plans."""
     if no_progress:
@@ -33,6 +38,7 @@ def cli(verbose: int, no_progress: bool) -> None:
 
 
 cli.add_command(inspect)
+cli.add_command(plan)
 cli.add_command(validate)
 cli.add_command(zoo)
 

@@ -62,7 +62,9 @@ class TrainingMemory:
 
     @property
     def bytes_per_param(self) -> float:
-        return self.weight_bytes_per_param + self.gradient_bytes_per_param + self.optimizer_state_bytes_per_param
+        return (
+            self.weight_bytes_per_param + self.gradient_bytes_per_param + self.optimizer_state_bytes_per_param
+        )
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,9 @@ class CostModel:
 
     def optimizer_bytes(self, op: OpNode) -> float:
         """Gradient + optimizer state of ``op``'s parameters."""
-        return op.params * (self.memory.gradient_bytes_per_param + self.memory.optimizer_state_bytes_per_param)
+        return op.params * (
+            self.memory.gradient_bytes_per_param + self.memory.optimizer_state_bytes_per_param
+        )
 
     def gradient_bytes(self, op: OpNode) -> float:
         return op.params * self.memory.gradient_bytes_per_param

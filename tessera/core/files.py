@@ -18,6 +18,8 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     payload = data.encode() if isinstance(data, str) else data
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
+        # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
+        os.fchmod(fd, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
         with os.fdopen(fd, "wb") as f:
             f.write(payload)
             f.flush()
@@ -30,3 +32,9 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
             pass
         raise
     return target
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask

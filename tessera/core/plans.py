@@ -27,6 +27,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     ValidationError,
+    model_validator,
 )
 
 from tessera import __version__
@@ -142,8 +143,19 @@ class KvShard(_Strict):
     stop: NonNegativeInt
 
 
+class LlmConfigRef(_Strict):
+    """The LLM config a cp plan was made from when there is no ONNX model (``--llm``)."""
+
+    kind: Literal["file", "preset"]
+    path: str
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
 class CpPlan(_PlanBase):
     kind: Literal["cp"] = "cp"
+    # A cp plan is made from an ONNX model (``model``) or from an LLM config (``llm_config``).
+    model: ModelRef | None = None  # type: ignore[assignment]
+    llm_config: LlmConfigRef | None = None
     strategy: Literal["cp", "tp", "dp", "cp+tp"]
     degree: PositiveInt
     llm: dict[str, Any]
@@ -151,6 +163,12 @@ class CpPlan(_PlanBase):
     kv_shards: list[KvShard] = Field(default_factory=list)
     collectives: list[dict[str, Any]] = Field(default_factory=list)
     alternatives: list[dict[str, Any]] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _has_a_source(self) -> CpPlan:
+        if (self.model is None) == (self.llm_config is None):
+            raise ValueError("a cp plan names exactly one of model (ONNX) and llm_config")
+        return self
 
 
 Plan = PlacementPlan | GppPlan | CpPlan
@@ -227,6 +245,8 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
     and pipeline plans — that every node is covered exactly once and the stage graph is a DAG.
     """
     problems: list[str] = []
+    if plan.model is None:
+        return ["the plan was made from an LLM config (llm_config), not from an ONNX model"]
     if plan.model.sha256 != graph.sha256:
         problems.append(
             f"model changed: the plan was made for sha256 {plan.model.sha256[:12]}…, "

@@ -16,6 +16,13 @@ def test_write_atomic_replaces_whole_file(tmp_path):
     write_atomic(path, b"new contents")
     assert path.read_bytes() == b"new contents"
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]  # no temp file left
+    assert path.stat().st_mode & 0o077 == 0o666 & ~_current_umask() & 0o077  # not mkstemp's 0600
+
+
+def _current_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def test_killed_writer_leaves_the_old_file_intact(tmp_path):

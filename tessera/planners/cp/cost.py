@@ -1,0 +1,474 @@
+"""Cost model of one decode step under cache (CP), tensor (TP) and data (DP) parallelism.
+
+Thesis chapter 4 (thesis-jeon-collage-graphpipe-cp.txt): a decode step generates one token for each of
+``B`` requests. Only attention grows with the KV cache; projections and the FFN see one token per
+request (§4.3). The three strategies over ``N`` devices, as the thesis defines them:
+
+- **TP** (§4.2.3, Megatron): every weight matrix split over the devices (heads for attention), every
+  device works on all ``B`` requests; two all-reduces per layer.
+- **DP** (§4.2.3): ``N`` independent replicas with ``B/N`` requests each; no communication, but full
+  weights on every device and a straggler: output lengths are unknown, so the replicas finish their
+  requests' work at different times (§4.3).
+- **CP** (§4.4): attention over a KV cache split along the sequence (every device attends all ``B``
+  requests' queries to its ``kv_shard``, then the partial results are merged as in FlashDecoding),
+  data parallelism for everything else (§4.4: "CP as CP for the attention and DP for the other
+  parts"); one all-gather of Q/K/V and one all-to-all of partial results per layer.
+
+Per device and step the model adds (the categories of the thesis's Fig. 4.5):
+
+- GPU compute, as a roofline per part: ``max(FLOPs / peak, bytes / memory bandwidth)`` for the dense
+  part (weights read once per step by each device holding them) and for attention (its KV cache
+  read once per step: decode attention is memory-bound), plus a kernel launch per operator;
+- GPU communication: per collective ``steps · latency + bytes / bandwidth`` over the group's slowest
+  link, with the per-GPU volumes of thesis §4.4 (:func:`cp_comm_elements`, :func:`tp_comm_elements`);
+- CPU overhead: PagedAttention block-table management, linear in the (request, KV block) entries a
+  device's attention indexes each step (§4.5.2, §4.5.4: TP keeps every request's full table on every
+  device, CP only its shard's).
+
+A strategy at a degree is infeasible when weights plus KV cache exceed a device's memory (§4.3: the
+thesis's systems then evict sequences to the CPU; tessera does not plan for that).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+
+from tessera.core.specs import ClusterSpec, Device
+from tessera.planners.cp.llm import LlmConfig
+from tessera.planners.cp.workload import OutputLengths, Workload
+
+__all__ = [
+    "STRATEGIES",
+    "Collective",
+    "CostParams",
+    "Estimate",
+    "cp_comm_elements",
+    "degrees",
+    "dp_replica_steps",
+    "estimate",
+    "estimate_all",
+    "tp_comm_elements",
+]
+
+Strategy = Literal["tp", "cp", "dp"]
+STRATEGIES: tuple[Strategy, ...] = ("tp", "cp", "dp")
+
+
+@dataclass(frozen=True)
+class CostParams:
+    """The cost model's constants that the cluster spec does not give.
+
+    ``block_table_entry_s``: host time per block-table entry per decode step (thesis §4.5.2,
+    §4.5.4: PagedAttention block-table management is the CPU overhead that grows with batch and
+    sequence, and TP pays it for every request's whole table on every device). vLLM, which the
+    thesis builds on (§4.5.1), rebuilds each running sequence's block table as a Python list every
+    step, pads it and converts it to a tensor (``_prepare_decode``): CPython work per element. On
+    tessera's 2-core development VM that path measured 160 ns per entry (a bare list-comprehension
+    element: 43 ns), i.e. about 45 ns on a server core 3-4x faster. The default, 20 ns, lies in the
+    range the thesis's own breakdown (Fig. 4.5: CPU overhead DP > TP > CP at long context) implies
+    for its machine; predictions scale linearly with it, and above about 30 ns the model ranks TP
+    below DP at long contexts on the thesis's setup. Every plan records it (``predicted.cost_model``).
+    """
+
+    kv_block: int = 16
+    """Tokens per paged KV-cache block (vLLM's default; also the kernels' shard alignment)."""
+    block_table_entry_s: float = 20e-9
+    kernels_per_layer: int = 12
+    """GPU kernels per layer and step: 2 norms, Q/K/V, attention, output projection, 2 residual
+    adds, FFN (up, activation, down) and a rotary/bias op; CP adds one merge kernel."""
+    dp_trials: int = 2048
+    """Monte Carlo draws of the output lengths for the DP straggler (seeded, so deterministic)."""
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kv_block": self.kv_block,
+            "block_table_entry_s": self.block_table_entry_s,
+            "kernels_per_layer": self.kernels_per_layer,
+            "dp_trials": self.dp_trials,
+            "seed": self.seed,
+        }
+
+
+# -- communication volume: thesis §4.4 -----------------------------------------------------------
+
+
+def cp_comm_elements(
+    n: int, batch: int, hidden: int, heads: int, *, kv_dim: int | None = None
+) -> tuple[float, float]:
+    """Per-GPU, per-layer communication volume of CP in elements: ``(all-gather, all-to-all)``.
+
+    Thesis §4.4, "Communication" (volumes in elements: it assumes 1 byte per datum)::
+
+        (all-gather) + (all-to-all) = (N-1)·3BE/N + (N-1)·B(E+2H)/2
+
+    The all-gather brings every device the Q, K and V of all ``B`` requests (``3E`` per request for
+    multi-head attention; ``E + 2·kv_dim`` with grouped-query attention, which equals ``3E`` when
+    ``kv_dim = E``). The all-to-all returns to each request's device its partial results from every
+    shard: the output ``o`` (``E``) and the softmax max ``m`` and sum ``s`` (``H`` each). The second
+    term's divisor is the thesis's ``2``, as printed (not ``N``; the two agree at ``N = 2``).
+    """
+    qkv = 3 * hidden if kv_dim is None else hidden + 2 * kv_dim
+    all_gather = (n - 1) * batch * qkv / n
+    all_to_all = (n - 1) * batch * (hidden + 2 * heads) / 2
+    return all_gather, all_to_all
+
+
+def tp_comm_elements(n: int, batch: int, hidden: int) -> float:
+    """Per-GPU, per-layer communication volume of TP in elements: thesis §4.4, ``(2 all-reduce) = 4(N-1)BE``.
+
+    Each all-reduce (after the attention output projection and after the FFN) moves ``2(N-1)BE``:
+    every device sends its ``B×E`` partial sum to the ``N-1`` others and receives theirs.
+    """
+    return 4 * (n - 1) * batch * hidden
+
+
+# -- the estimate -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a layer's schedule: what it moves, per GPU, over which devices."""
+
+    op: Literal["all_gather", "all_to_all", "all_reduce"]
+    bytes: int
+    group: tuple[str, ...]
+    what: str
+    time_s: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "bytes": self.bytes,
+            "group": list(self.group),
+            "what": self.what,
+            "time_s": _sig(self.time_s),
+        }
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """The predicted decode step of one strategy at one degree."""
+
+    strategy: Strategy
+    degree: int
+    devices: tuple[str, ...]
+    feasible: bool
+    reason: str | None
+    step_time_s: float
+    tokens_per_s: float
+    compute_s: float
+    communication_s: float
+    host_s: float
+    weights_bytes: int
+    kv_cache_bytes: int
+    capacity_bytes: int
+    collectives: tuple[Collective, ...] = ()
+    kv_split: str = ""
+    dp_straggler: float = 1.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes
+
+    @property
+    def per_token_latency_s(self) -> float:
+        """Time between two tokens of one request: one decode step."""
+        return self.step_time_s
+
+    @property
+    def label(self) -> str:
+        return f"{self.strategy}-{self.degree}"
+
+    def summary(self) -> dict[str, Any]:
+        """The estimate as plain data (a plan's ``predicted`` or one of its ``alternatives``)."""
+        return {
+            "strategy": self.strategy,
+            "degree": self.degree,
+            "feasible": self.feasible,
+            "reason": self.reason,
+            "tokens_per_s": _sig(self.tokens_per_s) if self.feasible else None,
+            "per_token_latency_s": _sig(self.per_token_latency_s) if self.feasible else None,
+            "step_time_s": _sig(self.step_time_s),
+            "breakdown": {
+                "compute_s": _sig(self.compute_s),
+                "communication_s": _sig(self.communication_s),
+                "host_s": _sig(self.host_s),
+            },
+            "memory_per_device": {
+                "weights": self.weights_bytes,
+                "kv_cache": self.kv_cache_bytes,
+                "total": self.memory_bytes,
+                "capacity": self.capacity_bytes,
+            },
+            "dp_straggler": _sig(self.dp_straggler),
+        }
+
+
+def degrees(num_devices: int) -> list[int]:
+    """The parallel degrees a cluster offers: the divisors of its device count (1, 2, 4, … for 8)."""
+    return [d for d in range(1, num_devices + 1) if num_devices % d == 0]
+
+
+def estimate_all(
+    llm: LlmConfig,
+    cluster: ClusterSpec,
+    workload: Workload,
+    *,
+    layers: int | None = None,
+    params: CostParams | None = None,
+) -> list[Estimate]:
+    """Every strategy at every degree (:func:`degrees`), in (strategy, degree) order."""
+    return [
+        estimate(llm, cluster, workload, strategy, n, layers=layers, params=params)
+        for strategy in STRATEGIES
+        for n in degrees(cluster.num_devices)
+    ]
+
+
+def estimate(
+    llm: LlmConfig,
+    cluster: ClusterSpec,
+    workload: Workload,
+    strategy: Strategy,
+    degree: int,
+    *,
+    layers: int | None = None,
+    params: CostParams | None = None,
+) -> Estimate:
+    """Predict one decode step of ``strategy`` on the first ``degree`` devices of ``cluster``.
+
+    ``layers`` evaluates only that many transformer layers and no embedding or LM head (the thesis
+    measures a single layer, §4.5.1, reporting tokens/s per layer); the default is the whole model.
+    """
+    p = params or CostParams()
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; expected one of {STRATEGIES}")
+    if degree < 1 or degree > cluster.num_devices:
+        raise ValueError(f"degree {degree} is not in 1..{cluster.num_devices}")
+    group = cluster.devices()[:degree]
+    n = degree
+    num_layers = llm.layers if layers is None else layers
+    with_head = layers is None
+    b = llm.dtype_bytes
+    batch = workload.batch
+    blk = p.kv_block
+    kv_token_layer = 2 * llm.kv_dim * b  # bytes one token adds to one layer's KV cache
+    mean_kv = workload.mean_kv_length
+    mean_blocks = math.ceil(mean_kv / blk)
+    max_kv = workload.max_kv_length
+
+    # Weights: per layer, plus the embedding (held) and the LM head (read every step).
+    layer_weight_bytes = llm.layer_params * b
+    head_read_bytes = llm.vocab * llm.hidden * b if with_head else 0
+    embedding_bytes = llm.embedding_params * b if with_head else 0
+    dense_flops_per_token = 2 * (llm.attention_params + llm.ffn_params)
+    attn_flops_per_position = 4 * llm.heads * int(llm.head_dim)  # Q·Kᵀ and ·V, per token and position
+
+    reasons: list[str] = []
+    collectives: list[Collective] = []
+    kernels = p.kernels_per_layer
+    if strategy == "tp":
+        if llm.heads % n or int(llm.kv_heads) % n:
+            reasons.append(
+                f"tensor parallelism needs the heads ({llm.heads}) and KV heads ({llm.kv_heads}) to be "
+                f"multiples of the degree {n} (thesis §4.2.3)"
+            )
+        shard = 1 / n
+        dense_tokens = batch
+        attn_requests, attn_positions, attn_share = batch, mean_kv, shard
+        table_entries = batch * mean_blocks
+        weights = (num_layers * layer_weight_bytes + embedding_bytes) * shard
+        kv_cache = batch * max_kv * kv_token_layer * num_layers * shard
+        head_share = shard
+        if n > 1:
+            volume = tp_comm_elements(n, batch, llm.hidden) * b / 2  # per all-reduce
+            for what in ("attention output projection partial sums", "FFN output partial sums"):
+                collectives.append(_collective(cluster, group, "all_reduce", volume, what))
+        kv_split = "heads: every device holds all positions of every request for heads/N heads"
+    elif strategy == "dp":
+        if batch < n:
+            reasons.append(f"data parallelism over {n} replicas needs at least {n} requests (batch {batch})")
+        per_replica = math.ceil(batch / n)
+        dense_tokens = per_replica
+        attn_requests, attn_positions, attn_share = per_replica, mean_kv, 1.0
+        table_entries = per_replica * mean_blocks
+        weights = num_layers * layer_weight_bytes + embedding_bytes
+        kv_cache = per_replica * max_kv * kv_token_layer * num_layers
+        head_share = 1.0
+        kv_split = "requests: each replica holds the whole KV cache of its own requests"
+    else:  # cp
+        per_device = math.ceil(batch / n)
+        dense_tokens = per_device
+        # Every device attends all B requests to its shard: the largest block-aligned shard.
+        shard_blocks = math.ceil(mean_blocks / n)
+        attn_requests, attn_positions, attn_share = batch, min(mean_kv, shard_blocks * blk), 1.0
+        table_entries = batch * shard_blocks
+        weights = num_layers * layer_weight_bytes + embedding_bytes
+        max_shard = min(max_kv, math.ceil(math.ceil(max_kv / blk) / n) * blk)
+        kv_cache = batch * max_shard * kv_token_layer * num_layers
+        head_share = 1.0
+        if n > 1:
+            gather, exchange = cp_comm_elements(n, batch, llm.q_dim, llm.heads, kv_dim=llm.kv_dim)
+            collectives.append(
+                _collective(cluster, group, "all_gather", gather * b, "q, k, v of every request")
+            )
+            collectives.append(
+                _collective(
+                    cluster,
+                    group,
+                    "all_to_all",
+                    exchange * b,
+                    "partial attention o, m, s to each request's device",
+                )
+            )
+            kernels += 1  # the log-sum-exp merge of the partials
+        kv_split = "sequence: each device holds a block-aligned range of every request's positions"
+
+    # Per device: the slowest device of the group sets the step.
+    def step_parts(device: Device, tokens: int) -> tuple[float, float]:
+        peak = device.type.peak_flops(llm.dtype)
+        bw = device.type.memory_bandwidth
+        dense = max(
+            tokens * dense_flops_per_token * _share(strategy, n) / peak,
+            layer_weight_bytes * _share(strategy, n) / bw,
+        )
+        requests = attn_requests if strategy != "dp" else tokens
+        attention = max(
+            requests * attn_positions * attn_flops_per_position * attn_share / peak,
+            requests * attn_positions * kv_token_layer * attn_share / bw,
+        )
+        head = 0.0
+        if with_head:
+            head = max(
+                tokens * 2 * llm.vocab * llm.hidden * head_share / peak, head_read_bytes * head_share / bw
+            )
+        compute = num_layers * (dense + attention) + head
+        launches = (num_layers * kernels + (1 if with_head else 0)) * device.type.kernel_launch_overhead
+        return compute, launches
+
+    def step_time(tokens: int) -> tuple[float, float, float, float]:
+        worst = max(step_parts(d, tokens) for d in group)
+        compute, launches = worst
+        entries = table_entries if strategy != "dp" else tokens * mean_blocks
+        host = launches + entries * p.block_table_entry_s
+        comm = num_layers * sum(c.time_s for c in collectives)
+        return compute + host + comm, compute, comm, host
+
+    step, compute, comm, host = step_time(dense_tokens)
+    straggler = 1.0
+    if strategy == "dp" and batch >= n:
+        # Replicas finish their own requests' work (Σ output lengths / slots) at different times.
+        counts = np.bincount(np.arange(batch) % n, minlength=n)
+        steps = dp_replica_steps(workload.output, batch, n, trials=p.dp_trials, seed=p.seed)
+        times = np.array([step_time(int(c))[0] for c in counts])
+        makespan = float(np.mean(np.max(steps * times, axis=1)))
+        generated = float(np.mean(np.sum(steps * counts, axis=1)))
+        tokens_per_s = generated / makespan
+        straggler = float(np.mean(np.max(steps, axis=1)) / np.mean(steps))
+    else:
+        tokens_per_s = batch / step
+
+    capacity = min(d.type.memory for d in group)
+    weights_bytes, kv_bytes = math.ceil(weights), math.ceil(kv_cache)
+    if weights_bytes + kv_bytes > capacity:
+        reasons.append(
+            f"needs {_gib(weights_bytes + kv_bytes)} per device (weights {_gib(weights_bytes)}, "
+            f"KV cache {_gib(kv_bytes)}), devices have {_gib(capacity)}"
+        )
+    return Estimate(
+        strategy=strategy,
+        degree=n,
+        devices=tuple(d.id for d in group),
+        feasible=not reasons,
+        reason="; ".join(reasons) or None,
+        step_time_s=step,
+        tokens_per_s=tokens_per_s,
+        compute_s=compute,
+        communication_s=comm,
+        host_s=host,
+        weights_bytes=weights_bytes,
+        kv_cache_bytes=kv_bytes,
+        capacity_bytes=capacity,
+        collectives=tuple(collectives),
+        kv_split=kv_split,
+        dp_straggler=straggler,
+    )
+
+
+def _share(strategy: str, n: int) -> float:
+    """The fraction of each weight matrix a device holds and multiplies by."""
+    return 1 / n if strategy == "tp" else 1.0
+
+
+def _collective(
+    cluster: ClusterSpec,
+    group: list[Device],
+    op: Literal["all_gather", "all_to_all", "all_reduce"],
+    nbytes: float,
+    what: str,
+) -> Collective:
+    """A collective over ``group``: ``steps · latency + bytes / bandwidth`` on its slowest link.
+
+    ``steps`` is ``N-1`` for an all-gather or all-to-all and ``2(N-1)`` for an all-reduce (ring
+    algorithms); ``bytes`` is the per-GPU volume of thesis §4.4.
+    """
+    n = len(group)
+    links = [cluster.link_between(a, b) for a in group for b in group if a.id != b.id]
+    bandwidth = min(link.bandwidth for link in links)
+    latency = max(link.latency for link in links)
+    steps = 2 * (n - 1) if op == "all_reduce" else n - 1
+    nbytes_int = math.ceil(nbytes)
+    return Collective(
+        op=op,
+        bytes=nbytes_int,
+        group=tuple(d.id for d in group),
+        what=what,
+        time_s=steps * latency + nbytes_int / bandwidth,
+    )
+
+
+@functools.lru_cache(maxsize=256)
+def _replica_steps(output: OutputLengths, batch: int, replicas: int, trials: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    lengths = output.sample(rng, (trials, batch)).astype(np.float64)
+    owner = np.arange(batch) % replicas  # round-robin: lengths are unknown when requests are placed
+    counts = np.bincount(owner, minlength=replicas).astype(np.float64)
+    work = np.zeros((trials, replicas))
+    for r in range(replicas):
+        work[:, r] = lengths[:, owner == r].sum(axis=1)
+    steps = work / counts
+    steps.setflags(write=False)
+    return steps
+
+
+def dp_replica_steps(
+    output: OutputLengths, batch: int, replicas: int, *, trials: int = 2048, seed: int = 0
+) -> np.ndarray:
+    """Decode steps each DP replica needs, ``[trials, replicas]``, by seeded Monte Carlo.
+
+    ``batch`` requests are dealt round-robin to the replicas (their output lengths are unknown when
+    they are placed, thesis §4.3) and each replica serves its requests with continuous batching in
+    its ``batch / replicas`` slots, so it needs ``Σ output lengths / slots`` steps. The job takes
+    the maximum over replicas; a balanced strategy (TP, CP) takes the mean. Deterministic for a seed.
+    """
+    if replicas < 1 or batch < replicas:
+        raise ValueError(f"need 1 <= replicas <= batch; got {replicas} replicas for batch {batch}")
+    return _replica_steps(output, batch, replicas, trials, seed)
+
+
+def _sig(x: float, digits: int = 6) -> float:
+    """``x`` rounded to ``digits`` significant digits (stable, readable plan JSON)."""
+    if x == 0 or not math.isfinite(x):
+        return float(x)
+    return float(f"{x:.{digits}g}")
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -1,0 +1,240 @@
+"""The decoder-only LLM a cache-parallel plan is for: its shape (layers, E, H, …) and where it came from.
+
+A :class:`LlmConfig` carries exactly what the CP cost model needs (thesis §4.4 names them: ``E`` the
+hidden size, ``H`` the attention heads; the KV cache per token and layer is ``2 · kv_heads · head_dim``
+elements). It comes from one of three places:
+
+- an ONNX model, recognized structurally by :func:`tessera.planners.cp.recognize.recognize_llm`;
+- a YAML file (``--llm my-model.yaml``) with the fields of :class:`LlmConfig`, read safely and
+  validated, every problem one line naming the file and the field;
+- a preset name (``--llm llama-7b``): a file stem in ``configs/llm/``.
+
+Example file (``configs/llm/llama-7b.yaml``)::
+
+    name: llama-7b
+    layers: 32
+    hidden: 4096
+    heads: 32
+    ffn: 11008
+    vocab: 32000
+    dtype: fp16
+    gated_ffn: true      # SwiGLU: gate, up and down projections
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tessera.core.errors import InputError
+
+# Private helpers of the cluster-spec reader: the same strict YAML and the same one-line messages.
+from tessera.core.specs import _format_validation_error, _UniqueKeyLoader
+
+__all__ = [
+    "DTYPE_BYTES",
+    "LlmConfig",
+    "LlmSource",
+    "list_llm_presets",
+    "llm_presets_dir",
+    "load_llm_config",
+]
+
+# Bytes per element of the data types a decoder may be served in.
+DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
+
+
+class LlmConfig(BaseModel):
+    """A decoder-only transformer's shape: what the CP/TP/DP cost model reads.
+
+    ``kv_heads`` defaults to ``heads`` (multi-head attention; fewer is grouped-query attention) and
+    ``head_dim`` to ``hidden / heads``. ``gated_ffn`` counts three FFN matrices (gate, up, down:
+    SwiGLU, as in Llama) instead of two (fc1, fc2: GELU, as in GPT-2).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(min_length=1)
+    layers: int = Field(strict=True, ge=1)
+    hidden: int = Field(strict=True, ge=1)
+    heads: int = Field(strict=True, ge=1)
+    kv_heads: int | None = Field(default=None, strict=True, ge=1)
+    head_dim: int | None = Field(default=None, strict=True, ge=1)
+    ffn: int = Field(strict=True, ge=1)
+    vocab: int = Field(strict=True, ge=1)
+    dtype: Literal["fp32", "fp16", "bf16", "fp8", "int8"] = "fp16"
+    gated_ffn: bool = False
+    tied_embeddings: bool = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            allowed = list(cls.model_fields)
+            for key in data:
+                if key not in allowed:
+                    close = difflib.get_close_matches(str(key), allowed, n=1)
+                    hint = (
+                        f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(allowed)}"
+                    )
+                    raise ValueError(f"unknown field {key!r} ({hint})")
+        return data
+
+    @model_validator(mode="after")
+    def _defaults_and_consistency(self) -> LlmConfig:
+        kv_heads = self.heads if self.kv_heads is None else self.kv_heads
+        if self.heads % kv_heads:
+            raise ValueError(f"kv_heads: {kv_heads} must divide heads ({self.heads})")
+        if self.head_dim is None and self.hidden % self.heads:
+            raise ValueError(
+                f"head_dim: required, heads ({self.heads}) does not divide hidden ({self.hidden})"
+            )
+        head_dim = self.hidden // self.heads if self.head_dim is None else self.head_dim
+        object.__setattr__(self, "kv_heads", kv_heads)
+        object.__setattr__(self, "head_dim", head_dim)
+        return self
+
+    # -- derived sizes (elements unless named bytes) ------------------------------------------------
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of K (and of V) per token: ``kv_heads · head_dim`` (= E for multi-head attention)."""
+        return int(self.kv_heads) * int(self.head_dim)  # type: ignore[arg-type]
+
+    @property
+    def q_dim(self) -> int:
+        """Width of Q and of the attention output per token: ``heads · head_dim`` (= E usually)."""
+        return self.heads * int(self.head_dim)  # type: ignore[arg-type]
+
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def attention_params(self) -> int:
+        """Q, K, V and output projection weights of one layer."""
+        return self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim + self.q_dim * self.hidden
+
+    @property
+    def ffn_params(self) -> int:
+        return (3 if self.gated_ffn else 2) * self.hidden * self.ffn
+
+    @property
+    def layer_params(self) -> int:
+        """Weights of one transformer layer: projections, FFN and two norms (scale + bias)."""
+        return self.attention_params + self.ffn_params + 4 * self.hidden
+
+    @property
+    def embedding_params(self) -> int:
+        """Token embedding plus LM head (one matrix when tied)."""
+        return (1 if self.tied_embeddings else 2) * self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.embedding_params
+
+    def kv_bytes_per_token(self, layers: int | None = None) -> int:
+        """KV-cache bytes one token adds over ``layers`` layers (default all): ``2 · kv_dim · bytes``."""
+        return (self.layers if layers is None else layers) * 2 * self.kv_dim * self.dtype_bytes
+
+    def with_dtype(self, dtype: str | None) -> LlmConfig:
+        return self if dtype is None or dtype == self.dtype else self.model_copy(update={"dtype": dtype})
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "layers": self.layers,
+            "hidden": self.hidden,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "ffn": self.ffn,
+            "vocab": self.vocab,
+            "dtype": self.dtype,
+            "gated_ffn": self.gated_ffn,
+            "tied_embeddings": self.tied_embeddings,
+            "parameters": self.params,
+        }
+
+
+class LlmSource(BaseModel):
+    """Where an :class:`LlmConfig` came from: ``onnx`` (recognized), ``file`` or ``preset``."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["onnx", "file", "preset"]
+    path: str
+    sha256: str
+
+
+def llm_presets_dir() -> Path:
+    """The folder of LLM presets: ``configs/llm`` packaged with tessera, or at the repo root."""
+    package = Path(__file__).resolve().parents[2]
+    for candidate in (package / "configs" / "llm", package.parent / "configs" / "llm"):
+        if candidate.is_dir():
+            return candidate
+    return package.parent / "configs" / "llm"
+
+
+def list_llm_presets() -> list[str]:
+    folder = llm_presets_dir()
+    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def load_llm_config(path_or_preset: str | Path) -> tuple[LlmConfig, LlmSource]:
+    """Read ``--llm``: a YAML file or a preset name. Raises :class:`InputError` (one line) on any problem."""
+    path, kind = _resolve(path_or_preset)
+    try:
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError("not an LLM config: not UTF-8 text", source=path) from None
+    except OSError as err:
+        raise InputError(f"cannot read the LLM config: {err.strerror or err}", source=path) from None
+    try:
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = getattr(err, "problem", None) or str(err)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise InputError(f"not valid YAML: {problem}{where}", source=path) from None
+    config = parse_llm_config(data, source=str(path))
+    label = str(path_or_preset) if kind == "preset" else str(path)
+    return config, LlmSource(kind=kind, path=label, sha256=hashlib.sha256(raw).hexdigest())
+
+
+def parse_llm_config(data: Any, *, source: str | None = None) -> LlmConfig:
+    """Validate already-loaded data as an :class:`LlmConfig` (one-line errors naming ``source``)."""
+    if not isinstance(data, dict):
+        got = "an empty document" if data is None else f"a YAML {type(data).__name__}"
+        raise InputError(
+            f"expected an LLM config mapping (name, layers, hidden, heads, ffn, vocab, …); got {got}",
+            source=source,
+        )
+    try:
+        return LlmConfig.model_validate(data)
+    except ValidationError as err:
+        raise InputError(_format_validation_error(err), source=source) from None
+
+
+def _resolve(path_or_preset: str | Path) -> tuple[Path, Literal["file", "preset"]]:
+    path = Path(path_or_preset)
+    if path.is_file():
+        return path, "file"
+    text = str(path_or_preset)
+    if path.exists():
+        raise InputError("expected an LLM config YAML file; this is a directory", source=path)
+    if "/" in text or "\\" in text or path.suffix in (".yaml", ".yml"):
+        raise InputError("LLM config file not found", source=path)
+    preset = llm_presets_dir() / f"{text}.yaml"
+    if preset.is_file():
+        return preset, "preset"
+    presets = ", ".join(list_llm_presets()) or "none found"
+    raise InputError(
+        f"unknown LLM preset {text!r}: give a YAML file path or a preset ({presets})", source=text
+    )

@@ -1,0 +1,167 @@
+"""``plan_cp``: choose how to parallelize LLM decoding over a cluster, and write it as a CP plan.
+
+Every strategy (CP, TP, DP; thesis ch. 4) at every degree the cluster offers is predicted by
+:mod:`tessera.planners.cp.cost`; the plan is the feasible one with the most tokens/s (ties: fewer
+devices, then TP, CP, DP), and lists all others under ``alternatives``. The plan names the devices'
+KV-cache sequence ranges (``kv_shards``, block-aligned) and the collectives every layer runs.
+
+:func:`sweep_context` repeats the prediction over context lengths: the thesis's Fig. 4.2 question,
+which strategy wins as the prompt grows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.core.errors import InfeasibleError
+from tessera.core.plans import CpPlan, KvShard, LlmConfigRef, ModelRef
+from tessera.core.specs import ClusterSpec
+from tessera.planners.cp.cost import STRATEGIES, CostParams, Estimate, Strategy, estimate_all
+from tessera.planners.cp.llm import LlmConfig, LlmSource
+from tessera.planners.cp.workload import Workload, block_aligned_split
+
+__all__ = ["SweepRow", "best_estimate", "plan_cp", "sweep_context", "sweep_to_json"]
+
+
+def best_estimate(estimates: list[Estimate]) -> Estimate | None:
+    """The feasible estimate with the most tokens/s (ties: fewer devices, then TP, CP, DP order)."""
+    feasible = [e for e in estimates if e.feasible]
+    if not feasible:
+        return None
+    return min(feasible, key=lambda e: (-e.tokens_per_s, e.degree, STRATEGIES.index(e.strategy)))
+
+
+def plan_cp(
+    llm: LlmConfig,
+    cluster: ClusterSpec,
+    workload: Workload,
+    *,
+    model: ModelRef | None = None,
+    source: LlmSource | None = None,
+    layers: int | None = None,
+    params: CostParams | None = None,
+) -> CpPlan:
+    """The best decode parallelization of ``llm`` for ``workload`` on ``cluster`` (thesis ch. 4).
+
+    Parameters: the LLM (recognized from ``model`` or read from ``source``), the cluster, the
+    workload; ``layers`` evaluates that many layers without embedding and LM head (the thesis's
+    per-layer measurement, §4.5.1). Returns a :class:`CpPlan`. Raises
+    :class:`~tessera.core.errors.InfeasibleError` when no strategy fits in device memory, naming the
+    smallest memory one would need.
+    """
+    p = params or CostParams()
+    if layers is not None and not 1 <= layers <= llm.layers:
+        raise ValueError(f"layers must be in 1..{llm.layers}; got {layers}")
+    estimates = estimate_all(llm, cluster, workload, layers=layers, params=p)
+    best = best_estimate(estimates)
+    if best is None:
+        raise InfeasibleError(_infeasible_message(estimates, workload))
+    return CpPlan(
+        model=model,
+        llm_config=None
+        if model is not None or source is None or source.kind == "onnx"
+        else LlmConfigRef(kind=source.kind, path=source.path, sha256=source.sha256),  # type: ignore[arg-type]
+        cluster=cluster.to_json_dict(),
+        predicted={
+            **{
+                k: v
+                for k, v in best.summary().items()
+                if k not in ("strategy", "degree", "feasible", "reason")
+            },
+            "layers_evaluated": llm.layers if layers is None else layers,
+            "per_layer": layers is not None,
+            "cost_model": p.to_json(),
+        },
+        strategy=best.strategy,
+        degree=best.degree,
+        llm={**llm.to_json(), "source": None if source is None else source.model_dump()},
+        workload={**workload.to_json(), "kv_split": best.kv_split, "devices": list(best.devices)},
+        kv_shards=_kv_shards(best, workload, p.kv_block),
+        collectives=[c.to_json() for c in best.collectives],
+        alternatives=[e.summary() for e in estimates if e is not best],
+    )
+
+
+def _kv_shards(best: Estimate, workload: Workload, block: int) -> list[KvShard]:
+    """Each device's range of prompt positions: a block-aligned split for CP, everything otherwise.
+
+    TP devices hold every position (for their heads); a DP replica holds every position of its own
+    requests. CP devices hold consecutive block-aligned ranges; blocks of generated tokens continue
+    to be dealt out so the shards stay within one block of each other.
+    """
+    if best.strategy == "cp":
+        ranges = block_aligned_split(workload.context, best.degree, block=block)
+    else:
+        ranges = [(0, workload.context)] * best.degree
+    return [KvShard(device=d, start=a, stop=b) for d, (a, b) in zip(best.devices, ranges, strict=True)]
+
+
+def _infeasible_message(estimates: list[Estimate], workload: Workload) -> str:
+    memory_bound = [e for e in estimates if e.memory_bytes > e.capacity_bytes] or estimates
+    smallest = min(memory_bound, key=lambda e: (e.memory_bytes, e.degree, STRATEGIES.index(e.strategy)))
+    return (
+        f"no strategy fits: batch {workload.batch} at up to {workload.max_kv_length} KV positions per request "
+        f"needs at least {smallest.memory_bytes / 2**30:.2f} GiB per device ({smallest.label}: weights "
+        f"{smallest.weights_bytes / 2**30:.2f} GiB, KV cache {smallest.kv_cache_bytes / 2**30:.2f} GiB); "
+        f"the devices have {smallest.capacity_bytes / 2**30:.2f} GiB"
+        + ("" if smallest.memory_bytes > smallest.capacity_bytes else f" ({smallest.reason})")
+    )
+
+
+# -- context sweep --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SweepRow:
+    """One context length: each strategy's best feasible degree (None when none fits)."""
+
+    context: int
+    best: dict[Strategy, Estimate | None]
+
+    @property
+    def winner(self) -> Strategy | None:
+        found = best_estimate([e for e in self.best.values() if e is not None])
+        return None if found is None else found.strategy
+
+
+def sweep_context(
+    llm: LlmConfig,
+    cluster: ClusterSpec,
+    workload: Workload,
+    contexts: list[int],
+    *,
+    layers: int | None = None,
+    params: CostParams | None = None,
+) -> list[SweepRow]:
+    """Tokens/s of each strategy's best degree at each context length (thesis Fig. 4.2)."""
+    rows = []
+    for context in contexts:
+        estimates = estimate_all(llm, cluster, workload.with_context(context), layers=layers, params=params)
+        rows.append(
+            SweepRow(
+                context=context,
+                best={s: best_estimate([e for e in estimates if e.strategy == s]) for s in STRATEGIES},
+            )
+        )
+    return rows
+
+
+def sweep_to_json(rows: list[SweepRow]) -> list[dict[str, Any]]:
+    return [
+        {
+            "context": row.context,
+            "winner": row.winner,
+            "strategies": {
+                s: None
+                if e is None
+                else {
+                    "degree": e.degree,
+                    "tokens_per_s": e.summary()["tokens_per_s"],
+                    "per_token_latency_s": e.summary()["per_token_latency_s"],
+                }
+                for s, e in row.best.items()
+            },
+        }
+        for row in rows
+    ]

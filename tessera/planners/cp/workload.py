@@ -1,0 +1,233 @@
+"""The decode workload a CP plan serves: batch size, prompt (context) length, output lengths.
+
+Output lengths are a distribution, because nobody knows them in advance (thesis §4.1, §4.3): that
+uncertainty is what makes data parallelism straggle. Three forms (``--output-len``):
+
+- ``N``: every request generates ``N`` tokens;
+- ``uniform:A-B``: uniformly distributed on ``A..B`` (inclusive);
+- ``file:PATH``: an empirical distribution, one integer per line (blank lines and ``#`` comments
+  ignored); requests draw from it with replacement.
+
+Token counts on the command line take ``K`` (×1024) and ``M`` (×1024²) suffixes: ``--context 32K``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from tessera.core.errors import InputError
+
+__all__ = [
+    "OutputLengths",
+    "Workload",
+    "block_aligned_split",
+    "parse_output_lengths",
+    "parse_token_count",
+    "parse_token_counts",
+]
+
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_SCALE = {"": 1, "k": 1024, "m": 1024 * 1024}
+
+
+def parse_token_count(text: str | int, *, option: str = "value") -> int:
+    """``"32K"`` → 32768, ``"1M"`` → 1048576, ``"1000"`` → 1000. Raises :class:`InputError`."""
+    if isinstance(text, int) and not isinstance(text, bool):
+        value = text
+    else:
+        match = _COUNT.match(str(text))
+        if match is None:
+            raise InputError(
+                f"{option}: expected a token count such as 4096, 32K or 1M (K = 1024); got {text!r}"
+            )
+        value = float(match[1]) * _SCALE[match[2].lower()]
+        if value != int(value):
+            raise InputError(f"{option}: {text!r} is not a whole number of tokens")
+        value = int(value)
+    if value < 1:
+        raise InputError(f"{option}: must be at least 1 token; got {text!r}")
+    return value
+
+
+def parse_token_counts(text: str, *, option: str = "value") -> list[int]:
+    """A comma-separated list of token counts (``1K,10K,100K``), in the order given, without repeats."""
+    parts = [p for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise InputError(f"{option}: expected a comma-separated list such as 1K,10K,100K; got {text!r}")
+    return list(dict.fromkeys(parse_token_count(p, option=option) for p in parts))
+
+
+@dataclass(frozen=True)
+class OutputLengths:
+    """A distribution of output (generated) lengths; see the module docstring for the forms."""
+
+    kind: Literal["fixed", "uniform", "file"]
+    low: int
+    high: int
+    samples: tuple[int, ...] = ()
+    path: str | None = None
+    sha256: str | None = None
+
+    @property
+    def spec(self) -> str:
+        """The form it was given in (``256``, ``uniform:1-1024``, ``file:PATH``)."""
+        if self.kind == "fixed":
+            return str(self.low)
+        if self.kind == "uniform":
+            return f"uniform:{self.low}-{self.high}"
+        return f"file:{self.path}"
+
+    @property
+    def max(self) -> int:
+        return self.high
+
+    @property
+    def mean(self) -> float:
+        if self.kind == "file":
+            return float(np.mean(self.samples))
+        return (self.low + self.high) / 2
+
+    @property
+    def mean_square(self) -> float:
+        if self.kind == "file":
+            return float(np.mean(np.square(np.asarray(self.samples, dtype=np.float64))))
+        if self.kind == "fixed":
+            return float(self.low) ** 2
+        n = np.arange(self.low, self.high + 1, dtype=np.float64)
+        return float(np.mean(n * n))
+
+    @property
+    def mean_kv_growth(self) -> float:
+        """Mean number of generated tokens in a request's KV cache over the decode steps.
+
+        A request generating ``o`` tokens spends ``o`` steps with ``0..o-1`` of them cached; weighting
+        requests by the steps they occupy (length-biased) gives ``(E[o²]/E[o] - 1) / 2``.
+        """
+        return max(0.0, (self.mean_square / self.mean - 1) / 2)
+
+    def sample(self, rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+        if self.kind == "fixed":
+            return np.full(shape, self.low, dtype=np.int64)
+        if self.kind == "uniform":
+            return rng.integers(self.low, self.high + 1, size=shape, dtype=np.int64)
+        return rng.choice(np.asarray(self.samples, dtype=np.int64), size=shape, replace=True)
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"spec": self.spec, "kind": self.kind, "min": self.low, "max": self.high}
+        data["mean"] = round(self.mean, 3)
+        if self.kind == "file":
+            data.update(samples=len(self.samples), sha256=self.sha256)
+        return data
+
+
+def parse_output_lengths(text: str | int, *, option: str = "--output-len") -> OutputLengths:
+    """Parse ``N``, ``uniform:A-B`` or ``file:PATH``. Raises :class:`InputError` naming ``option``."""
+    spec = str(text).strip()
+    if spec.startswith("uniform:"):
+        match = re.match(r"^uniform:\s*(\S+?)\s*-\s*(\S+)$", spec)
+        if match is None:
+            raise InputError(f"{option}: expected uniform:A-B such as uniform:1-1024; got {spec!r}")
+        low = parse_token_count(match[1], option=option)
+        high = parse_token_count(match[2], option=option)
+        if low > high:
+            raise InputError(f"{option}: uniform:A-B needs A <= B; got {spec!r}")
+        return OutputLengths("uniform", low, high)
+    if spec.startswith("file:"):
+        path = Path(spec[len("file:") :])
+        try:
+            raw = path.read_bytes()
+            lines = raw.decode("utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as err:
+            reason = getattr(err, "strerror", None) or str(err)
+            raise InputError(f"{option}: cannot read output lengths: {reason}", source=path) from None
+        samples: list[int] = []
+        for number, line in enumerate(lines, start=1):
+            line = line.split("#", 1)[0].strip()
+            if not line:
+                continue
+            if not line.isdigit() or int(line) < 1:
+                raise InputError(
+                    f"{option}: line {number}: expected a positive integer (tokens); got {line!r}",
+                    source=path,
+                )
+            samples.append(int(line))
+        if not samples:
+            raise InputError(f"{option}: no output lengths in the file", source=path)
+        return OutputLengths(
+            "file",
+            min(samples),
+            max(samples),
+            tuple(samples),
+            path=str(path),
+            sha256=hashlib.sha256(raw).hexdigest(),
+        )
+    body = spec.removeprefix("fixed:")
+    if not _COUNT.match(body):
+        raise InputError(f"{option}: expected N, uniform:A-B or file:PATH; got {spec!r}")
+    value = parse_token_count(body, option=option)
+    return OutputLengths("fixed", value, value)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """``batch`` concurrent requests (the continuous-batching limit), each with a prompt of
+    ``context`` tokens whose KV cache is already filled, then generating ``output`` tokens."""
+
+    batch: int
+    context: int
+    output: OutputLengths = field(default_factory=lambda: OutputLengths("uniform", 1, 1024))
+
+    def __post_init__(self) -> None:
+        if self.batch < 1:
+            raise InputError(f"--batch: must be at least 1; got {self.batch}")
+        if self.context < 1:
+            raise InputError(f"--context: must be at least 1 token; got {self.context}")
+
+    @property
+    def mean_kv_length(self) -> float:
+        """KV positions a decode step attends to, averaged over the steps: prompt plus growth."""
+        return self.context + self.output.mean_kv_growth
+
+    @property
+    def max_kv_length(self) -> int:
+        """KV positions a request holds at its last step: what memory must fit."""
+        return self.context + self.output.max
+
+    def with_context(self, context: int) -> Workload:
+        return Workload(self.batch, context, self.output)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "batch": self.batch,
+            "context": self.context,
+            "output_len": self.output.to_json(),
+            "mean_kv_length": round(self.mean_kv_length, 3),
+            "max_kv_length": self.max_kv_length,
+        }
+
+
+def block_aligned_split(seq_len: int, num_shards: int, *, block: int = 16) -> list[tuple[int, int]]:
+    """``[start, stop)`` ranges splitting ``seq_len`` positions over ``num_shards`` in whole blocks.
+
+    The same split as :func:`tessera.kernels.reference.shard_sizes` (blocks dealt out so shards
+    differ by at most one block, earlier shards first; the last block may be partial), restated here
+    so that planning does not import torch.
+    """
+    if num_shards < 1 or block < 1 or seq_len < 0:
+        raise ValueError(
+            f"need num_shards >= 1, block >= 1, seq_len >= 0; got {num_shards}, {block}, {seq_len}"
+        )
+    num_blocks = -(-seq_len // block)
+    per, extra = divmod(num_blocks, num_shards)
+    ranges, start = [], 0
+    for i in range(num_shards):
+        stop = min(seq_len, start + (per + (1 if i < extra else 0)) * block)
+        ranges.append((start, stop))
+        start = stop
+    return ranges

@@ -1,0 +1,290 @@
+"""``tessera plan --kind gpp|spp``: partition, schedule, simulate, write the plan.
+
+:func:`run_gpp_plan` is what the ``plan`` command calls; :func:`build_gpp_plan` is the pure part
+(graph + cluster + options → :class:`GppPlan`), :func:`write_gantt` draws a simulated iteration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import os
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tessera.core.cost import CostModel
+from tessera.core.errors import InfeasibleError, InputError
+from tessera.core.files import write_atomic
+from tessera.core.graph import Graph
+from tessera.core.plans import (
+    EdgeTensor,
+    GppPlan,
+    ModelRef,
+    Stage,
+    StageEdge,
+    StageMemory,
+    StageSchedule,
+    dump_plan,
+    write_plan,
+)
+from tessera.core.specs import ClusterSpec
+from tessera.core.units import format_bytes, parse_bytes
+from tessera.planners.gpp.partition import PartitionOptions, Pipeline, build_tree, partition
+from tessera.planners.sim import SimResult, simulate_pipeline
+from tessera.planners.spp import plan_spp
+
+
+def _r(x: float) -> float:
+    """Round predictions to 9 significant digits: stable JSON across platforms' float noise."""
+    return float(f"{x:.9g}")
+
+
+def build_gpp_plan(
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    *,
+    kind: str = "gpp",
+    baseline: bool = True,
+) -> tuple[GppPlan, Pipeline, SimResult]:
+    """Plan (GPP, or SPP with ``kind="spp"``), simulate it, and (for GPP) the SPP baseline."""
+    if kind not in ("gpp", "spp"):
+        raise InputError(f"--kind {kind!r}: expected gpp or spp")
+    device = cluster.devices()[0].type
+    tree = build_tree(
+        graph, CostModel.for_device(device, options.precision, options.bytes_per_param), options.max_units
+    )
+    spp: Pipeline | None = None
+    spp_error: str | None = None
+    if kind == "spp" or baseline:
+        try:
+            spp = plan_spp(graph, cluster, options, tree=tree)
+        except InfeasibleError as exc:
+            if kind == "spp":
+                raise
+            spp_error = exc.message
+    spp_sim = simulate_pipeline(spp) if spp is not None else None
+    if kind == "spp":
+        assert spp is not None and spp_sim is not None
+        return _to_plan(graph, cluster, spp, spp_sim, None, "sequential"), spp, spp_sim
+    try:
+        pipe = partition(graph, cluster, options, tree=tree)
+        sim = simulate_pipeline(pipe)
+    except InfeasibleError:
+        if spp is None:
+            raise
+        pipe, sim = None, None  # type: ignore[assignment]
+    # A sequential pipeline is a graph pipeline too (a chain of convex stages): when the
+    # series-parallel DP's plan simulates slower than the sequential one, the GPP plan is the
+    # sequential one, relabelled (structure "sequential" in the prediction).
+    structure = "graph"
+    if (
+        spp is not None
+        and spp_sim is not None
+        and (sim is None or spp_sim.iteration_time < sim.iteration_time)
+    ):
+        pipe, sim, structure = _relabel(spp), spp_sim, "sequential"
+    base: dict[str, Any] | None = None
+    if baseline:
+        if spp is not None and spp_sim is not None:
+            base = {
+                "kind": "spp",
+                "method": "PipeDream-style sequential stages on the same cost model",
+                "iteration_time_s": _r(spp_sim.iteration_time),
+                "throughput_samples_per_s": _r(spp_sim.throughput),
+                "pipeline_depth": spp.pipeline_depth,
+                "num_stages": len(spp.stages),
+                "micro_batch_size": spp.micro_batch_size,
+                "speedup": _r(spp_sim.iteration_time / sim.iteration_time),
+            }
+        else:
+            base = {"kind": "spp", "infeasible": spp_error or "no plan"}
+    return _to_plan(graph, cluster, pipe, sim, base, structure), pipe, sim
+
+
+def _relabel(pipe: Pipeline) -> Pipeline:
+    return dataclasses.replace(pipe, kind="gpp")
+
+
+def _to_plan(
+    graph: Graph,
+    cluster: ClusterSpec,
+    pipe: Pipeline,
+    sim: SimResult,
+    base: dict[str, Any] | None,
+    structure: str = "sequential",
+) -> GppPlan:
+    stages = []
+    for st in pipe.stages:
+        mem = st.memory
+        assert mem is not None
+        stages.append(
+            Stage(
+                id=st.id,
+                nodes=st.nodes,
+                devices=st.devices,
+                micro_batch_size=st.micro_batch_size,
+                schedule=StageSchedule(kind=pipe.schedule_kind, k=pipe.k, actions=st.schedule),
+                in_flight=st.in_flight,
+                memory=StageMemory(
+                    weights=mem.weights, optimizer=mem.optimizer, activations=mem.activations, peak=mem.peak
+                ),
+                predicted={
+                    "forward_time_s": _r(st.forward_time),
+                    "backward_time_s": _r(st.backward_time),
+                    "allreduce_time_s": _r(st.allreduce_time),
+                    "time_per_sample_s": _r(st.time_per_sample),
+                    "busy_s": _r(sim.busy[st.id]),
+                    "peak_memory_bytes": _r(sim.peak_memory[st.id]),
+                },
+            )
+        )
+    edges = [
+        StageEdge(
+            src=e.src,
+            dst=e.dst,
+            tensors=[EdgeTensor(name=n, bytes=int(b * pipe.micro_batch_size)) for n, b in e.tensors],
+            bytes=int(e.bytes_per_sample * pipe.micro_batch_size),
+        )
+        for e in pipe.edges
+    ]
+    return GppPlan(
+        kind=pipe.kind,
+        model=ModelRef.of(graph),
+        cluster=cluster.to_json_dict(),
+        mini_batch_size=pipe.mini_batch_size,
+        stages=stages,
+        edges=edges,
+        baseline=base,
+        predicted={
+            "iteration_time_s": _r(sim.iteration_time),
+            "throughput_samples_per_s": _r(sim.throughput),
+            "pipeline_depth": pipe.pipeline_depth,
+            "bubble_fraction": _r(sim.bubble_fraction),
+            "micro_batch_size": pipe.micro_batch_size,
+            "num_stages": len(pipe.stages),
+            "bottleneck_time_per_sample_s": _r(pipe.bottleneck_tps),
+            "memory_limit_bytes": int(pipe.memory_limit),
+            "cost_model": "roofline",
+            "structure": structure,
+        },
+    )
+
+
+def run_gpp_plan(
+    graph: Graph,
+    cluster: ClusterSpec,
+    *,
+    kind: str = "gpp",
+    mini_batch: int,
+    devices: int | None = None,
+    schedule: str = "1f1b",
+    memory_limit: int | float | str | None = None,
+    output: str | os.PathLike[str] | None = None,
+    gantt: str | os.PathLike[str] | None = None,
+    as_json: bool = False,
+    no_baseline: bool = False,
+    profile: bool = False,
+    k: int = 2,
+) -> GppPlan:
+    """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3)."""
+    if profile:
+        click.echo(
+            "tessera: warning: --profile (measured costs) is not implemented for gpp yet; "
+            "using the analytical roofline cost model",
+            err=True,
+        )
+    if schedule not in ("1f1b", "kfkb", "greedy", "gpipe"):
+        raise InputError(f"--schedule {schedule!r}: expected 1f1b, kfkb, greedy or gpipe")
+    limit = None if memory_limit is None else float(parse_bytes(memory_limit, field="--memory-limit"))
+    options = PartitionOptions(
+        mini_batch=mini_batch,
+        num_devices=devices,
+        memory_limit=limit,
+        schedule=schedule,  # type: ignore[arg-type]
+        k=k if schedule == "kfkb" else 1,
+    )
+    plan, pipe, sim = build_gpp_plan(graph, cluster, options, kind=kind, baseline=not no_baseline)
+    if output is not None:
+        write_plan(plan, output)
+    if gantt is not None:
+        write_gantt(sim, pipe, gantt)
+    if as_json:
+        click.echo(dump_plan(plan), nl=False)
+    else:
+        click.echo(summary(plan, pipe))
+    return plan
+
+
+def summary(plan: GppPlan, pipe: Pipeline) -> str:
+    """A human summary: one line per stage, then the prediction and the baseline."""
+    p = plan.predicted
+    lines = [
+        f"{plan.kind.upper()} plan: {len(plan.stages)} stage(s), depth {p['pipeline_depth']}, "
+        f"mini-batch {plan.mini_batch_size}, micro-batch {p['micro_batch_size']}, "
+        f"schedule {pipe.schedule_kind}, {pipe.num_units} units, search {pipe.search_time_s:.2f}s",
+        f"{'stage':>5} {'ops':>5} {'devices':>7} {'in-flight':>9} {'fw+bw/mb':>10} {'memory':>10}  first op",
+    ]
+    for st in plan.stages:
+        t = st.predicted["forward_time_s"] + st.predicted["backward_time_s"]
+        lines.append(
+            f"{st.id:>5} {len(st.nodes):>5} {len(st.devices):>7} {st.in_flight:>9} "
+            f"{t * 1e3:>8.2f}ms {format_bytes(st.memory.peak):>10}  {st.nodes[0]}"
+        )
+    lines.append(
+        f"predicted: iteration {p['iteration_time_s'] * 1e3:.2f} ms, "
+        f"{p['throughput_samples_per_s']:.1f} samples/s, bubble {p['bubble_fraction']:.1%}"
+    )
+    b = plan.baseline
+    if b and "throughput_samples_per_s" in b:
+        lines.append(
+            f"SPP baseline: {b['throughput_samples_per_s']:.1f} samples/s, depth {b['pipeline_depth']} "
+            f"(GPP speed-up {b['speedup']:.2f}x)"
+        )
+    elif b:
+        lines.append(f"SPP baseline: infeasible ({b['infeasible']})")
+    return "\n".join(lines)
+
+
+_COLOURS = {"F": "#4C72B0", "B": "#DD8452", "send_F": "#55A868", "send_B": "#55A868", "allreduce": "#8C8C8C"}
+
+
+def write_gantt(sim: SimResult, pipe: Pipeline, path: str | os.PathLike[str]) -> Path:
+    """Draw the simulated iteration (stages × time; forward, backward, communication) as SVG/PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    n = len(pipe.stages)
+    fig, ax = plt.subplots(figsize=(12, 0.5 * n + 1.5))
+    try:
+        for e in sim.events:
+            comm = e.kind.startswith("send")
+            y = e.stage + (0.3 if comm else 0.0)
+            h = 0.25 if comm else 0.6
+            ax.broken_barh([(e.start * 1e3, (e.end - e.start) * 1e3)], (y - 0.3, h), color=_COLOURS[e.kind])
+        ax.set_yticks(range(n))
+        ax.set_yticklabels([f"stage {s.id} ({len(s.devices)} dev)" for s in pipe.stages])
+        ax.invert_yaxis()
+        ax.set_xlabel("time (ms)")
+        ax.set_title(f"{pipe.kind.upper()}: one iteration, {sim.iteration_time * 1e3:.2f} ms")
+        ax.legend(
+            handles=[
+                Patch(color=_COLOURS["F"], label="forward"),
+                Patch(color=_COLOURS["B"], label="backward"),
+                Patch(color=_COLOURS["send_F"], label="communication"),
+                Patch(color=_COLOURS["allreduce"], label="all-reduce"),
+            ],
+            loc="upper right",
+            fontsize="small",
+        )
+        buf = io.BytesIO()
+        fmt = Path(path).suffix.lstrip(".").lower() or "svg"
+        fig.savefig(buf, format=fmt, metadata={"Date": None} if fmt == "svg" else None)
+    finally:
+        plt.close(fig)
+    return write_atomic(path, buf.getvalue())

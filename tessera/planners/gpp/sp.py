@@ -1,0 +1,252 @@
+"""Series-parallel decomposition of the operator DAG, and coarsening into units.
+
+GraphPipe's partitioner (thesis §3.5, Algorithm 2) recurses over *series* decompositions (G1 then
+G2, the sink of G1 feeding G2) and *parallel* decompositions (G1 and G2 share source and sink, no
+dependency between them). This module computes that decomposition once, as a tree:
+
+- ``leaf``: one unit (a group of operators planned as a whole);
+- ``series``: children in execution order; every operator of child i precedes (or is unrelated to
+  and may run before) every operator of child i+1 — the children are separated by *cut*
+  operators, the ones comparable with every other operator of the subgraph;
+- ``parallel``: children that are the weakly connected components of the subgraph: no edge joins
+  two of them.
+
+Operators that read no activation (``Graph.constant_nodes``) are left out of the decomposition and
+attached to the unit of their first consumer, so every operator lands in exactly one unit.
+
+Non-series-parallel graphs. When a connected subgraph has no cut operator (an "N"-shaped
+dependency: a→c, a→d, b→d), it is converted into a series of its operators in topological order
+— GraphPipe's conversion by adding ordering edges. Every contiguous range of a topological order
+is convex, so every stage stays a convex subgraph (C1); no operator is duplicated or dropped, so
+the costs are arithmetically identical; only the parallelism inside that subgraph is given up.
+
+Coarsening. Subtrees whose cost is at most ``total / max_units`` collapse into one leaf, and
+consecutive small leaves of a series are merged (chains), doubling the threshold until at most
+``max_units`` units remain (thesis §3.5: "apply [the decompositions] at a relatively coarse
+granularity of small groups of operators to reduce the overall time complexity").
+
+The leaves, in depth-first order, are numbered 0..U-1; that order is a topological order of the
+units and every subtree — and every contiguous range of a node's children — is a contiguous range
+``[lo, hi)`` of it, which the partitioner uses for prefix-sum stage costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import networkx as nx
+
+from tessera.core.graph import Graph
+from tessera.core.structure import activation_dag
+
+Kind = Literal["leaf", "series", "parallel"]
+
+
+@dataclass
+class SPNode:
+    """A node of the series-parallel tree (see the module docstring)."""
+
+    kind: Kind
+    children: list[SPNode] = field(default_factory=list)
+    ops: tuple[str, ...] = ()  # leaf only: the activation operators of the unit, topological order
+    cost: float = 0.0
+    lo: int = 0  # unit range [lo, hi) in depth-first order, set by SPTree
+    hi: int = 0
+
+    def leaves(self) -> Iterable[SPNode]:
+        if self.kind == "leaf":
+            yield self
+        else:
+            for c in self.children:
+                yield from c.leaves()
+
+    def all_ops(self) -> list[str]:
+        return [op for leaf in self.leaves() for op in leaf.ops]
+
+    def depth(self) -> int:
+        return 0 if self.kind == "leaf" else 1 + max(c.depth() for c in self.children)
+
+
+@dataclass
+class SPTree:
+    """The decomposition of a graph: the root, the units (leaves) in order, and their operators."""
+
+    root: SPNode
+    units: list[tuple[str, ...]]  # operators of each unit, constants included, topological order
+    unit_of: dict[str, int]  # operator → unit index
+    converted: int = 0  # non-series-parallel subgraphs that were linearized
+
+    @property
+    def num_units(self) -> int:
+        return len(self.units)
+
+    def linearized(self) -> SPTree:
+        """The same units as one series (a sequential chain): the SPP view of the same graph."""
+        leaves = [SPNode("leaf", ops=leaf.ops, cost=leaf.cost) for leaf in self.root.leaves()]
+        root = leaves[0] if len(leaves) == 1 else SPNode("series", children=leaves, cost=self.root.cost)
+        _number(root, 0)
+        return SPTree(root=root, units=self.units, unit_of=self.unit_of, converted=self.converted)
+
+
+def decompose(
+    graph: Graph,
+    *,
+    op_cost: Callable[[str], float] | None = None,
+    max_units: int = 256,
+) -> SPTree:
+    """Series-parallel tree of ``graph``'s activation operators, coarsened to ``max_units`` units.
+
+    ``op_cost`` weighs operators for coarsening (default: 1 + FLOPs / 1e6, a size proxy).
+    """
+    dag = nx.DiGraph(activation_dag(graph))
+    order = [n for n in graph.order if n in dag]
+    if not order:
+        raise ValueError("the graph has no operator that reads an activation")
+    cost_fn = op_cost or (lambda n: 1.0 + graph.op(n).flops / 1e6)
+    position = {n: i for i, n in enumerate(order)}
+    state = {"converted": 0}
+    root = _decompose(dag, order, position, cost_fn, state)
+    root = _flatten(root)
+    threshold = root.cost / max(max_units, 1)
+    coarse = _coarsen(root, threshold)
+    while sum(1 for _ in coarse.leaves()) > max_units:
+        threshold *= 2
+        coarse = _coarsen(root, threshold)
+    _number(coarse, 0)
+    unit_ops = [list(leaf.ops) for leaf in coarse.leaves()]
+    unit_of = {op: i for i, ops in enumerate(unit_ops) for op in ops}
+    _attach_constants(graph, unit_ops, unit_of)
+    rank = {n: i for i, n in enumerate(graph.order)}
+    units = [tuple(sorted(ops, key=rank.__getitem__)) for ops in unit_ops]
+    return SPTree(root=coarse, units=units, unit_of=unit_of, converted=state["converted"])
+
+
+def _decompose(
+    dag: nx.DiGraph,
+    nodes: Sequence[str],
+    position: dict[str, int],
+    cost_fn: Callable[[str], float],
+    state: dict[str, int],
+) -> SPNode:
+    if len(nodes) == 1:
+        return SPNode("leaf", ops=(nodes[0],), cost=cost_fn(nodes[0]))
+    sub = dag.subgraph(nodes)
+    components = list(nx.weakly_connected_components(sub))
+    if len(components) > 1:
+        parts = [sorted(c, key=position.__getitem__) for c in components]
+        parts.sort(key=lambda p: position[p[0]])
+        children = [_decompose(dag, p, position, cost_fn, state) for p in parts]
+        return SPNode("parallel", children=children, cost=sum(c.cost for c in children))
+    cuts = _cut_positions(sub, nodes)
+    if not cuts:
+        # Not series-parallel: linearize in topological order (ordering edges; module docstring).
+        state["converted"] += 1
+        leaves = [SPNode("leaf", ops=(n,), cost=cost_fn(n)) for n in nodes]
+        return SPNode("series", children=leaves, cost=sum(c.cost for c in leaves))
+    children: list[SPNode] = []
+    start = 0
+    for k in cuts:
+        if k > start:
+            children.append(_decompose(dag, nodes[start:k], position, cost_fn, state))
+        children.append(SPNode("leaf", ops=(nodes[k],), cost=cost_fn(nodes[k])))
+        start = k + 1
+    if start < len(nodes):
+        children.append(_decompose(dag, nodes[start:], position, cost_fn, state))
+    if len(children) == 1:
+        return children[0]
+    return SPNode("series", children=children, cost=sum(c.cost for c in children))
+
+
+def _cut_positions(sub: nx.DiGraph, nodes: Sequence[str]) -> list[int]:
+    """Positions (in ``nodes``, a topological order) of operators comparable with all others.
+
+    Position k is a cut iff no edge jumps over it, no sink of the subgraph lies before it and no
+    source after it (then every earlier operator reaches it and it reaches every later one).
+    """
+    index = {n: i for i, n in enumerate(nodes)}
+    n = len(nodes)
+    # jump[k]: number of edges (u, v) with index u < k < index v, via a difference array.
+    diff = [0] * (n + 1)
+    for u, v in sub.edges:
+        a, b = index[u], index[v]
+        if b - a > 1:
+            diff[a + 1] += 1
+            diff[b] -= 1
+    sinks_before = [0] * (n + 1)  # sinks among positions < k
+    for i, node in enumerate(nodes):
+        sinks_before[i + 1] = sinks_before[i] + (1 if sub.out_degree(node) == 0 else 0)
+    sources_after = [0] * (n + 1)  # sources among positions > k-1 ... computed as suffix counts
+    for i in range(n - 1, -1, -1):
+        sources_after[i] = sources_after[i + 1] + (1 if sub.in_degree(nodes[i]) == 0 else 0)
+    cuts: list[int] = []
+    jump = 0
+    for k in range(n):
+        jump += diff[k]
+        if jump == 0 and sinks_before[k] == 0 and sources_after[k + 1] == 0:
+            cuts.append(k)
+    return cuts
+
+
+def _flatten(node: SPNode) -> SPNode:
+    """Merge nested series into series and nested parallel into parallel."""
+    if node.kind == "leaf":
+        return node
+    children: list[SPNode] = []
+    for c in (_flatten(c) for c in node.children):
+        if c.kind == node.kind:
+            children.extend(c.children)
+        else:
+            children.append(c)
+    return SPNode(node.kind, children=children, cost=node.cost)
+
+
+def _coarsen(node: SPNode, threshold: float) -> SPNode:
+    if node.kind == "leaf":
+        return SPNode("leaf", ops=node.ops, cost=node.cost)
+    if node.cost <= threshold:
+        return SPNode("leaf", ops=tuple(node.all_ops()), cost=node.cost)
+    children = [_coarsen(c, threshold) for c in node.children]
+    if node.kind == "parallel":
+        # Heaviest branches first (stable): the partitioner groups contiguous, similar branches.
+        children.sort(key=lambda c: -c.cost)
+    if node.kind == "series":
+        merged: list[SPNode] = []
+        for c in children:
+            last = merged[-1] if merged else None
+            if (
+                last is not None
+                and last.kind == "leaf"
+                and c.kind == "leaf"
+                and last.cost + c.cost <= threshold
+            ):
+                merged[-1] = SPNode("leaf", ops=last.ops + c.ops, cost=last.cost + c.cost)
+            else:
+                merged.append(c)
+        children = merged
+    if len(children) == 1:
+        return children[0]
+    return SPNode(node.kind, children=children, cost=node.cost)
+
+
+def _number(node: SPNode, start: int) -> int:
+    node.lo = start
+    if node.kind == "leaf":
+        node.hi = start + 1
+        return node.hi
+    at = start
+    for c in node.children:
+        at = _number(c, at)
+    node.hi = at
+    return at
+
+
+def _attach_constants(graph: Graph, unit_ops: list[list[str]], unit_of: dict[str, int]) -> None:
+    """Put every constant operator in the unit of its first non-constant consumer."""
+    pending = [n for n in reversed(graph.order) if n in graph.constant_nodes]
+    for n in pending:  # reverse topological: a constant's constant consumers are placed first
+        targets = [unit_of[s] for s in graph.dag.successors(n) if s in unit_of]
+        unit = min(targets) if targets else 0
+        unit_of[n] = unit
+        unit_ops[unit].append(n)

@@ -1,0 +1,228 @@
+"""Discrete-event simulator of one training iteration of a pipeline plan.
+
+Modelled on FlexFlow's execution simulator (thesis-jia-taso-flexflow §3.4): a task graph whose
+tasks run on FIFO resources — each stage's devices (its data-parallel replicas advance in lockstep,
+so a stage is one resource) and each direction of each stage-to-stage link (a communication
+device) — and a task starts when its resource is free and its inputs have arrived.
+
+Tasks of one iteration:
+
+- ``F`` / ``B`` of every micro-batch on every stage, in the order of the stage's action list (C4);
+- a forward of stage j's micro-batch k (samples [k·b_j, (k+1)·b_j)) waits for the transfers of
+  every predecessor micro-batch holding those samples; a backward of stage i's micro-batch q waits
+  for the gradient transfers of every successor micro-batch holding its samples (C5, with
+  different micro-batch sizes);
+- a transfer of an activation (or gradient) micro-batch: ``latency + bytes / bandwidth`` on the
+  edge's link, FIFO in micro-batch order;
+- after its last backward, each stage all-reduces its gradients (ring; time given per stage).
+
+:func:`simulate` returns the iteration time, throughput, per-stage peak memory (static memory +
+activations of the peak number of in-flight micro-batches), the bubble fraction (idle share of
+device time) and the trace of every task.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from tessera.planners.gpp.schedule import parse_action
+
+
+@dataclass(frozen=True)
+class SimStage:
+    id: int
+    micro_batch_size: int
+    forward_time: float  # seconds per micro-batch
+    backward_time: float
+    actions: tuple[str, ...]
+    devices: int = 1
+    allreduce_time: float = 0.0
+    static_memory: float = 0.0  # weights + optimizer per device
+    activation_bytes: float = 0.0  # per in-flight micro-batch per device
+
+
+@dataclass(frozen=True)
+class SimEdge:
+    src: int
+    dst: int
+    bytes_per_sample: float = 0.0
+    bandwidth: float = float("inf")
+    latency: float = 0.0
+
+    def transfer_time(self, samples: int) -> float:
+        if self.bytes_per_sample <= 0:
+            return 0.0
+        return self.latency + self.bytes_per_sample * samples / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Event:
+    kind: str  # "F", "B", "send_F" (activation), "send_B" (gradient), "allreduce"
+    stage: int  # the stage (for sends: the sender)
+    micro_batch: int
+    start: float
+    end: float
+    peer: int | None = None  # sends: the receiving stage
+
+
+@dataclass
+class SimResult:
+    iteration_time: float
+    throughput: float  # samples per second
+    peak_memory: dict[int, float]
+    peak_in_flight: dict[int, int]
+    bubble_fraction: float
+    busy: dict[int, float]
+    events: list[Event] = field(default_factory=list)
+
+
+def simulate(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int) -> SimResult:
+    """Simulate one iteration (see the module docstring). Raises ValueError on a deadlock."""
+    by_id = {s.id: s for s in stages}
+    m = {s.id: mini_batch // s.micro_batch_size for s in stages}
+    for s in stages:
+        if mini_batch % s.micro_batch_size:
+            raise ValueError(f"stage {s.id}: micro-batch {s.micro_batch_size} does not divide {mini_batch}")
+    preds: dict[int, list[SimEdge]] = {s.id: [] for s in stages}
+    succs: dict[int, list[SimEdge]] = {s.id: [] for s in stages}
+    for e in edges:
+        preds[e.dst].append(e)
+        succs[e.src].append(e)
+    parsed = {s.id: [parse_action(a)[1:] for a in s.actions] for s in stages}
+    # Arrival times at the receiver: fwd[(src, dst, q)] for activation micro-batch q of src,
+    # bwd[(dst, src, k)] for gradient micro-batch k of dst.
+    fwd_arrival: dict[tuple[int, int, int], float] = {}
+    bwd_arrival: dict[tuple[int, int, int], float] = {}
+    link_free: dict[tuple[int, int, str], float] = {}
+    device_free = {s.id: 0.0 for s in stages}
+    busy = {s.id: 0.0 for s in stages}
+    pointer = {s.id: 0 for s in stages}
+    live = {s.id: 0 for s in stages}
+    peak_live = {s.id: 0 for s in stages}
+    events: list[Event] = []
+    remaining = sum(len(v) for v in parsed.values())
+
+    def covering(k: int, b_self: int, b_other: int) -> range:
+        first = k * b_self // b_other
+        last = ((k + 1) * b_self - 1) // b_other
+        return range(first, last + 1)
+
+    while remaining:
+        progressed = False
+        for s in stages:
+            sid = s.id
+            while pointer[sid] < len(parsed[sid]):
+                kind, k = parsed[sid][pointer[sid]]
+                ready = device_free[sid]
+                blocked = False
+                if kind == "F":
+                    for e in preds[sid]:
+                        for q in covering(k, s.micro_batch_size, by_id[e.src].micro_batch_size):
+                            t = fwd_arrival.get((e.src, sid, q))
+                            if t is None:
+                                blocked = True
+                                break
+                            ready = max(ready, t)
+                        if blocked:
+                            break
+                else:
+                    for e in succs[sid]:
+                        for q in covering(k, s.micro_batch_size, by_id[e.dst].micro_batch_size):
+                            t = bwd_arrival.get((e.dst, sid, q))
+                            if t is None:
+                                blocked = True
+                                break
+                            ready = max(ready, t)
+                        if blocked:
+                            break
+                if blocked:
+                    break
+                duration = s.forward_time if kind == "F" else s.backward_time
+                end = ready + duration
+                events.append(Event(kind, sid, k, ready, end))
+                device_free[sid] = end
+                busy[sid] += duration
+                pointer[sid] += 1
+                remaining -= 1
+                progressed = True
+                if kind == "F":
+                    live[sid] += 1
+                    peak_live[sid] = max(peak_live[sid], live[sid])
+                    for e in succs[sid]:
+                        key = (sid, e.dst, "F")
+                        start = max(end, link_free.get(key, 0.0))
+                        arrive = start + e.transfer_time(s.micro_batch_size)
+                        link_free[key] = arrive
+                        fwd_arrival[(sid, e.dst, k)] = arrive
+                        if arrive > start:
+                            events.append(Event("send_F", sid, k, start, arrive, e.dst))
+                else:
+                    live[sid] -= 1
+                    for e in preds[sid]:
+                        key = (sid, e.src, "B")
+                        start = max(end, link_free.get(key, 0.0))
+                        arrive = start + e.transfer_time(s.micro_batch_size)
+                        link_free[key] = arrive
+                        bwd_arrival[(sid, e.src, k)] = arrive
+                        if arrive > start:
+                            events.append(Event("send_B", sid, k, start, arrive, e.src))
+        if not progressed:
+            stuck = {sid: parsed[sid][pointer[sid]] for sid in pointer if pointer[sid] < len(parsed[sid])}
+            raise ValueError(f"the schedule deadlocks: waiting stages {stuck}")
+    finish = 0.0
+    for s in stages:
+        end = device_free[s.id]
+        if s.allreduce_time > 0:
+            events.append(Event("allreduce", s.id, -1, end, end + s.allreduce_time))
+            end += s.allreduce_time
+        finish = max(finish, end)
+    total_devices = sum(s.devices for s in stages)
+    used = sum(busy[s.id] * s.devices for s in stages)
+    bubble = 1.0 - used / (finish * total_devices) if finish > 0 else 0.0
+    _ = m
+    return SimResult(
+        iteration_time=finish,
+        throughput=mini_batch / finish if finish > 0 else float("inf"),
+        peak_memory={s.id: s.static_memory + s.activation_bytes * peak_live[s.id] for s in stages},
+        peak_in_flight=dict(peak_live),
+        bubble_fraction=max(0.0, bubble),
+        busy=busy,
+        events=events,
+    )
+
+
+def simulate_pipeline(pipeline: object) -> SimResult:
+    """Simulate a :class:`tessera.planners.gpp.partition.Pipeline`."""
+    from tessera.core.cost import per_device_samples
+
+    stages = []
+    for st in pipeline.stages:  # type: ignore[attr-defined]
+        s = per_device_samples(st.micro_batch_size, len(st.devices))
+        per_mb = s * (
+            st.input_per_sample if getattr(pipeline, "recompute", False) else st.activation_per_sample
+        )
+        stages.append(
+            SimStage(
+                id=st.id,
+                micro_batch_size=st.micro_batch_size,
+                forward_time=st.forward_time,
+                backward_time=st.backward_time,
+                actions=tuple(st.schedule),
+                devices=len(st.devices),
+                allreduce_time=st.allreduce_time,
+                static_memory=st.weights + st.optimizer,
+                activation_bytes=per_mb,
+            )
+        )
+    edges = [
+        SimEdge(
+            e.src,
+            e.dst,
+            e.bytes_per_sample,
+            e.link.bandwidth if e.link else float("inf"),
+            e.link.latency if e.link else 0.0,
+        )
+        for e in pipeline.edges  # type: ignore[attr-defined]
+    ]
+    return simulate(stages, edges, pipeline.mini_batch_size)  # type: ignore[attr-defined]

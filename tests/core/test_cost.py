@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import pytest
+
+from tessera.core.cost import CostModel, TrainingMemory, allreduce_time, backward_ratio, per_device_samples
+from tessera.core.graph import OpNode
+from tessera.core.specs import Link, load_cluster
+
+
+def _op(flops: int, bytes_moved: int, params: int) -> OpNode:
+    return OpNode("n", "MatMul", "", {}, (), (), flops, bytes_moved, params, params * 4)
+
+
+@pytest.fixture(scope="module")
+def v100():
+    return load_cluster("graphpipe-v100").devices()[0].type
+
+
+def test_roofline_forward_and_backward(v100) -> None:
+    cost = CostModel.for_device(v100, "fp32")
+    op = _op(flops=10**9, bytes_moved=4 * 10**6 + 4000, params=1000)
+    fw = cost.forward_time(op, 8)
+    compute = 8 * 10**9 / v100.peak_flops("fp32")
+    memory = (4000 + 4 * 10**6 * 8) / v100.memory_bandwidth
+    assert fw == pytest.approx(max(compute, memory) + v100.kernel_launch_overhead)
+    assert backward_ratio(op) == 2.0
+    assert cost.backward_time(op, 8) == pytest.approx(2 * max(compute, memory) + v100.kernel_launch_overhead)
+    no_weights = _op(flops=10**9, bytes_moved=10**6, params=0)
+    assert backward_ratio(no_weights) == 1.0
+    assert cost.backward_time(no_weights, 8) == pytest.approx(cost.forward_time(no_weights, 8))
+
+
+def test_mixed_precision_uses_fp16_peak_and_16_bytes_per_param(v100) -> None:
+    cost = CostModel.for_device(v100)
+    assert cost.peak_flops == v100.peak_flops("fp16")
+    assert TrainingMemory.adam("mixed").bytes_per_param == 16
+    assert TrainingMemory.adam("fp32").bytes_per_param == 16
+    op = _op(0, 0, 10)
+    assert cost.weight_bytes(op) + cost.optimizer_bytes(op) == 160
+    custom = CostModel.for_device(v100, bytes_per_param=20)
+    assert custom.weight_bytes(op) + custom.optimizer_bytes(op) == 200
+    with pytest.raises(ValueError):
+        CostModel.for_device(v100, bytes_per_param=1)
+
+
+def test_communication() -> None:
+    link = Link(bandwidth=1e9, latency=1e-6)
+    assert allreduce_time(1e9, 1, link) == 0.0
+    assert allreduce_time(1e9, 4, link) == pytest.approx(2 * 3 / 4 * 1.0 + 6e-6)
+    assert link.transfer_time(1e6) == pytest.approx(1e-6 + 1e-3)
+    assert per_device_samples(8, 3) == 3
+    assert per_device_samples(2, 4) == 1

@@ -1,0 +1,142 @@
+"""The CP/TP/DP cost model: thesis §4.4 volumes (Fig. 4.1), memory feasibility, the DP straggler."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tessera.core.specs import load_cluster
+from tessera.planners.cp.cost import (
+    CostParams,
+    cp_comm_elements,
+    degrees,
+    dp_replica_steps,
+    estimate,
+    estimate_all,
+    tp_comm_elements,
+)
+from tessera.planners.cp.llm import load_llm_config
+from tessera.planners.cp.workload import OutputLengths, Workload, parse_output_lengths
+
+# Thesis Fig. 4.1: Llama-7B, E = 4096, H = 32; per-GPU volume per layer in elements (1 byte each),
+# worked out by hand from §4.4:  CP = (N-1)·3BE/N + (N-1)·B(E+2H)/2,  TP = 4(N-1)BE.
+# e.g. N=4, B=32: CP = 3·3·32·4096/4 + 3·32·4160/2 = 294912 + 199680 = 494592; TP = 4·3·32·4096.
+FIG_4_1 = {
+    2: {32: (263168, 524288), 64: (526336, 1048576), 128: (1052672, 2097152),
+        256: (2105344, 4194304), 512: (4210688, 8388608)},
+    4: {32: (494592, 1572864), 64: (989184, 3145728), 128: (1978368, 6291456),
+        256: (3956736, 12582912), 512: (7913472, 25165824)},
+    8: {32: (809984, 3670016), 64: (1619968, 7340032), 128: (3239936, 14680064),
+        256: (6479872, 29360128), 512: (12959744, 58720256)},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("n", sorted(FIG_4_1))
+@pytest.mark.parametrize("batch", [32, 64, 128, 256, 512])
+def test_comm_volume_matches_thesis_fig_4_1(n: int, batch: int) -> None:
+    cp_expected, tp_expected = FIG_4_1[n][batch]
+    gather, exchange = cp_comm_elements(n, batch, 4096, 32)
+    assert gather + exchange == cp_expected
+    assert tp_comm_elements(n, batch, 4096) == tp_expected
+    assert gather + exchange < tp_comm_elements(n, batch, 4096)  # CP moves less than TP
+
+
+def test_cp_all_gather_generalizes_to_grouped_query_attention() -> None:
+    # kv_dim = E is the thesis's multi-head case; fewer KV heads shrink only the K/V part.
+    assert cp_comm_elements(4, 32, 4096, 32, kv_dim=4096) == cp_comm_elements(4, 32, 4096, 32)
+    gather, _ = cp_comm_elements(4, 32, 4096, 32, kv_dim=1024)
+    assert gather == 3 * 32 * (4096 + 2 * 1024) / 4
+
+
+def test_plan_collective_bytes_are_the_formula_times_dtype_bytes() -> None:
+    llm, _ = load_llm_config("llama-7b")
+    cluster = load_cluster("a5000-4x")
+    work = Workload(32, 4096)
+    cp = estimate(llm, cluster, work, "cp", 4, layers=1)
+    tp = estimate(llm, cluster, work, "tp", 4, layers=1)
+    assert [c.op for c in cp.collectives] == ["all_gather", "all_to_all"]
+    assert sum(c.bytes for c in cp.collectives) == 494592 * 2  # fp16
+    assert [c.op for c in tp.collectives] == ["all_reduce", "all_reduce"]
+    assert sum(c.bytes for c in tp.collectives) == 1572864 * 2
+    link = cluster.links.intra_node
+    assert cp.collectives[0].time_s == pytest.approx(
+        3 * link.latency + cp.collectives[0].bytes / link.bandwidth
+    )
+    assert estimate(llm, cluster, work, "dp", 4, layers=1).collectives == ()
+
+
+def test_degrees_divide_the_device_count() -> None:
+    assert degrees(4) == [1, 2, 4]
+    assert degrees(8) == [1, 2, 4, 8]
+    assert degrees(1) == [1]
+
+
+def test_memory_feasibility() -> None:
+    llm, _ = load_llm_config("llama-7b")
+    cluster = load_cluster("a5000-4x")  # 24 GiB per device
+    work = Workload(1, 32 * 1024, OutputLengths("fixed", 256, 256))
+    # Whole model: 13.5 GB of fp16 weights plus 32.3K tokens x 512 KiB of KV do not fit on one A5000 …
+    dp = estimate(llm, cluster, work, "dp", 1)
+    assert not dp.feasible and "GiB" in (dp.reason or "")
+    assert dp.memory_bytes > dp.capacity_bytes
+    # … nor does CP or DP over 4 (weights replicated; DP needs 4 requests anyway) but TP over 4 does.
+    assert not estimate(llm, cluster, work, "dp", 4).feasible
+    tp = estimate(llm, cluster, work, "tp", 4)
+    assert tp.feasible and tp.weights_bytes == pytest.approx(llm.params * 2 / 4, abs=1)
+    assert tp.kv_cache_bytes == (32 * 1024 + 256) * llm.kv_bytes_per_token() // 4
+    cp = estimate(llm, cluster, work, "cp", 4)
+    assert cp.kv_cache_bytes < dp.kv_cache_bytes and cp.weights_bytes == dp.weights_bytes
+
+
+def test_tensor_parallelism_needs_heads_divisible_by_degree() -> None:
+    llm, _ = load_llm_config("gpt2")  # 12 heads
+    cluster = load_cluster("dgx-a100")
+    work = Workload(8, 1024)
+    assert estimate(llm, cluster, work, "tp", 4).feasible
+    bad = estimate(llm, cluster, work, "tp", 8)
+    assert not bad.feasible and "heads" in (bad.reason or "")
+
+
+def test_dp_straggler_is_at_least_the_mean_and_deterministic() -> None:
+    output = parse_output_lengths("uniform:1-1024")
+    steps = dp_replica_steps(output, 32, 4, trials=512, seed=3)
+    assert steps.shape == (512, 4)
+    assert np.all(steps.max(axis=1) >= steps.mean(axis=1))
+    assert steps.max(axis=1).mean() > steps.mean()  # variance in outputs makes a straggler
+    again = dp_replica_steps(output, 32, 4, trials=512, seed=3)
+    assert np.array_equal(steps, again)
+    # Without variance and with an even split there is no straggler.
+    fixed = dp_replica_steps(OutputLengths("fixed", 100, 100), 32, 4)
+    assert np.all(fixed == 100)
+
+
+def test_dp_throughput_pays_for_the_straggler() -> None:
+    llm, _ = load_llm_config("llama-7b")
+    cluster = load_cluster("a5000-4x")
+    fixed = estimate(llm, cluster, Workload(32, 8192, OutputLengths("fixed", 512, 512)), "dp", 4, layers=1)
+    varied = estimate(
+        llm, cluster, Workload(32, 8192, parse_output_lengths("uniform:1-1024")), "dp", 4, layers=1
+    )
+    assert fixed.dp_straggler == 1.0
+    assert varied.dp_straggler > 1.1
+    assert fixed.tokens_per_s == pytest.approx(32 / fixed.step_time_s)
+    assert varied.tokens_per_s < 32 / varied.step_time_s
+
+
+def test_decode_is_memory_bound_and_cp_splits_the_kv_read() -> None:
+    llm, _ = load_llm_config("llama-7b")
+    cluster = load_cluster("a5000-4x")
+    work = Workload(32, 64 * 1024, OutputLengths("fixed", 1, 1))
+    one = estimate(llm, cluster, work, "cp", 1, layers=1, params=CostParams(block_table_entry_s=0))
+    four = estimate(llm, cluster, work, "cp", 4, layers=1, params=CostParams(block_table_entry_s=0))
+    kv_read = 32 * 64 * 1024 * llm.kv_bytes_per_token(1) / cluster.devices()[0].type.memory_bandwidth
+    assert one.compute_s == pytest.approx(kv_read + llm.layer_params * 2 / 768e9, rel=0.01)
+    assert four.compute_s == pytest.approx(kv_read / 4 + llm.layer_params * 2 / 768e9, rel=0.01)
+
+
+def test_estimate_all_covers_every_strategy_and_degree() -> None:
+    llm, _ = load_llm_config("gpt2")
+    estimates = estimate_all(llm, load_cluster("a5000-4x"), Workload(8, 2048))
+    assert [(e.strategy, e.degree) for e in estimates] == [
+        (s, d) for s in ("tp", "cp", "dp") for d in (1, 2, 4)
+    ]

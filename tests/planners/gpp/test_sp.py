@@ -1,0 +1,50 @@
+from __future__ import annotations
+
+from planners.gpp.gpp_graphs import chain, n_shaped
+
+from tessera.core.graph import load_graph
+from tessera.models import build
+from tessera.planners.gpp.sp import decompose
+
+
+def _covers(graph, tree) -> None:
+    assert sorted(n for u in tree.units for n in u) == sorted(graph.order)
+    assert set(tree.unit_of) == set(graph.order)
+
+
+def test_multi_branch_model_has_a_parallel_block() -> None:
+    g = load_graph(build("mmt", "tiny"))
+    tree = decompose(g, max_units=1000)
+    _covers(g, tree)
+    assert tree.root.kind == "series"
+    assert tree.root.children[0].kind == "parallel"
+    assert len(tree.root.children[0].children) == 2
+    assert tree.converted == 0
+
+
+def test_coarsening_bounds_units_and_keeps_costs() -> None:
+    g = load_graph(build("mmt", "paper"))
+    fine = decompose(g, max_units=10_000)
+    coarse = decompose(g, max_units=64)
+    assert coarse.num_units <= 64 < fine.num_units
+    assert abs(coarse.root.cost - fine.root.cost) < 1e-6 * fine.root.cost
+    _covers(g, coarse)
+
+
+def test_non_series_parallel_graph_is_linearized() -> None:
+    g = n_shaped()
+    tree = decompose(g, max_units=100)
+    _covers(g, tree)
+    assert tree.converted == 1
+    # The units' depth-first order is topological.
+    pos = {n: i for i, u in enumerate(tree.units) for n in u}
+    assert all(pos[u] <= pos[v] for u, v in g.dag.edges)
+
+
+def test_chain_is_one_series_and_constants_are_attached() -> None:
+    g = chain(4)
+    tree = decompose(g, max_units=100)
+    assert tree.root.kind == "series"
+    gpt = load_graph(build("gpt", "tiny"))
+    tree = decompose(gpt, max_units=50)
+    _covers(gpt, tree)
