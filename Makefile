@@ -33,8 +33,13 @@ demo: $(VENV)/.core
 	@mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/tessera zoo build mmt --size tiny -o $(DEMO_DIR)/mmt.onnx
 	$(VENV)/bin/tessera inspect $(DEMO_DIR)/mmt.onnx
-	$(VENV)/bin/tessera zoo build gpt --size paper -o $(DEMO_DIR)/gpt-paper.onnx
-	$(VENV)/bin/tessera inspect $(DEMO_DIR)/gpt-paper.onnx --top 6
+	$(VENV)/bin/tessera zoo build candle_uno --size paper -o $(DEMO_DIR)/candle_uno.onnx
+	$(VENV)/bin/tessera inspect $(DEMO_DIR)/candle_uno.onnx --top 5
+	$(VENV)/bin/tessera plan $(DEMO_DIR)/candle_uno.onnx --kind gpp --cluster graphpipe-v100 --mini-batch 512 \
+		-o $(DEMO_DIR)/candle_uno.gpp.json
+	$(VENV)/bin/tessera validate $(DEMO_DIR)/candle_uno.gpp.json
+	$(VENV)/bin/tessera plan --kind cp --llm llama-7b --cluster a5000-4x --batch 32 --layers 1 \
+		--context 32K --sweep-context 1K,4K,10K,32K,100K -o $(DEMO_DIR)/llama.cp.json
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q
