@@ -35,7 +35,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     AfterValidator,
     BaseModel,
@@ -47,6 +46,7 @@ from pydantic import (
     model_validator,
 )
 
+from tessera.core import config_files
 from tessera.core.errors import InputError
 from tessera.core.units import UnitError, parse_bandwidth, parse_bytes, parse_flops, parse_seconds
 
@@ -405,75 +405,14 @@ class ClusterSpec(_SpecModel):
 # Loading
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        seen: set[Any] = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                continue
-            key = self.construct_object(key_node, deep=True)
-            try:
-                duplicate = key in seen
-            except TypeError:  # an unhashable key; the base class reports it
-                continue
-            if duplicate:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"duplicate key {key!r}", key_node.start_mark
-                )
-            seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
 def presets_dir() -> Path:
-    """The folder of cluster presets: ``configs/clusters`` packaged with tessera, or at the repo root."""
-    package = Path(__file__).resolve().parents[1]
-    for candidate in (package / "configs" / "clusters", package.parent / "configs" / "clusters"):
-        if candidate.is_dir():
-            return candidate
-    return package.parent / "configs" / "clusters"
+    """The folder of cluster presets (``configs/clusters``)."""
+    return config_files.presets_dir("clusters")
 
 
 def list_presets() -> list[str]:
     """The names of the cluster presets (file stems in :func:`presets_dir`), sorted."""
-    folder = presets_dir()
-    return sorted(path.stem for path in folder.glob("*.yaml")) if folder.is_dir() else []
-
-
-def _format_loc(loc: tuple[int | str, ...]) -> str:
-    path = ""
-    for part in loc:
-        if part == "[key]":  # the error is in a mapping key, which the previous part names
-            path += " (key)"
-        elif isinstance(part, int):
-            path += f"[{part}]"
-        else:
-            path += f".{part}" if path else str(part)
-    return path
-
-
-def _format_validation_error(err: ValidationError) -> str:
-    """The first error as one line, ``path: what was expected (got …)``, plus how many others."""
-    # A default computed from other fields is not computed once they fail: not a problem of its own.
-    errors = [e for e in err.errors(include_url=False) if e["type"] != "default_factory_not_called"]
-    errors = errors or err.errors(include_url=False)
-    first = errors[0]
-    kind = first["type"]
-    message = str(first["msg"])
-    for prefix in ("Value error, ", "Assertion failed, "):
-        message = message.removeprefix(prefix)
-    if kind == "missing":
-        message = "required field is missing"
-    elif kind not in ("value_error", "assertion_error") and "input" in first:
-        shown = repr(first["input"])
-        message += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
-    path = _format_loc(tuple(first["loc"]))
-    line = f"{path}: {message}" if path else message
-    if len(errors) > 1:
-        others = len(errors) - 1
-        line += f" (and {others} more problem{'s' if others > 1 else ''})"
-    return line
+    return config_files.list_presets("clusters")
 
 
 def parse_cluster(data: Any, *, source: str | None = None) -> ClusterSpec:
@@ -489,25 +428,7 @@ def parse_cluster(data: Any, *, source: str | None = None) -> ClusterSpec:
     try:
         return ClusterSpec.model_validate(data)
     except ValidationError as err:
-        raise InputError(_format_validation_error(err), source=source) from None
-
-
-def _resolve(path_or_preset: str | Path) -> Path:
-    path = Path(path_or_preset)
-    if path.is_file():
-        return path
-    text = str(path_or_preset)
-    if path.exists():
-        raise InputError("expected a cluster spec YAML file; this is a directory", source=path)
-    if "/" in text or "\\" in text or path.suffix in (".yaml", ".yml"):
-        raise InputError("cluster spec file not found", source=path)
-    preset = presets_dir() / f"{text}.yaml"
-    if preset.is_file():
-        return preset
-    presets = ", ".join(list_presets()) or "none found"
-    raise InputError(
-        f"unknown cluster preset {text!r}: give a YAML file path or a preset ({presets})", source=text
-    )
+        raise InputError(config_files.format_validation_error(err), source=source) from None
 
 
 def load_cluster(path_or_preset: str | Path) -> ClusterSpec:
@@ -516,18 +437,6 @@ def load_cluster(path_or_preset: str | Path) -> ClusterSpec:
     Every problem raises :class:`InputError` whose one-line message names the file and, for an
     invalid spec, the field path (``device_types.a100.memory: …``) and what was expected.
     """
-    path = _resolve(path_or_preset)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise InputError("not a cluster spec: not UTF-8 text", source=path) from None
-    except OSError as err:
-        raise InputError(f"cannot read the cluster spec: {err.strerror or err}", source=path) from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        problem = getattr(err, "problem", None) or str(err)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise InputError(f"not valid YAML: {problem}{where}", source=path) from None
+    path, _ = config_files.resolve_config(path_or_preset, kind="clusters", what="cluster spec")
+    data, _ = config_files.read_yaml(path, what="cluster spec")
     return parse_cluster(data, source=str(path))

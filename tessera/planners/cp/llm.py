@@ -28,13 +28,11 @@ import hashlib
 from pathlib import Path
 from typing import Any, Literal
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from tessera.core.errors import InputError
-
 # Private helpers of the cluster-spec reader: the same strict YAML and the same one-line messages.
-from tessera.core.specs import _format_validation_error, _UniqueKeyLoader
+from tessera.core import config_files
+from tessera.core.errors import InputError
 
 __all__ = [
     "DTYPE_BYTES",
@@ -173,36 +171,18 @@ class LlmSource(BaseModel):
 
 
 def llm_presets_dir() -> Path:
-    """The folder of LLM presets: ``configs/llm`` packaged with tessera, or at the repo root."""
-    package = Path(__file__).resolve().parents[2]
-    for candidate in (package / "configs" / "llm", package.parent / "configs" / "llm"):
-        if candidate.is_dir():
-            return candidate
-    return package.parent / "configs" / "llm"
+    """The folder of LLM presets (``configs/llm``)."""
+    return config_files.presets_dir("llm")
 
 
 def list_llm_presets() -> list[str]:
-    folder = llm_presets_dir()
-    return sorted(p.stem for p in folder.glob("*.yaml")) if folder.is_dir() else []
+    return config_files.list_presets("llm")
 
 
 def load_llm_config(path_or_preset: str | Path) -> tuple[LlmConfig, LlmSource]:
     """Read ``--llm``: a YAML file or a preset name. Raises :class:`InputError` (one line) on any problem."""
-    path, kind = _resolve(path_or_preset)
-    try:
-        raw = path.read_bytes()
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise InputError("not an LLM config: not UTF-8 text", source=path) from None
-    except OSError as err:
-        raise InputError(f"cannot read the LLM config: {err.strerror or err}", source=path) from None
-    try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        problem = getattr(err, "problem", None) or str(err)
-        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
-        raise InputError(f"not valid YAML: {problem}{where}", source=path) from None
+    path, kind = config_files.resolve_config(path_or_preset, kind="llm", what="LLM config")
+    data, raw = config_files.read_yaml(path, what="LLM config")
     config = parse_llm_config(data, source=str(path))
     label = str(path_or_preset) if kind == "preset" else str(path)
     return config, LlmSource(kind=kind, path=label, sha256=hashlib.sha256(raw).hexdigest())
@@ -219,22 +199,4 @@ def parse_llm_config(data: Any, *, source: str | None = None) -> LlmConfig:
     try:
         return LlmConfig.model_validate(data)
     except ValidationError as err:
-        raise InputError(_format_validation_error(err), source=source) from None
-
-
-def _resolve(path_or_preset: str | Path) -> tuple[Path, Literal["file", "preset"]]:
-    path = Path(path_or_preset)
-    if path.is_file():
-        return path, "file"
-    text = str(path_or_preset)
-    if path.exists():
-        raise InputError("expected an LLM config YAML file; this is a directory", source=path)
-    if "/" in text or "\\" in text or path.suffix in (".yaml", ".yml"):
-        raise InputError("LLM config file not found", source=path)
-    preset = llm_presets_dir() / f"{text}.yaml"
-    if preset.is_file():
-        return preset, "preset"
-    presets = ", ".join(list_llm_presets()) or "none found"
-    raise InputError(
-        f"unknown LLM preset {text!r}: give a YAML file path or a preset ({presets})", source=text
-    )
+        raise InputError(config_files.format_validation_error(err), source=source) from None

@@ -1,0 +1,134 @@
+"""Reading the YAML configs a user gives (cluster specs, LLM configs): files or preset names.
+
+One place for what every config loader needs: finding presets in ``configs/<kind>/``, resolving a
+``--cluster``/``--llm`` argument to a file, safe YAML that rejects duplicated keys, and pydantic
+errors folded into one line that names the field path.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import ValidationError
+
+from tessera.core.errors import InputError
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
+            key = self.construct_object(key_node, deep=True)
+            try:
+                duplicate = key in seen
+            except TypeError:  # an unhashable key; the base class reports it
+                continue
+            if duplicate:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def presets_dir(kind: str) -> Path:
+    """The folder of presets of one kind: ``configs/<kind>`` packaged with tessera, or at the repo root."""
+    package = Path(__file__).resolve().parents[1]
+    for candidate in (package / "configs" / kind, package.parent / "configs" / kind):
+        if candidate.is_dir():
+            return candidate
+    return package.parent / "configs" / kind
+
+
+def list_presets(kind: str) -> list[str]:
+    """The preset names of one kind (file stems), sorted."""
+    folder = presets_dir(kind)
+    return sorted(path.stem for path in folder.glob("*.yaml")) if folder.is_dir() else []
+
+
+def resolve_config(
+    path_or_preset: str | Path, *, kind: str, what: str
+) -> tuple[Path, Literal["file", "preset"]]:
+    """A config argument as a file: an existing path, or a preset name of ``kind``.
+
+    ``what`` names the config in messages ("cluster spec", "LLM config").
+    """
+    path = Path(path_or_preset)
+    if path.is_file():
+        return path, "file"
+    text = str(path_or_preset)
+    if path.exists():
+        raise InputError(f"expected {_a(what)} YAML file; this is a directory", source=path)
+    if "/" in text or "\\" in text or path.suffix in (".yaml", ".yml"):
+        raise InputError(f"{what} file not found", source=path)
+    preset = presets_dir(kind) / f"{text}.yaml"
+    if preset.is_file():
+        return preset, "preset"
+    presets = ", ".join(list_presets(kind)) or "none found"
+    label = what.split()[0] if what.endswith("spec") else what.removesuffix(" config")
+    raise InputError(
+        f"unknown {label} preset {text!r}: give a YAML file path or a preset ({presets})", source=text
+    )
+
+
+def read_yaml(path: Path, *, what: str) -> tuple[Any, bytes]:
+    """Safe-load a YAML file (duplicate keys rejected); returns the data and the raw bytes."""
+    try:
+        raw = path.read_bytes()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InputError(f"not {_a(what)}: not UTF-8 text", source=path) from None
+    except OSError as err:
+        raise InputError(f"cannot read the {what}: {err.strerror or err}", source=path) from None
+    try:
+        return yaml.load(text, Loader=UniqueKeyLoader), raw  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        problem = getattr(err, "problem", None) or str(err)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise InputError(f"not valid YAML: {problem}{where}", source=path) from None
+
+
+def _a(noun: str) -> str:
+    return ("an " if noun[0].lower() in "aeiou" or noun.startswith("LLM") else "a ") + noun
+
+
+def format_loc(loc: tuple[int | str, ...]) -> str:
+    path = ""
+    for part in loc:
+        if part == "[key]":  # the error is in a mapping key, which the previous part names
+            path += " (key)"
+        elif isinstance(part, int):
+            path += f"[{part}]"
+        else:
+            path += f".{part}" if path else str(part)
+    return path
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """The first error as one line, ``path: what was expected (got …)``, plus how many others."""
+    # A default computed from other fields is not computed once they fail: not a problem of its own.
+    errors = [e for e in err.errors(include_url=False) if e["type"] != "default_factory_not_called"]
+    errors = errors or err.errors(include_url=False)
+    first = errors[0]
+    kind = first["type"]
+    message = str(first["msg"])
+    for prefix in ("Value error, ", "Assertion failed, "):
+        message = message.removeprefix(prefix)
+    if kind == "missing":
+        message = "required field is missing"
+    elif kind not in ("value_error", "assertion_error") and "input" in first:
+        shown = repr(first["input"])
+        message += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+    path = format_loc(tuple(first["loc"]))
+    line = f"{path}: {message}" if path else message
+    if len(errors) > 1:
+        others = len(errors) - 1
+        line += f" (and {others} more problem{'s' if others > 1 else ''})"
+    return line
