@@ -90,3 +90,12 @@ def test_usage_errors_exit_2_with_one_line():
 def test_real_process_reports_bad_model_with_exit_2():
     path = BAD / "cycle.onnx"
     assert_one_line_error(run_tessera("inspect", str(path)), path, "cycle")
+
+
+@pytest.mark.parametrize("name", sorted(SPEC_CASES))
+def test_bad_cluster_specs_through_the_cli(name):
+    path = BAD / name
+    result = run_cli(
+        "plan", "--kind", "cp", "--llm", "llama-7b", "--cluster", str(path), "--batch", "1", "--context", "1K"
+    )
+    assert_one_line_error(result, path, SPEC_CASES[name])
