@@ -13,7 +13,9 @@ import sys
 import click
 
 from tessera import __version__
+from tessera.cli.backends_cmd import backends
 from tessera.cli.inspect_cmd import inspect
+from tessera.cli.launch_cmd import launch
 from tessera.cli.plan_cmd import plan
 from tessera.cli.render import NO_PROGRESS_ENV
 from tessera.cli.validate_cmd import validate
@@ -37,7 +39,9 @@ def cli(verbose: int, no_progress: bool) -> None:
     logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
 
 
+cli.add_command(backends)
 cli.add_command(inspect)
+cli.add_command(launch)
 cli.add_command(plan)
 cli.add_command(validate)
 cli.add_command(zoo)

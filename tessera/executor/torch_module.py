@@ -71,21 +71,17 @@ class OnnxModule(nn.Module):
         inits = {t.name for t in g.initializer}
         self.input_names: tuple[str, ...] = tuple(vi.name for vi in g.input if vi.name not in inits)
         self.output_names: tuple[str, ...] = tuple(vi.name for vi in g.output)
-        missing = sorted({n.op_type for n in g.node if n.domain not in ("", "ai.onnx")} | {
-            n.op_type for n in g.node if n.op_type not in OPS
-        })
+        missing = sorted(
+            {n.op_type for n in g.node if n.domain not in ("", "ai.onnx")}
+            | {n.op_type for n in g.node if n.op_type not in OPS}
+        )
         if missing:
             raise InputError(
                 f"operator(s) {', '.join(missing)} not supported by the torch executor "
                 "(tessera.executor.torch_module.OPS)",
                 source=label,
             )
-        frozen = {
-            n.input[i]
-            for n in g.node
-            for i in range(len(n.input))
-            if (n.op_type, i) in _FROZEN_INPUTS
-        }
+        frozen = {n.input[i] for n in g.node for i in range(len(n.input)) if (n.op_type, i) in _FROZEN_INPUTS}
         self.params = nn.ParameterDict()
         self.onnx_names: dict[str, str] = {}  # sanitized parameter or buffer name → initializer name
         self._init_keys: dict[str, tuple[str, str]] = {}  # initializer → ("param"|"buffer", key)
@@ -385,7 +381,9 @@ def _layer_norm(x: Inputs, a: Mapping[str, Any]) -> Tensor | tuple[Tensor, ...]:
 @op("BatchNormalization")
 def _batch_norm(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     if a.get("training_mode", 0):
-        raise ValueError("BatchNormalization with training_mode=1 is not supported (inference semantics only)")
+        raise ValueError(
+            "BatchNormalization with training_mode=1 is not supported (inference semantics only)"
+        )
     return F.batch_norm(x[0], x[3], x[4], x[1], x[2], training=False, eps=a.get("epsilon", 1e-5))
 
 

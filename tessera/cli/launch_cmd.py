@@ -1,0 +1,184 @@
+"""``tessera launch PLAN.json``: run a plan on torch.distributed workers, measured against predicted.
+
+Checks the plan (schema; the model's sha256: a changed model is refused with exit 2), then
+dispatches by kind: ``gpp`` and ``spp`` plans train on stage workers
+(:mod:`tessera.executor.gpp`), started the torchrun way (:mod:`tessera.executor.launcher`).
+A worker that fails stops the launch with exit 4 and the failing rank named.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tessera.cli.options import json_option, load_model_option
+from tessera.cli.render import emit_json, human_bytes
+from tessera.core.errors import InputError
+from tessera.core.plans import GppPlan, check_plan_against_model, load_plan
+
+
+def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
+    """--model, else the plan's path as recorded (relative to the working directory or the plan)."""
+    if given:
+        candidates = [Path(given)]
+    else:
+        candidates = [Path(recorded), Path(plan_path).parent / recorded]
+    for c in candidates:
+        if c.is_file():
+            return str(c)
+    raise InputError(
+        f"the model {str(candidates[0])!r} the plan names does not exist (give --model)", source=plan_path
+    )
+
+
+@click.command()
+@click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False, path_type=str))
+@click.option(
+    "--model",
+    type=click.Path(dir_okay=False, path_type=str),
+    help="The model (default: the path in the plan).",
+)
+@click.option(
+    "--nproc-per-node",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Worker processes on this node (default: every rank of the plan / --nnodes).",
+)
+@click.option("--nnodes", type=click.IntRange(min=1), default=1, show_default=True, help="Nodes taking part.")
+@click.option(
+    "--node-rank", type=click.IntRange(min=0), default=0, show_default=True, help="This node's rank."
+)
+@click.option("--master-addr", default="127.0.0.1", show_default=True, help="Rendezvous address (node 0).")
+@click.option(
+    "--master-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="Rendezvous port (default: a free one; required with --nnodes > 1).",
+)
+@click.option(
+    "--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Training steps (mini-batches)."
+)
+@click.option("--lr", type=float, default=0.01, show_default=True, help="SGD learning rate.")
+@click.option(
+    "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the synthetic data."
+)
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="An .npz with one array per model input (rows = samples), optionally target:<output> arrays.",
+)
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds a worker may wait on a peer before the launch is stopped (a step stuck elsewhere: 1.5x).",
+)
+@json_option
+def launch(
+    plan_path: str,
+    model: str | None,
+    nproc_per_node: int | None,
+    nnodes: int,
+    node_rank: int,
+    master_addr: str,
+    master_port: int | None,
+    steps: int,
+    lr: float,
+    seed: int,
+    data: str | None,
+    timeout_s: float,
+    as_json: bool,
+) -> None:
+    """Run PLAN on worker processes and report measured against predicted.
+
+    gpp/spp plans: every device of the plan is one process running one stage replica; it trains
+    STEPS mini-batches (SGD, loss = mean of squared outputs) and reports loss, iteration time,
+    per-stage busy time and peak memory per step. Exit codes: 0 done, 2 bad plan/model/data,
+    4 a worker failed (the rank and reason are printed).
+    """
+    plan = load_plan(plan_path)
+    if plan.kind not in ("gpp", "spp"):
+        raise InputError(
+            f"launching a {plan.kind!r} plan is not available yet (tessera launch runs gpp and spp plans)",
+            source=plan_path,
+        )
+    assert isinstance(plan, GppPlan) and plan.model is not None
+    model_path = _model_path(plan_path, plan.model.path, model)
+    shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
+    graph = load_model_option(model_path, shapes)
+    problems = check_plan_against_model(plan, graph)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputError(f"{problems[0]}{more}", source=plan_path)
+
+    from tessera.executor.gpp import TrainOptions, run_gpp_plan
+    from tessera.executor.launcher import LaunchOptions
+
+    run = run_gpp_plan(
+        plan,
+        graph,
+        model_path,
+        TrainOptions(steps=steps, lr=lr, seed=seed, data=data),
+        LaunchOptions(
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            timeout_s=timeout_s,
+        ),
+        plan_path=plan_path,
+    )
+    if as_json:
+        emit_json(run.to_json())
+    else:
+        click.echo(_summary(run.to_json()))
+
+
+def _ratio(x: float | None) -> str:
+    return f"{x:.2f}x" if x is not None else "-"
+
+
+def _summary(report: dict[str, Any]) -> str:
+    t = report["training"]
+    lines = [
+        f"launched {report['kind']} plan {report['plan']}: {report['world_size']} rank(s) ({report['backend']}), "
+        f"mini-batch {report['mini_batch_size']}, {t['steps']} step(s), {t['optimizer']}, data {t['data']}",
+        f"{'step':>4} {'loss':>12} {'iteration':>11}  busy per stage",
+    ]
+    for s in report["steps"]:
+        busy = "  ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in s["busy_s"].items())
+        lines.append(f"{s['step']:>4} {s['loss']:>12.6g} {s['iteration_s'] * 1e3:>8.2f} ms  {busy}")
+    lines.append(
+        f"{'stage':>5} {'ranks':>7} {'busy':>10} {'predicted':>10} {'ratio':>7} {'peak mem':>10} "
+        f"{'predicted':>10} {'ratio':>8}"
+    )
+    for st in report["stages"]:
+        p_busy = st["predicted_busy_s"]
+        lines.append(
+            f"{st['id']:>5} {','.join(map(str, st['ranks'])):>7} {st['busy_s'] * 1e3:>7.2f} ms "
+            f"{'-' if p_busy is None else f'{p_busy * 1e3:.2f} ms':>10} {_ratio(st['busy_ratio']):>7} "
+            f"{human_bytes(st['peak_memory_bytes']):>10} {human_bytes(st['predicted_peak_memory_bytes']):>10} "
+            f"{_ratio(st['memory_ratio']):>8}"
+        )
+    m, p, r = report["measured"], report["predicted"], report["ratio"]
+    predicted = p.get("iteration_time_s")
+    lines.append(
+        f"iteration: measured {m['iteration_time_s'] * 1e3:.2f} ms"
+        + (
+            f", predicted {predicted * 1e3:.2f} ms (measured/predicted {r['iteration_time']:.2f}x)"
+            if predicted
+            else ", no prediction in the plan"
+        )
+        + f"; final loss {m['final_loss']:.6g}"
+    )
+    lines.append(
+        "(busy: forward + backward compute, slowest replica, mean over steps after the first; "
+        "peak mem: weights + gradients + activations in flight, slowest replica; on GPU the allocator's peak)"
+    )
+    return "\n".join(lines)

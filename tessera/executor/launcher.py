@@ -1,0 +1,185 @@
+"""Start workers the way ``torchrun`` does: torch.distributed's elastic agent, nothing home-made.
+
+:func:`launch_workers` runs ``entrypoint(*args)`` on ``nproc_per_node`` local processes per node
+through ``torch.distributed.launcher.api.elastic_launch`` (a static rendezvous at
+``master_addr:master_port``, as ``torchrun --nnodes N --node-rank R --master-addr A --master-port
+P`` does), with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in every
+worker's environment. Workers pick gloo (CPU) or NCCL (GPU) themselves.
+
+Faults: no restarts. When a worker raises or dies, the agent notices within its monitor interval,
+stops every other worker (SIGTERM, then SIGKILL after a few seconds) and :func:`launch_workers`
+raises :class:`~tessera.core.errors.LaunchError` naming the rank that failed first and why. A hung
+worker is bounded by the timeouts the workers set — the process-group timeout (``timeout_s``: a
+receive or collective gives up with an error naming the peer it waited for) and a per-step
+watchdog (1.5 × ``timeout_s``; see :mod:`tessera.executor.gpp`) — and the rendezvous timeout. Ctrl-C (SIGINT) or SIGTERM stops every
+worker and surfaces as ``KeyboardInterrupt``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import socket
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.core.errors import InputError, LaunchError
+
+# Seconds between the agent's SIGTERM and SIGKILL to workers it stops.
+SHUTDOWN_GRACE_S = 5
+# Messages of failures that are a consequence of another rank's failure: the rank lost its link to
+# a peer or timed out waiting for one (tessera's workers say "waiting for … from rank N").
+_SECONDARY = re.compile(
+    r"waiting for .* from rank|connection (closed|reset|refused)|broken pipe|closed by peer",
+    re.IGNORECASE,
+)
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """torchrun's options: processes per node (default: the whole world on this node), nodes,
+    this node's rank, the rendezvous address, and the fault timeout in seconds."""
+
+    nproc_per_node: int | None = None
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None  # None: a free local port (single node only)
+    timeout_s: float = 60.0
+
+
+def free_port(addr: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((addr, 0))
+        return int(s.getsockname()[1])
+
+
+def resolve(options: LaunchOptions, world_size: int) -> tuple[int, int]:
+    """(nproc_per_node, master_port) for a run of ``world_size`` ranks; InputError if they disagree."""
+    if options.nnodes < 1 or not 0 <= options.node_rank < options.nnodes:
+        raise InputError(f"--node-rank {options.node_rank} is not in [0, --nnodes {options.nnodes})")
+    if options.timeout_s <= 0:
+        raise InputError(f"--timeout {options.timeout_s}: must be positive")
+    nproc = options.nproc_per_node
+    if nproc is None:
+        if world_size % options.nnodes:
+            raise InputError(f"the plan's {world_size} ranks do not split evenly over {options.nnodes} nodes")
+        nproc = world_size // options.nnodes
+    if nproc * options.nnodes != world_size:
+        raise InputError(
+            f"--nproc-per-node {nproc} x --nnodes {options.nnodes} = {nproc * options.nnodes} "
+            f"processes, but the plan has {world_size} devices (one process each)"
+        )
+    port = options.master_port
+    if port is None:
+        if options.nnodes > 1:
+            raise InputError("--master-port is required with --nnodes > 1")
+        port = free_port(options.master_addr)
+    return nproc, port
+
+
+def launch_workers(
+    entrypoint: Callable[..., Any],
+    args: tuple[Any, ...],
+    world_size: int,
+    options: LaunchOptions,
+    *,
+    describe_rank: Callable[[int], str] = lambda r: f"rank {r}",
+) -> dict[int, Any]:
+    """Run ``entrypoint(*args)`` on every local rank of a ``world_size``-rank job; return this
+    node's results by global rank. Raises LaunchError (exit 4) when a worker fails."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    nproc, port = resolve(options, world_size)
+    config = LaunchConfig(
+        min_nodes=options.nnodes,
+        max_nodes=options.nnodes,
+        nproc_per_node=nproc,
+        run_id=f"tessera-{uuid.uuid4().hex[:12]}",
+        rdzv_backend="static",
+        rdzv_endpoint=f"{options.master_addr}:{port}",
+        rdzv_configs={"rank": options.node_rank, "timeout": int(max(options.timeout_s, 1))},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        shutdown_timeout=SHUTDOWN_GRACE_S,
+    )
+    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    with _env("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads)), _quiet_agent():
+        try:
+            return elastic_launch(config, entrypoint)(*args)
+        except ChildFailedError as exc:
+            raise LaunchError(_describe_failure(exc, describe_rank)) from None
+        except Exception as exc:
+            if type(exc).__name__ == "SignalException":  # the agent caught SIGINT/SIGTERM
+                raise KeyboardInterrupt from None
+            if type(exc).__name__ in ("RendezvousTimeoutError", "RendezvousError", "DistStoreError"):
+                raise LaunchError(f"rendezvous at {options.master_addr}:{port} failed: {exc}") from None
+            raise
+
+
+def _describe_failure(exc: Any, describe_rank: Callable[[int], str]) -> str:
+    """One line: the root-cause rank (first by time; a rank whose message is only a lost link to a
+    peer counts after the others), what happened, and how many ranks failed in all."""
+    failures = sorted(exc.failures.items(), key=lambda kv: (_is_secondary(kv[1]), kv[1].timestamp, kv[0]))
+    rank, failure = failures[0]
+    more = f"; {len(failures) - 1} other rank(s) stopped with it" if len(failures) > 1 else ""
+    return f"{describe_rank(rank)} failed: {_reason(failure)}{more}"
+
+
+def _message(failure: Any) -> str:
+    """The Python error a worker recorded (its elastic error file), or "" when it left none."""
+    if failure.error_file == "<N/A>":
+        return ""
+    message = failure.message
+    if isinstance(message, dict):
+        message = message.get("message", "")
+    return " ".join(str(message).split())
+
+
+def _is_secondary(failure: Any) -> bool:
+    text = _message(failure)
+    return failure.exitcode < 0 or bool(text and _SECONDARY.search(text))
+
+
+def _reason(failure: Any) -> str:
+    text = _message(failure)
+    if text:
+        return text
+    if failure.exitcode < 0:
+        return f"killed by signal {failure.signal_name()} (pid {failure.pid})"
+    return f"exited with code {failure.exitcode} without a Python error (pid {failure.pid})"
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str) -> Iterator[None]:
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+@contextlib.contextmanager
+def _quiet_agent() -> Iterator[None]:
+    """The elastic agent logs every failure at ERROR with a banner; tessera reports it in one line.
+    Its logs stay visible with ``-v`` (the root logger at INFO or below)."""
+    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    old = [lg.level for lg in loggers]
+    if logging.getLogger().getEffectiveLevel() > logging.INFO:
+        for lg in loggers:
+            lg.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        for lg, level in zip(loggers, old, strict=True):
+            lg.setLevel(level)

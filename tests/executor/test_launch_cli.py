@@ -1,0 +1,154 @@
+"""``tessera launch`` end to end: a 2-rank run, a worker killed mid-run, refused plans."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_runner import run_cli
+from executor.plans import chain_halves, make_plan, save_model, write
+
+from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, write_plan
+from tessera.executor.gpp import FAULT_ENV, train_reference
+from tessera.models import build
+
+
+@pytest.fixture
+def chain_plan(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """candle_uno cut into two halves (2 ranks), written next to its model (relative path)."""
+    monkeypatch.chdir(tmp_path)
+    graph = save_model(build("candle_uno", "tiny", 0), Path("candle.onnx"))
+    plan = make_plan(graph, [(s, [f"cpu:{i}"], 2) for i, s in enumerate(chain_halves(graph))], 4)
+    return graph, write(plan, tmp_path / "plan.json")
+
+
+def _worker_children() -> list[int]:
+    """Live spawned worker processes that are children of this (test) process."""
+    me, found = os.getpid(), []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmd = (entry / "cmdline").read_bytes().decode(errors="replace")
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me and fields[0] != "Z" and "spawn_main" in cmd:
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.slow
+def test_two_rank_launch_reports_loss_times_and_memory_against_predicted(chain_plan) -> None:
+    graph, plan_path = chain_plan
+    res = run_cli("launch", str(plan_path), "--steps", "3", "--lr", "0.05", "--seed", "4", "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["kind"] == "gpp" and report["world_size"] == 2 and report["backend"] == "gloo"
+    ref = train_reference(graph, 3, 4, seed=4, lr=0.05)
+    np.testing.assert_allclose([s["loss"] for s in report["steps"]], ref.losses, rtol=1e-5)
+    assert set(report["steps"][0]["busy_s"]) == {"0", "1"}
+    assert report["predicted"]["iteration_time_s"] == pytest.approx(0.01)
+    assert report["ratio"]["iteration_time"] == pytest.approx(report["measured"]["iteration_time_s"] / 0.01)
+    for st in report["stages"]:
+        assert st["busy_s"] > 0 and st["peak_memory_bytes"] > 0 and st["memory_ratio"] > 0
+    assert _worker_children() == []
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_mid_run_stops_the_launch_with_exit_4(chain_plan, monkeypatch) -> None:
+    _, plan_path = chain_plan
+    monkeypatch.setenv(FAULT_ENV, "1:2:exit")  # test-only: rank 1 calls os._exit(3) at step 2
+    start = time.monotonic()
+    res = run_cli("launch", str(plan_path), "--steps", "4", "--timeout", "20")
+    elapsed = time.monotonic() - start
+    assert res.code == 4, res.err
+    assert "rank 1 (stage 1, replica 0, device cpu:1) failed: exited with code 3" in res.err
+    assert elapsed < 60
+    assert _worker_children() == []
+
+
+def test_a_changed_model_is_refused_with_exit_2(chain_plan) -> None:
+    _, plan_path = chain_plan
+    Path("candle.onnx").write_bytes(build("candle_uno", "tiny", 1).SerializeToString())
+    res = run_cli("launch", str(plan_path))
+    assert res.code == 2
+    assert "model changed" in res.err
+
+
+def test_placement_plans_cannot_be_launched_yet(tmp_path: Path, chain_plan) -> None:
+    graph, _ = chain_plan
+    plan = PlacementPlan(
+        model=ModelRef.of(graph),
+        groups=[PlacementGroup(id=0, backend="onnxruntime", nodes=list(graph.order), pattern="*")],
+    )
+    path = write_plan(plan, tmp_path / "placement.json")
+    res = run_cli("launch", str(path))
+    assert res.code == 2
+    assert "launching a 'placement' plan is not available yet" in res.err
+
+
+def test_bad_launch_options_are_input_errors(chain_plan) -> None:
+    _, plan_path = chain_plan
+    res = run_cli("launch", str(plan_path), "--nproc-per-node", "3")
+    assert res.code == 2 and "the plan has 2 devices" in res.err
+    res = run_cli("launch", str(plan_path), "--nnodes", "2", "--nproc-per-node", "1")
+    assert res.code == 2 and "--master-port is required" in res.err
+
+
+def _children_of(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_every_worker(chain_plan) -> None:
+    _, plan_path = chain_plan
+    env = {**os.environ, FAULT_ENV: "1:0:hang"}  # test-only: rank 1 hangs, so the run cannot end by itself
+    env.pop("TESSERA_DEBUG", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tessera", "launch", str(plan_path), "--timeout", "60"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        workers: list[int] = []
+        while len(workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+            workers = [p for p in _children_of(proc.pid) if "spawn_main" in _cmdline(p)]
+        assert len(workers) == 2, "the workers did not start"
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    time.sleep(0.5)
+    assert [p for p in workers if Path(f"/proc/{p}").exists() and "spawn_main" in _cmdline(p)] == []
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return ""
