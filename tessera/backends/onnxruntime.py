@@ -1,0 +1,160 @@
+"""ONNX Runtime on the CPU (``CPUExecutionProvider``): always available, the reference backend.
+
+Capability comes from ONNX Runtime's own kernel registry (``get_all_opkernel_def``): the op types,
+opset ranges and tensor types the CPU provider has kernels for.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from functools import cached_property
+from typing import Any
+
+import numpy as np
+import onnx
+
+from tessera.backends.base import Backend, BuildError, Capability, Feeds, model_io
+from tessera.core.graph import Graph
+
+log = logging.getLogger(__name__)
+
+_ORT_TYPES = {
+    "float": "float32", "double": "float64", "float16": "float16", "bfloat16": "bfloat16",
+    "int8": "int8", "int16": "int16", "int32": "int32", "int64": "int64",
+    "uint8": "uint8", "uint16": "uint16", "uint32": "uint32", "uint64": "uint64", "bool": "bool",
+}  # fmt: skip
+
+
+def kernel_table(provider: str) -> dict[str, list[tuple[int, int, frozenset[str]]]]:
+    """ONNX Runtime's registered kernels of ``provider`` for the default domain.
+
+    Op type → list of (first opset, last opset, tensor dtypes of any type constraint).
+    """
+    from onnxruntime.capi import onnxruntime_pybind11_state as C
+
+    table: dict[str, list[tuple[int, int, frozenset[str]]]] = {}
+    for k in C.get_all_opkernel_def():
+        if k.provider != provider or k.domain not in ("", "ai.onnx"):
+            continue
+        dtypes = {
+            _ORT_TYPES[t[7:-1]]
+            for types in k.type_constraints.values()
+            for t in types
+            if t.startswith("tensor(") and t[7:-1] in _ORT_TYPES
+        }
+        start, end = k.version_range
+        table.setdefault(k.op_name, []).append((int(start), int(end), frozenset(dtypes)))
+    return table
+
+
+def default_opset(graph: Graph) -> int:
+    return next((o.version for o in graph.model.opset_import if o.domain in ("", "ai.onnx")), 17)
+
+
+class OrtRunnable:
+    """An ``InferenceSession`` over one sub-model.
+
+    Inputs: C-contiguous numpy arrays of the right dtype are handed to ONNX Runtime without a copy
+    (it wraps their memory); others are converted once. Outputs: the arrays ONNX Runtime allocates
+    are returned as they are (no further copy).
+    """
+
+    def __init__(self, session: Any, providers: list[Any]) -> None:
+        self.session = session
+        self.providers = providers
+        self.input_names = tuple(i.name for i in session.get_inputs())
+        self.output_names = tuple(o.name for o in session.get_outputs())
+        self._dtypes = {i.name: _ort_input_dtype(i.type) for i in session.get_inputs()}
+
+    def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
+        inputs = {
+            name: np.ascontiguousarray(feeds[name], dtype=self._dtypes.get(name)) for name in self.input_names
+        }
+        outputs = self.session.run(list(self.output_names), inputs)
+        return dict(zip(self.output_names, outputs, strict=True))
+
+
+def _ort_input_dtype(type_str: str) -> str | None:
+    return _ORT_TYPES.get(type_str[7:-1]) if type_str.startswith("tensor(") else None
+
+
+def make_session(model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: bool = True) -> Any:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    if not cpu_fallback:
+        options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    try:
+        return ort.InferenceSession(
+            model.SerializeToString(deterministic=True), sess_options=options, providers=providers
+        )
+    except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
+        raise BuildError(f"onnxruntime could not build the subgraph: {type(exc).__name__}: {exc}") from exc
+
+
+class OnnxRuntimeBackend(Backend):
+    """ONNX Runtime's CPU execution provider."""
+
+    name = "onnxruntime"
+    distribution = "onnxruntime"
+    provider = "CPUExecutionProvider"
+
+    def available(self) -> tuple[bool, str]:
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            return False, "onnxruntime not installed"
+        if self.provider not in ort.get_available_providers():
+            return False, f"onnxruntime {ort.__version__} has no {self.provider}"
+        return True, ""
+
+    @property
+    def version(self) -> str | None:
+        # onnxruntime-gpu installs the same module under another distribution name.
+        try:
+            import onnxruntime as ort
+        except ImportError:
+            return None
+        return str(ort.__version__)
+
+    @cached_property
+    def kernels(self) -> dict[str, list[tuple[int, int, frozenset[str]]]]:
+        self.require()
+        return kernel_table(self.provider)
+
+    def capability(self) -> Capability:
+        dtypes = frozenset().union(*(d for ks in self.kernels.values() for _, _, d in ks))
+        return Capability(
+            frozenset(self.kernels), dtypes, f"onnxruntime kernel registry ({self.provider})"
+        )
+
+    def supports(self, graph: Graph, nodes: Iterable[str]) -> bool:
+        if not self.available()[0]:
+            return False
+        opset = default_opset(graph)
+        for name in nodes:
+            op = graph.op(name)
+            if op.domain not in ("", "ai.onnx"):
+                return False
+            kernels = [d for lo, hi, d in self.kernels.get(op.op_type, ()) if lo <= opset <= hi]
+            if not kernels:
+                return False
+            dtypes = frozenset().union(*kernels)
+            for t in (*op.inputs, *op.outputs):
+                info = graph.tensors.get(t) if t else None
+                if info is not None and info.dtype not in dtypes and info.dtype != "int64":
+                    # int64 shape/index operands (Reshape's shape, Gather's indices) are typed apart.
+                    return False
+        return True
+
+    def compile(self, model: onnx.ModelProto) -> OrtRunnable:
+        self.require()
+        session = make_session(model, [self.provider])
+        runnable = OrtRunnable(session, [self.provider])
+        ins, outs = model_io(model)
+        if runnable.input_names != ins or runnable.output_names != outs:  # pragma: no cover
+            log.debug("onnxruntime reordered the sub-model's inputs/outputs")
+        return runnable

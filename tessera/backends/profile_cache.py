@@ -1,0 +1,313 @@
+"""The SQLite profile cache: measured costs keyed by backend, version, device and subgraph.
+
+Collage caches every measurement "to the log for the future usage" (thesis §2.4.2); tessera keeps
+them in ``~/.cache/tessera/profiles.sqlite`` (or any path given). A row's key is
+
+- the backend name and its version (a new runtime release is a new key);
+- the device fingerprint: the backend's device string, the CPU model and the core count;
+- the subgraph's canonical hash (:func:`subgraph_hash`): operator types, attributes, input,
+  output and initializer shapes and dtypes, and topology — not node or tensor names, and not weight
+  values, so two identical layers at different places share one entry.
+
+Robustness: WAL journaling and a busy timeout let several processes profile at once; every write
+is one ``BEGIN IMMEDIATE`` transaction; a file that is not a readable database (truncated, corrupt)
+is moved aside with a warning and rebuilt empty — the cache never crashes a run.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import sqlite3
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from tessera.backends.base import cpu_cores, cpu_model, default_cache_dir
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+BUSY_TIMEOUT_S = 30.0
+T = TypeVar("T")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS profiles (
+    backend TEXT NOT NULL,
+    backend_version TEXT NOT NULL,
+    device TEXT NOT NULL,
+    subgraph TEXT NOT NULL,
+    median_s REAL,            -- NULL: the build or run failed (infinite cost)
+    iqr_s REAL,
+    runs INTEGER NOT NULL,
+    compile_s REAL,
+    error TEXT,
+    created REAL NOT NULL,
+    PRIMARY KEY (backend, backend_version, device, subgraph)
+);
+CREATE TABLE IF NOT EXISTS context_switch (
+    src TEXT NOT NULL,
+    dst TEXT NOT NULL,
+    versions TEXT NOT NULL,
+    device TEXT NOT NULL,
+    nbytes INTEGER NOT NULL,
+    seconds REAL NOT NULL,
+    created REAL NOT NULL,
+    PRIMARY KEY (src, dst, versions, device, nbytes)
+);
+"""
+
+
+def default_profile_path() -> Path:
+    return default_cache_dir() / "profiles.sqlite"
+
+
+def device_fingerprint(device: str) -> str:
+    """The key part naming the hardware: the backend's device, the CPU model and its core count."""
+    return f"{device} | {cpu_model()} | {cpu_cores()} cores"
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One cached measurement. ``median_s`` is ``inf`` when the build or run failed."""
+
+    backend: str
+    backend_version: str
+    device: str
+    subgraph: str
+    median_s: float
+    iqr_s: float
+    runs: int
+    compile_s: float | None = None
+    error: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return math.isfinite(self.median_s)
+
+
+class ProfileCache:
+    """The cache file (see the module docstring). Safe to share between threads and processes."""
+
+    def __init__(self, path: str | Path | None = None) -> None:
+        self.path = Path(path) if path is not None else default_profile_path()
+        self._lock = threading.Lock()
+        self._conn: sqlite3.Connection | None = None
+
+    # -- connection and recovery ----------------------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            try:
+                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+                conn.execute("PRAGMA journal_mode = WAL")
+                conn.execute("PRAGMA synchronous = NORMAL")
+                check = conn.execute("PRAGMA quick_check").fetchone()
+                if not check or check[0] != "ok":
+                    raise sqlite3.DatabaseError(f"quick_check: {check[0] if check else 'no answer'}")
+                conn.executescript(_SCHEMA)
+                conn.execute(
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                )
+            except BaseException:
+                conn.close()
+                raise
+            self._conn = conn
+        return self._conn
+
+    def _recover(self, err: Exception) -> None:
+        """Move an unreadable cache file (and its WAL) aside and start an empty one."""
+        if self._conn is not None:
+            try:
+                self._conn.close()
+            except sqlite3.Error:
+                pass
+            self._conn = None
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        moved = self.path.with_name(f"{self.path.name}.corrupt-{stamp}")
+        for suffix in ("", "-wal", "-shm"):
+            src = Path(str(self.path) + suffix)
+            if src.exists():
+                try:
+                    src.replace(Path(str(moved) + suffix))
+                except OSError:
+                    src.unlink(missing_ok=True)
+        log.warning("profile cache %s is unreadable (%s); moved it to %s and started a new one", self.path, err, moved)
+
+    def _with_conn(self, fn: Callable[[sqlite3.Connection], T]) -> T:
+        with self._lock:
+            for attempt in (0, 1):
+                try:
+                    return fn(self._connect())
+                except sqlite3.OperationalError as err:
+                    if "locked" in str(err) or "busy" in str(err) or attempt:
+                        raise
+                    self._recover(err)  # e.g. "disk I/O error" on a truncated file
+                except sqlite3.DatabaseError as err:
+                    if attempt:
+                        raise
+                    self._recover(err)
+            raise AssertionError("unreachable")  # pragma: no cover
+
+    @contextmanager
+    def _transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield conn
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        conn.execute("COMMIT")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    # -- profiles -------------------------------------------------------------------------------
+
+    def get(self, backend: str, version: str, device: str, subgraph: str) -> Profile | None:
+        def read(conn: sqlite3.Connection) -> Profile | None:
+            row = conn.execute(
+                "SELECT median_s, iqr_s, runs, compile_s, error FROM profiles "
+                "WHERE backend = ? AND backend_version = ? AND device = ? AND subgraph = ?",
+                (backend, version, device, subgraph),
+            ).fetchone()
+            if row is None:
+                return None
+            median = math.inf if row[0] is None else float(row[0])
+            iqr = math.inf if row[1] is None else float(row[1])
+            return Profile(backend, version, device, subgraph, median, iqr, int(row[2]), row[3], row[4])
+
+        return self._with_conn(read)
+
+    def put(self, profile: Profile) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            with self._transaction(conn):
+                conn.execute(
+                    "INSERT OR REPLACE INTO profiles VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (
+                        profile.backend,
+                        profile.backend_version,
+                        profile.device,
+                        profile.subgraph,
+                        profile.median_s if math.isfinite(profile.median_s) else None,
+                        profile.iqr_s if math.isfinite(profile.iqr_s) else None,
+                        profile.runs,
+                        profile.compile_s,
+                        profile.error,
+                        time.time(),
+                    ),
+                )
+
+        self._with_conn(write)
+
+    def count(self) -> int:
+        return int(self._with_conn(lambda c: c.execute("SELECT COUNT(*) FROM profiles").fetchone()[0]))
+
+    # -- context switches ------------------------------------------------------------------------
+
+    def get_switch(self, src: str, dst: str, versions: str, device: str, nbytes: int) -> float | None:
+        row = self._with_conn(
+            lambda c: c.execute(
+                "SELECT seconds FROM context_switch WHERE src = ? AND dst = ? AND versions = ? AND device = ? AND nbytes = ?",
+                (src, dst, versions, device, nbytes),
+            ).fetchone()
+        )
+        return None if row is None else float(row[0])
+
+    def put_switch(self, src: str, dst: str, versions: str, device: str, nbytes: int, seconds: float) -> None:
+        def write(conn: sqlite3.Connection) -> None:
+            with self._transaction(conn):
+                conn.execute(
+                    "INSERT OR REPLACE INTO context_switch VALUES (?, ?, ?, ?, ?, ?, ?)",
+                    (src, dst, versions, device, nbytes, seconds, time.time()),
+                )
+
+        self._with_conn(write)
+
+
+# --- the canonical subgraph hash ---------------------------------------------------------------
+
+
+def subgraph_hash(model: onnx.ModelProto) -> str:
+    """A hash of a (sub-)model's computation that ignores node and tensor names and weight values.
+
+    Each tensor gets a label from what computes it: a graph input its shape and dtype, an initializer
+    its shape and dtype, a node output the node's op type, domain, attributes, the labels of its
+    inputs in order and the output index. The hash covers the sorted node labels, the sorted output
+    labels and the opsets, so it is independent of names and of the order of independent nodes.
+    """
+    g = model.graph
+    labels: dict[str, str] = {}
+    for vi in g.input:
+        labels[vi.name] = _digest(["input", *_type_of(vi)])
+    for init in g.initializer:
+        labels[init.name] = _digest(["weight", list(init.dims), int(init.data_type)])
+    node_labels = []
+    for node in g.node:
+        attrs = sorted((a.name, _attr_value(a)) for a in node.attribute)
+        ins = [labels.get(t, "missing") if t else "" for t in node.input]
+        label = _digest(["node", node.op_type, node.domain, attrs, ins])
+        node_labels.append(label)
+        for i, t in enumerate(node.output):
+            if t:
+                labels[t] = _digest([label, i])
+    outputs = sorted(labels.get(vi.name, "missing") for vi in g.output)
+    opsets = sorted((o.domain, o.version) for o in model.opset_import)
+    return _digest(["subgraph", sorted(node_labels), outputs, opsets])
+
+
+def _type_of(vi: onnx.ValueInfoProto) -> list[Any]:
+    tt = vi.type.tensor_type
+    dims = [d.dim_value if d.HasField("dim_value") else d.dim_param for d in tt.shape.dim]
+    return [dims, int(tt.elem_type)]
+
+
+def _attr_value(attr: onnx.AttributeProto) -> Any:
+    value = helper.get_attribute_value(attr)
+    if isinstance(value, onnx.TensorProto):
+        return ["tensor", list(value.dims), int(value.data_type), hashlib.sha256(value.SerializeToString()).hexdigest()]
+    if isinstance(value, onnx.GraphProto):
+        return ["graph", hashlib.sha256(value.SerializeToString(deterministic=True)).hexdigest()]
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, list):
+        return [_attr_value_item(v) for v in value]
+    if isinstance(value, float):
+        return repr(value)
+    return value
+
+
+def _attr_value_item(v: Any) -> Any:
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if isinstance(v, float):
+        return repr(v)
+    if isinstance(v, onnx.TensorProto | onnx.GraphProto):
+        return hashlib.sha256(v.SerializeToString()).hexdigest()
+    return v
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, separators=(",", ":"), default=_json_default).encode()).hexdigest()
+
+
+def _json_default(obj: Any) -> Any:
+    if isinstance(obj, np.generic):
+        return obj.item()
+    return str(obj)
