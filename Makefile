@@ -16,9 +16,10 @@ $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Core install: enough for inspect, zoo, validate, place on onnxruntime, plan.
+# Demo install: tessera with torch (the CPU build when there is no NVIDIA GPU) for `launch`.
 $(VENV)/.core: pyproject.toml | $(VENV)/bin/activate
-	$(PIP) install -q -e .
+	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q $(TORCH_CPU); fi
+	$(PIP) install -q -e ".[launch,viz]"
 	touch $@
 
 $(VENV)/.test: pyproject.toml | $(VENV)/bin/activate
@@ -38,6 +39,8 @@ demo: $(VENV)/.core
 	$(VENV)/bin/tessera plan $(DEMO_DIR)/candle_uno.onnx --kind gpp --cluster graphpipe-v100 --mini-batch 512 \
 		-o $(DEMO_DIR)/candle_uno.gpp.json
 	$(VENV)/bin/tessera validate $(DEMO_DIR)/candle_uno.gpp.json
+	$(VENV)/bin/tessera plan $(DEMO_DIR)/mmt.onnx --kind spp --cluster local-cpu-split --mini-batch 16 -o $(DEMO_DIR)/mmt.spp.json
+	$(VENV)/bin/tessera launch $(DEMO_DIR)/mmt.spp.json --steps 3
 	$(VENV)/bin/tessera plan --kind cp --llm llama-7b --cluster a5000-4x --batch 32 --layers 1 \
 		--context 32K --sweep-context 1K,4K,10K,32K,100K -o $(DEMO_DIR)/llama.cp.json
 
