@@ -54,7 +54,9 @@ class CudnnBackend(OnnxRuntimeBackend):
             import onnxruntime as ort
 
             if self.provider not in ort.get_available_providers():
-                missing.append(f"onnxruntime-gpu not installed (onnxruntime {ort.__version__} has no {self.provider})")
+                missing.append(
+                    f"onnxruntime-gpu not installed (onnxruntime {ort.__version__} has no {self.provider})"
+                )
         except ImportError:
             missing.append("onnxruntime-gpu not installed")
         if not nvidia_gpus():

@@ -63,7 +63,9 @@ class Timing:
     runs: int
 
 
-def time_runs(run: Callable[[], Any], *, warmup: int = 3, repeat: int = 15, min_sample_s: float = 2e-4) -> Timing:
+def time_runs(
+    run: Callable[[], Any], *, warmup: int = 3, repeat: int = 15, min_sample_s: float = 2e-4
+) -> Timing:
     """Warm up, then time ``repeat`` samples; a sample averages enough calls to last ``min_sample_s``."""
     for _ in range(warmup):
         run()
@@ -114,7 +116,9 @@ class Measurer:
         device = device_fingerprint(backend.device)
         hit = self.cache.get(backend.name, version, device, key)
         if hit is not None:
-            return Measurement(backend.name, members, key, hit.median_s, hit.iqr_s, hit.runs, hit.compile_s, True, hit.error)
+            return Measurement(
+                backend.name, members, key, hit.median_s, hit.iqr_s, hit.runs, hit.compile_s, True, hit.error
+            )
         feeds = self.feeds(graph, model)
         compile_s: float | None = None
         try:
@@ -128,10 +132,16 @@ class Measurer:
             profile = Profile(backend.name, version, device, key, math.inf, math.inf, 0, compile_s, error)
             self.cache.put(profile)
             return Measurement(backend.name, members, key, math.inf, math.inf, 0, compile_s, False, error)
-        self.cache.put(Profile(backend.name, version, device, key, timing.median_s, timing.iqr_s, timing.runs, compile_s))
-        return Measurement(backend.name, members, key, timing.median_s, timing.iqr_s, timing.runs, compile_s, False)
+        self.cache.put(
+            Profile(backend.name, version, device, key, timing.median_s, timing.iqr_s, timing.runs, compile_s)
+        )
+        return Measurement(
+            backend.name, members, key, timing.median_s, timing.iqr_s, timing.runs, compile_s, False
+        )
 
-    def measure_many(self, candidates: Sequence[tuple[Backend, Iterable[str]]], graph: Graph) -> list[Measurement]:
+    def measure_many(
+        self, candidates: Sequence[tuple[Backend, Iterable[str]]], graph: Graph
+    ) -> list[Measurement]:
         """Measure each (backend, nodes) candidate in order, with a progress bar if asked."""
         results: list[Measurement] = []
         with _progress(self.progress, len(candidates)) as advance:

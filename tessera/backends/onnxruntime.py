@@ -127,9 +127,7 @@ class OnnxRuntimeBackend(Backend):
 
     def capability(self) -> Capability:
         dtypes = frozenset().union(*(d for ks in self.kernels.values() for _, _, d in ks))
-        return Capability(
-            frozenset(self.kernels), dtypes, f"onnxruntime kernel registry ({self.provider})"
-        )
+        return Capability(frozenset(self.kernels), dtypes, f"onnxruntime kernel registry ({self.provider})")
 
     def supports(self, graph: Graph, nodes: Iterable[str]) -> bool:
         if not self.available()[0]:

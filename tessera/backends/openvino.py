@@ -45,7 +45,8 @@ class OpenVinoRunnable:
         self._inputs = [compiled.input(n) for n in input_names]
         self._outputs = [compiled.output(n) for n in output_names]
         self._out_specs = [
-            (tuple(int(d) for d in o.get_shape()), np.dtype(o.get_element_type().to_dtype())) for o in self._outputs
+            (tuple(int(d) for d in o.get_shape()), np.dtype(o.get_element_type().to_dtype()))
+            for o in self._outputs
         ]
 
     def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
@@ -130,7 +131,9 @@ class OpenVinoBackend(Backend):
             log.debug("openvino does not take the subgraph: %s", " ".join(str(exc).split())[:200])
             return False
         return all(
-            op.get_friendly_name() in supported for op in ov_model.get_ops() if op.get_type_name() not in _STRUCTURAL_OPS
+            op.get_friendly_name() in supported
+            for op in ov_model.get_ops()
+            if op.get_type_name() not in _STRUCTURAL_OPS
         )
 
     def compile(self, model: onnx.ModelProto) -> OpenVinoRunnable:
@@ -141,4 +144,6 @@ class OpenVinoBackend(Backend):
             compiled = self.core.compile_model(ov_model, DEVICE, {"INFERENCE_PRECISION_HINT": self.precision})
             return OpenVinoRunnable(compiled, ins, outs)
         except Exception as exc:  # noqa: BLE001 - openvino raises RuntimeError with multi-line text
-            raise BuildError(f"openvino could not build the subgraph: {' '.join(str(exc).split())[:300]}") from exc
+            raise BuildError(
+                f"openvino could not build the subgraph: {' '.join(str(exc).split())[:300]}"
+            ) from exc

@@ -33,7 +33,6 @@ from tessera.core.graph import Graph, OpNode, TensorInfo
 
 __all__ = [
     "AltPattern",
-    "CallPattern",
     "ConstantPattern",
     "OpPattern",
     "Pattern",
@@ -66,7 +65,9 @@ class _Constraints:
         if self.shape is not None:
             if info is None or info.shape is None or len(info.shape) != len(self.shape):
                 return False
-            if any(want is not None and want != got for want, got in zip(self.shape, info.shape, strict=True)):
+            if any(
+                want is not None and want != got for want, got in zip(self.shape, info.shape, strict=True)
+            ):
                 return False
         return True
 

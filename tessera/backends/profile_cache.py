@@ -110,7 +110,9 @@ class ProfileCache:
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False)
+            conn = sqlite3.connect(
+                self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+            )
             try:
                 conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
                 conn.execute("PRAGMA journal_mode = WAL")
@@ -120,7 +122,8 @@ class ProfileCache:
                     raise sqlite3.DatabaseError(f"quick_check: {check[0] if check else 'no answer'}")
                 conn.executescript(_SCHEMA)
                 conn.execute(
-                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)", (str(SCHEMA_VERSION),)
+                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+                    (str(SCHEMA_VERSION),),
                 )
             except BaseException:
                 conn.close()
@@ -145,7 +148,9 @@ class ProfileCache:
                     src.replace(Path(str(moved) + suffix))
                 except OSError:
                     src.unlink(missing_ok=True)
-        log.warning("profile cache %s is unreadable (%s); moved it to %s and started a new one", self.path, err, moved)
+        log.warning(
+            "profile cache %s is unreadable (%s); moved it to %s and started a new one", self.path, err, moved
+        )
 
     def _with_conn(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         with self._lock:
@@ -281,7 +286,12 @@ def _type_of(vi: onnx.ValueInfoProto) -> list[Any]:
 def _attr_value(attr: onnx.AttributeProto) -> Any:
     value = helper.get_attribute_value(attr)
     if isinstance(value, onnx.TensorProto):
-        return ["tensor", list(value.dims), int(value.data_type), hashlib.sha256(value.SerializeToString()).hexdigest()]
+        return [
+            "tensor",
+            list(value.dims),
+            int(value.data_type),
+            hashlib.sha256(value.SerializeToString()).hexdigest(),
+        ]
     if isinstance(value, onnx.GraphProto):
         return ["graph", hashlib.sha256(value.SerializeToString(deterministic=True)).hexdigest()]
     if isinstance(value, bytes):

@@ -206,7 +206,9 @@ class BackendRegistry:
             backend = entry.backend()
             proposals: list[tuple[frozenset[str], str]] = []
             for named in entry.patterns:
-                proposals += [(nodes, f"pattern:{named.name}") for nodes in find_matches(graph, named.pattern)]
+                proposals += [
+                    (nodes, f"pattern:{named.name}") for nodes in find_matches(graph, named.pattern)
+                ]
             for rule in entry.rules:
                 proposals += [(g.nodes, f"rule:{rule.name}") for g in generate_groups(graph, rule)]
             for nodes, via in proposals:
@@ -253,7 +255,9 @@ class BackendRegistry:
             before = set(self._entries)
             obj(self)
             return [n for n in self._entries if n not in before]
-        raise TypeError(f"entry point must name a Backend class, instance or register(registry) function, not {type(obj).__name__}")
+        raise TypeError(
+            f"entry point must name a Backend class, instance or register(registry) function, not {type(obj).__name__}"
+        )
 
     def load_yaml(self, path: str | Path) -> int:
         """Add the patterns of one YAML file (format: :func:`pattern_from_yaml`); returns how many."""
@@ -272,7 +276,11 @@ class BackendRegistry:
         backend = data["backend"]
         count = 0
         for pname, spec in patterns.items():
-            named = NamedPattern(str(pname), pattern_from_yaml(spec, where=f"patterns.{pname}", source=path), f"yaml {path.name}")
+            named = NamedPattern(
+                str(pname),
+                pattern_from_yaml(spec, where=f"patterns.{pname}", source=path),
+                f"yaml {path.name}",
+            )
             if backend in self._entries:
                 self._entries[backend].patterns.append(named)
             else:
@@ -323,7 +331,10 @@ def pattern_from_yaml(spec: Any, *, where: str = "pattern", source: str | Path |
             if not isinstance(spec["args"], list):
                 raise InputError(f"{where}.args: expected a list", source=source)
             pattern = pattern(
-                *(pattern_from_yaml(a, where=f"{where}.args[{i}]", source=source) for i, a in enumerate(spec["args"]))
+                *(
+                    pattern_from_yaml(a, where=f"{where}.args[{i}]", source=source)
+                    for i, a in enumerate(spec["args"])
+                )
             )
     else:
         pattern = wildcard()

@@ -27,8 +27,8 @@ from functools import cached_property
 
 import networkx as nx
 
-from tessera.core.graph import Graph, OpNode
 from tessera.backends.patterns import is_convex
+from tessera.core.graph import Graph, OpNode
 
 __all__ = [
     "ElementwiseFusionRule",
@@ -154,7 +154,9 @@ def check_path(src: RuleNode, sink: RuleNode, fchecker: Callable[[Hashable], boo
 
     ``src`` itself is excluded, ``sink`` included (Listing 1's ``collage.check_path``).
     """
-    return all(fchecker(RuleNode(n, src.graph, src.rule).kind) for n in nodes_between(src.graph, src.name, sink.name))
+    return all(
+        fchecker(RuleNode(n, src.graph, src.rule).kind) for n in nodes_between(src.graph, src.name, sink.name)
+    )
 
 
 def nodes_between(graph: Graph, src: str, sink: str) -> list[str]:
@@ -178,7 +180,9 @@ class ElementwiseFusionRule(PatternRule):
     """Listing 1's rule: a group with a conv/matmul (kFusable) absorbs the elementwise and
     broadcast operators up to its post-dominator; elementwise groups fuse with each other."""
 
-    def __init__(self, ops: Iterable[str] | None = None, *, name: str = "elementwise-fusion", max_ops: int = 0):
+    def __init__(
+        self, ops: Iterable[str] | None = None, *, name: str = "elementwise-fusion", max_ops: int = 0
+    ):
         self.ops = frozenset(ops) if ops is not None else None
         self.name = name
         self.max_ops = max_ops

@@ -118,7 +118,9 @@ class TensorRtBackend(Backend):
 
     def capability(self) -> Capability:
         self.require()
-        return Capability(None, DTYPES, "tensorrt ONNX parser", query="OnnxParser.supports_model_v2 on the sub-model")
+        return Capability(
+            None, DTYPES, "tensorrt ONNX parser", query="OnnxParser.supports_model_v2 on the sub-model"
+        )
 
     def supports(self, graph: Graph, nodes: Iterable[str]) -> bool:
         members = list(nodes)

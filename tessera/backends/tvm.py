@@ -36,7 +36,9 @@ def host_target() -> Any:
     import tvm
     from tvm.target import codegen
 
-    return tvm.target.Target({"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": cpu_cores()})
+    return tvm.target.Target(
+        {"kind": "llvm", "mcpu": codegen.llvm_get_system_cpu(), "num-cores": cpu_cores()}
+    )
 
 
 def default_work_dir() -> Path:
@@ -53,7 +55,9 @@ class TvmRunnable:
     Outputs: TVM's result tensors are exposed to numpy through DLPack, without a copy.
     """
 
-    def __init__(self, vm: Any, input_names: tuple[str, ...], output_names: tuple[str, ...], dtypes: list[str]):
+    def __init__(
+        self, vm: Any, input_names: tuple[str, ...], output_names: tuple[str, ...], dtypes: list[str]
+    ):
         import tvm
 
         self._tvm = tvm
@@ -134,15 +138,17 @@ class TvmBackend(Backend):
 
     def import_model(self, model: onnx.ModelProto) -> Any:
         """The sub-model as a legalized, fused Relax module (what tuning and compiling share)."""
-        from tessera.backends.tvm_tuning import prepare
-
         from tvm.relax.frontend.onnx import from_onnx
+
+        from tessera.backends.tvm_tuning import prepare
 
         try:
             mod = from_onnx(model, keep_params_in_input=False)
             return prepare(mod, self.target)
         except Exception as exc:  # noqa: BLE001 - the frontend raises many types
-            raise BuildError(f"tvm could not import the subgraph: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+            raise BuildError(
+                f"tvm could not import the subgraph: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            ) from exc
 
     def compile(self, model: onnx.ModelProto) -> TvmRunnable:
         self.require()
@@ -157,7 +163,9 @@ class TvmBackend(Backend):
             executable = tvm.compile(mod, target=self.target)
             vm = relax.VirtualMachine(executable, tvm.cpu())
         except Exception as exc:  # noqa: BLE001
-            raise BuildError(f"tvm could not build the subgraph: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}") from exc
+            raise BuildError(
+                f"tvm could not build the subgraph: {type(exc).__name__}: {' '.join(str(exc).split())[:300]}"
+            ) from exc
         ins, outs = model_io(model)
         inits = {t.name for t in model.graph.initializer}
         dtypes = [
@@ -167,7 +175,9 @@ class TvmBackend(Backend):
         ]
         return TvmRunnable(vm, ins, outs, dtypes)
 
-    def tune(self, model: onnx.ModelProto, trials: int, work_dir: str | Path | None = None, *, seed: int = 0) -> Any:
+    def tune(
+        self, model: onnx.ModelProto, trials: int, work_dir: str | Path | None = None, *, seed: int = 0
+    ) -> Any:
         """MetaSchedule-tune the sub-model's kernels with ``trials`` measured candidates in all.
 
         Records go to ``work_dir`` (default: this backend's record directory) and are reused by every
@@ -177,5 +187,9 @@ class TvmBackend(Backend):
 
         self.require()
         return tune(
-            self.import_model(model), self.target, Path(work_dir) if work_dir else self.work_dir, trials, seed=seed
+            self.import_model(model),
+            self.target,
+            Path(work_dir) if work_dir else self.work_dir,
+            trials,
+            seed=seed,
         )

@@ -73,14 +73,29 @@ def tune(fused: Any, target: Any, work_dir: Path, trials: int, *, seed: int = 0)
     best: dict[str, float] = {}
     if todo and trials > 0:
         database = ms.database.MemoryDatabase()
-        with tempfile.TemporaryDirectory(prefix="tessera-ms-") as logs:
-            contexts, weights = ms.relax_integration.extracted_tasks_to_tune_contexts(
-                todo, logs, space=_space(), strategy="replay-func", num_threads=max(1, target.attrs.get("num-cores", 1)), seed=seed
-            )
+        from tvm.s_tir.meta_schedule.tune_context import TuneContext
+        from tvm.s_tir.meta_schedule.utils import fork_seed
+
+        # Contexts made here, not by extracted_tasks_to_tune_contexts: that one reconfigures Python
+        # logging from a work_dir on every call and fails the second time in one process.
+        contexts = [
+            TuneContext(
+                mod=task.dispatched[0],
+                target=task.target,
+                space_generator=_space(),
+                search_strategy="replay-func",
+                task_name=task.task_name,
+                logger=logging.getLogger(f"{__name__}.meta_schedule"),
+                rand_state=rand_state,
+                num_threads=max(1, int(target.attrs.get("num-cores", 1))),
+            ).clone()
+            for task, rand_state in zip(todo, fork_seed(seed, len(todo)), strict=True)
+        ]
+        with tempfile.TemporaryDirectory(prefix="tessera-ms-") as scratch:
             ms.tune.tune_tasks(
                 tasks=contexts,
-                task_weights=weights,
-                work_dir=logs,
+                task_weights=[float(t.weight) for t in todo],
+                work_dir=scratch,
                 max_trials_global=trials,
                 max_trials_per_task=trials,
                 num_trials_per_iter=min(trials, 8),
@@ -88,7 +103,10 @@ def tune(fused: Any, target: Any, work_dir: Path, trials: int, *, seed: int = 0)
                 runner=InProcessRunner(),
                 database=database,
                 cost_model="random",
-                measure_callbacks=[ms.measure_callback.AddToDatabase(), ms.measure_callback.UpdateCostModel()],
+                measure_callbacks=[
+                    ms.measure_callback.AddToDatabase(),
+                    ms.measure_callback.UpdateCostModel(),
+                ],
             )
         for task in todo:
             workload = database.commit_workload(task.dispatched[0])
@@ -179,9 +197,9 @@ def _stable_target_key(target: Any) -> str:
 
 def record_from_json(record: dict[str, Any], kernel: Any, target: Any, database: Any) -> Any:
     """A ``TuningRecord`` rebuilt by replaying the stored trace onto ``kernel``."""
-    from tvm.s_tir.schedule import Schedule, Trace
     from tvm.s_tir.meta_schedule.arg_info import ArgInfo
     from tvm.s_tir.meta_schedule.database import TuningRecord
+    from tvm.s_tir.schedule import Schedule, Trace
 
     sch = Schedule(kernel)
     Trace.apply_json_to_schedule(record["trace"], sch)
@@ -255,7 +273,7 @@ def _make_builder_runner() -> tuple[type, type]:
         """Builds candidates in this process; artifacts stay in memory (keyed by a token)."""
 
         def build(self, build_inputs: list[Any]) -> list[Any]:
-            from tvm.driver import build as tvm_build
+            import tvm
             from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
 
             results = []
@@ -263,7 +281,7 @@ def _make_builder_runner() -> tuple[type, type]:
                 try:
                     mod = RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(item.mod)
                     token = f"tessera-memory:{len(artifacts)}:{id(item)}"
-                    artifacts[token] = tvm_build(mod, target=item.target)
+                    artifacts[token] = tvm.tirx.build(mod, target=item.target)
                     results.append(BuilderResult(token, None))
                 except Exception as exc:  # noqa: BLE001 - a candidate that fails to build is skipped
                     results.append(BuilderResult(None, f"{type(exc).__name__}: {exc}"))

@@ -29,6 +29,10 @@ def backends(as_json: bool) -> None:
         counts = f"{row['patterns']} patterns, {row['rules']} rules"
         version = row["version"] or "-"
         if row["available"]:
-            out.print(f"[green]✓[/green] {row['name']:<{width}}  {version:<12} {row['device']}  ({ops}; {counts})")
+            out.print(
+                f"[green]✓[/green] {row['name']:<{width}}  {version:<12} {row['device']}  ({ops}; {counts})"
+            )
         else:
-            out.print(f"[red]✗[/red] {row['name']:<{width}}  {version:<12} unavailable: {row['reason']}  ({counts})")
+            out.print(
+                f"[red]✗[/red] {row['name']:<{width}}  {version:<12} unavailable: {row['reason']}  ({counts})"
+            )

@@ -14,7 +14,10 @@ from onnx import TensorProto, helper, numpy_helper
 from tessera.core.graph import Graph, load_graph
 from tessera.models import build
 
-Node = tuple[str, str, Sequence[str], Sequence[str]] | tuple[str, str, Sequence[str], Sequence[str], dict[str, Any]]
+Node = (
+    tuple[str, str, Sequence[str], Sequence[str]]
+    | tuple[str, str, Sequence[str], Sequence[str], dict[str, Any]]
+)
 
 
 def hand_graph(
@@ -25,7 +28,10 @@ def hand_graph(
 ) -> Graph:
     """A graph from ``(name, op_type, inputs, outputs[, attrs])`` tuples; fp32 everywhere."""
     rng = np.random.default_rng(0)
-    protos = [helper.make_node(n[1], list(n[2]), list(n[3]), name=n[0], **(n[4] if len(n) > 4 else {})) for n in nodes]
+    protos = [
+        helper.make_node(n[1], list(n[2]), list(n[3]), name=n[0], **(n[4] if len(n) > 4 else {}))
+        for n in nodes
+    ]
     inits = [
         numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32), name)
         for name, shape in (weights or {}).items()
@@ -45,7 +51,9 @@ def hand_graph(
     return load_graph(model)
 
 
-def intermediates(model: onnx.ModelProto, feeds: dict[str, np.ndarray], names: Sequence[str]) -> dict[str, np.ndarray]:
+def intermediates(
+    model: onnx.ModelProto, feeds: dict[str, np.ndarray], names: Sequence[str]
+) -> dict[str, np.ndarray]:
     """onnxruntime's values of any tensors of the full model (exposed as extra outputs)."""
     m = onnx.ModelProto()
     m.CopyFrom(model)

@@ -68,7 +68,9 @@ def test_subgraph_matches_full_model(backend, cases, case) -> None:
     got = runnable.run(feeds)
     assert set(got) == set(expected)
     for name, want in expected.items():
-        np.testing.assert_allclose(got[name], want, rtol=RTOL, atol=ATOL, err_msg=f"{backend.name} {case} {name}")
+        np.testing.assert_allclose(
+            got[name], want, rtol=RTOL, atol=ATOL, err_msg=f"{backend.name} {case} {name}"
+        )
     again = runnable.run(feeds)  # a second run gives fresh, equal outputs
     for name in expected:
         np.testing.assert_array_equal(again[name], got[name])
@@ -88,7 +90,9 @@ def test_capabilities_are_known_up_front(gpt) -> None:
 
 def test_openvino_query_rejects_unsupported(make_graph) -> None:
     graph = make_graph(
-        [("fft", "DFT", ["x"], ["y"], {"onesided": 0}), ("relu", "Relu", ["y"], ["z"])], {"x": [1, 8, 2]}, ["z"]
+        [("fft", "DFT", ["x"], ["y"], {"onesided": 0}), ("relu", "Relu", ["y"], ["z"])],
+        {"x": [1, 8, 2]},
+        ["z"],
     )
     ov = OpenVinoBackend()
     assert ov.supports(graph, ["relu"])

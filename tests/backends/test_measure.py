@@ -32,7 +32,9 @@ def fast(cache: ProfileCache) -> Measurer:
 def test_canonical_hash_ignores_names_and_weights(gpt) -> None:
     a, b = subgraph_hash(gpt.extract(LINEAR)), subgraph_hash(gpt.extract(LINEAR_1))
     assert a == b  # the same layer at two places (different names and weights)
-    assert a != subgraph_hash(gpt.extract(["layer0/ffn/fc2/matmul", "layer0/ffn/fc2/bias_add"]))  # other shapes
+    assert a != subgraph_hash(
+        gpt.extract(["layer0/ffn/fc2/matmul", "layer0/ffn/fc2/bias_add"])
+    )  # other shapes
     assert a != subgraph_hash(gpt.extract(LINEAR[:1]))
 
 
@@ -117,7 +119,9 @@ def test_failed_build_costs_infinity_and_is_cached(tmp_path: Path, gpt, caplog) 
 
 def test_constant_inputs_get_real_values(tmp_path: Path, gpt, ort) -> None:
     # mask_add reads the causal mask computed by constant nodes outside the subgraph.
-    m = fast(ProfileCache(tmp_path / "p.sqlite")).measure(ort, gpt, ["layer0/attn/mask_add", "layer0/attn/softmax"])
+    m = fast(ProfileCache(tmp_path / "p.sqlite")).measure(
+        ort, gpt, ["layer0/attn/mask_add", "layer0/attn/softmax"]
+    )
     assert m.ok
 
 
@@ -126,7 +130,10 @@ def test_context_switch_is_measured_and_cached(tmp_path: Path, ort) -> None:
     ov = OpenVinoBackend()
     eps = fast(cache).context_switch(ort, ov, 1 << 14)
     assert 0.0 <= eps < 0.01
-    assert cache.get_switch("onnxruntime", "openvino", f"{ort.version}|{ov.version}", *_switch_key(ort, ov)) == eps
+    assert (
+        cache.get_switch("onnxruntime", "openvino", f"{ort.version}|{ov.version}", *_switch_key(ort, ov))
+        == eps
+    )
     assert fast(cache).context_switch(ort, ov, 1 << 14) == eps  # from the cache
     assert fast(cache).context_switch(ort, ort, 1 << 14) >= 0.0
 

@@ -35,7 +35,9 @@ class EchoBackend(Backend):
 
 def test_register_patterns_and_rules(gpt) -> None:
     registry = BackendRegistry()
-    registry.register_backend("echo", EchoBackend, patterns=[is_op("Relu")(wildcard())], rules=[SingleOpRule()])
+    registry.register_backend(
+        "echo", EchoBackend, patterns=[is_op("Relu")(wildcard())], rules=[SingleOpRule()]
+    )
     registry.add_pattern("echo", is_op("Add"), name="add")
     assert [p.name for p in registry.entry("echo").patterns] == ["pattern0", "add"]
     assert len(registry.entry("echo").rules) == 1
@@ -138,9 +140,15 @@ def test_cli_lists_backends() -> None:
     assert rows["onnxruntime"]["capability"]["op_types"] > 100
     assert rows["cudnn"]["patterns"] >= 3
     if not rows["tensorrt"]["available"]:
-        assert "tensorrt not installed" in rows["tensorrt"]["reason"] or "no NVIDIA GPU" in rows["tensorrt"]["reason"]
+        assert (
+            "tensorrt not installed" in rows["tensorrt"]["reason"]
+            or "no NVIDIA GPU" in rows["tensorrt"]["reason"]
+        )
     if not rows["cudnn"]["available"]:
-        assert "onnxruntime-gpu not installed" in rows["cudnn"]["reason"] or "no NVIDIA GPU" in rows["cudnn"]["reason"]
+        assert (
+            "onnxruntime-gpu not installed" in rows["cudnn"]["reason"]
+            or "no NVIDIA GPU" in rows["cudnn"]["reason"]
+        )
     human = run_cli("backends")
     assert human.code == 0 and "onnxruntime" in human.out
 

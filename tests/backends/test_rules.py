@@ -95,7 +95,11 @@ def test_op_rule_stops_growth(fig) -> None:
 def test_single_op_and_graph_compiler_rules(fig) -> None:
     assert sets(generate_groups(fig, SingleOpRule({"Conv", "MatMul"}))) == [{"conv"}, {"dense"}]
     region = sets(generate_groups(fig, GraphCompilerRule(max_ops=5)))
-    assert region[:3] == [{"conv"}, {"conv", "relu1", "tanh", "add"}, {"conv", "relu1", "tanh", "add", "relu2"}]
+    assert region[:3] == [
+        {"conv"},
+        {"conv", "relu1", "tanh", "add"},
+        {"conv", "relu1", "tanh", "add", "relu2"},
+    ]
     assert {"relu2", "flat", "dense"} in region
     assert all(len(g) <= 5 for g in region)
     everything = sets(generate_groups(fig, GraphCompilerRule(max_ops=0)))
