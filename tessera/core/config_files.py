@@ -7,11 +7,13 @@ errors folded into one line that names the field path.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from tessera.core.errors import InputError
 
@@ -35,6 +37,27 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+
+class ConfigModel(BaseModel):
+    """A config section: frozen, unknown fields rejected by name with a hint (a typo such as
+    ``memroy`` gets "did you mean 'memory'?")."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, Mapping):
+            allowed = list(cls.model_fields)
+            for key in data:
+                if key not in allowed:
+                    close = difflib.get_close_matches(str(key), allowed, n=1)
+                    hint = (
+                        f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(allowed)}"
+                    )
+                    raise ValueError(f"unknown field {key!r} ({hint})")
+        return data
 
 
 def presets_dir(kind: str) -> Path:

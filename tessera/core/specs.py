@@ -27,7 +27,6 @@ stable across runs and can be written into plans.
 
 from __future__ import annotations
 
-import difflib
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -37,9 +36,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
-    BaseModel,
     BeforeValidator,
-    ConfigDict,
     Field,
     ValidationError,
     field_validator,
@@ -107,24 +104,8 @@ Count = Annotated[int, Field(strict=True, ge=1)]
 Name = Annotated[str, Field(strict=True), AfterValidator(_check_name)]
 
 
-class _SpecModel(BaseModel):
+class _SpecModel(config_files.ConfigModel):
     """Frozen, with unknown fields rejected by name (so a typo such as ``memroy`` is caught)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, Mapping):
-            allowed = list(cls.model_fields)
-            for key in data:
-                if key not in allowed:
-                    close = difflib.get_close_matches(str(key), allowed, n=1)
-                    hint = (
-                        f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(allowed)}"
-                    )
-                    raise ValueError(f"unknown field {key!r} ({hint})")
-        return data
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tessera.core.kv_blocks import block_aligned_split
+
 __all__ = [
     "KVShard",
     "check_decode_shapes",
@@ -231,18 +233,7 @@ def shard_sizes(seq_len: int, num_shards: int, *, block: int = 16) -> list[int]:
     shards get the extra blocks, and the last block may be partial. Shards may be empty when there
     are fewer blocks than shards.
     """
-    if num_shards < 1 or block < 1 or seq_len < 0:
-        raise ValueError(
-            f"need num_shards >= 1, block >= 1, seq_len >= 0; got {num_shards}, {block}, {seq_len}"
-        )
-    num_blocks = -(-seq_len // block)
-    per, extra = divmod(num_blocks, num_shards)
-    sizes, start = [], 0
-    for i in range(num_shards):
-        end = min(seq_len, start + (per + (1 if i < extra else 0)) * block)
-        sizes.append(end - start)
-        start = end
-    return sizes
+    return [stop - start for start, stop in block_aligned_split(seq_len, num_shards, block=block)]
 
 
 def split_kv(

@@ -23,7 +23,6 @@ Example file (``configs/llm/llama-7b.yaml``)::
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 from pathlib import Path
 from typing import Any, Literal
@@ -47,15 +46,13 @@ __all__ = [
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1, "int8": 1}
 
 
-class LlmConfig(BaseModel):
+class LlmConfig(config_files.ConfigModel):
     """A decoder-only transformer's shape: what the CP/TP/DP cost model reads.
 
     ``kv_heads`` defaults to ``heads`` (multi-head attention; fewer is grouped-query attention) and
     ``head_dim`` to ``hidden / heads``. ``gated_ffn`` counts three FFN matrices (gate, up, down:
     SwiGLU, as in Llama) instead of two (fc1, fc2: GELU, as in GPT-2).
     """
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(min_length=1)
     layers: int = Field(strict=True, ge=1)
@@ -68,20 +65,6 @@ class LlmConfig(BaseModel):
     dtype: Literal["fp32", "fp16", "bf16", "fp8", "int8"] = "fp16"
     gated_ffn: bool = False
     tied_embeddings: bool = False
-
-    @model_validator(mode="before")
-    @classmethod
-    def _reject_unknown_fields(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            allowed = list(cls.model_fields)
-            for key in data:
-                if key not in allowed:
-                    close = difflib.get_close_matches(str(key), allowed, n=1)
-                    hint = (
-                        f"did you mean {close[0]!r}?" if close else f"expected one of: {', '.join(allowed)}"
-                    )
-                    raise ValueError(f"unknown field {key!r} ({hint})")
-        return data
 
     @model_validator(mode="after")
     def _defaults_and_consistency(self) -> LlmConfig:

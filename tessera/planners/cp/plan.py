@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from tessera.core.errors import InfeasibleError
+from tessera.core.kv_blocks import block_aligned_split
 from tessera.core.plans import CpPlan, KvShard, LlmConfigRef, ModelRef
 from tessera.core.specs import ClusterSpec
 from tessera.planners.cp.cost import STRATEGIES, CostParams, Estimate, Strategy, estimate_all
 from tessera.planners.cp.llm import LlmConfig, LlmSource
-from tessera.planners.cp.workload import Workload, block_aligned_split
+from tessera.planners.cp.workload import Workload
 
 __all__ = ["SweepRow", "best_estimate", "plan_cp", "sweep_context", "sweep_to_json"]
 

@@ -26,7 +26,6 @@ from tessera.core.errors import InputError
 __all__ = [
     "OutputLengths",
     "Workload",
-    "block_aligned_split",
     "parse_output_lengths",
     "parse_token_count",
     "parse_token_counts",
@@ -210,24 +209,3 @@ class Workload:
             "mean_kv_length": round(self.mean_kv_length, 3),
             "max_kv_length": self.max_kv_length,
         }
-
-
-def block_aligned_split(seq_len: int, num_shards: int, *, block: int = 16) -> list[tuple[int, int]]:
-    """``[start, stop)`` ranges splitting ``seq_len`` positions over ``num_shards`` in whole blocks.
-
-    The same split as :func:`tessera.kernels.reference.shard_sizes` (blocks dealt out so shards
-    differ by at most one block, earlier shards first; the last block may be partial), restated here
-    so that planning does not import torch.
-    """
-    if num_shards < 1 or block < 1 or seq_len < 0:
-        raise ValueError(
-            f"need num_shards >= 1, block >= 1, seq_len >= 0; got {num_shards}, {block}, {seq_len}"
-        )
-    num_blocks = -(-seq_len // block)
-    per, extra = divmod(num_blocks, num_shards)
-    ranges, start = [], 0
-    for i in range(num_shards):
-        stop = min(seq_len, start + (per + (1 if i < extra else 0)) * block)
-        ranges.append((start, stop))
-        start = stop
-    return ranges

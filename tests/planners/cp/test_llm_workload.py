@@ -11,7 +11,6 @@ from tessera.core.errors import InputError
 from tessera.planners.cp.llm import list_llm_presets, load_llm_config
 from tessera.planners.cp.workload import (
     Workload,
-    block_aligned_split,
     parse_output_lengths,
     parse_token_count,
     parse_token_counts,
@@ -109,8 +108,3 @@ def test_output_length_file_errors(tmp_path: Path) -> None:
     path.write_text("10\nabc\n")
     with pytest.raises(InputError, match="line 2"):
         parse_output_lengths(f"file:{path}")
-
-
-def test_block_aligned_split() -> None:
-    assert block_aligned_split(100, 4) == [(0, 32), (32, 64), (64, 96), (96, 100)]
-    assert block_aligned_split(16, 4) == [(0, 16), (16, 16), (16, 16), (16, 16)]

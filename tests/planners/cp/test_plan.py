@@ -70,15 +70,6 @@ def test_plan_body() -> None:
     assert all(a["tokens_per_s"] is None or a["tokens_per_s"] <= p["tokens_per_s"] for a in plan.alternatives)
 
 
-def test_kv_shards_match_the_kernels_split() -> None:
-    reference = pytest.importorskip("tessera.kernels.reference")
-    from tessera.planners.cp.workload import block_aligned_split
-
-    for seq, n in [(100_000, 4), (1000, 3), (17, 4), (0, 2), (32, 8)]:
-        ranges = block_aligned_split(seq, n)
-        assert [b - a for a, b in ranges] == reference.shard_sizes(seq, n, block=16)
-
-
 def test_infeasible_names_the_smallest_memory() -> None:
     llm, source = load_llm_config("llama-7b")
     with pytest.raises(InfeasibleError, match=r"needs at least \d+\.\d+ GiB per device \(tp-4"):
