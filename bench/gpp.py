@@ -67,6 +67,7 @@ def main() -> None:
                     "spp": base.get("throughput_samples_per_s", 0.0),
                     "gpp_depth": pipe.pipeline_depth,
                     "gpp_stages": len(pipe.stages),
+                    "used": sum(len(st.devices) for st in pipe.stages),
                     "spp_depth": base.get("pipeline_depth", 0),
                     "structure": plan.predicted["structure"],
                     "dp_depth": gpp_dp.pipeline_depth,
@@ -91,18 +92,20 @@ def main() -> None:
         "NVLink 50 GB/s, IB 12.5 GB/s; 32 devices = the preset extended to 8 nodes), mini-batch sizes of",
         "thesis §3.10.3, Adam mixed precision (16 B/param), 1F1B, roofline cost model. Throughput is the",
         "discrete-event simulator's samples/s for one iteration. *GPP* is `tessera plan --kind gpp`",
-        "(series-parallel DP, or the sequential plan when that simulates faster: *structure*);",
-        "*SPP* is the PipeDream-style sequential planner on the same units and cost model. Piper-style:",
-        f"not implemented; its DP runs over the ideals of the DAG — intractable here above {PIPER_LIMIT:,}",
-        "(column *Piper ideals*). Search times on this machine (2 cores), GPP DP / SPP DP.",
+        "(series-parallel DP of Algorithm 2, or the sequential plan when that simulates faster:",
+        "*structure*); *used* is the devices the GPP plan gives stages (a stage gets devices only where",
+        "they make it faster). *SPP* is the PipeDream-style sequential planner on the same units and",
+        "cost model; its stages run in order (a chain: depth = stages). Piper-style: not implemented;",
+        f"its DP runs over the ideals of the DAG — intractable here above {PIPER_LIMIT:,} (column",
+        "*Piper ideals*). Search times on this machine (2 cores, shared), GPP DP / SPP DP.",
         "",
-        "| model | devices | mini-batch | GPP samples/s | SPP samples/s | GPP/SPP | depth GPP/SPP | stages | structure | micro-batch | search GPP s | search SPP s | units | Piper ideals |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| model | devices | used | mini-batch | GPP samples/s | SPP samples/s | GPP/SPP | depth GPP/SPP | stages | structure | micro-batch | search GPP s | search SPP s | units | Piper ideals |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         ratio = r["gpp"] / r["spp"] if r["spp"] else float("nan")
         lines.append(
-            f"| {r['model']} | {r['devices']} | {r['mini_batch']} | {r['gpp']:.1f} | {r['spp']:.1f} | {ratio:.2f}x | "
+            f"| {r['model']} | {r['devices']} | {r['used']} | {r['mini_batch']} | {r['gpp']:.1f} | {r['spp']:.1f} | {ratio:.2f}x | "
             f"{r['gpp_depth']}/{r['spp_depth']} | {r['gpp_stages']} | {r['structure']} | {r['mb']} | "
             f"{r['t_gpp']:.2f} | {r['t_spp']:.2f} | {r['units']} | {r['ideals']:.3g} |"
         )

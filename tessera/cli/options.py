@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import click
 
+from tessera.core.errors import InputError
 from tessera.core.graph import Graph, load_graph
 from tessera.core.onnx_io import parse_input_shapes
 
@@ -35,6 +37,26 @@ def model_options(f: F) -> F:
 
 def load_model_option(model: str, input_shapes: tuple[str, ...]) -> Graph:
     return load_graph(model, input_shapes=parse_input_shapes(input_shapes))
+
+
+def plan_model_option(f: F) -> F:
+    """``--model FILE``: the model a plan is for, when not at the path the plan records."""
+    return click.option(
+        "--model",
+        type=click.Path(dir_okay=False, path_type=str),
+        help="The model (default: the path in the plan, relative to the working directory or the plan).",
+    )(f)
+
+
+def plan_model_path(plan_path: str, recorded: str, given: str | None) -> str:
+    """--model, else the plan's recorded model path (relative to the working directory or the plan)."""
+    candidates = [Path(given)] if given else [Path(recorded), Path(plan_path).parent / recorded]
+    for candidate in candidates:
+        if candidate.is_file():
+            return str(candidate)
+    raise InputError(
+        f"the model {str(candidates[0])!r} the plan names does not exist (give --model)", source=plan_path
+    )
 
 
 def json_option(f: F) -> F:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import click
 
-from tessera.cli.options import json_option, load_model_option
+from tessera.cli.options import json_option, load_model_option, plan_model_option, plan_model_path
 from tessera.cli.render import emit_json
 from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan, check_plan_against_model, load_plan
@@ -15,11 +13,7 @@ from tessera.planners.gpp import checks as _gpp_checks  # noqa: F401 - registers
 
 @click.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False, path_type=str))
-@click.option(
-    "--model",
-    type=click.Path(dir_okay=False, path_type=str),
-    help="The model (default: the path in the plan).",
-)
+@plan_model_option
 @json_option
 def validate(plan_path: str, model: str | None, as_json: bool) -> None:
     """Check PLAN against its schema and against its model (sha256, nodes, coverage, constraints).
@@ -35,11 +29,7 @@ def validate(plan_path: str, model: str | None, as_json: bool) -> None:
         else:
             click.echo(f"{plan_path}: valid {plan.kind} plan for LLM config {plan.llm_config.path}")
         return
-    model_path = model or plan.model.path
-    if not Path(model_path).is_file():
-        raise InputError(
-            f"the model {model_path!r} the plan names does not exist (give --model)", source=plan_path
-        )
+    model_path = plan_model_path(plan_path, plan.model.path, model)
     shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
     graph = load_model_option(model_path, shapes)
     problems = check_plan_against_model(plan, graph)

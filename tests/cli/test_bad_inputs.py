@@ -39,7 +39,19 @@ PLAN_CASES = {
     "plan_wrong_schema_version.json": "schema_version 99",
     "plan_wrong_kind.json": "kind 'teleport'",
     "plan_missing_field.json": "field model",
+    "plan_missing_model.json": "'no_such_model.onnx' the plan names does not exist",
+    "plan_changed_model.json": "model changed",
+    "plan_unknown_node.json": "unknown node 'ghost'",
+    "plan_unknown_device.json": "C3: stage 1 names device 'node9/cpu:7', not in the cluster",
+    "plan_breaks_c1.json": "is in both group/stage 0 and 1",
+    "plan_breaks_c3.json": "C3: device",
+    "plan_breaks_c4.json": "C4: stage 0: B0 before F0",
 }
+
+
+def test_the_corpus_plans_are_broken_copies_of_a_valid_plan():
+    result = run_cli("validate", str(BAD / "plan_ok.json"))
+    assert result.code == 0, result.err
 
 
 def assert_one_line_error(result, path: Path, fragment: str, code: int = 2) -> None:

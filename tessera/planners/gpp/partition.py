@@ -1,33 +1,35 @@
 """GraphPipe's pipeline stage partitioner (thesis §3.5, Algorithm 2; paper-graphpipe §5).
 
 ``partition(graph, cluster, options)`` searches model partitions, device assignments and
-micro-batch sizes together for the smallest Time-Per-Sample (TPS) of the bottleneck stage
-(Eq. 3.1) under the per-device memory limit (Eq. 3.2):
+micro-batch sizes together for the fastest 1F1B iteration under the per-device memory limit
+(Eq. 3.2):
 
-- binary search on the bottleneck TPS ``t_max`` (Algorithm 2, lines 2–11; geometric midpoints,
-  relative precision ``epsilon``);
-- for each ``t_max``, a memoized DP over the series-parallel tree (:mod:`.sp`): a region is either
-  one stage (base case, data parallel over ``d`` devices, line 25), or split in series (a first
-  stage / first child, then the rest; lines 30–37) or in parallel (one branch or a group of
-  branches, then the other branches; lines 38–43) with every split of the devices;
-- the DP value of a region is a Pareto front of (pipeline depth, slack): the depth is the number
-  of stages on its longest path — its source stage's in-flight count in 1F1B (Table 3.2 with
-  equal micro-batch sizes adds one micro-batch per stage) — and the slack is the largest depth
-  that may follow the region before a stage runs out of memory. Parallel regions take the larger
-  in-flight count of their branches (§3.5); the DP minimizes the source's in-flight count, as the
-  paper's DP does, so among feasible plans it prefers the shallowest pipeline;
-- micro-batch sizes are powers of two dividing the mini-batch; for search time, one micro-batch
-  size is chosen per plan (an outer loop over the candidates, best predicted iteration time wins)
-  instead of per stage: Table 3.2 then reduces to +b per stage;
-- devices: any split between branches; a single stage's data-parallel degree is any count (a
-  replica processes ``ceil(b / d)`` samples);
-- stage graph edges come from the operator graph (C2), devices are assigned in stage order
-  (contiguous ranks, C3), schedules are generated per stage (C4) with in-flight counts recomputed
-  exactly from the final stage graph (Table 3.2, reverse topological order, C5), and the memory of
-  every stage is re-checked against the limit with those counts.
+- for each micro-batch size (powers of two dividing the mini-batch; one size per plan, so
+  Table 3.2 reduces to one micro-batch per stage), in order of a lower bound on the iteration
+  time, skipping sizes that cannot win;
+- binary search on the bottleneck TPS ``t_max`` (Algorithm 2, lines 2–11; galloping up from the
+  perfect-balance bound, then geometric bisection to relative precision ``epsilon``);
+- for each ``t_max``, the memoized series-parallel DP of :mod:`.dp` (lines 21–45): every series
+  split point, every device distribution between branches, branch groups as one stage or
+  pipelined in series, tiny merges joined to a neighbour's stage; its value is a Pareto front of
+  (fill/drain latency, depth, memory slack);
+- every feasible probe's front is ranked by the predicted iteration time ``(m − 1)`` bottleneck
+  cycles plus the latency of the longest path; the best few are materialized, and the simulator
+  (:mod:`tessera.planners.sim`) picks among the finalists. The DP runs twice per size: with
+  transfers hidden by the warm-up and with transfers on every stage's cycle (cuts through large
+  tensors cost latency that 1F1B's minimal warm-up does not hide);
+- stage graph edges come from the operator graph (C2), devices are assigned per stage (data
+  parallel groups aligned within a node, C3), schedules are generated per stage (C4: 1F1B, kFkB,
+  GPipe, or Algorithm 4's greedy scheduler, :mod:`.greedy`) with in-flight counts recomputed
+  exactly from the final stage graph (Table 3.2, reverse topological order, C5), and the memory
+  of every stage is re-checked against the limit with those counts.
+
+A plan may leave devices idle: a stage gets devices only where they make it faster (one sample per
+replica at least, all-reduce included).
 
 Sequential pipelines (SPP, :mod:`tessera.planners.spp`) run the same search on the linearized
-tree: with one series of units, it is PipeDream's problem (contiguous stages with replication).
+tree — PipeDream's problem (contiguous stages with replication) — and run their stages in order:
+stage ``i + 1`` depends on stage ``i`` (ordering edges), as a sequential pipeline does.
 """
 
 from __future__ import annotations
@@ -44,13 +46,23 @@ from tessera.core.cost import CostModel, allreduce_time, per_device_samples
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec, Link
-from tessera.planners.gpp.memory import StageMemoryEstimate, max_in_flight, stage_memory
-from tessera.planners.gpp.schedule import compute_in_flight, gpipe, k_f_k_b, one_f_one_b
-from tessera.planners.gpp.sp import SPNode, SPTree, decompose
+from tessera.planners.gpp.dp import Entry, StageDP, stages_of
+from tessera.planners.gpp.greedy import greedy_schedules
+from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
+from tessera.planners.gpp.schedule import compute_in_flight, gpipe, in_flight_of, k_f_k_b, one_f_one_b
+from tessera.planners.gpp.sp import SPTree, decompose
+from tessera.planners.sim import SimEdge, SimStage, simulate_pipeline
+
+_PER_MICRO_BATCH = 3  # distinct plans per micro-batch size that are materialized
+_FINALISTS = 3  # best predicted plans overall that are simulated
+# Transfers hidden by the warm-up (0) or on every stage's cycle (1): two DP runs per micro-batch
+# size, whose plans differ where cuts through large tensors matter; the simulator decides.
+_EXPOSED = (0.0, 1.0)
+# The SPP baseline's chain has every unit of the model (70–80 here): it tries the 4 longest
+# feasible first stages per data-parallel degree, not every split point (search time).
+_SPP_WINDOW = 4
 
 ScheduleKind = Literal["1f1b", "kfkb", "greedy", "gpipe"]
-_INF = 1 << 30
-_FRONT = 3  # Pareto entries kept per DP state
 
 
 @dataclass(frozen=True)
@@ -165,6 +177,27 @@ class UnitCosts:
         cum = np.zeros((n + 1, n + 1))
         cum[1:, 1:] = np.cumsum(np.cumsum(pair[:n, :n], axis=0), axis=1)
         self._cum = cum
+        self._pair = pair
+        # Operator-cost identity of each unit: equal keys give equal times at every sample count.
+        interned: dict[tuple, int] = {}
+        self._unit_keys = [
+            interned.setdefault(
+                tuple(
+                    sorted(
+                        (
+                            o.flops,
+                            o.bytes_moved,
+                            o.param_bytes,
+                            o.params,
+                            cost.activation_bytes(graph, o.name),
+                        )
+                        for o in (graph.op(n) for n in u)
+                    )
+                ),
+                len(interned),
+            )
+            for u in units
+        ]
         self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def times(self, samples: int) -> tuple[np.ndarray, np.ndarray]:
@@ -176,6 +209,13 @@ class UnitCosts:
             got = (_prefix(np.array(fw)), _prefix(np.array(bw)))
             self._times[samples] = got
         return got
+
+    def block_key(self, lo: int, hi: int) -> tuple:
+        """Identity of the costs of units [lo, hi): equal keys give equal stage costs for every
+        sub-range at the same offset (unit costs, internal edges, bytes entering from before)."""
+        inner = self._pair[lo:hi, lo:hi]
+        entering = self._pair[:lo, lo:hi].sum(axis=0)
+        return (tuple(self._unit_keys[lo:hi]), inner.tobytes(), entering.tobytes())
 
     def enter(self, lo: int, hi: int) -> float:
         """Wire bytes per sample entering units [lo, hi) from earlier units."""
@@ -204,222 +244,6 @@ class _Links:
 
     def within(self, d: int) -> Link | None:
         return self.intra if d <= self.per_node else self.inter
-
-
-class _Search:
-    """One micro-batch size: Algorithm 2's binary search with the series-parallel DP."""
-
-    def __init__(
-        self, tree: SPTree, costs: UnitCosts, links: _Links, opts: PartitionOptions, b: int, limit: float
-    ) -> None:
-        self.tree, self.costs, self.links, self.opts = tree, costs, links, opts
-        self.b = b
-        self.B = opts.mini_batch
-        self.m = self.B // b
-        self.limit = limit
-        self.step = opts.k if opts.schedule == "kfkb" else 1
-        if opts.schedule == "gpipe":
-            self.step = self.m
-        self._stage_cache: dict[tuple[int, int, int], tuple[float, int]] = {}
-        self._ids: dict[int, int] = {}
-        self._nodes: list[SPNode] = []
-        self._index(tree.root)
-        fw, bw = costs.times(b)
-        self.work_per_sample = [(f + g) / b for f, g in zip(fw, bw, strict=True)]  # prefix sums
-
-    def _index(self, node: SPNode) -> None:
-        self._ids[id(node)] = len(self._nodes)
-        self._nodes.append(node)
-        for c in node.children:
-            self._index(c)
-
-    # -- one stage ---------------------------------------------------------------------------
-
-    def stage(self, lo: int, hi: int, d: int) -> tuple[float, int]:
-        """(TPS, most in-flight micro-batches that fit memory) of units [lo, hi) on ``d`` devices."""
-        key = (lo, hi, d)
-        got = self._stage_cache.get(key)
-        if got is not None:
-            return got
-        c = self.costs
-        s = per_device_samples(self.b, d)
-        fw, bw = c.times(s)
-        compute = (fw[hi] - fw[lo]) + (bw[hi] - bw[lo])
-        if self.opts.recompute:
-            compute += fw[hi] - fw[lo]
-        grads = c.grads[hi] - c.grads[lo]
-        ar = allreduce_time(grads, d, self.links.within(d))
-        tps = compute / self.b + ar / self.B
-        enter = c.enter(lo, hi)
-        if enter > 0 and self.links.p2p is not None:
-            tps = max(tps, (self.links.p2p.latency + enter * self.b / self.links.p2p.bandwidth) / self.b)
-        cap = max_in_flight(
-            limit=self.limit,
-            weights=c.weights[hi] - c.weights[lo],
-            optimizer=c.optimizer[hi] - c.optimizer[lo],
-            activation_per_sample=c.act[hi] - c.act[lo],
-            input_per_sample=enter,
-            micro_batch=self.b,
-            devices=d,
-            recompute=self.opts.recompute,
-        )
-        got = (tps, cap)
-        self._stage_cache[key] = got
-        return got
-
-    def base(self, lo: int, hi: int, d: int, t_max: float) -> tuple[int, int, tuple] | None:
-        tps, cap = self.stage(lo, hi, d)
-        if tps > t_max:
-            return None
-        if cap >= self.m:
-            slack = _INF
-        else:
-            slack = cap // self.step - 1
-            if cap < min(self.step, self.m) or slack < 0:
-                return None
-        return (1, slack, ("S", lo, hi, d))
-
-    # -- the DP ------------------------------------------------------------------------------
-
-    def run(self, t_max: float) -> tuple | None:
-        self.t_max = t_max
-        self.memo: dict[tuple[int, int, int, int], list[tuple[int, int, tuple]]] = {}
-        front = self.solve(self.tree.root, self.opts_devices)
-        for depth, slack, plan in front:
-            if slack >= 0:
-                return (depth, plan)
-        return None
-
-    @property
-    def opts_devices(self) -> int:
-        return self._devices
-
-    def solve(self, node: SPNode, d: int) -> list[tuple[int, int, tuple]]:
-        if node.kind == "leaf":
-            e = self.base(node.lo, node.hi, d, self.t_max)
-            return [e] if e else []
-        if node.kind == "series":
-            return self.series(node, 0, d)
-        return self.parallel(node, 0, d)
-
-    def _lower_bound_fails(self, lo: int, hi: int, d: int) -> bool:
-        w = self.work_per_sample
-        return (w[hi] - w[lo]) / d > self.t_max * (1 + 1e-9)
-
-    def series(self, node: SPNode, i: int, d: int) -> list[tuple[int, int, tuple]]:
-        ch = node.children
-        if i == len(ch) - 1:
-            return self.solve(ch[i], d)
-        key = (0, self._ids[id(node)], i, d)
-        got = self.memo.get(key)
-        if got is not None:
-            return got
-        lo, hi = ch[i].lo, node.hi
-        result: list[tuple[int, int, tuple]] = []
-        if not self._lower_bound_fails(lo, hi, d):
-            whole = self.base(lo, hi, d, self.t_max)
-            if whole is not None:
-                result = [whole]
-            elif d > 1:
-                cands: list[tuple[int, int, tuple]] = []
-                for d1 in range(1, d):
-                    d2 = d - d1
-                    m = self._max_end(ch, i, len(ch) - 1, d1)
-                    for mm in range(m, max(i, m - 2), -1):
-                        first = self.base(lo, ch[mm].lo, d1, self.t_max)
-                        if first is None:
-                            continue
-                        rest = self.series(node, mm, d2)
-                        cands.extend(_seq(first, r) for r in rest)
-                        if rest:
-                            break
-                    if ch[i].kind != "leaf":
-                        heads = self.solve(ch[i], d1)
-                        if heads:
-                            rest = self.series(node, i + 1, d2)
-                            cands.extend(_seq(h, r) for h in heads for r in rest)
-                result = _pareto(cands)
-        self.memo[key] = result
-        return result
-
-    def parallel(self, node: SPNode, i: int, d: int) -> list[tuple[int, int, tuple]]:
-        ch = node.children
-        if i == len(ch) - 1:
-            return self.solve(ch[i], d)
-        key = (1, self._ids[id(node)], i, d)
-        got = self.memo.get(key)
-        if got is not None:
-            return got
-        lo, hi = ch[i].lo, node.hi
-        result: list[tuple[int, int, tuple]] = []
-        if not self._lower_bound_fails(lo, hi, d):
-            whole = self.base(lo, hi, d, self.t_max)
-            if whole is not None:
-                result = [whole]
-            elif d > 1:
-                cands: list[tuple[int, int, tuple]] = []
-                for d1 in range(1, d):
-                    d2 = d - d1
-                    heads = self.solve(ch[i], d1)
-                    if heads:
-                        rest = self.parallel(node, i + 1, d2)
-                        cands.extend(_par(h, r) for h in heads for r in rest)
-                    m = self._max_end(ch, i, len(ch) - 1, d1)
-                    if m > i + 1:
-                        group = self.base(lo, ch[m].lo, d1, self.t_max)
-                        if group is not None:
-                            cands.extend(_par(group, r) for r in self.parallel(node, m, d2))
-                result = _pareto(cands)
-        self.memo[key] = result
-        return result
-
-    def _max_end(self, ch: list[SPNode], i: int, last: int, d: int) -> int:
-        """Largest m in (i, last] with children [i, m) fitting ``t_max`` as one stage (i if none)."""
-        lo = ch[i].lo
-        a, b = i, last
-        while a < b:
-            mid = (a + b + 1) // 2
-            if self.stage(lo, ch[mid].lo, d)[0] <= self.t_max:
-                a = mid
-            else:
-                b = mid - 1
-        return a
-
-
-def _seq(first: tuple[int, int, tuple], rest: tuple[int, int, tuple]) -> tuple[int, int, tuple]:
-    o1, s1, p1 = first
-    o2, s2, p2 = rest
-    return (o1 + o2, min(s2, s1 - o2), ("+", p1, p2))
-
-
-def _par(a: tuple[int, int, tuple], b: tuple[int, int, tuple]) -> tuple[int, int, tuple]:
-    return (max(a[0], b[0]), min(a[1], b[1]), ("+", a[2], b[2]))
-
-
-def _pareto(cands: list[tuple[int, int, tuple]]) -> list[tuple[int, int, tuple]]:
-    cands = [c for c in cands if c[1] >= 0]
-    cands.sort(key=lambda c: (c[0], -c[1]))
-    out: list[tuple[int, int, tuple]] = []
-    best = -1
-    for c in cands:
-        if c[1] > best:
-            out.append(c)
-            best = c[1]
-            if len(out) == _FRONT:
-                break
-    return out
-
-
-def _stages_of(plan: tuple) -> list[tuple[int, int, int]]:
-    out: list[tuple[int, int, int]] = []
-    todo = [plan]
-    while todo:
-        p = todo.pop()
-        if p[0] == "S":
-            out.append((p[1], p[2], p[3]))
-        else:
-            todo.extend((p[2], p[1]))
-    return sorted(out)
 
 
 def micro_batch_candidates(opts: PartitionOptions) -> list[int]:
@@ -468,20 +292,60 @@ def partition(
     if not cands:
         raise InputError(f"no micro-batch size divides the mini-batch {options.mini_batch}")
     best: Pipeline | None = None
+    finalists: dict[float, list[tuple[float, Pipeline]]] = {e: [] for e in _EXPOSED}
     probes = 0
-    for b in cands:
-        search = _Search(tree, costs, links, options, b, limit)
-        search._devices = num
-        found, n_probes = _binary_search(search, num)
-        probes += n_probes
-        if found is None:
+    # Micro-batch sizes in order of a lower bound on the iteration time; a size whose bound
+    # cannot beat the best plan so far is skipped.
+    lower = {b: _lower_bound(costs, options.mini_batch, b, num) for b in cands}
+    for b in sorted(cands, key=lambda b: (lower[b], b)):
+        if best is not None and lower[b] >= best.estimated_iteration_time:
             continue
-        t_bn, plan = found
-        pipe = _materialize(graph, cluster, tree, costs, links, options, kind, b, t_bn, plan, num, limit)
-        if pipe is None:
-            continue
-        if best is None or pipe.estimated_iteration_time < best.estimated_iteration_time * (1 - 1e-9):
-            best = pipe
+        m = options.mini_batch // b
+        for exposed in _EXPOSED:
+            if exposed and not _transfers_matter(finalists[0.0], b, m, best):
+                continue
+            dp = StageDP(
+                tree,
+                costs,
+                links,
+                options,
+                b,
+                limit,
+                num,
+                chain=kind == "spp",
+                exposed=exposed,
+                window=_SPP_WINDOW if kind == "spp" else None,
+            )
+            # The exposed-transfer run only proposes alternatives: a coarser bisection will do.
+            entries, n_probes = _binary_search(dp, num, options.epsilon * (3 if exposed else 1))
+            probes += n_probes
+            # 1F1B: (m − 1) micro-batches at the bottleneck stage's pace, plus one through the
+            # longest path (its latency: the fill and drain).
+            ranked = sorted(entries, key=lambda e: ((m - 1) * e[3] * b + e[0], e[1]))
+            seen: set[tuple] = set()
+            pool = finalists[exposed]
+            for entry in ranked:
+                spans = tuple(stages_of(entry[5]))
+                if spans in seen:
+                    continue
+                seen.add(spans)
+                pipe = _materialize(graph, cluster, tree, costs, options, kind, b, entry[5], num, limit)
+                if pipe is not None:
+                    pool.append((_estimate_iteration(pipe.stages, pipe.edges, b, m, exposed), pipe))
+                    if best is None or pipe.estimated_iteration_time < best.estimated_iteration_time:
+                        best = pipe
+                if len(seen) == _PER_MICRO_BATCH:
+                    break
+            pool.sort(key=lambda x: x[0])
+            del pool[_FINALISTS:]
+    # The simulator has the last word among the best predictions of each transfer model
+    # (transfers, all-reduce and fill/drain interact in ways a closed form only approximates).
+    chosen: list[Pipeline] = []
+    for pool in finalists.values():
+        chosen.extend(p for _, p in pool if all(p is not q for q in chosen))
+    if chosen:
+        timed = [(simulate_pipeline(p).iteration_time, i) for i, p in enumerate(chosen)]
+        best = chosen[min(timed)[1]]
     if best is None:
         need = _memory_needed(graph, cluster, options, tree, kind) if math.isfinite(limit) else None
         more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
@@ -519,32 +383,74 @@ def _memory_needed(
     return max(s.memory.peak for s in pipe.stages if s.memory)
 
 
-def _binary_search(search: _Search, num: int) -> tuple[tuple[float, tuple] | None, int]:
-    c = search.costs
-    n = c.n
-    hi_t = search.stage(0, n, 1)[0] * 1.001 + 1e-12
-    # A safe upper bound: every unit on its own device would be at most the whole graph's TPS;
-    # check feasibility there first (memory may rule everything out).
-    probes = 1
-    found = search.run(hi_t)
-    if found is None:
-        hi_t *= 4
+def _transfers_matter(pool: list[tuple[float, Pipeline]], b: int, m: int, best: Pipeline | None) -> bool:
+    """Whether a DP run with exposed transfers is worth it at this micro-batch size: its plans
+    may win (the hidden-transfer plans are within 10 % of the best so far) and exposing the
+    transfers changes their predicted time by over 5 %."""
+    mine = [p for _, p in pool if p.micro_batch_size == b]
+    if (
+        mine
+        and best is not None
+        and min(p.estimated_iteration_time for p in mine) > 1.1 * (best.estimated_iteration_time)
+    ):
+        return False
+    return not mine or any(
+        _estimate_iteration(p.stages, p.edges, b, m, 1.0)
+        > 1.05 * _estimate_iteration(p.stages, p.edges, b, m)
+        for p in mine
+    )
+
+
+def _lower_bound(costs: UnitCosts, mini_batch: int, b: int, num: int) -> float:
+    """A lower bound on the iteration time at micro-batch ``b``: every device busy at ``b``'s
+    per-sample work, and the heaviest unit (no stage splits it) at its most data parallel."""
+    fw, bw = costs.times(b)
+    balanced = mini_batch * (fw[-1] + bw[-1]) / b / num
+    fw, bw = costs.times(per_device_samples(b, min(b, num)))
+    heaviest = max(fw[u + 1] - fw[u] + bw[u + 1] - bw[u] for u in range(costs.n))
+    return max(balanced, mini_batch // b * heaviest)
+
+
+def _binary_search(dp: StageDP, num: int, epsilon: float) -> tuple[list[Entry], int]:
+    """Algorithm 2, lines 2–11: bisection on the bottleneck TPS ``t_max``.
+
+    The bracket is found by galloping up from the perfect-balance bound (tight probes are cheap:
+    the work bound prunes most states; loose ones are not), then bisected geometrically to a
+    relative precision ``epsilon``. Returns the entries of every feasible probe's front (the caller
+    picks by predicted iteration time: a slightly slower bottleneck with a shorter pipeline can
+    win) and the number of probes.
+    """
+    n = dp.costs.n
+    # No stage graph beats perfect balance, nor the heaviest unit at its most data parallel.
+    fw, bw = dp.costs.times(per_device_samples(dp.b, min(dp.b, num)))
+    heaviest = max(fw[u + 1] - fw[u] + bw[u + 1] - bw[u] for u in range(n)) / dp.b
+    lo_t = max(dp.work[n] / num, heaviest) * (1 - 1e-9)
+    ceiling = 4 * (dp.stage(0, n, 1)[0] + 1e-12)  # beyond this, memory is what rules plans out
+    probes = 0
+    entries: list[Entry] = []
+    step = 1.25
+    hi_t = lo_t
+    while True:
+        hi_t = min(hi_t * step, ceiling)
         probes += 1
-        found = search.run(hi_t)
-        if found is None:
-            return None, probes
-    best = (hi_t, found[1])
-    lo_t = search.work_per_sample[n] / num * 0.5
-    while hi_t / lo_t > 1 + search.opts.epsilon:
+        front = dp.run(hi_t)
+        if front:
+            entries.extend(front)
+            break
+        if hi_t >= ceiling:
+            return [], probes
+        lo_t = hi_t
+        step *= step
+    while hi_t / lo_t > 1 + epsilon:
         mid = math.sqrt(lo_t * hi_t)
         probes += 1
-        got = search.run(mid)
-        if got is None:
-            lo_t = mid
-        else:
+        front = dp.run(mid)
+        if front:
             hi_t = mid
-            best = (mid, got[1])
-    return best, probes
+            entries.extend(front)
+        else:
+            lo_t = mid
+    return entries, probes
 
 
 def _materialize(
@@ -552,25 +458,23 @@ def _materialize(
     cluster: ClusterSpec,
     tree: SPTree,
     costs: UnitCosts,
-    links: _Links,
     opts: PartitionOptions,
     kind: Literal["gpp", "spp"],
     b: int,
-    t_bn: float,
     plan: tuple,
     num: int,
     limit: float,
 ) -> Pipeline | None:
     """Stages, devices, edges, exact in-flight counts, schedules and memory of a DP solution."""
     devices = cluster.devices()[:num]
-    spans = _stages_of(plan)
+    spans = stages_of(plan)
     stages: list[PipelineStage] = []
     unit_stage: dict[int, int] = {}
-    next_rank = 0
     m = opts.mini_batch // b
+    ranks = _assign_ranks([d for _, _, d in spans])
     for sid, (lo, hi, d) in enumerate(spans):
-        ids = [dev.id for dev in devices[next_rank : next_rank + d]]
-        next_rank += d
+        group = [devices[r] for r in ranks[sid]]
+        ids = [dev.id for dev in group]
         s = per_device_samples(b, d)
         fw, bw = costs.times(s)
         f = fw[hi] - fw[lo]
@@ -578,7 +482,7 @@ def _materialize(
         if opts.recompute:
             g += f
         grads = costs.grads[hi] - costs.grads[lo]
-        link = _group_link(cluster, devices[next_rank - d : next_rank])
+        link = _group_link(cluster, group)
         nodes = [op for u in range(lo, hi) for op in tree.units[u]]
         rank = {n: i for i, n in enumerate(graph.order)}
         nodes.sort(key=rank.__getitem__)
@@ -602,6 +506,14 @@ def _materialize(
         for u in range(lo, hi):
             unit_stage[u] = sid
     edges = stage_edges(graph, tree, unit_stage, costs.cost)
+    if kind == "spp":
+        # A sequential pipeline runs its stages in order (thesis §3.2: linearizing "imposes new
+        # data dependencies"): stage i+1 waits for stage i even where no tensor flows between them.
+        have = {(e.src, e.dst) for e in edges}
+        edges.extend(
+            PipelineEdge(i, i + 1, [], 0.0) for i in range(len(stages) - 1) if (i, i + 1) not in have
+        )
+        edges.sort(key=lambda e: (e.src, e.dst))
     for e in edges:
         e.link = cluster.link_between(stages[e.src].devices[0], stages[e.dst].devices[0])
     # Exact in-flight counts (Table 3.2) in reverse topological order of the stage graph (C5).
@@ -617,11 +529,15 @@ def _materialize(
         else:
             samples = max(compute_in_flight(k, b, k, b, stages[j].in_flight * b) for j in succ[st.id])
         st.in_flight = max(1, min(m, math.ceil(samples / b)))
+    greedy = _greedy(stages, edges, opts.mini_batch) if opts.schedule == "greedy" else {}
     for st in stages:
         if opts.schedule == "kfkb":
             st.schedule = k_f_k_b(m, k, st.in_flight)
         elif opts.schedule == "gpipe":
             st.schedule = gpipe(m)
+        elif opts.schedule == "greedy":
+            st.schedule = greedy[st.id]
+            st.in_flight = in_flight_of(st.schedule)
         else:
             st.schedule = one_f_one_b(m, st.in_flight)
         st.memory = stage_memory(
@@ -636,13 +552,7 @@ def _materialize(
         )
         if st.memory.peak > limit:
             return None
-    depth_graph = nx.DiGraph()
-    depth_graph.add_nodes_from(s.id for s in stages)
-    depth_graph.add_edges_from((e.src, e.dst) for e in edges)
-    depth = nx.dag_longest_path_length(depth_graph) + 1
-    slowest = max(s.forward_time + s.backward_time for s in stages)
-    estimate = (m + depth - 1) * slowest + max(s.allreduce_time for s in stages)
-    estimate = max(estimate, t_bn * opts.mini_batch)
+    estimate = _estimate_iteration(stages, edges, b, m)
     return Pipeline(
         kind=kind,
         mini_batch_size=opts.mini_batch,
@@ -657,6 +567,61 @@ def _materialize(
         num_units=tree.num_units,
         memory_limit=limit,
     )
+
+
+def _greedy(stages: list[PipelineStage], edges: list[PipelineEdge], mini_batch: int) -> dict[int, list[str]]:
+    """Algorithm 4's schedules for the materialized stages (times and transfers as simulated)."""
+    sim_stages = [
+        SimStage(st.id, st.micro_batch_size, st.forward_time, st.backward_time, (), len(st.devices))
+        for st in stages
+    ]
+    sim_edges = [
+        SimEdge(
+            e.src,
+            e.dst,
+            e.bytes_per_sample,
+            e.link.bandwidth if e.link else float("inf"),
+            e.link.latency if e.link else 0.0,
+        )
+        for e in edges
+    ]
+    return greedy_schedules(sim_stages, sim_edges, mini_batch)
+
+
+def _assign_ranks(degrees: list[int]) -> list[list[int]]:
+    """Device ranks per stage: data-parallel groups (powers of two) first, each aligned to its
+    size so that a group fits one node when it can; single-device stages after, in stage order
+    (neighbouring stages on neighbouring devices)."""
+    order = sorted(range(len(degrees)), key=lambda i: (-degrees[i], i))
+    ranks: list[list[int]] = [[] for _ in degrees]
+    cursor = 0
+    for i in order:
+        ranks[i] = list(range(cursor, cursor + degrees[i]))
+        cursor += degrees[i]
+    return ranks
+
+
+def _estimate_iteration(
+    stages: list[PipelineStage], edges: list[PipelineEdge], b: int, m: int, exposed: float = 0.0
+) -> float:
+    """1F1B iteration time: (m − 1) micro-batches at the slowest stage's pace plus one micro-batch
+    along the longest forward+backward path (transfers included), plus the largest all-reduce."""
+    graph = nx.DiGraph()
+    cycle = {st.id: st.forward_time + st.backward_time for st in stages}
+    for st in stages:
+        graph.add_node(st.id, w=cycle[st.id])
+    for e in edges:
+        t = 0.0
+        if e.link is not None and e.bytes_per_sample > 0:
+            t = 2 * (e.link.latency + e.bytes_per_sample * b / e.link.bandwidth)
+        graph.add_edge(e.src, e.dst, w=t)
+        cycle[e.dst] += exposed * t  # transfers on the receiver's cycle (dp.StageDP.stage)
+    longest: dict[int, float] = {}
+    for n in nx.topological_sort(graph):
+        into = [longest[p] + graph.edges[p, n]["w"] for p in graph.predecessors(n)]
+        longest[n] = graph.nodes[n]["w"] + max(into, default=0.0)
+    slowest = max(cycle.values())
+    return (m - 1) * slowest + max(longest.values()) + max(st.allreduce_time for st in stages)
 
 
 def _group_link(cluster: ClusterSpec, devices: list) -> Link | None:

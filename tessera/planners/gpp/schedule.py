@@ -10,8 +10,8 @@ A schedule is data: the ordered list of a stage's passes in PyTorch pipelining's
 - ``kfkb``: ``ℓ`` warm-up forwards, then alternate ``k`` backwards and ``k`` forwards (thesis
   footnote 7); in-flight counts by Table 3.2 (:func:`compute_in_flight`).
 - ``gpipe``: all forwards, then all backwards.
-- ``greedy`` (Algorithm 4): built by the simulator, which schedules a backward whenever one is
-  ready and a forward otherwise (see :func:`tessera.planners.sim.simulate`).
+- ``greedy`` (Algorithm 4): explicit per-stage action lists, a backward whenever it does not
+  delay the stage (:mod:`tessera.planners.gpp.greedy`).
 """
 
 from __future__ import annotations

@@ -85,12 +85,59 @@ def main() -> None:
         "plan_wrong_kind.json": json.dumps({"schema_version": 1, "kind": "teleport"}),
         "plan_missing_field.json": json.dumps({"schema_version": 1, "kind": "placement", "groups": []}),
     }
+    files.update(plans_against_a_model())
     for name, data in files.items():
         path = HERE / name
         if isinstance(data, str):
             path.write_text(data)
         else:
             path.write_bytes(data)
+
+
+def plans_against_a_model() -> dict[str, bytes | str]:
+    """Plans that parse but do not fit their model: made by planning a small chain, then broken."""
+    from tessera.core.graph import load_graph
+    from tessera.core.plans import dump_plan
+    from tessera.core.specs import load_cluster
+    from tessera.models import build
+    from tessera.planners.gpp.cli import build_gpp_plan
+    from tessera.planners.gpp.partition import PartitionOptions
+
+    model_bytes = build("dlrm", "tiny").SerializeToString()
+    (HERE / "plan_model.onnx").write_bytes(model_bytes)
+    graph = load_graph(HERE / "plan_model.onnx")
+    plan, _, _ = build_gpp_plan(
+        graph, load_cluster("local-cpu-split"), PartitionOptions(mini_batch=8, schedule="1f1b"), kind="spp"
+    )
+    data = json.loads(dump_plan(plan))
+    data["model"]["path"] = "plan_model.onnx"  # relative to the plan's folder
+    assert len(data["stages"]) == 2, "the corpus needs a two-stage plan"
+
+    def variant(**changes) -> str:
+        doc = json.loads(json.dumps(data))
+        for path, value in changes.items():
+            target = doc
+            *parents, leaf = path.split("/")
+            for key in parents:
+                target = target[int(key) if key.isdigit() else key]
+            target[int(leaf) if leaf.isdigit() else leaf] = value
+        return json.dumps(doc, indent=2)
+
+    first = data["stages"][0]
+    second = data["stages"][1]
+    return {
+        "plan_ok.json": variant(),
+        "plan_missing_model.json": variant(**{"model/path": "no_such_model.onnx"}),
+        "plan_changed_model.json": variant(**{"model/sha256": "0" * 64}),
+        "plan_unknown_node.json": variant(**{"stages/0/nodes": [*first["nodes"][:-1], "ghost"]}),
+        "plan_unknown_device.json": variant(**{"stages/1/devices": ["node9/cpu:7"]}),
+        # C1: a node in two stages; C3: one device in two stages; C4: a backward before its forward.
+        "plan_breaks_c1.json": variant(**{"stages/1/nodes": [*second["nodes"], first["nodes"][0]]}),
+        "plan_breaks_c3.json": variant(**{"stages/1/devices": first["devices"]}),
+        "plan_breaks_c4.json": variant(
+            **{"stages/0/schedule/actions": list(reversed(first["schedule"]["actions"]))}
+        ),
+    }
 
 
 if __name__ == "__main__":

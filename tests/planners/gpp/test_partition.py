@@ -50,11 +50,47 @@ def test_plans_pass_c1_c5_and_memory(v100, name: str) -> None:
 
 def test_multi_branch_plan_runs_branches_in_parallel(v100) -> None:
     g = load_graph(build("candle_uno", "paper"))
-    pipe = partition(g, v100, PartitionOptions(mini_batch=16384, num_devices=16))
-    spp = plan_spp(g, v100, PartitionOptions(mini_batch=16384, num_devices=16))
+    opts = PartitionOptions(mini_batch=16384, num_devices=16)
+    pipe = partition(g, v100, opts)
+    spp = plan_spp(g, v100, opts)
     assert pipe.pipeline_depth < len(pipe.stages)  # a graph, not a chain
     assert spp.pipeline_depth == len(spp.stages)
-    assert simulate_pipeline(pipe).throughput > 1.2 * simulate_pipeline(spp).throughput
+    # The SPP baseline is a real DP now (it was 1.2x slower with a 7-device merge stage); here
+    # the series-parallel DP comes within 10 % of it, and `plan --kind gpp` takes the faster one.
+    assert simulate_pipeline(pipe).throughput > 0.9 * simulate_pipeline(spp).throughput
+    plan, _, _ = build_gpp_plan(g, v100, opts)
+    assert plan.predicted["throughput_samples_per_s"] >= plan.baseline["throughput_samples_per_s"]
+
+
+@pytest.mark.parametrize(
+    ("name", "mini_batch", "devices", "gain"), [("mmt", 128, 8, 1.1), ("dlrm", 1024, 16, 1.2)]
+)
+def test_graph_plan_beats_sequential(v100, name: str, mini_batch: int, devices: int, gain: float) -> None:
+    g = load_graph(build(name, "paper"))
+    opts = PartitionOptions(mini_batch=mini_batch, num_devices=devices)
+    pipe = partition(g, v100, opts)
+    spp = plan_spp(g, v100, opts)
+    assert pipe.pipeline_depth < spp.pipeline_depth
+    assert simulate_pipeline(pipe).throughput > gain * simulate_pipeline(spp).throughput
+
+
+def test_dlrm_gains_from_more_devices(v100) -> None:
+    g = load_graph(build("dlrm", "paper"))
+    eight = partition(g, v100, PartitionOptions(mini_batch=512, num_devices=8))
+    sixteen = partition(g, v100, PartitionOptions(mini_batch=1024, num_devices=16))
+    assert simulate_pipeline(sixteen).throughput > simulate_pipeline(eight).throughput
+
+
+def test_no_stage_gets_devices_it_cannot_use(v100) -> None:
+    g = load_graph(build("candle_uno", "paper"))
+    pipe = partition(g, v100, PartitionOptions(mini_batch=16384, num_devices=16))
+    for st in pipe.stages:
+        d = len(st.devices)
+        assert d <= st.micro_batch_size  # at least one sample per replica
+        assert d & (d - 1) == 0  # data-parallel degrees are powers of two (thesis §3.5)
+    # The merge and head are not a many-device stage of their own (the old plan gave them 7).
+    last = pipe.stages[-1]
+    assert len(last.devices) <= 2
 
 
 def test_non_series_parallel_graph_plans(v100) -> None:

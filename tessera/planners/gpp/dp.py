@@ -1,0 +1,435 @@
+"""The dynamic program of GraphPipe's stage partitioner (thesis §3.5, Algorithm 2, lines 21–45).
+
+:class:`StageDP` answers, for one micro-batch size ``b`` and one bound ``t_max`` on every stage's
+Time-Per-Sample, "which stage graphs of this region on at most ``d`` devices are feasible, and how
+good are they?" — the DP of Algorithm 2, memoized on (region, devices, extension). The binary
+search over ``t_max`` (lines 2–11) and the loop over micro-batch sizes live in :mod:`.partition`.
+
+Regions are the nodes of the series-parallel tree (:mod:`.sp`) and suffixes of their children:
+
+- **base case** (line 25): the region is one stage, data parallel over ``d'`` devices, ``d'`` a
+  power of two (thesis §3.5: "we consider powers of 2") with at least one sample per device and
+  per micro-batch (``d' ≤ b``) — a replica without a sample cannot use its device;
+- **series** (lines 30–37): every split point: a first stage over children ``[i, j)`` on ``d'``
+  devices, or child ``i`` solved recursively on any ``d1`` devices, then the rest on the
+  remaining devices;
+- **parallel** (lines 38–43): every distribution of the devices between one branch and the other
+  branches, and groups of contiguous branches that share one stage;
+- **merge into a neighbour**: the operators after a parallel block (a merge, a head) may join the
+  last stage of the block's last branch instead of forming a stage of their own — the stage stays
+  convex (every other branch only feeds it) and, in depth-first unit order, contiguous. A tiny
+  merge stage would cost a device and a pipeline level for almost no work.
+
+Devices. A region gets *at most* ``d`` devices: the DP never hands a stage devices it cannot use,
+so a plan may leave devices idle when no stage gets faster with them (C3 holds for the devices a
+plan names). All-reduce time is part of a stage's cost, so replication pays only when the compute
+saved exceeds the gradient traffic.
+
+DP value. A Pareto front of entries ``(latency, depth, slack, tps, sink, plan)``:
+
+- ``latency``: the longest forward+backward path through the region's stages (per micro-batch,
+  with transfers and the stages' all-reduce) — the fill and drain time of a 1F1B pipeline, which a
+  min-TPS plan alone does not control (thesis §3.2: depth is what makes bubbles);
+- ``depth``: stages on the longest path; in 1F1B with equal micro-batch sizes a stage's in-flight
+  count is one plus the stages after it (Table 3.2, row ``max = k_y b_y = k_x b_x``);
+- ``slack``: how many stages may still follow the region before some stage exceeds the memory
+  limit (Eq. 3.2) — the paper's "smallest number of in-flight micro-batches for the source";
+- ``tps``: the largest stage TPS in the entry (memo validity across ``t_max`` probes, below);
+- ``sink``: the latency of the region's unique sink stage (regions merged into a neighbour).
+
+Memoization across probes. A front computed at ``t_max`` whose stages all have TPS at most
+``t_used`` is also the front for any ``t' ∈ [t_used, t_max]`` (the feasible set shrinks but keeps
+every optimal entry), and an empty front stays empty for ``t' < t_max``; so the binary search
+reuses states. Regions with equal costs (the identical branches of MMT, DLRM, CANDLE-Uno) share
+their memo entries through a structural signature.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from typing import TYPE_CHECKING
+
+from tessera.core.cost import allreduce_time, per_device_samples
+from tessera.planners.gpp.memory import max_in_flight
+from tessera.planners.gpp.sp import SPNode, SPTree
+
+if TYPE_CHECKING:
+    from tessera.planners.gpp.partition import PartitionOptions, UnitCosts, _Links
+
+INF_SLACK = 1 << 30
+FRONT = 3  # Pareto entries kept per DP state
+GROUP_CHAIN = 3  # branch groups pipelined in series hold at most this many branches
+JOIN_FRACTION = 0.25  # a tail joins its neighbour's stage when it costs at most this share of t_max
+
+# (latency, depth, slack, tps, sink latency, plan)
+Entry = tuple[float, int, int, float, float, tuple]
+
+
+class StageDP:
+    """Algorithm 2's DP for one micro-batch size (see the module docstring)."""
+
+    def __init__(
+        self,
+        tree: SPTree,
+        costs: UnitCosts,
+        links: _Links,
+        opts: PartitionOptions,
+        b: int,
+        limit: float,
+        num_devices: int,
+        *,
+        chain: bool = False,
+        exposed: float = 0.0,
+        window: int | None = None,
+    ) -> None:
+        self.tree, self.costs, self.links, self.opts = tree, costs, links, opts
+        self.b = b
+        self.B = opts.mini_batch
+        self.m = self.B // b
+        self.limit = limit
+        self.num_devices = num_devices
+        self.chain = chain  # sequential pipeline: a stage receives everything crossing its left cut
+        self.exposed = exposed  # share of a stage's transfers on its 1F1B cycle (not overlapped)
+        # Series split points tried per first-stage degree: every one (None), or only the
+        # ``window`` longest feasible first stages (the SPP baseline on long chains, for time).
+        self.window = window
+        self.step = opts.k if opts.schedule == "kfkb" else 1
+        if opts.schedule == "gpipe":
+            self.step = self.m
+        self.degrees = [1 << p for p in range(32) if (1 << p) <= min(b, num_devices)]
+        fw, bw = costs.times(b)
+        self.work = [(f + g) / b for f, g in zip(fw, bw, strict=True)]  # prefix sums, per sample
+        self._stage_cache: dict[tuple[int, int, int], tuple[float, int, float]] = {}
+        self._memo: dict[Hashable, tuple[float, float, int, list[Entry]]] = {}
+        self._sig: dict[int, int] = {}
+        self._sig_ids: dict[Hashable, int] = {}
+        self._chains: dict[tuple[int, int, int], SPNode] = {}
+        self._signature(tree.root)
+        self.t_max = 0.0
+        self.states = 0
+
+    # -- signatures: regions with identical costs share memo entries --------------------------
+
+    def _signature(self, node: SPNode) -> int:
+        if node.kind == "leaf":
+            shape: Hashable = "leaf"
+        else:
+            shape = (node.kind, tuple(self._signature(c) for c in node.children))
+        key = (shape, self.costs.block_key(node.lo, node.hi))
+        if self.chain:  # a stage's cost depends on everything after it: no sharing
+            key = (key, node.lo)
+        sid = self._sig_ids.setdefault(key, len(self._sig_ids))
+        self._sig[id(node)] = sid
+        return sid
+
+    # -- one stage -------------------------------------------------------------------------------
+
+    def stage(self, lo: int, hi: int, d: int) -> tuple[float, int, float]:
+        """(TPS, most in-flight micro-batches that fit memory, latency) of units [lo, hi) on d devices."""
+        key = (lo, hi, d)
+        got = self._stage_cache.get(key)
+        if got is not None:
+            return got
+        c = self.costs
+        s = per_device_samples(self.b, d)
+        fw, bw = c.times(s)
+        compute = (fw[hi] - fw[lo]) + (bw[hi] - bw[lo])
+        if self.opts.recompute:
+            compute += fw[hi] - fw[lo]
+        ar = allreduce_time(c.grads[hi] - c.grads[lo], d, self.links.within(d))
+        tps = compute / self.b + ar / self.B
+        enter = c.enter(lo, c.n if self.chain else hi)
+        latency = compute + ar
+        p2p = self.links.p2p
+        if enter > 0 and p2p is not None:
+            # Activations in and gradients out: overlapped with compute when the warm-up hides
+            # them, on the stage's steady-state cycle when 1F1B's minimal warm-up cannot
+            # (``exposed``; the partitioner searches both and the simulator decides).
+            transfer = 2 * (p2p.latency + enter * self.b / p2p.bandwidth)
+            tps += self.exposed * transfer / self.b
+            latency += transfer
+        cap = max_in_flight(
+            limit=self.limit,
+            weights=c.weights[hi] - c.weights[lo],
+            optimizer=c.optimizer[hi] - c.optimizer[lo],
+            activation_per_sample=c.act[hi] - c.act[lo],
+            input_per_sample=c.enter(lo, hi),
+            micro_batch=self.b,
+            devices=d,
+            recompute=self.opts.recompute,
+        )
+        got = (tps, cap, latency)
+        self._stage_cache[key] = got
+        return got
+
+    def base(self, lo: int, hi: int, d: int) -> Entry | None:
+        """The region [lo, hi) as one stage on ``d`` devices (Algorithm 2, line 25), if feasible."""
+        tps, cap, latency = self.stage(lo, hi, d)
+        if tps > self.t_max:
+            return None
+        if cap >= self.m:
+            slack = INF_SLACK
+        else:
+            slack = cap // self.step - 1
+            if cap < min(self.step, self.m) or slack < 0:
+                return None
+        return (latency, 1, slack, tps, latency, ("S", lo, hi, d))
+
+    def bases(self, lo: int, hi: int, d: int) -> list[Entry]:
+        """One stage over [lo, hi) at every useful data-parallel degree up to ``d``."""
+        out = []
+        for dd in self.degrees:
+            if dd > d:
+                break
+            e = self.base(lo, hi, dd)
+            if e is not None:
+                out.append(e)
+        return out
+
+    def too_much_work(self, lo: int, hi: int, d: int) -> bool:
+        """A lower bound: no stage graph of [lo, hi) on d devices has every TPS ≤ t_max."""
+        return (self.work[hi] - self.work[lo]) / d > self.t_max * (1 + 1e-9)
+
+    def _max_end(self, ends: list[int], lo: int, a: int, b: int, d: int) -> int:
+        """Largest k in [a, b] with stage [lo, ends[k]) on d devices within t_max (a − 1 if none)."""
+        if self.stage(lo, ends[a], d)[0] > self.t_max:
+            return a - 1
+        while a < b:
+            mid = (a + b + 1) // 2
+            if self.stage(lo, ends[mid], d)[0] <= self.t_max:
+                a = mid
+            else:
+                b = mid - 1
+        return a
+
+    # -- the DP ------------------------------------------------------------------------------
+
+    def run(self, t_max: float) -> list[Entry]:
+        """The root's front at ``t_max`` (empty when infeasible)."""
+        self.t_max = t_max
+        return self.solve(self.tree.root, self.num_devices, self.tree.root.hi)
+
+    def _lookup(self, key: Hashable, node: SPNode) -> list[Entry] | None:
+        got = self._memo.get(key)
+        if got is None:
+            return None
+        t_used, t_done, lo, front = got
+        if not t_used <= self.t_max <= t_done:
+            return None
+        if lo != node.lo:
+            front = [(*e[:5], ("@", node.lo - lo, e[5])) for e in front]
+        return front
+
+    def _store(self, key: Hashable, node: SPNode, front: list[Entry]) -> list[Entry]:
+        t_used = max((e[3] for e in front), default=0.0)
+        self._memo[key] = (t_used, self.t_max, node.lo, front)
+        return front
+
+    def _key(self, kind: int, node: SPNode, i: int, d: int, ext: int) -> Hashable:
+        if ext == node.hi:
+            return (kind, self._sig[id(node)], i, d)
+        return (kind, id(node), i, d, ext)
+
+    def solve(self, node: SPNode, d: int, ext: int) -> list[Entry]:
+        """Front of ``node`` on at most ``d`` devices; units [node.hi, ext) join its sink stage."""
+        if node.kind == "leaf":
+            return pareto(self.bases(node.lo, ext, d))
+        if node.kind == "series":
+            return self.series(node, 0, d, ext)
+        return self.parallel(node, 0, d, ext)
+
+    def series(self, node: SPNode, i: int, d: int, ext: int) -> list[Entry]:
+        """Children i.. of a series node (units [ch[i].lo, ext)) on at most d devices."""
+        ch = node.children
+        last = len(ch) - 1
+        if i == last:
+            return self.solve(ch[i], d, ext)
+        key = self._key(0, node, i, d, ext)
+        got = self._lookup(key, node)
+        if got is not None:
+            return got
+        self.states += 1
+        lo = ch[i].lo
+        if self.too_much_work(lo, ext, d):
+            return self._store(key, node, [])
+        cands = self.bases(lo, ext, d)  # the whole suffix as one stage
+        ends = [c.hi for c in ch[:last]]  # first stage [lo, ends[k]) covers children i..k
+        for d1 in self.degrees:
+            if d1 >= d:
+                break
+            k_hi = self._max_end(ends, lo, i, last - 1, d1)
+            k_lo = i if self.window is None else max(i, k_hi - self.window + 1)
+            for k in range(k_hi, k_lo - 1, -1):
+                if self.too_much_work(ends[k], ext, d - d1):
+                    break
+                first = self.base(lo, ends[k], d1)
+                if first is None:
+                    continue
+                for rest in self.series(node, k + 1, d - d1, ext):
+                    cands.append(seq(first, rest))
+        head = ch[i]
+        if head.kind != "leaf":
+            # Child i as its own sub-problem; a parallel child may absorb children i+1..j-1 into
+            # its sink stage (merge into a neighbour), up to the whole suffix.
+            for j in range(i + 1, last + 2):
+                end = ch[j].lo if j <= last else ext
+                if j > i + 1 and (head.kind != "parallel" or not self._joinable(head, end, d)):
+                    break
+                if j > last:
+                    cands.extend(self.solve(head, d, ext))
+                    break
+                previous: list[Entry] | None = None
+                for d1 in range(1, d):
+                    if self.too_much_work(ch[j].lo, ext, d - d1):
+                        break
+                    if self.too_much_work(lo, end, d1):
+                        continue
+                    heads = self.solve(head, d1, end)
+                    if not heads or heads == previous:
+                        continue  # saturated: the devices serve the rest better (see parallel)
+                    previous = heads
+                    for rest in self.series(node, j, d - d1, ext):
+                        cands.extend(seq(h, rest) for h in heads)
+        return self._store(key, node, pareto(cands))
+
+    def _chain(self, node: SPNode, i: int, k: int) -> SPNode:
+        """Branches i..k of a parallel node as one series of their units (depth-first order)."""
+        key = (id(node), i, k)
+        got = self._chains.get(key)
+        if got is None:
+            leaves = [leaf for c in node.children[i : k + 1] for leaf in c.leaves()]
+            got = SPNode("series", children=leaves, cost=sum(x.cost for x in leaves))
+            got.lo, got.hi = node.children[i].lo, node.children[k].hi
+            self._chains[key] = got
+            self._signature(got)
+        return got
+
+    def _joinable(self, head: SPNode, end: int, d: int) -> bool:
+        """Whether units [head.hi, end) are a *tiny* tail: at most a quarter of the stage budget on
+        one device. Larger tails make better stages of their own (and the search stays small)."""
+        return self.stage(head.hi, end, 1)[0] <= JOIN_FRACTION * self.t_max
+
+    def parallel(self, node: SPNode, i: int, d: int, ext: int) -> list[Entry]:
+        """Branches i.. of a parallel node on at most d devices; [node.hi, ext) joins the sink
+        stage of the last branch."""
+        ch = node.children
+        last = len(ch) - 1
+        if i == last:
+            return self.solve(ch[i], d, ext)
+        key = self._key(1, node, i, d, ext)
+        got = self._lookup(key, node)
+        if got is not None:
+            return got
+        self.states += 1
+        lo = ch[i].lo
+        if self.too_much_work(lo, ext, d):
+            return self._store(key, node, [])
+        join = ext > node.hi
+        combine = par_join if join else par
+        cands = self.bases(lo, ext, d)  # every remaining branch in one stage
+        rest_lo = ch[i + 1].lo
+        previous: list[Entry] | None = None
+        for d1 in range(1, d):
+            d2 = d - d1
+            if self.too_much_work(rest_lo, ext, d2):
+                break  # fewer devices for the other branches only gets worse
+            if self.too_much_work(lo, rest_lo, d1):
+                continue
+            heads = self.solve(ch[i], d1, ch[i].hi)
+            if not heads or heads == previous:
+                # A branch that gains nothing from one more device leaves it to the others (a
+                # front on more devices dominates: a plan on d devices is one on d + 1).
+                continue
+            previous = heads
+            for rest in self.parallel(node, i + 1, d2, ext):
+                cands.extend(combine(h, rest) for h in heads)
+        # A group of two or three contiguous branches pipelined in series as one stage group
+        # (its units linearized: stages may span the branches' boundaries, as in SPP).
+        # Only on few devices (at most two per branch): with more, branches of their own do as well.
+        for k in range(i + 1, min(i + GROUP_CHAIN, last + 1)):
+            chain = self._chain(node, i, k)
+            most = 2 * (k - i + 1)
+            if k == last:
+                if d <= most:
+                    cands.extend(self.solve(chain, d, ext))
+                continue
+            previous = None
+            for d1 in range(1, min(d, most + 1)):
+                if self.too_much_work(chain.hi, ext, d - d1):
+                    break
+                if self.too_much_work(lo, chain.hi, d1):
+                    continue
+                heads = self.solve(chain, d1, chain.hi)
+                if not heads or heads == previous:
+                    continue
+                previous = heads
+                for rest in self.parallel(node, k + 1, d - d1, ext):
+                    cands.extend(combine(h, rest) for h in heads)
+        # Groups of contiguous branches [i, k] sharing one stage (branches are sorted by cost).
+        ends = [c.hi for c in ch[:last]]
+        for d1 in self.degrees:
+            if d1 >= d or i + 1 > last - 1:
+                break
+            k_hi = self._max_end(ends, lo, i + 1, last - 1, d1)
+            for k in range(k_hi, i, -1):
+                if self.too_much_work(ends[k], ext, d - d1):
+                    break
+                group = self.base(lo, ends[k], d1)
+                if group is None:
+                    continue
+                for rest in self.parallel(node, k + 1, d - d1, ext):
+                    cands.append(combine(group, rest))
+        return self._store(key, node, pareto(cands))
+
+
+def seq(first: Entry, rest: Entry) -> Entry:
+    """``first`` then ``rest`` (a series decomposition): depths and latencies add."""
+    l1, h1, s1, t1, _, p1 = first
+    l2, h2, s2, t2, k2, p2 = rest
+    return (l1 + l2, h1 + h2, min(s2, s1 - h2), max(t1, t2), k2, ("+", p1, p2))
+
+
+def par(a: Entry, b: Entry) -> Entry:
+    """Independent branches (a parallel decomposition): the larger depth and latency (§3.5)."""
+    return (max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3]), 0.0, ("+", a[5], b[5]))
+
+
+def par_join(a: Entry, b: Entry) -> Entry:
+    """Branches ``a`` feeding the sink stage of ``b`` (the merge joined ``b``'s last stage)."""
+    return (
+        max(b[0], a[0] + b[4]),
+        max(b[1], a[1] + 1),
+        min(b[2], a[2] - 1),
+        max(a[3], b[3]),
+        b[4],
+        ("+", a[5], b[5]),
+    )
+
+
+def pareto(cands: list[Entry]) -> list[Entry]:
+    """Entries not dominated in (latency ↓, depth ↓, slack ↑), lowest latency first, at most FRONT."""
+    cands = [c for c in cands if c[2] >= 0]
+    cands.sort(key=lambda c: (c[0], c[1], -c[2], c[3]))
+    out: list[Entry] = []
+    for c in cands:
+        if any(k[1] <= c[1] and k[2] >= c[2] for k in out):
+            continue
+        out.append(c)
+        if len(out) == FRONT:
+            break
+    return out
+
+
+def stages_of(plan: tuple) -> list[tuple[int, int, int]]:
+    """The stages (lo, hi, devices) of a DP plan, in unit order."""
+    out: list[tuple[int, int, int]] = []
+    todo = [(plan, 0)]
+    while todo:
+        p, shift = todo.pop()
+        if p[0] == "S":
+            out.append((p[1] + shift, p[2] + shift, p[3]))
+        elif p[0] == "@":
+            todo.append((p[2], shift + p[1]))
+        else:
+            todo.extend(((p[2], shift), (p[1], shift)))
+    return sorted(out)
