@@ -30,6 +30,7 @@ SPEC_CASES = {
     "spec_wrong_types.yaml": "device_types.gpu.memory",
     "spec_missing_fields.yaml": "device_types",
     "spec_zero_bandwidth.yaml": "memory_bandwidth",
+    "spec_zero_memory.yaml": "device_types.gpu.memory",
     "spec_unknown_device_type.yaml": "tpu",
     "spec_duplicate_names.yaml": "gpu",
 }
@@ -44,8 +45,10 @@ PLAN_CASES = {
     "plan_unknown_node.json": "unknown node 'ghost'",
     "plan_unknown_device.json": "C3: stage 1 names device 'node9/cpu:7', not in the cluster",
     "plan_breaks_c1.json": "is in both group/stage 0 and 1",
+    "plan_breaks_c2.json": "C2: operators of stage 0 feed stage 1 but the plan has no edge 0->1",
     "plan_breaks_c3.json": "C3: device",
-    "plan_breaks_c4.json": "C4: stage 0: B0 before F0",
+    "plan_breaks_c5.json": "C5:",
+    "plan_breaks_c4.json": "C4: stage 0: B1 before F1",
 }
 
 

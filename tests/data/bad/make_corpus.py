@@ -71,6 +71,10 @@ def main() -> None:
             "name: bad\ndevice_types:\n  gpu: {kind: gpu, memory: 16GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 0GB/s}\n"
             "nodes:\n  - {name: n, devices: [{type: gpu}]}\n"
         ),
+        "spec_zero_memory.yaml": (
+            "name: bad\ndevice_types:\n  gpu: {kind: gpu, memory: 0GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 1TB/s}\n"
+            "nodes:\n  - {name: n, devices: [{type: gpu}]}\n"
+        ),
         "spec_unknown_device_type.yaml": (
             "name: bad\ndevice_types:\n  gpu: {kind: gpu, memory: 16GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 1TB/s}\n"
             "nodes:\n  - {name: n, devices: [{type: tpu}]}\n"
@@ -107,11 +111,15 @@ def plans_against_a_model() -> dict[str, bytes | str]:
     (HERE / "plan_model.onnx").write_bytes(model_bytes)
     graph = load_graph(HERE / "plan_model.onnx")
     plan, _, _ = build_gpp_plan(
-        graph, load_cluster("local-cpu-split"), PartitionOptions(mini_batch=8, schedule="1f1b"), kind="spp"
+        graph,
+        load_cluster("local-cpu-split"),
+        PartitionOptions(mini_batch=16, micro_batch_sizes=(8,), schedule="1f1b"),
+        kind="spp",
     )
     data = json.loads(dump_plan(plan))
     data["model"]["path"] = "plan_model.onnx"  # relative to the plan's folder
     assert len(data["stages"]) == 2, "the corpus needs a two-stage plan"
+    assert all(st["micro_batch_size"] == 8 for st in data["stages"]) and data["mini_batch_size"] == 16
 
     def variant(**changes) -> str:
         doc = json.loads(json.dumps(data))
@@ -133,7 +141,18 @@ def plans_against_a_model() -> dict[str, bytes | str]:
         "plan_unknown_device.json": variant(**{"stages/1/devices": ["node9/cpu:7"]}),
         # C1: a node in two stages; C3: one device in two stages; C4: a backward before its forward.
         "plan_breaks_c1.json": variant(**{"stages/1/nodes": [*second["nodes"], first["nodes"][0]]}),
+        # C2: operators of stage 0 feed stage 1 but the plan has no edge; C5: stage 0 waits for B0
+        # before F1 while stage 1 needs F1 before B0 (each schedule alone is fine: a deadlock).
+        "plan_breaks_c2.json": variant(edges=[]),
         "plan_breaks_c3.json": variant(**{"stages/1/devices": first["devices"]}),
+        "plan_breaks_c5.json": variant(
+            **{
+                "stages/0/schedule/actions": ["F0", "B0", "F1", "B1"],
+                "stages/0/in_flight": 1,
+                "stages/1/schedule/actions": ["F0", "F1", "B0", "B1"],
+                "stages/1/in_flight": 2,
+            }
+        ),
         "plan_breaks_c4.json": variant(
             **{"stages/0/schedule/actions": list(reversed(first["schedule"]["actions"]))}
         ),
