@@ -2,7 +2,8 @@
 
 Checks the plan (schema; the model's sha256: a changed model is refused with exit 2), then
 dispatches by kind: ``gpp`` and ``spp`` plans train on stage workers
-(:mod:`tessera.executor.gpp`), started the torchrun way (:mod:`tessera.executor.launcher`).
+(:mod:`tessera.executor.gpp`), ``cp`` plans decode on cache-parallel (or TP/DP) workers
+(:mod:`tessera.executor.cp`), all started the torchrun way (:mod:`tessera.executor.launcher`).
 A worker that fails stops the launch with exit 4 and the failing rank named.
 """
 
@@ -16,7 +17,8 @@ import click
 from tessera.cli.options import json_option, load_model_option
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
-from tessera.core.plans import GppPlan, check_plan_against_model, load_plan
+from tessera.core.plans import CpPlan, GppPlan, check_plan_against_model, load_plan
+from tessera.executor.launcher import LaunchOptions
 
 
 def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
@@ -78,6 +80,29 @@ def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
     show_default=True,
     help="Seconds a worker may wait on a peer before the launch is stopped (a step stuck elsewhere: 1.5x).",
 )
+# -- cp plans (tessera.executor.cp) --
+@click.option(
+    "--new-tokens",
+    type=click.IntRange(min=2),
+    default=8,
+    show_default=True,
+    help="[cp] Tokens generated per request (the first by the prefill, then decode steps).",
+)
+@click.option(
+    "--prompt-lens",
+    metavar="LIST",
+    default=None,
+    help="[cp] Prompt length of each request, comma-separated, repeated over the batch "
+    "(default: the plan's context).",
+)
+@click.option(
+    "--attention",
+    type=click.Choice(["torch", "triton"]),
+    default="torch",
+    show_default=True,
+    help="[cp] Shard attention kernel (triton: CUDA, or CPU with TRITON_INTERPRET=1; slow).",
+)
+# -- end cp --
 @json_option
 def launch(
     plan_path: str,
@@ -92,19 +117,37 @@ def launch(
     seed: int,
     data: str | None,
     timeout_s: float,
+    new_tokens: int,
+    prompt_lens: str | None,
+    attention: str,
     as_json: bool,
 ) -> None:
     """Run PLAN on worker processes and report measured against predicted.
 
     gpp/spp plans: every device of the plan is one process running one stage replica; it trains
     STEPS mini-batches (SGD, loss = mean of squared outputs) and reports loss, iteration time,
-    per-stage busy time and peak memory per step. Exit codes: 0 done, 2 bad plan/model/data,
-    4 a worker failed (the rank and reason are printed).
+    per-stage busy time and peak memory per step. cp plans: one process per device decodes the
+    plan's batch greedily (NEW_TOKENS per request) and reports tokens/s and per-token latency.
+    Exit codes: 0 done, 2 bad plan/model/data, 4 a worker failed (the rank and reason are printed).
     """
     plan = load_plan(plan_path)
+    # -- cp plans (tessera.executor.cp) --
+    if plan.kind == "cp":
+        assert isinstance(plan, CpPlan)
+        launch_options = LaunchOptions(
+            nproc_per_node=nproc_per_node,
+            nnodes=nnodes,
+            node_rank=node_rank,
+            master_addr=master_addr,
+            master_port=master_port,
+            timeout_s=timeout_s,
+        )
+        _launch_cp(plan, plan_path, model, new_tokens, prompt_lens, attention, seed, launch_options, as_json)
+        return
+    # -- end cp --
     if plan.kind not in ("gpp", "spp"):
         raise InputError(
-            f"launching a {plan.kind!r} plan is not available yet (tessera launch runs gpp and spp plans)",
+            f"launching a {plan.kind!r} plan is not available yet (tessera launch runs gpp, spp and cp plans)",
             source=plan_path,
         )
     assert isinstance(plan, GppPlan) and plan.model is not None
@@ -117,7 +160,6 @@ def launch(
         raise InputError(f"{problems[0]}{more}", source=plan_path)
 
     from tessera.executor.gpp import TrainOptions, run_gpp_plan
-    from tessera.executor.launcher import LaunchOptions
 
     run = run_gpp_plan(
         plan,
@@ -182,3 +224,98 @@ def _summary(report: dict[str, Any]) -> str:
         "peak mem: weights + gradients + activations in flight, slowest replica; on GPU the allocator's peak)"
     )
     return "\n".join(lines)
+
+
+# -- cp plans (tessera.executor.cp) ------------------------------------------------------------------
+
+
+def _launch_cp(
+    plan: CpPlan,
+    plan_path: str,
+    model: str | None,
+    new_tokens: int,
+    prompt_lens: str | None,
+    attention: str,
+    seed: int,
+    launch_options: LaunchOptions,
+    as_json: bool,
+) -> None:
+    """Check a cp plan's model (ONNX: sha256; --llm: the config file's sha256 when it can be read),
+    decode, print the report."""
+    from tessera.executor.cp import DecodeOptions, run_cp_plan
+
+    model_path = None
+    if plan.model is not None:
+        model_path = _model_path(plan_path, plan.model.path, model)
+        shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
+        problems = check_plan_against_model(plan, load_model_option(model_path, shapes))
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise InputError(f"{problems[0]}{more}", source=plan_path)
+    elif plan.llm_config is not None:
+        from tessera.planners.cp.llm import load_llm_config
+
+        try:
+            _, source = load_llm_config(plan.llm_config.path)
+        except InputError:
+            source = None  # the plan carries the config's shape (plan.llm); the file is not needed
+        if source is not None and source.sha256 != plan.llm_config.sha256:
+            raise InputError(
+                f"LLM config changed: the plan was made for sha256 {plan.llm_config.sha256[:12]}…, "
+                f"{plan.llm_config.path} is {source.sha256[:12]}…",
+                source=plan_path,
+            )
+    lens = None
+    if prompt_lens:
+        try:
+            lens = tuple(int(p) for p in prompt_lens.split(",") if p.strip())
+        except ValueError:
+            raise InputError(f"--prompt-lens {prompt_lens!r}: expected integers such as 64,17,1") from None
+    options = DecodeOptions(new_tokens=new_tokens, prompt_lens=lens or None, seed=seed, attention=attention)
+    run = run_cp_plan(plan, model_path, options, launch_options, plan_path=plan_path)
+    if as_json:
+        emit_json(run.to_json())
+    else:
+        click.echo(_cp_summary(run.to_json()))
+
+
+def _cp_summary(report: dict[str, Any]) -> str:
+    d, m, p, r = report["decode"], report["measured"], report["predicted"], report["ratio"]
+    lines = [
+        f"launched cp plan {report['plan']}: {report['strategy'].upper()} x{report['degree']} "
+        f"({report['backend']}), batch {d['batch']}, prompts {_lens(d['prompt_lens'])}, "
+        f"{d['new_tokens']} tokens each (greedy), attention {d['attention']}, weights {d['weights']}",
+        f"{'rank':>4} {'device':>22} {'requests':>9} {'kv pos':>7} {'step':>10} {'comm':>10}",
+    ]
+    for rk in report["ranks"]:
+        lo, hi = rk["requests"]
+        lines.append(
+            f"{rk['rank']:>4} {rk['device']:>22} {f'{lo}-{hi}':>9} {rk['kv_positions']:>7} "
+            f"{rk['step_s'] * 1e3:>7.3f} ms {rk['comm_s'] * 1e3:>7.3f} ms"
+        )
+    for key, label, unit, scale in (
+        ("tokens_per_s", "tokens/s", "", 1.0),
+        ("per_token_latency_s", "per-token latency", " ms", 1e3),
+    ):
+        got = m[key] * scale
+        want = p.get(key)
+        ratio = r.get("tokens_per_s" if key == "tokens_per_s" else "per_token_latency")
+        lines.append(
+            f"{label}: measured {got:.4g}{unit}"
+            + (
+                f", predicted {want * scale:.4g}{unit} (measured/predicted {_ratio(ratio)})"
+                if want
+                else ", no prediction in the plan"
+            )
+        )
+    lines.append(
+        f"communication {m['communication_fraction'] * 100:.0f}% of a step; prefill {m['prefill_s'] * 1e3:.1f} ms "
+        "(replicated, not in tokens/s); first request's tokens: "
+        + " ".join(map(str, report["tokens"][0] if report["tokens"] else []))
+    )
+    return "\n".join(lines)
+
+
+def _lens(lens: list[int]) -> str:
+    shown = ",".join(map(str, lens[:8]))
+    return shown + (f",… ({len(lens)})" if len(lens) > 8 else "")

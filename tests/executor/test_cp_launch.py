@@ -1,0 +1,247 @@
+"""``tessera launch`` of cp plans: greedy decode on gloo ranks equals a single-process reference.
+
+Plans come from the real planner (``tessera plan --kind cp``); where the cost model would pick
+another strategy for these tiny models (on CPUs DP wins: no collectives), the test pins the choice
+with :func:`pin_choice` so the plan is the planner's own plan of that strategy and degree.
+Prompts have different lengths per request, so KV shards are uneven and later shards are empty for
+short requests. Exactness: the tokens equal :func:`reference_decode` (each request alone, whole
+KV cache, plain softmax), and its prefill equals ONNX Runtime on the zoo GPT.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_runner import run_cli
+
+import tessera.planners.cp.plan as cp_planner
+from tessera.cli.launch_cmd import _cp_summary
+from tessera.core.errors import InputError
+from tessera.core.plans import load_plan
+from tessera.executor.cp import (
+    DecodeOptions,
+    KvLayout,
+    check_cp_plan,
+    decoder_weights,
+    make_prompts,
+    onnx_decoder_weights,
+    prefill,
+    reference_decode,
+    run_cp_plan,
+)
+from tessera.executor.gpp import FAULT_ENV
+from tessera.executor.launcher import LaunchOptions
+from tessera.models import build
+
+FOUR_CPUS = """\
+# Four one-core CPU devices (oversubscribed on a 2-core VM): a degree-4 plan for gloo ranks.
+name: local-cpu-4
+device_types:
+  cpu-core: {kind: cpu, cores: 1, memory: 4GiB, flops: {fp32: 70GFLOPS}, memory_bandwidth: 6GB/s}
+nodes:
+  - {name: local, devices: [{type: cpu-core, count: 4}]}
+links:
+  intra_node: {bandwidth: 2GB/s, latency: 80us}
+"""
+
+SMALL_LLM = """\
+name: small-gqa
+layers: 3
+hidden: 48
+heads: 6
+kv_heads: 2
+ffn: 96
+vocab: 200
+dtype: fp32
+gated_ffn: {gated}
+tied_embeddings: {tied}
+"""
+
+
+def pin_choice(monkeypatch: pytest.MonkeyPatch, strategy: str, degree: int) -> None:
+    """Make ``plan_cp`` choose ``strategy`` at ``degree`` instead of the fastest estimate."""
+    monkeypatch.setattr(
+        cp_planner,
+        "best_estimate",
+        lambda es: next(e for e in es if e.strategy == strategy and e.degree == degree),
+    )
+
+
+def make_plan(tmp_path: Path, source: list[str], cluster: str, batch: int, context: int) -> Path:
+    out = tmp_path / "plan.json"
+    res = run_cli("plan", *source, "--kind", "cp", "--cluster", cluster, "--batch", str(batch),
+                  "--context", str(context), "--output-len", "8", "-o", str(out))  # fmt: skip
+    assert res.code == 0, res.err
+    return out
+
+
+@pytest.fixture
+def gpt(tmp_path: Path) -> Path:
+    path = tmp_path / "gpt.onnx"
+    path.write_bytes(build("gpt", "tiny", seed=3, kv_heads=2, seq=96).SerializeToString())
+    return path
+
+
+def llm_config(tmp_path: Path, *, gated: bool = False, tied: bool = False) -> Path:
+    path = tmp_path / "small.yaml"
+    path.write_text(SMALL_LLM.format(gated=str(gated).lower(), tied=str(tied).lower()))
+    return path
+
+
+def expected_tokens(
+    plan_path: Path, model: Path | None, lens: list[int], seed: int, n: int
+) -> list[list[int]]:
+    weights = decoder_weights(load_plan(plan_path), None if model is None else str(model), seed)
+    return reference_decode(weights, make_prompts(weights.vocab, lens, seed), n)
+
+
+# -- without workers -------------------------------------------------------------------------------
+
+
+def test_reference_prefill_equals_onnx_runtime(gpt: Path) -> None:
+    """The initializer mapping is right: the decoder's prefill logits are the ONNX model's."""
+    import onnxruntime as ort
+
+    weights = onnx_decoder_weights(gpt, {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2,
+                                         "head_dim": 8, "ffn": 128, "vocab": 128})  # fmt: skip
+    session = ort.InferenceSession(str(gpt), providers=["CPUExecutionProvider"])
+    prompt = make_prompts(128, [23], seed=5)[0]
+    ids = np.zeros((1, 96), dtype=np.int64)
+    ids[0, :23] = prompt
+    logits = session.run(None, {"input_ids": ids})[0][0, 22]  # causal: padding after 23 is unseen
+    import torch
+
+    ours, _ = prefill(weights, torch.tensor(prompt))
+    np.testing.assert_allclose(ours.numpy(), logits, rtol=1e-4, atol=1e-5)
+    assert reference_decode(weights, [prompt], 1) == [[int(np.argmax(logits))]]
+
+
+def test_kv_layout_follows_the_plan_then_deals_blocks() -> None:
+    layout = KvLayout([(0, 32), (32, 40), (40, 40)], block=16)
+    owners = layout.owners(100)
+    assert list(owners[:40]) == [0] * 32 + [1] * 8
+    assert list(owners[40:48]) == [1] * 8  # the rest of the partial block [32, 48)
+    assert list(owners[48:64]) == [2] * 16  # then whole blocks to the least-loaded shard
+    held = np.bincount(owners, minlength=3)
+    assert held.max() - held.min() <= 16 + 4  # within a block (+ the partial tail)
+    with pytest.raises(InputError, match="consecutive"):
+        KvLayout([(0, 16), (20, 40)])
+
+
+def test_unmappable_model_and_unsupported_strategy_are_refused(tmp_path: Path, gpt: Path) -> None:
+    plan = load_plan(make_plan(tmp_path, [str(gpt)], "local-cpu-split", 2, 20))
+    model = build("gpt", "tiny", seed=3, kv_heads=2, seq=96)
+    for init in model.graph.initializer:
+        if init.name == "layer1/ffn/fc2/weight":
+            init.name = "layer1/ffn/down/weight"
+    odd = tmp_path / "odd.onnx"
+    odd.write_bytes(model.SerializeToString())
+    with pytest.raises(InputError, match=r"cannot map .* no initializer 'layer1/ffn/fc2/weight'"):
+        onnx_decoder_weights(odd, plan.llm)
+    with pytest.raises(InputError, match="runs cp, tp, dp plans"):
+        check_cp_plan(plan.model_copy(update={"strategy": "cp+tp"}), DecodeOptions())
+
+
+def test_a_changed_model_is_refused_with_exit_2(tmp_path: Path, gpt: Path, monkeypatch) -> None:
+    pin_choice(monkeypatch, "cp", 2)
+    plan = make_plan(tmp_path, [str(gpt)], "local-cpu-split", 4, 40)
+    gpt.write_bytes(build("gpt", "tiny", seed=4, kv_heads=2, seq=96).SerializeToString())
+    res = run_cli("launch", str(plan))
+    assert res.code == 2 and "model changed" in res.err
+
+
+# -- on gloo ranks -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_onnx_gpt_cp_on_2_ranks_through_the_cli(tmp_path: Path, gpt: Path, monkeypatch) -> None:
+    pin_choice(monkeypatch, "cp", 2)
+    plan = make_plan(tmp_path, [str(gpt)], "local-cpu-split", 5, 40)
+    lens = [40, 17, 3, 33, 45]
+    res = run_cli("launch", str(plan), "--new-tokens", "6", "--prompt-lens", ",".join(map(str, lens)),
+                  "--seed", "1", "--json")  # fmt: skip
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["strategy"] == "cp" and report["world_size"] == 2 and report["backend"] == "gloo"
+    assert report["tokens"] == expected_tokens(plan, gpt, lens, 1, 6)
+    # Shards [0, 32) and [32, 40) (+ blocks past the context): short requests leave rank 1 empty.
+    held = [r["kv_positions_by_request"] for r in report["ranks"]]
+    assert held[1]["1"] == 0 and held[1]["2"] == 0 and held[1]["0"] == 45 - 32
+    assert sum(h[str(b)] for h in held for b in range(5)) == sum(lens) + 5 * 5
+    m, p, r = report["measured"], report["predicted"], report["ratio"]
+    assert m["tokens_per_s"] > 0 and 0 < m["communication_fraction"] < 1
+    assert r["tokens_per_s"] == pytest.approx(m["tokens_per_s"] / p["tokens_per_s"])
+    assert r["per_token_latency"] == pytest.approx(m["per_token_latency_s"] / p["per_token_latency_s"])
+    text = _cp_summary(report)  # what the launch prints without --json
+    assert "CP x2" in text and "measured/predicted" in text
+
+
+@pytest.mark.slow
+def test_onnx_gpt_cp_on_4_ranks(tmp_path: Path, gpt: Path, monkeypatch) -> None:
+    cluster = tmp_path / "cpu4.yaml"
+    cluster.write_text(FOUR_CPUS)
+    pin_choice(monkeypatch, "cp", 4)
+    plan_path = make_plan(tmp_path, [str(gpt)], str(cluster), 6, 50)
+    plan = load_plan(plan_path)
+    assert [(s.start, s.stop) for s in plan.kv_shards] == [(0, 16), (16, 32), (32, 48), (48, 50)]
+    lens = [50, 2, 31, 64, 18, 7]
+    run = run_cp_plan(plan, str(gpt), DecodeOptions(new_tokens=5, prompt_lens=tuple(lens), seed=2),
+                      LaunchOptions(timeout_s=60))  # fmt: skip
+    assert run.tokens == expected_tokens(plan_path, gpt, lens, 2, 5)
+    assert [r["requests"] for r in run.ranks] == [[0, 2], [2, 4], [4, 5], [5, 6]]
+    assert run.ranks[3]["kv_positions_by_request"]["1"] == 0
+
+
+@pytest.mark.slow
+def test_llm_config_cp_on_4_ranks_through_the_cli(tmp_path: Path, monkeypatch) -> None:
+    cluster = tmp_path / "cpu4.yaml"
+    cluster.write_text(FOUR_CPUS)
+    pin_choice(monkeypatch, "cp", 4)
+    config = llm_config(tmp_path, tied=True)
+    plan = make_plan(tmp_path, ["--llm", str(config)], str(cluster), 3, 70)
+    res = run_cli("launch", str(plan), "--new-tokens", "7", "--prompt-lens", "70,9,40", "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["degree"] == 4 and report["decode"]["weights"].startswith("seeded random (seed 0")
+    assert report["tokens"] == expected_tokens(plan, None, [70, 9, 40], 0, 7)
+    assert report["ranks"][3]["kv_positions_by_request"]["1"] == 0  # request 1: 15 positions, shard 0 only
+    config.write_text(SMALL_LLM.format(gated="true", tied="true"))
+    res = run_cli("launch", str(plan))
+    assert res.code == 2 and "LLM config changed" in res.err
+
+
+@pytest.mark.slow
+def test_llm_config_tp_on_2_ranks_with_swiglu(tmp_path: Path, monkeypatch) -> None:
+    pin_choice(monkeypatch, "tp", 2)
+    config = llm_config(tmp_path, gated=True)
+    plan_path = make_plan(tmp_path, ["--llm", str(config)], "local-cpu-split", 3, 24)
+    plan = load_plan(plan_path)
+    run = run_cp_plan(plan, None, DecodeOptions(new_tokens=5, prompt_lens=(24, 5, 11), seed=3),
+                      LaunchOptions(timeout_s=60))  # fmt: skip
+    assert run.tokens == expected_tokens(plan_path, None, [24, 5, 11], 3, 5)
+    assert run.measured["communication_s"] > 0  # two all-reduces per layer
+
+
+@pytest.mark.slow
+def test_the_planners_own_choice_dp_on_2_ranks(tmp_path: Path, gpt: Path) -> None:
+    plan = make_plan(tmp_path, [str(gpt)], "local-cpu-split", 4, 30)  # DP wins on these CPUs
+    res = run_cli("launch", str(plan), "--new-tokens", "4", "--prompt-lens", "30,3,12,25", "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["strategy"] == "dp" and report["measured"]["communication_s"] == 0
+    assert report["tokens"] == expected_tokens(plan, gpt, [30, 3, 12, 25], 0, 4)
+
+
+@pytest.mark.slow
+def test_a_rank_that_fails_mid_decode_stops_the_launch_with_exit_4(
+    tmp_path: Path, gpt: Path, monkeypatch
+) -> None:
+    pin_choice(monkeypatch, "cp", 2)
+    plan = make_plan(tmp_path, [str(gpt)], "local-cpu-split", 2, 20)
+    monkeypatch.setenv(FAULT_ENV, "1:1:raise")  # test-only: rank 1 raises at decode step 1
+    res = run_cli("launch", str(plan), "--new-tokens", "4", "--timeout", "20")
+    assert res.code == 4, res.err
+    assert "rank 1 (cp 1/2, device local0/cpu-core:1) failed: RuntimeError: injected fault" in res.err
