@@ -61,12 +61,9 @@ class ConfigModel(BaseModel):
 
 
 def presets_dir(kind: str) -> Path:
-    """The folder of presets of one kind: ``configs/<kind>`` packaged with tessera, or at the repo root."""
-    package = Path(__file__).resolve().parents[1]
-    for candidate in (package / "configs" / kind, package.parent / "configs" / kind):
-        if candidate.is_dir():
-            return candidate
-    return package.parent / "configs" / kind
+    """The folder of presets of one kind: ``tessera/configs/<kind>`` (``configs/`` at the repository
+    root links there; a wheel ships them in the package)."""
+    return Path(__file__).resolve().parents[1] / "configs" / kind
 
 
 def list_presets(kind: str) -> list[str]:
