@@ -17,7 +17,7 @@ import click
 from tessera.cli.options import json_option, load_model_option
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
-from tessera.core.plans import CpPlan, GppPlan, check_plan_against_model, load_plan
+from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, check_plan_against_model, load_plan
 from tessera.executor.launcher import LaunchOptions
 
 
@@ -103,6 +103,15 @@ def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
     help="[cp] Shard attention kernel (triton: CUDA, or CPU with TRITON_INTERPRET=1; slow).",
 )
 # -- end cp --
+# -- placement plans (tessera.cli.place_cmd.launch_placement) --
+@click.option(
+    "--repeat",
+    type=click.IntRange(min=1),
+    default=7,
+    show_default=True,
+    help="[placement] Timing rounds of the placed model (median reported).",
+)
+# -- end placement --
 @json_option
 def launch(
     plan_path: str,
@@ -120,6 +129,7 @@ def launch(
     new_tokens: int,
     prompt_lens: str | None,
     attention: str,
+    repeat: int,
     as_json: bool,
 ) -> None:
     """Run PLAN on worker processes and report measured against predicted.
@@ -145,6 +155,15 @@ def launch(
         _launch_cp(plan, plan_path, model, new_tokens, prompt_lens, attention, seed, launch_options, as_json)
         return
     # -- end cp --
+    # -- placement plans (tessera.cli.place_cmd.launch_placement) --
+    if plan.kind == "placement":
+        from tessera.cli.place_cmd import launch_placement
+
+        assert isinstance(plan, PlacementPlan)
+        model_path = _model_path(plan_path, plan.model.path, model)
+        launch_placement(plan, model_path, plan_path, repeat=repeat, data=data, seed=seed, as_json=as_json)
+        return
+    # -- end placement --
     if plan.kind not in ("gpp", "spp"):
         raise InputError(
             f"launching a {plan.kind!r} plan is not available yet (tessera launch runs gpp, spp and cp plans)",

@@ -16,6 +16,7 @@ from tessera import __version__
 from tessera.cli.backends_cmd import backends
 from tessera.cli.inspect_cmd import inspect
 from tessera.cli.launch_cmd import launch
+from tessera.cli.place_cmd import place
 from tessera.cli.plan_cmd import plan
 from tessera.cli.render import NO_PROGRESS_ENV
 from tessera.cli.validate_cmd import validate
@@ -42,6 +43,7 @@ def cli(verbose: int, no_progress: bool) -> None:
 cli.add_command(backends)
 cli.add_command(inspect)
 cli.add_command(launch)
+cli.add_command(place)
 cli.add_command(plan)
 cli.add_command(validate)
 cli.add_command(zoo)

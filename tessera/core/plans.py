@@ -84,6 +84,7 @@ class PlacementPlan(_PlanBase):
     device: str = "cpu"
     groups: list[PlacementGroup]
     measured: dict[str, Any] = Field(default_factory=dict)
+    search: dict[str, Any] = Field(default_factory=dict)  # how the placement was searched (settings, counts)
 
 
 # -- graph pipeline parallel training (tessera plan --kind gpp) --------------------------------

@@ -84,16 +84,21 @@ def test_a_changed_model_is_refused_with_exit_2(chain_plan) -> None:
     assert "model changed" in res.err
 
 
-def test_placement_plans_cannot_be_launched_yet(tmp_path: Path, chain_plan) -> None:
+def test_placement_plans_run_their_composite_model(tmp_path: Path, chain_plan) -> None:
     graph, _ = chain_plan
+    half = len(graph.order) // 2
     plan = PlacementPlan(
         model=ModelRef.of(graph),
-        groups=[PlacementGroup(id=0, backend="onnxruntime", nodes=list(graph.order), pattern="*")],
+        groups=[
+            PlacementGroup(id=0, backend="onnxruntime", nodes=list(graph.order[:half]), pattern="*"),
+            PlacementGroup(id=1, backend="openvino", nodes=list(graph.order[half:]), pattern="*"),
+        ],
     )
     path = write_plan(plan, tmp_path / "placement.json")
-    res = run_cli("launch", str(path))
-    assert res.code == 2
-    assert "launching a 'placement' plan is not available yet" in res.err
+    res = run_cli("launch", str(path), "--repeat", "3", "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["kind"] == "placement"
 
 
 def test_bad_launch_options_are_input_errors(chain_plan) -> None:

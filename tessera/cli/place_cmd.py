@@ -1,0 +1,264 @@
+"""``tessera place MODEL``: place a model's operators on backends (Collage), write the plan, measure it.
+
+Also :func:`launch_placement`, what ``tessera launch placement.json`` runs for placement plans.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from tessera.cli.options import json_option, load_model_option, model_options, output_option
+from tessera.cli.render import console, emit_json, progress_bar
+from tessera.core.errors import InputError, LaunchError
+from tessera.core.graph import Graph
+from tessera.core.plans import PlacementPlan, check_plan_against_model, dump_plan, write_plan
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+@click.command()
+@model_options
+@click.option("--device", default="cpu", show_default=True, help="Device whose backends to place on.")
+@click.option(
+    "--backends",
+    "backend_list",
+    default=None,
+    metavar="A,B,…",
+    help="Backends to consider (default: every available backend of the device; see 'tessera backends').",
+)
+@click.option(
+    "--search",
+    type=click.Choice(["op", "graph"]),
+    default="op",
+    show_default=True,
+    help="op: the op-level DP (Collage Alg. 1); graph: then the graph-level evolutionary search (§4.3).",
+)
+@click.option(
+    "--budget",
+    "budget_s",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="Seconds the graph-level search may spend.",
+)
+@click.option(
+    "--cache",
+    "cache_path",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="Profile cache (SQLite; default ~/.cache/tessera/profiles.sqlite).",
+)
+@click.option(
+    "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of inputs and search."
+)
+@click.option(
+    "--max-states",
+    type=click.IntRange(min=1),
+    default=128,
+    show_default=True,
+    help="Explored prefixes kept per frontier in the DP.",
+)
+@click.option(
+    "--verify", is_flag=True, help="Check the placed model's outputs against onnxruntime (exit 4 if not)."
+)
+@output_option
+@json_option
+def place(
+    graph: Graph,
+    device: str,
+    backend_list: str | None,
+    search: str,
+    budget_s: float,
+    cache_path: str | None,
+    seed: int,
+    max_states: int,
+    verify: bool,
+    output: str | None,
+    as_json: bool,
+) -> None:
+    """Place MODEL's operators on the available backends, measured on this machine.
+
+    Writes the placement plan (-o) with every group's backend, operators, pattern and measured time,
+    the predicted latency, and — measured in the same run — the placed model's latency and every
+    available backend's latency on the whole model. Exit codes: 0 done, 2 bad model or options,
+    4 --verify found different outputs.
+    """
+    from tessera.backends.measure import Measurer
+    from tessera.backends.profile_cache import ProfileCache
+    from tessera.planners.placement import PlacementOptions, plan_placement
+
+    backends = tuple(b.strip() for b in backend_list.split(",") if b.strip()) if backend_list else None
+    if backend_list is not None and not backends:
+        raise InputError("--backends names no backend")
+    options = PlacementOptions(
+        device=device, backends=backends, search=search, budget_s=budget_s, seed=seed, max_states=max_states
+    )
+    measurer = Measurer(ProfileCache(cache_path) if cache_path else None, seed=seed)
+    start = time.perf_counter()
+    with progress_bar() as bar:
+        task = bar.add_task("profiling", total=None)
+        result = plan_placement(
+            graph,
+            options,
+            measurer=measurer,
+            progress=lambda backend: bar.update(task, advance=1, description=f"profiling {backend}"),
+        )
+    search_s = time.perf_counter() - start
+    plan = result.plan
+    verified = _verify(graph, plan, seed) if verify else None
+    if output:
+        write_plan(plan, output)
+    if as_json:
+        import json
+
+        emit_json(
+            {
+                "plan": json.loads(dump_plan(plan)),
+                "search_s": search_s,
+                "timings": result.report["timings"],
+                "verify": verified,
+                "output": output,
+            }
+        )
+    else:
+        _print_summary(plan, search_s, verified, output)
+    if verified is not None and not verified["ok"]:
+        raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {_worst(verified)}")
+
+
+def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
+    from tessera.executor.composite import CompositeModel, compare_outputs, random_feeds, reference_outputs
+
+    feeds = random_feeds(graph, seed)
+    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
+    return compare_outputs(model.run(feeds), reference_outputs(graph, feeds))
+
+
+def _worst(report: dict[str, Any]) -> str:
+    bad = [(k, v) for k, v in report["outputs"].items() if not v.get("ok")]
+    name, row = bad[0] if bad else next(iter(report["outputs"].items()))
+    return (
+        f"output {name!r} max abs diff {row.get('max_abs_diff', float('nan')):.3g} "
+        f"(rtol {report['rtol']}, atol {report['atol']})"
+    )
+
+
+def _print_summary(
+    plan: PlacementPlan, search_s: float, verified: dict[str, Any] | None, output: str | None
+) -> None:
+    from rich.table import Table
+
+    out = console()
+    m, s = plan.measured, plan.search
+    out.print(
+        f"placed {plan.model.path} ({plan.model.num_nodes} operators) on {', '.join(s['backends'])}: "
+        f"{len(plan.groups)} group(s), {s['kind']}-level search in {search_s:.1f} s "
+        f"({s['candidates']} candidates, {s['measured_candidates']} measured); chosen: {s['chosen']}"
+    )
+    table = Table(title="groups per backend")
+    for col in ("backend", "groups", "operators", "measured (sum)"):
+        table.add_column(col, justify="left" if col == "backend" else "right")
+    per: dict[str, list[Any]] = {}
+    for g in plan.groups:
+        row = per.setdefault(g.backend, [0, 0, 0.0])
+        row[0] += 1
+        row[1] += len(g.nodes)
+        row[2] += g.measured_time_s or 0.0
+    for backend, (groups, ops, t) in sorted(per.items()):
+        table.add_row(backend, str(groups), str(ops), _ms(t))
+    out.print(table)
+    singles = m["single_backend_latency_s"]
+    out.print(
+        f"predicted {_ms(plan.predicted['latency_s'])}; measured {_ms(m['latency_s'])} "
+        + " ".join(f"| {b} alone {_ms(t)}" for b, t in singles.items())
+    )
+    if m.get("best_single_backend"):
+        out.print(
+            f"speed-up over the best single backend ({m['best_single_backend']}): "
+            f"{m['speedup_over_best_single']:.2f}x"
+        )
+    if verified is not None:
+        out.print(
+            ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER: ") + f" ({_worst(verified)})"
+        )
+    if output:
+        out.print(f"wrote {output}")
+
+
+def launch_placement(
+    plan: PlacementPlan,
+    model_path: str,
+    plan_path: str,
+    *,
+    repeat: int,
+    data: str | None,
+    seed: int,
+    as_json: bool,
+) -> None:
+    """``tessera launch`` for a placement plan: build the composite model, check its outputs against
+    onnxruntime, time it (``repeat`` interleaved rounds) and report measured against predicted."""
+    from tessera.executor.composite import (
+        CompositeModel,
+        compare_outputs,
+        latencies,
+        load_feeds,
+        random_feeds,
+        reference_outputs,
+    )
+
+    shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
+    graph = load_model_option(model_path, shapes)
+    problems = check_plan_against_model(plan, graph)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputError(f"{problems[0]}{more}", source=plan_path)
+    feeds = load_feeds(graph, data) if data else random_feeds(graph, seed)
+    start = time.perf_counter()
+    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
+    build_s = time.perf_counter() - start
+    try:
+        outputs = model.run(feeds)
+    except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
+        raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
+    verified = compare_outputs(outputs, reference_outputs(graph, feeds))
+    latency = latencies({"placement": lambda: model.run(feeds)}, rounds=repeat)["placement"]
+    predicted = plan.predicted.get("latency_s")
+    report = {
+        "kind": "placement",
+        "plan": plan_path,
+        "groups": len(plan.groups),
+        "backends": model.backends,
+        "build_s": build_s,
+        "measured": {"latency_s": latency, "rounds": repeat},
+        "predicted": {"latency_s": predicted},
+        "planned_measurement": {"latency_s": plan.measured.get("latency_s")},
+        "ratio": {"latency": latency / predicted if predicted else None},
+        "verify": verified,
+        "data": data or f"random (seed {seed})",
+    }
+    if as_json:
+        emit_json(report)
+    else:
+        click.echo(
+            f"launched placement plan {plan_path}: {len(plan.groups)} group(s) on {', '.join(model.backends)}, "
+            f"built in {build_s:.2f} s; inputs {report['data']}"
+        )
+        click.echo(
+            f"latency: measured {_ms(latency)} (median of {repeat} rounds)"
+            + (
+                f", predicted {_ms(predicted)} (measured/predicted {latency / predicted:.2f}x)"
+                if predicted
+                else ""
+            )
+            + f", measured by place {_ms(plan.measured.get('latency_s'))}"
+        )
+        click.echo(
+            ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER") + f" ({_worst(verified)})"
+        )
+    if not verified["ok"]:
+        raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {_worst(verified)}")

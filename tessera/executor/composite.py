@@ -1,0 +1,266 @@
+"""The composite (placed) model: run a placement's groups, each on its own backend, as one model.
+
+Every group is cut out once (:meth:`~tessera.core.graph.Graph.extract`) and compiled once on its
+backend; :meth:`CompositeModel.run` executes the groups in a topological order of the group graph,
+handing tensors between them as numpy arrays. The hand-over copies nothing where the runtimes allow:
+onnxruntime and OpenVINO read C-contiguous inputs in place and their outputs are numpy arrays they
+(or we, for OpenVINO) allocated; TVM takes 64-byte-aligned arrays through DLPack and copies others
+once (see each backend's ``Runnable``). A tensor is dropped as soon as its last reader has run.
+
+:func:`latencies` times several runnables of the same inputs interleaved in rounds, so that every
+contender sees the same machine state (what ``place`` and ``bench/place.py`` compare).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import numpy as np
+
+from tessera.backends.base import Runnable
+from tessera.backends.registry import BackendRegistry, default_registry
+from tessera.core.errors import LaunchError
+from tessera.core.graph import Graph
+
+log = logging.getLogger(__name__)
+
+# Composite vs onnxruntime's full model, fp32: backends reorder reductions and fuse differently, and
+# differences grow through deep models; values are of order 1.
+VERIFY_RTOL, VERIFY_ATOL = 1e-3, 1e-4
+
+
+@dataclass(frozen=True)
+class Step:
+    """One group as executed: its backend, compiled runnable, tensors in and out."""
+
+    index: int
+    backend: str
+    nodes: frozenset[str]
+    runnable: Runnable
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    release: tuple[str, ...]  # tensors nobody reads after this step
+
+
+CompileCache = dict[tuple[str, frozenset[str]], Runnable]
+
+# onnxruntime's intra-op threads spin after each run by default; next to another runtime's threads
+# that spinning takes the cores the other runtime needs (measured: squeezenet in 11 alternating groups
+# runs 1.6x slower). In a placement with several backends onnxruntime groups are built without it.
+NO_SPIN = "/no-spin"
+
+
+def _ort_without_spinning(model: Any) -> Runnable:
+    import onnxruntime as ort
+
+    from tessera.backends.onnxruntime import OrtRunnable
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.log_severity_level = 3
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    session = ort.InferenceSession(
+        model.SerializeToString(deterministic=True), sess_options=options, providers=["CPUExecutionProvider"]
+    )
+    return OrtRunnable(session, ["CPUExecutionProvider"])
+
+
+def group_order(graph: Graph, groups: Sequence[Iterable[str]]) -> list[int]:
+    """Indices of ``groups`` in an executable order (stable); raises when the groups form a cycle."""
+    of: dict[str, int] = {}
+    for i, nodes in enumerate(groups):
+        for n in nodes:
+            of[n] = i
+    q = nx.DiGraph()
+    q.add_nodes_from(range(len(groups)))
+    for u, v in graph.dag.edges:
+        if of[u] != of[v]:
+            q.add_edge(of[u], of[v])
+    try:
+        return list(nx.lexicographical_topological_sort(q))
+    except nx.NetworkXUnfeasible:
+        raise LaunchError("the placement's groups depend on each other in a cycle") from None
+
+
+class CompositeModel:
+    """A placement compiled group by group (see the module docstring)."""
+
+    def __init__(
+        self,
+        graph: Graph,
+        groups: Sequence[tuple[str, Iterable[str]]],
+        *,
+        registry: BackendRegistry | None = None,
+        cache: CompileCache | None = None,
+    ) -> None:
+        self.graph = graph
+        registry = registry or default_registry()
+        members = [frozenset(nodes) for _, nodes in groups]
+        covered = [n for m in members for n in m]
+        if len(covered) != len(set(covered)) or set(covered) != set(graph.dag.nodes):
+            raise LaunchError("the placement does not cover every operator exactly once")
+        self.input_names = tuple(n for n in graph.inputs if n not in graph.initializers)
+        self.output_names = tuple(graph.outputs)
+        steps: list[Step] = []
+        order = group_order(graph, members)
+        last_reader: dict[str, int] = {}
+        boundaries = {}
+        for pos, i in enumerate(order):
+            ins, outs = graph.boundary(members[i])
+            boundaries[i] = (ins, outs)
+            for t in ins:
+                last_reader[t] = pos
+        mixed = len({b for b, _ in groups}) > 1
+        for pos, i in enumerate(order):
+            backend, nodes = groups[i][0], members[i]
+            quiet = mixed and backend == "onnxruntime"
+            key = (f"{backend}{NO_SPIN}" if quiet else backend, nodes)
+            runnable = cache.get(key) if cache is not None else None
+            if runnable is None:
+                try:
+                    sub = graph.extract(nodes)
+                    runnable = _ort_without_spinning(sub) if quiet else registry.backend(backend).compile(sub)
+                except Exception as exc:  # noqa: BLE001 - any runtime's failure is a launch failure
+                    raise LaunchError(
+                        f"group {i} ({len(nodes)} operators) does not build on {backend}: "
+                        f"{type(exc).__name__}: {exc}"
+                    ) from exc
+                if cache is not None:
+                    cache[key] = runnable
+            ins, outs = boundaries[i]
+            release = tuple(t for t in ins if last_reader.get(t) == pos and t not in self.output_names)
+            steps.append(Step(i, backend, nodes, runnable, tuple(ins), tuple(outs), release))
+        self.steps = steps
+
+    @property
+    def backends(self) -> list[str]:
+        return sorted({s.backend for s in self.steps})
+
+    def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """The model's outputs for ``feeds`` (one array per model input)."""
+        env: dict[str, Any] = {name: feeds[name] for name in self.input_names}
+        for step in self.steps:
+            results = step.runnable.run({t: env[t] for t in step.inputs})
+            for t in step.outputs:
+                env[t] = results[t]
+            for t in step.release:
+                env.pop(t, None)
+        return {name: env[name] for name in self.output_names}
+
+
+def reference_outputs(graph: Graph, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """onnxruntime's outputs of the full model (the reference ``--verify`` compares against)."""
+    from tessera.backends.onnxruntime import OnnxRuntimeBackend
+
+    runnable = OnnxRuntimeBackend().compile(graph.extract(graph.order))
+    return runnable.run(dict(feeds))
+
+
+def compare_outputs(
+    got: Mapping[str, np.ndarray],
+    want: Mapping[str, np.ndarray],
+    *,
+    rtol: float = VERIFY_RTOL,
+    atol: float = VERIFY_ATOL,
+) -> dict[str, Any]:
+    """Per-output max abs/rel difference and whether all outputs are within ``rtol``/``atol``."""
+    report: dict[str, Any] = {"rtol": rtol, "atol": atol, "ok": True, "outputs": {}}
+    for name, expected in want.items():
+        actual = np.asarray(got[name])
+        expected = np.asarray(expected)
+        if actual.shape != expected.shape:
+            report["outputs"][name] = {"shape": [list(actual.shape), list(expected.shape)], "ok": False}
+            report["ok"] = False
+            continue
+        diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+        ok = bool(np.allclose(actual, expected, rtol=rtol, atol=atol, equal_nan=True))
+        scale = np.maximum(np.abs(expected.astype(np.float64)), atol)
+        report["outputs"][name] = {
+            "max_abs_diff": float(diff.max()) if diff.size else 0.0,
+            "max_rel_diff": float((diff / scale).max()) if diff.size else 0.0,
+            "ok": ok,
+        }
+        report["ok"] = report["ok"] and ok
+    return report
+
+
+def latencies(
+    runs: Mapping[str, Callable[[], Any]], *, rounds: int = 7, min_round_s: float = 0.05, warmup: int = 3
+) -> dict[str, float]:
+    """Median seconds per call of each runnable, timed interleaved: ``rounds`` rounds, each timing every
+    contender for about ``min_round_s`` (whole calls). A contender that raises gets ``inf``."""
+    alive = dict(runs)
+    result: dict[str, float] = {}
+    number: dict[str, int] = {}
+    for name, run in list(alive.items()):
+        try:
+            for _ in range(warmup):
+                run()
+            start = time.perf_counter()
+            run()
+            first = time.perf_counter() - start
+        except Exception as exc:  # noqa: BLE001
+            log.warning("%s failed while timing: %s", name, exc)
+            result[name] = math.inf
+            alive.pop(name)
+            continue
+        number[name] = max(1, math.ceil(min_round_s / max(first, 1e-7)))
+    samples: dict[str, list[float]] = {name: [] for name in alive}
+    for _ in range(rounds):
+        for name, run in alive.items():
+            start = time.perf_counter()
+            for _ in range(number[name]):
+                run()
+            samples[name].append((time.perf_counter() - start) / number[name])
+    for name, values in samples.items():
+        result[name] = float(np.median(values))
+    return {name: result[name] for name in runs}
+
+
+def random_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs for the model: standard normal floats, zeros for integer (index) inputs."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for name, info in graph.inputs.items():
+        if name in graph.initializers:
+            continue
+        dtype = np.dtype(info.dtype)
+        shape = info.shape or ()
+        if np.issubdtype(dtype, np.floating):
+            feeds[name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_:
+            feeds[name] = np.ones(shape, dtype=dtype)
+        else:
+            feeds[name] = np.zeros(shape, dtype=dtype)
+    return feeds
+
+
+def load_feeds(graph: Graph, path: str) -> dict[str, np.ndarray]:
+    """Inputs from an ``.npz`` with one array per model input (checked against the model)."""
+    from tessera.core.errors import InputError
+
+    try:
+        with np.load(path) as data:
+            arrays = {k: data[k] for k in data.files}
+    except (OSError, ValueError) as exc:
+        raise InputError(f"cannot read inputs: {exc}", source=path) from None
+    feeds = {}
+    for name, info in graph.inputs.items():
+        if name in graph.initializers:
+            continue
+        if name not in arrays:
+            raise InputError(f"no array for model input {name!r}", source=path)
+        array = arrays[name]
+        if info.shape is not None and tuple(array.shape) != tuple(info.shape):
+            raise InputError(
+                f"input {name!r} has shape {list(array.shape)}, the model expects {list(info.shape)}",
+                source=path,
+            )
+        feeds[name] = array.astype(info.dtype, copy=False)
+    return feeds

@@ -1,0 +1,235 @@
+"""Collage's op-level placement optimizer: the dynamic program of Algorithm 1 (paper §4.2, thesis §2.4.2).
+
+Frontier nodes are visited in a priority order by depth (:func:`frontier_order`). The search state is
+an *explored prefix* ``s``: a down-closed set of operators already placed. At a state, the frontier
+``v_s`` is its first unplaced operator; every candidate ``g`` rooted there (its first operator in the
+order is ``v_s``, it overlaps nothing placed, and everything it reads is placed) extends the state
+to ``s ∪ g`` at Eq. 3's cost::
+
+    C_opt(s ∪ g) = min(C_opt(s ∪ g), C_opt(s) + M(P(g)) + ε)
+
+``M`` is the measured cost of ``g`` on its backend; ``ε`` (Eq. 2) is the measured context switch of
+every tensor ``g`` reads from a group on another backend, which depends on the tensor's size — and is
+zero between groups of one backend. A state is the prefix together
+with the backends of its *open* producers (placed operators with an unplaced reader) — all that ε of
+later groups depends on — so the recurrence is exact for size-dependent, backend-pair ε; every state
+keeps the best placement that reaches it, and the best full placement is read back along the path.
+
+Candidates may have several roots and outputs (a region between a seed and its post-dominator, a
+pattern with two consumers); a candidate is applicable only where its outside inputs are placed,
+so the groups of any result run in the order they were chosen and form a DAG. Coverage: every
+operator has a one-operator candidate (:mod:`tessera.placement.candidates` adds a fallback on
+onnxruntime where no backend has one), so every state can be completed.
+
+Pruning: Collage bounds the prefixes kept per frontier (``S < 200`` in the paper's workloads); here
+``max_states`` (default 128) keeps the cheapest prefixes of each frontier, which bounds the search at
+``O(N · max_states · P)`` for ``N`` operators and ``P`` candidates per frontier.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from tessera.core.graph import Graph
+from tessera.planners.placement.candidates import PlacementCandidate, owned_constants
+
+log = logging.getLogger(__name__)
+
+# Costs above this stand for "cannot run" (a failed build is measured as inf).
+UNUSABLE_S = 1e3
+
+
+@dataclass(frozen=True)
+class PlacedGroup:
+    """A group of the chosen placement with its measured cost ``M(P(g))`` and the ε charged before it."""
+
+    candidate: PlacementCandidate
+    cost_s: float
+    epsilon_s: float
+
+
+@dataclass
+class OpLevelResult:
+    """The DP's placement (groups in execution order) and its predicted latency (Eq. 3)."""
+
+    groups: list[PlacedGroup]
+    predicted_s: float
+    epsilon_s: float
+    states: int  # explored prefixes
+    candidates: int
+    notes: list[str] = field(default_factory=list)
+
+
+def frontier_order(graph: Graph) -> list[str]:
+    """Operators by depth (longest path from a graph input over non-constant operators), ties in model
+    order; each constant operator comes right before the first operator that reads it, the constants
+    an operator owns (:func:`owned_constants`) right before it. A topological order."""
+    owned = owned_constants(graph)
+    owner = {c: v for v, cs in owned.items() for c in cs}
+    index = {n: i for i, n in enumerate(graph.order)}
+    depth: dict[str, int] = {}
+    for n in graph.order:
+        preds = [p for p in graph.dag.predecessors(n) if p not in graph.constant_nodes]
+        depth[n] = 1 + max((depth[p] for p in preds), default=-1)
+    order: list[str] = []
+    done: set[str] = set()
+
+    def emit(node: str) -> None:
+        for c in sorted(owned.get(node, ()), key=index.__getitem__):
+            if c not in done:
+                done.add(c)
+                order.append(c)
+        done.add(node)
+        order.append(node)
+
+    import networkx as nx
+
+    for n in sorted(
+        (n for n in graph.order if n not in graph.constant_nodes), key=lambda n: (depth[n], index[n])
+    ):
+        ancestors = nx.ancestors(graph.dag, n)
+        shared = [a for a in ancestors if a in graph.constant_nodes and a not in owner and a not in done]
+        for c in sorted(shared, key=index.__getitem__):
+            emit(c)
+        emit(n)
+    for n in graph.order:
+        if n not in done and n not in owner:
+            emit(n)
+    return order
+
+
+@dataclass
+class _Cand:
+    candidate: PlacementCandidate
+    mask: int
+    outside_preds: int
+    inputs: tuple[tuple[str, int], ...]  # (producer, bytes) of activations read from outside
+    cost_s: float
+
+
+def op_level_placement(
+    graph: Graph,
+    candidates: Sequence[PlacementCandidate],
+    cost: Callable[[PlacementCandidate], float],
+    epsilon: Callable[[str, str, int], float],
+    *,
+    max_states: int = 128,
+) -> OpLevelResult:
+    """Algorithm 1 over ``candidates`` with measured ``cost`` and context-switch ``epsilon(src, dst, bytes)``.
+
+    Returns groups covering every operator exactly once, each convex, in an executable order.
+    ``cost`` is asked once per candidate, when its root becomes a frontier (measure lazily).
+    """
+    order = frontier_order(graph)
+    rank = {n: i for i, n in enumerate(order)}
+    full = (1 << len(order)) - 1
+    succ_mask = {n: _mask(rank, graph.dag.successors(n)) for n in order}
+
+    by_root: dict[int, list[PlacementCandidate]] = {}
+    for c in candidates:
+        by_root.setdefault(min(rank[n] for n in c.nodes), []).append(c)
+    prepared: dict[int, list[_Cand]] = {}
+
+    def prepare(root: int) -> list[_Cand]:
+        if root not in prepared:
+            out = []
+            for c in by_root.get(root, ()):
+                m = cost(c)
+                if not math.isfinite(m) or m >= UNUSABLE_S:
+                    if not c.via.startswith("fallback:"):
+                        continue
+                    m = UNUSABLE_S  # the only way to cover the node: keep it, at a prohibitive cost
+                out.append(_prepare(graph, c, rank, m))
+            prepared[root] = out
+        return prepared[root]
+
+    # A state is an explored prefix with the backends of its open producers (placed operators with an
+    # unplaced reader): ε of every later group depends on nothing else, so the recurrence is exact.
+    # state key -> (cost, ε so far, previous key, candidate, open producers -> backend)
+    Key = tuple[int, tuple[tuple[str, str], ...]]
+    start: Key = (0, ())
+    states: dict[Key, tuple[float, float, Key | None, _Cand | None, dict[str, str]]] = {
+        start: (0.0, 0.0, None, None, {})
+    }
+    buckets: dict[int, list[Key]] = {0: [start]}
+    best_full: Key | None = None
+    explored = 0
+    for frontier in range(len(order)):
+        keys = buckets.pop(frontier, None)
+        if not keys:
+            continue
+        keys.sort(key=lambda k: (states[k][0], k))
+        for dropped in keys[max_states:]:
+            states.pop(dropped, None)
+        for key in keys[:max_states]:
+            explored += 1
+            mask = key[0]
+            c_s, eps_s, _, _, open_ = states[key]
+            for cand in prepare(frontier):
+                if cand.mask & mask or cand.outside_preds & ~mask:
+                    continue
+                eps = 0.0
+                for producer, nbytes in cand.inputs:
+                    src = open_.get(producer)
+                    if src is not None and src != cand.candidate.backend:
+                        eps += min(epsilon(src, cand.candidate.backend, nbytes), UNUSABLE_S)
+                new_mask = mask | cand.mask
+                new_cost = c_s + cand.cost_s + eps
+                new_open = {n: b for n, b in open_.items() if succ_mask[n] & ~new_mask}
+                for n in cand.candidate.nodes:
+                    if succ_mask[n] & ~new_mask:
+                        new_open[n] = cand.candidate.backend
+                new_key: Key = (new_mask, tuple(sorted(new_open.items())))
+                old = states.get(new_key)
+                if old is not None and old[0] <= new_cost:
+                    continue
+                if old is None:
+                    if new_mask == full:
+                        best_full = new_key
+                    else:
+                        buckets.setdefault(_lowest_unset(new_mask), []).append(new_key)
+                states[new_key] = (new_cost, eps_s + eps, key, cand, new_open)
+    if best_full is None:  # pragma: no cover - every operator has a one-operator candidate
+        raise AssertionError("the placement DP found no complete placement")
+    groups: list[PlacedGroup] = []
+    total, eps_total = states[best_full][0], states[best_full][1]
+    walk: Key | None = best_full
+    while walk is not None and walk != start:
+        _, eps_here, prev, cand, _ = states[walk]
+        assert cand is not None and prev is not None
+        groups.append(PlacedGroup(cand.candidate, cand.cost_s, eps_here - states[prev][1]))
+        walk = prev
+    groups.reverse()
+    return OpLevelResult(groups, total, eps_total, explored, len(candidates))
+
+
+def _prepare(graph: Graph, c: PlacementCandidate, rank: dict[str, int], cost_s: float) -> _Cand:
+    members = c.nodes
+    outside = 0
+    inputs: dict[str, tuple[str, int]] = {}
+    for n in members:
+        for p in graph.dag.predecessors(n):
+            if p not in members:
+                outside |= 1 << rank[p]
+        for t in graph.op(n).inputs:
+            if not t or t in graph.initializers or t in inputs:
+                continue
+            producer = graph.producer.get(t)
+            if producer is not None and producer not in members:
+                info = graph.tensors.get(t)
+                inputs[t] = (producer, info.nbytes if info is not None else 0)
+    return _Cand(c, _mask(rank, members), outside, tuple(inputs[t] for t in sorted(inputs)), cost_s)
+
+
+def _mask(rank: dict[str, int], nodes: object) -> int:
+    m = 0
+    for n in nodes:  # type: ignore[attr-defined]
+        m |= 1 << rank[n]
+    return m
+
+
+def _lowest_unset(mask: int) -> int:
+    return (~mask & (mask + 1)).bit_length() - 1

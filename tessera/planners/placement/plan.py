@@ -1,0 +1,373 @@
+"""``plan_placement``: Collage's two-level backend placement for one model on this machine.
+
+Steps (named, each testable alone): candidates (:mod:`.candidates`) → measured costs and ε
+(:mod:`.costs`) → op-level DP (:mod:`.dp`, Algorithm 1) → optionally the graph-level evolutionary
+search (:mod:`.evolution`, §4.3) → end-to-end measurement of the chosen placement against every
+available backend running the whole model, in the same process, interleaved
+(:func:`tessera.executor.composite.latencies`).
+
+The last step also decides: a placement never ships slower than the best single backend. When one
+backend running the whole model is measured faster than the searched placement, the plan is that
+backend alone (``search.chosen`` says so) — the all-offload individual of §4.3, extended to every
+backend.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from tessera.backends.measure import Measurer, time_runs
+from tessera.backends.registry import BackendRegistry, default_registry
+from tessera.core.errors import InputError
+from tessera.core.graph import Graph
+from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan
+from tessera.executor.composite import (
+    VERIFY_ATOL,
+    VERIFY_RTOL,
+    CompileCache,
+    CompositeModel,
+    compare_outputs,
+    latencies,
+    random_feeds,
+    reference_outputs,
+)
+from tessera.planners.placement.candidates import PlacementCandidate, SupportTable, enumerate_candidates
+from tessera.planners.placement.costs import CandidateCosts, ContextSwitch
+from tessera.planners.placement.dp import op_level_placement
+from tessera.planners.placement.evolution import (
+    EvolutionOptions,
+    Group,
+    evolve,
+    graph_level_backend,
+    offload_groups,
+)
+
+log = logging.getLogger(__name__)
+
+MAX_REPAIRS = 5  # DP reruns after banning groups whose outputs are wrong
+
+
+@dataclass(frozen=True)
+class PlacementOptions:
+    device: str = "cpu"
+    backends: tuple[str, ...] | None = None  # None: every available backend of the device
+    search: str = "op"  # "op": the DP; "graph": the DP, then the evolutionary search
+    budget_s: float = 60.0  # time budget of the graph-level search
+    seed: int = 0
+    max_states: int = 128
+    screen_ratio: float | None = 4.0
+    max_group_ops: int = 16  # op-level candidates: kernels and small fused groups (larger: graph level)
+    rounds: int = 7  # interleaved timing rounds of the final comparison
+    evolution: EvolutionOptions = field(default_factory=EvolutionOptions)
+
+
+@dataclass
+class PlacementResult:
+    plan: PlacementPlan
+    groups: list[Group]
+    latency_s: dict[str, float]  # "placement" and every single backend
+    report: dict[str, Any]
+
+
+def resolve_backends(registry: BackendRegistry, device: str, wanted: Sequence[str] | None) -> list[str]:
+    """The backends to place on: ``wanted`` (each must exist and be available) or every available
+    backend whose device is ``device``. Raises :class:`InputError` naming what is missing."""
+    if wanted:
+        out = []
+        for name in wanted:
+            backend = registry.backend(name)  # unknown name: InputError listing the registered ones
+            ok, reason = backend.available()
+            if not ok:
+                raise InputError(f"backend {name!r} is unavailable: {reason}")
+            out.append(name)
+        return list(dict.fromkeys(out))
+    out, why = [], []
+    for entry in registry.entries():
+        if entry.factory is None:
+            continue
+        backend = entry.backend()
+        ok, reason = backend.available()
+        if ok and backend.device.split(":")[0].strip() == device:
+            out.append(entry.name)
+        elif not ok:
+            why.append(f"{entry.name}: {reason}")
+    if not out:
+        raise InputError(
+            f"no backend is available on device {device!r} ({'; '.join(why) or 'none registered'})"
+        )
+    return out
+
+
+def plan_placement(
+    graph: Graph,
+    options: PlacementOptions = PlacementOptions(),
+    *,
+    registry: BackendRegistry | None = None,
+    measurer: Measurer | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> PlacementResult:
+    """Place ``graph``'s operators on backends (Collage paper §4, thesis §2.4); see the module docstring."""
+    registry = registry or default_registry()
+    measurer = measurer or Measurer(seed=options.seed)
+    if options.search not in ("op", "graph"):
+        raise InputError(f"search must be 'op' or 'graph', not {options.search!r}")
+    backends = resolve_backends(registry, options.device, options.backends)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    support = SupportTable(registry)
+    candidates = enumerate_candidates(
+        graph, registry, backends, support=support, max_group_ops=options.max_group_ops
+    )
+    timings["candidates_s"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    costs = CandidateCosts(graph, registry, measurer, screen_ratio=options.screen_ratio, progress=progress)
+    costs.screen(candidates)
+    epsilon = ContextSwitch(registry, measurer)
+    feeds = random_feeds(graph, options.seed)
+    reference = reference_outputs(graph, feeds)
+    compiled: CompileCache = {}
+    # Backends are trusted by the DP, not by the plan: a group whose outputs differ from onnxruntime's
+    # on the same inputs is banned and the DP runs again (costs are cached, so this is cheap).
+    banned: set[tuple[str, frozenset[str]]] = set()
+
+    def cost(c: PlacementCandidate) -> float:
+        return math.inf if (c.backend, c.nodes) in banned else costs(c)
+
+    for _ in range(MAX_REPAIRS):
+        op_level = op_level_placement(graph, candidates, cost, epsilon, max_states=options.max_states)
+        op_groups: list[Group] = [
+            (g.candidate.backend, g.candidate.nodes, g.candidate.via) for g in op_level.groups
+        ]
+        wrong = wrong_groups(graph, op_groups, feeds, registry, compiled)
+        if not wrong:
+            break
+        for b, nodes in wrong:
+            log.warning(
+                "%s computes a %d-operator group differently from onnxruntime; not placing it there",
+                b,
+                len(nodes),
+            )
+        banned.update(wrong)
+    timings["op_level_s"] = time.perf_counter() - t0
+
+    chosen_groups, chosen = op_groups, "op-level"
+    search_info: dict[str, Any] = {}
+    if options.search == "graph":
+        t0 = time.perf_counter()
+        chosen_groups, search_info = _graph_level(
+            graph, op_groups, backends, support, feeds, compiled, registry, options, reference
+        )
+        if chosen_groups is not op_groups:
+            chosen = "graph-level"
+        timings["graph_level_s"] = time.perf_counter() - t0
+
+    # Measured in one run: the placement and every backend on the whole model, interleaved.
+    t0 = time.perf_counter()
+    runs: dict[str, Callable[[], Any]] = {}
+    composite = CompositeModel(
+        graph, [(b, n) for b, n, _ in chosen_groups], registry=registry, cache=compiled
+    )
+    runs["placement"] = lambda: composite.run(feeds)
+    whole = frozenset(graph.order)
+    wrong_whole: list[str] = []
+    for b in backends:
+        try:
+            single = CompositeModel(graph, [(b, whole)], registry=registry, cache=compiled)
+            correct = compare_outputs(single.run(feeds), reference)["ok"]
+        except Exception as exc:  # noqa: BLE001 - a backend that cannot run the whole model
+            log.info("%s does not run the whole model: %s", b, exc)
+            continue
+        if not correct:
+            wrong_whole.append(b)
+            log.warning("%s computes the whole model differently from onnxruntime; not a contender", b)
+        runs[b] = lambda s=single: s.run(feeds)
+    measured = latencies(runs, rounds=options.rounds)
+    timings["measure_s"] = time.perf_counter() - t0
+    singles = {b: measured[b] for b in backends if b in measured and math.isfinite(measured[b])}
+    contenders = {b: t for b, t in singles.items() if b not in wrong_whole}
+    best_single = min(contenders, key=lambda b: (contenders[b], b)) if contenders else None
+    latency = measured["placement"]
+    if best_single is not None and singles[best_single] < latency:
+        chosen_groups = [(best_single, whole, "whole model")]
+        chosen = f"single backend: {best_single}"
+        latency = singles[best_single]
+
+    groups = []
+    predicted_total = 0.0
+    index = {n: i for i, n in enumerate(graph.order)}
+    for i, (b, nodes, via) in enumerate(chosen_groups):
+        cost = (
+            singles.get(b)
+            if len(chosen_groups) == 1
+            else costs.measurement(PlacementCandidate(b, nodes, via)).median_s
+        )
+        predicted_total += cost if cost is not None and math.isfinite(cost) else 0.0
+        groups.append(
+            PlacementGroup(
+                id=i,
+                backend=b,
+                nodes=sorted(nodes, key=index.__getitem__),
+                pattern=via,
+                measured_time_s=cost if cost is not None and math.isfinite(cost) else None,
+            )
+        )
+    eps_total = _epsilon_of(graph, chosen_groups, epsilon)
+    predicted = {
+        "latency_s": predicted_total + eps_total,
+        "context_switch_s": eps_total,
+        "op_level_latency_s": op_level.predicted_s,
+        "model": "Collage Eq. 2-3: sum of measured group costs + measured context switches",
+    }
+    measured_doc = {
+        "latency_s": latency,
+        "searched_placement_latency_s": measured["placement"],
+        "single_backend_latency_s": {b: singles.get(b) for b in backends},
+        "best_single_backend": best_single,
+        "wrong_outputs": sorted(wrong_whole),
+        "speedup_over_best_single": (singles[best_single] / latency) if best_single else None,
+        "timing": f"median of {options.rounds} interleaved rounds in one process",
+    }
+    search_doc: dict[str, Any] = {
+        "kind": options.search,
+        "backends": backends,
+        "chosen": chosen,
+        "seed": options.seed,
+        "max_states": options.max_states,
+        "screen_ratio": options.screen_ratio,
+        "candidates": len(candidates),
+        "measured_candidates": len(costs.measured),
+        "screened_candidates": costs.screened,
+        "dp_states": op_level.states,
+        "max_group_ops": options.max_group_ops,
+        "banned_groups": len(banned),
+        "context_switch": epsilon.table(),
+        **search_info,
+    }
+    plan = PlacementPlan(
+        model=ModelRef.of(graph),
+        device=options.device,
+        groups=groups,
+        predicted=predicted,
+        measured=measured_doc,
+        search=search_doc,
+    )
+    report = {"timings": timings, "op_level_groups": len(op_groups)}
+    return PlacementResult(plan, chosen_groups, measured, report)
+
+
+def _epsilon_of(graph: Graph, groups: Sequence[Group], epsilon: ContextSwitch) -> float:
+    """ε of a placement: every tensor read by a group on another backend than its producer's."""
+    backend_of = {n: b for b, nodes, _ in groups for n in nodes}
+    group_of = {n: i for i, (_, nodes, _) in enumerate(groups) for n in nodes}
+    total = 0.0
+    for tensor, readers in graph.consumers.items():
+        producer = graph.producer.get(tensor)
+        if producer is None:
+            continue
+        info = graph.tensors.get(tensor)
+        seen: set[int] = set()
+        for r in readers:
+            g = group_of[r]
+            if g == group_of[producer] or g in seen:
+                continue
+            seen.add(g)
+            if backend_of[r] != backend_of[producer]:
+                total += epsilon(backend_of[producer], backend_of[r], info.nbytes if info else 0)
+    return total
+
+
+def _graph_level(
+    graph: Graph,
+    op_groups: list[Group],
+    backends: Sequence[str],
+    support: SupportTable,
+    feeds: dict[str, Any],
+    compiled: CompileCache,
+    registry: BackendRegistry,
+    options: PlacementOptions,
+    reference: dict[str, Any],
+) -> tuple[list[Group], dict[str, Any]]:
+    gb = graph_level_backend(backends)
+    if gb is None:
+        log.warning(
+            "--search graph: no graph-level backend among %s; keeping the op-level placement", backends
+        )
+        return op_groups, {"graph_level_backend": None}
+    on_gb = {n for b, nodes, _ in op_groups if b == gb for n in nodes}
+    bits_for = [
+        n
+        for n in graph.order
+        if n not in on_gb and n not in graph.constant_nodes and support.supports(gb, graph, n)
+    ]
+    placements: dict[tuple[int, ...], list[Group]] = {}
+
+    def fitness(bits: tuple[int, ...]) -> float:
+        groups = offload_groups(
+            graph, op_groups, gb, [n for n, bit in zip(bits_for, bits, strict=True) if bit]
+        )
+        placements[bits] = groups
+        try:
+            model = CompositeModel(graph, [(b, n) for b, n, _ in groups], registry=registry, cache=compiled)
+            if not compare_outputs(model.run(feeds), reference)["ok"]:
+                return math.inf  # a placement with wrong outputs is unfit
+            return time_runs(lambda: model.run(feeds), warmup=2, repeat=7).median_s
+        except Exception as exc:  # noqa: BLE001 - an individual that does not build is unfit
+            log.info("individual does not run: %s", exc)
+            return math.inf
+
+    evo = EvolutionOptions(
+        **{**options.evolution.__dict__, "seed": options.seed, "budget_s": options.budget_s}
+    )
+    n = len(bits_for)
+    result = evolve(n, fitness, [(0,) * n, (1,) * n], evo)
+    info = {
+        "graph_level_backend": gb,
+        "offloadable_operators": n,
+        "evolution": {
+            "generations": result.generations,
+            "evaluations": result.evaluations,
+            "stopped": result.stopped,
+            "population": evo.population,
+            "budget_s": evo.budget_s,
+        },
+    }
+    if result.best == (0,) * n or not math.isfinite(result.best_fitness):
+        return op_groups, info
+    return placements[result.best], info
+
+
+def wrong_groups(
+    graph: Graph,
+    groups: Sequence[Group],
+    feeds: dict[str, Any],
+    registry: BackendRegistry,
+    compiled: CompileCache,
+) -> list[tuple[str, frozenset[str]]]:
+    """Groups (not on onnxruntime) whose outputs differ from onnxruntime's on the same group inputs,
+    running the placement once on ``feeds``."""
+    import numpy as np
+
+    model = CompositeModel(graph, [(b, n) for b, n, _ in groups], registry=registry, cache=compiled)
+    env: dict[str, Any] = dict(feeds)
+    wrong = []
+    for step in model.steps:
+        ins = {t: env[t] for t in step.inputs}
+        out = step.runnable.run(ins)
+        if step.backend != "onnxruntime":
+            key = ("onnxruntime", step.nodes)
+            if key not in compiled:
+                compiled[key] = registry.backend("onnxruntime").compile(graph.extract(step.nodes))
+            want = compiled[key].run(ins)
+            if not all(
+                np.allclose(out[t], want[t], rtol=VERIFY_RTOL, atol=VERIFY_ATOL, equal_nan=True)
+                for t in step.outputs
+            ):
+                wrong.append((step.backend, step.nodes))
+        env.update({t: out[t] for t in step.outputs})
+    return wrong
