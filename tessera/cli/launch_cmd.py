@@ -9,39 +9,40 @@ A worker that fails stops the launch with exit 4 and the failing rank named.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import click
 
-from tessera.cli.options import json_option, load_model_option
+from tessera.cli.options import json_option, load_model_option, plan_model_option, plan_model_path
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, check_plan_against_model, load_plan
 from tessera.executor.launcher import LaunchOptions
 
+# Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
+_KIND_OPTIONS: dict[str, frozenset[str]] = {
+    "gpp": frozenset({"steps", "lr", "data", "distributed"}),
+    "spp": frozenset({"steps", "lr", "data", "distributed"}),
+    "cp": frozenset({"new_tokens", "prompt_lens", "attention", "distributed"}),
+    "placement": frozenset({"repeat", "data"}),
+}
+_DISTRIBUTED = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "timeout_s")
 
-def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
-    """--model, else the plan's path as recorded (relative to the working directory or the plan)."""
-    if given:
-        candidates = [Path(given)]
-    else:
-        candidates = [Path(recorded), Path(plan_path).parent / recorded]
-    for c in candidates:
-        if c.is_file():
-            return str(c)
-    raise InputError(
-        f"the model {str(candidates[0])!r} the plan names does not exist (give --model)", source=plan_path
-    )
+
+def _refuse_options_of_other_kinds(kind: str) -> None:
+    ctx = click.get_current_context()
+    allowed = _KIND_OPTIONS.get(kind, frozenset())
+    specific = set().union(*_KIND_OPTIONS.values()) - {"distributed"}
+    names = sorted(specific - allowed) + ([] if "distributed" in allowed else list(_DISTRIBUTED))
+    for name in names:
+        if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
+            flag = "--" + name.removesuffix("_s").replace("_", "-")
+            raise click.UsageError(f"{flag} does not apply to a {kind} plan")
 
 
 @click.command()
 @click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False, path_type=str))
-@click.option(
-    "--model",
-    type=click.Path(dir_okay=False, path_type=str),
-    help="The model (default: the path in the plan).",
-)
+@plan_model_option
 @click.option(
     "--nproc-per-node",
     type=click.IntRange(min=1),
@@ -80,7 +81,6 @@ def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
     show_default=True,
     help="Seconds a worker may wait on a peer before the launch is stopped (a step stuck elsewhere: 1.5x).",
 )
-# -- cp plans (tessera.executor.cp) --
 @click.option(
     "--new-tokens",
     type=click.IntRange(min=2),
@@ -102,8 +102,6 @@ def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
     show_default=True,
     help="[cp] Shard attention kernel (triton: CUDA, or CPU with TRITON_INTERPRET=1; slow).",
 )
-# -- end cp --
-# -- placement plans (tessera.cli.place_cmd.launch_placement) --
 @click.option(
     "--repeat",
     type=click.IntRange(min=1),
@@ -111,7 +109,6 @@ def _model_path(plan_path: str, recorded: str, given: str | None) -> str:
     show_default=True,
     help="[placement] Timing rounds of the placed model (median reported).",
 )
-# -- end placement --
 @json_option
 def launch(
     plan_path: str,
@@ -141,7 +138,7 @@ def launch(
     Exit codes: 0 done, 2 bad plan/model/data, 4 a worker failed (the rank and reason are printed).
     """
     plan = load_plan(plan_path)
-    # -- cp plans (tessera.executor.cp) --
+    _refuse_options_of_other_kinds(plan.kind)
     if plan.kind == "cp":
         assert isinstance(plan, CpPlan)
         launch_options = LaunchOptions(
@@ -154,23 +151,20 @@ def launch(
         )
         _launch_cp(plan, plan_path, model, new_tokens, prompt_lens, attention, seed, launch_options, as_json)
         return
-    # -- end cp --
-    # -- placement plans (tessera.cli.place_cmd.launch_placement) --
     if plan.kind == "placement":
         from tessera.cli.place_cmd import launch_placement
 
         assert isinstance(plan, PlacementPlan)
-        model_path = _model_path(plan_path, plan.model.path, model)
+        model_path = plan_model_path(plan_path, plan.model.path, model)
         launch_placement(plan, model_path, plan_path, repeat=repeat, data=data, seed=seed, as_json=as_json)
         return
-    # -- end placement --
     if plan.kind not in ("gpp", "spp"):
         raise InputError(
             f"launching a {plan.kind!r} plan is not available yet (tessera launch runs gpp, spp and cp plans)",
             source=plan_path,
         )
     assert isinstance(plan, GppPlan) and plan.model is not None
-    model_path = _model_path(plan_path, plan.model.path, model)
+    model_path = plan_model_path(plan_path, plan.model.path, model)
     shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
     graph = load_model_option(model_path, shapes)
     problems = check_plan_against_model(plan, graph)
@@ -245,9 +239,6 @@ def _summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# -- cp plans (tessera.executor.cp) ------------------------------------------------------------------
-
-
 def _launch_cp(
     plan: CpPlan,
     plan_path: str,
@@ -265,7 +256,7 @@ def _launch_cp(
 
     model_path = None
     if plan.model is not None:
-        model_path = _model_path(plan_path, plan.model.path, model)
+        model_path = plan_model_path(plan_path, plan.model.path, model)
         shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
         problems = check_plan_against_model(plan, load_model_option(model_path, shapes))
         if problems:

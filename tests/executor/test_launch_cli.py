@@ -157,3 +157,11 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return ""
+
+
+def test_options_of_another_plan_kind_are_refused_not_ignored(chain_plan) -> None:
+    _, plan_path = chain_plan
+    for args in (["--new-tokens", "4"], ["--repeat", "3"], ["--attention", "triton"]):
+        res = run_cli("launch", str(plan_path), *args)
+        assert res.code == 2, (args, res.err)
+        assert f"{args[0]} does not apply to a" in res.err
