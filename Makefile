@@ -16,10 +16,11 @@ $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 
-# Demo install: tessera with torch (the CPU build when there is no NVIDIA GPU) for `launch`.
+# Demo install: tessera with OpenVINO (a second backend for `place`) and torch (the CPU build when
+# there is no NVIDIA GPU) for `launch`.
 $(VENV)/.core: pyproject.toml | $(VENV)/bin/activate
 	@if ! command -v nvidia-smi >/dev/null 2>&1; then $(PIP) install -q $(TORCH_CPU); fi
-	$(PIP) install -q -e ".[launch,viz]"
+	$(PIP) install -q -e ".[openvino,launch,viz]"
 	touch $@
 
 $(VENV)/.test: pyproject.toml | $(VENV)/bin/activate
@@ -34,6 +35,9 @@ demo: $(VENV)/.core
 	@mkdir -p $(DEMO_DIR)
 	$(VENV)/bin/tessera zoo build mmt --size tiny -o $(DEMO_DIR)/mmt.onnx
 	$(VENV)/bin/tessera inspect $(DEMO_DIR)/mmt.onnx
+	$(VENV)/bin/tessera zoo build resnext --size tiny -o $(DEMO_DIR)/resnext.onnx
+	$(VENV)/bin/tessera place $(DEMO_DIR)/resnext.onnx --backends onnxruntime,openvino --cache $(DEMO_DIR)/profiles.sqlite \
+		--verify -o $(DEMO_DIR)/resnext.place.json
 	$(VENV)/bin/tessera zoo build candle_uno --size paper -o $(DEMO_DIR)/candle_uno.onnx
 	$(VENV)/bin/tessera inspect $(DEMO_DIR)/candle_uno.onnx --top 5
 	$(VENV)/bin/tessera plan $(DEMO_DIR)/candle_uno.onnx --kind gpp --cluster graphpipe-v100 --mini-batch 512 \
