@@ -13,10 +13,10 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import json_option, load_model_option, plan_model_option, plan_model_path
+from tessera.cli.options import check_plan_llm_config, json_option, load_plan_model, plan_model_option
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
-from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, check_plan_against_model, load_plan
+from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, load_plan
 from tessera.executor.launcher import LaunchOptions
 
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
@@ -155,8 +155,8 @@ def launch(
         from tessera.cli.place_cmd import launch_placement
 
         assert isinstance(plan, PlacementPlan)
-        model_path = plan_model_path(plan_path, plan.model.path, model)
-        launch_placement(plan, model_path, plan_path, repeat=repeat, data=data, seed=seed, as_json=as_json)
+        graph = load_plan_model(plan, plan_path, model)
+        launch_placement(plan, graph, plan_path, repeat=repeat, data=data, seed=seed, as_json=as_json)
         return
     if plan.kind not in ("gpp", "spp"):
         raise InputError(
@@ -164,13 +164,8 @@ def launch(
             source=plan_path,
         )
     assert isinstance(plan, GppPlan) and plan.model is not None
-    model_path = plan_model_path(plan_path, plan.model.path, model)
-    shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
-    graph = load_model_option(model_path, shapes)
-    problems = check_plan_against_model(plan, graph)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise InputError(f"{problems[0]}{more}", source=plan_path)
+    graph = load_plan_model(plan, plan_path, model)
+    model_path = graph.source
 
     from tessera.executor.gpp import TrainOptions, run_gpp_plan
 
@@ -256,25 +251,9 @@ def _launch_cp(
 
     model_path = None
     if plan.model is not None:
-        model_path = plan_model_path(plan_path, plan.model.path, model)
-        shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
-        problems = check_plan_against_model(plan, load_model_option(model_path, shapes))
-        if problems:
-            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-            raise InputError(f"{problems[0]}{more}", source=plan_path)
+        model_path = load_plan_model(plan, plan_path, model).source
     elif plan.llm_config is not None:
-        from tessera.planners.cp.llm import load_llm_config
-
-        try:
-            _, source = load_llm_config(plan.llm_config.path)
-        except InputError:
-            source = None  # the plan carries the config's shape (plan.llm); the file is not needed
-        if source is not None and source.sha256 != plan.llm_config.sha256:
-            raise InputError(
-                f"LLM config changed: the plan was made for sha256 {plan.llm_config.sha256[:12]}…, "
-                f"{plan.llm_config.path} is {source.sha256[:12]}…",
-                source=plan_path,
-            )
+        check_plan_llm_config(plan, plan_path, must_exist=False)
     lens = None
     if prompt_lens:
         try:

@@ -59,6 +59,42 @@ def plan_model_path(plan_path: str, recorded: str, given: str | None) -> str:
     )
 
 
+def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
+    """Load the model a plan names (with the input shapes it was planned at) and check the plan
+    against it: sha256, node names, coverage and the planner's constraints. InputError otherwise."""
+    from tessera.core.plans import check_plan_against_model
+
+    model_path = plan_model_path(plan_path, plan.model.path, given)
+    shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
+    graph = load_model_option(model_path, shapes)
+    problems = check_plan_against_model(plan, graph)
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise InputError(f"{problems[0]}{more}", source=plan_path)
+    return graph
+
+
+def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> None:
+    """A cp plan made from ``--llm``: its config must be unchanged (sha256). When the file cannot be
+    read, that is an error only if ``must_exist`` (the plan itself carries the config's shape)."""
+    from tessera.planners.cp.llm import load_llm_config
+
+    ref = plan.llm_config
+    try:
+        _, source = load_llm_config(ref.path)
+    except InputError as exc:
+        if not must_exist:
+            return
+        raise InputError(
+            f"the LLM config the plan names is unusable: {exc.one_line()}", source=plan_path
+        ) from None
+    if source.sha256 != ref.sha256:
+        raise InputError(
+            f"LLM config changed: the plan was made for sha256 {ref.sha256[:12]}…, {ref.path} is {source.sha256[:12]}…",
+            source=plan_path,
+        )
+
+
 def json_option(f: F) -> F:
     return click.option(
         "--json", "as_json", is_flag=True, help="Machine-readable JSON on stdout (logs go to stderr)."

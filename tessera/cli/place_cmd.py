@@ -10,11 +10,11 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import json_option, load_model_option, model_options, output_option
+from tessera.cli.options import json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, progress_bar
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
-from tessera.core.plans import PlacementPlan, check_plan_against_model, dump_plan, write_plan
+from tessera.core.plans import PlacementPlan, dump_plan, write_plan
 
 
 def _ms(seconds: float | None) -> str:
@@ -192,7 +192,7 @@ def _print_summary(
 
 def launch_placement(
     plan: PlacementPlan,
-    model_path: str,
+    graph: Graph,
     plan_path: str,
     *,
     repeat: int,
@@ -211,12 +211,6 @@ def launch_placement(
         reference_outputs,
     )
 
-    shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
-    graph = load_model_option(model_path, shapes)
-    problems = check_plan_against_model(plan, graph)
-    if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise InputError(f"{problems[0]}{more}", source=plan_path)
     feeds = load_feeds(graph, data) if data else random_feeds(graph, seed)
     start = time.perf_counter()
     model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])

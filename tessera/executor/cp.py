@@ -69,7 +69,7 @@ from torch import Tensor
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.plans import CpPlan
 from tessera.executor.gpp import WATCHDOG_FACTOR, _memory_status, _test_fault, _Watchdog
-from tessera.executor.launcher import LaunchOptions, launch_workers
+from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers
 
 __all__ = [
     "CpRun",
@@ -906,16 +906,6 @@ class CpRun:
         }
 
 
-def choose_backend(plan: CpPlan) -> str:
-    """NCCL when the plan's devices are GPUs and this machine has CUDA; gloo (CPU) otherwise."""
-    kinds = set()
-    if plan.cluster:
-        types = plan.cluster.get("device_types", {})
-        by_id = {d["id"]: d.get("type") for d in plan.cluster.get("devices", [])}
-        kinds = {types.get(by_id.get(dev), {}).get("kind") for dev in _devices(plan)}
-    return "nccl" if kinds == {"gpu"} and torch.cuda.is_available() else "gloo"
-
-
 def _devices(plan: CpPlan) -> list[str]:
     devices = list(plan.workload.get("devices") or [s.device for s in plan.kv_shards])
     if not devices:
@@ -991,7 +981,7 @@ def run_cp_plan(
             f"the longest request needs {longest} positions (prompt {max(prompt_lens)} + "
             f"{options.new_tokens - 1} decode steps) but the model's position table has {max_positions}"
         )
-    backend = choose_backend(plan)
+    backend = choose_backend(plan.cluster, _devices(plan))
     devices = _devices(plan)
     block = int((plan.predicted.get("cost_model") or {}).get("kv_block", DEFAULT_KV_BLOCK))
     shards = [(s.start, s.stop) for s in plan.kv_shards]

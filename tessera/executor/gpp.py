@@ -62,7 +62,7 @@ from torch import Tensor
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import GppPlan
-from tessera.executor.launcher import LaunchOptions, launch_workers
+from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers
 from tessera.executor.torch_module import OnnxModule, to_torch
 
 # Test-only fault injection: "RANK:STEP:KIND" makes that rank fail at the start of that step
@@ -847,16 +847,6 @@ class GppRun:
         }
 
 
-def choose_backend(plan: GppPlan) -> str:
-    """NCCL when the plan's devices are GPUs and this machine has CUDA; gloo (CPU) otherwise."""
-    kinds = set()
-    if plan.cluster:
-        types = plan.cluster.get("device_types", {})
-        by_id = {d["id"]: d.get("type") for d in plan.cluster.get("devices", [])}
-        kinds = {types.get(by_id.get(dev), {}).get("kind") for st in plan.stages for dev in st.devices}
-    return "nccl" if kinds == {"gpu"} and torch.cuda.is_available() else "gloo"
-
-
 def run_gpp_plan(
     plan: GppPlan,
     graph: Graph,
@@ -875,7 +865,7 @@ def run_gpp_plan(
     if options.data is not None:
         _load_npz(options.data, graph, plan.mini_batch_size)  # refuse bad data before starting workers
     routing = build_routing(plan, graph, tensor_layouts(graph, model_path))
-    backend = choose_backend(plan)
+    backend = choose_backend(plan.cluster, [d for st in plan.stages for d in st.devices])
     spec = WorkerSpec(
         plan=plan.model_dump(mode="json"),
         model_path=str(Path(model_path).resolve()),

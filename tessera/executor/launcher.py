@@ -23,7 +23,7 @@ import os
 import re
 import socket
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -183,3 +183,16 @@ def _quiet_agent() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, old, strict=True):
             lg.setLevel(level)
+
+
+def choose_backend(cluster: dict[str, Any] | None, device_ids: Iterable[str]) -> str:
+    """The process-group backend for a plan's devices: NCCL when they are all GPUs and this machine
+    has CUDA, gloo (CPU) otherwise. ``cluster`` is the plan's resolved cluster spec."""
+    import torch
+
+    kinds = set()
+    if cluster:
+        types = cluster.get("device_types", {})
+        by_id = {d["id"]: d.get("type") for d in cluster.get("devices", [])}
+        kinds = {types.get(by_id.get(dev), {}).get("kind") for dev in device_ids}
+    return "nccl" if kinds == {"gpu"} and torch.cuda.is_available() else "gloo"
