@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -54,9 +55,14 @@ CompileCache = dict[tuple[str, frozenset[str]], Runnable]
 # that spinning takes the cores the other runtime needs (measured: squeezenet in 11 alternating groups
 # runs 1.6x slower). In a placement with several backends onnxruntime groups are built without it.
 NO_SPIN = "/no-spin"
+# A small group runs on one thread: waking a thread pool costs more than such a group's work (measured:
+# tiny mmt in 56 groups, 2.8 ms with pooled sessions, 0.9 ms with one thread each). Small = the tensors
+# the group writes hold at most this many bytes.
+SMALL_GROUP_BYTES = 256 * 1024
+ONE_THREAD = "/1-thread"
 
 
-def _ort_without_spinning(model: Any) -> Runnable:
+def _ort_without_spinning(model: Any, *, threads: int = 0) -> Runnable:
     import onnxruntime as ort
 
     from tessera.backends.onnxruntime import OrtRunnable
@@ -65,10 +71,67 @@ def _ort_without_spinning(model: Any) -> Runnable:
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
     options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    if threads:
+        options.intra_op_num_threads = threads
     session = ort.InferenceSession(
         model.SerializeToString(deterministic=True), sess_options=options, providers=["CPUExecutionProvider"]
     )
     return OrtRunnable(session, ["CPUExecutionProvider"])
+
+
+def model_written_bytes(model: Any) -> int:
+    """:func:`written_bytes` of an extracted sub-model (its outputs and internal tensors)."""
+    from onnx.helper import tensor_dtype_to_np_dtype
+
+    total = 0
+    for vi in [*model.graph.value_info, *model.graph.output]:
+        t = vi.type.tensor_type
+        n = math.prod(d.dim_value if d.dim_value > 0 else 1 for d in t.shape.dim)
+        total += n * (tensor_dtype_to_np_dtype(t.elem_type).itemsize if t.elem_type else 4)
+    return total
+
+
+class ComposedOnnxRuntime:
+    """onnxruntime as a placement with several backends builds it (:func:`composite_variant`), for
+    measuring candidates the way the composite model will run them."""
+
+    def __init__(self, base: Any) -> None:
+        self.base = base
+        self.name = base.name + "+composite"
+        self.version = base.version
+        self.device = base.device
+
+    def compile(self, model: Any) -> Runnable:
+        small = model_written_bytes(model) <= SMALL_GROUP_BYTES
+        return _ort_without_spinning(model, threads=1 if small else 0)
+
+
+def written_bytes(graph: Graph, nodes: Iterable[str]) -> int:
+    """Bytes of the tensors ``nodes`` write (what decides whether a group is small)."""
+    total = 0
+    for n in nodes:
+        for t in graph.op(n).outputs:
+            info = graph.tensors.get(t) if t else None
+            total += info.nbytes if info is not None else 0
+    return total
+
+
+def composite_variant(graph: Graph, backend: str, nodes: Iterable[str], mixed: bool) -> str:
+    """How a group is built in a composite model: the backend's name, with ``/no-spin`` (and
+    ``/1-thread`` for a small group) for onnxruntime next to another backend."""
+    if not mixed or backend != "onnxruntime":
+        return backend
+    small = written_bytes(graph, nodes) <= SMALL_GROUP_BYTES
+    return backend + NO_SPIN + (ONE_THREAD if small else "")
+
+
+def build_group(graph: Graph, variant: str, nodes: Iterable[str], registry: BackendRegistry) -> Runnable:
+    """Compile ``nodes`` of ``graph`` as :func:`composite_variant` ``variant`` says."""
+    sub = graph.extract(nodes)
+    backend, _, how = variant.partition("/")
+    if how:
+        return _ort_without_spinning(sub, threads=1 if ONE_THREAD in variant else 0)
+    return registry.backend(backend).compile(sub)
 
 
 def group_order(graph: Graph, groups: Sequence[Iterable[str]]) -> list[int]:
@@ -98,7 +161,9 @@ class CompositeModel:
         *,
         registry: BackendRegistry | None = None,
         cache: CompileCache | None = None,
+        mixed: bool | None = None,
     ) -> None:
+        """``mixed``: build the groups as in a placement with several backends (default: when it has)."""
         self.graph = graph
         registry = registry or default_registry()
         members = [frozenset(nodes) for _, nodes in groups]
@@ -116,16 +181,15 @@ class CompositeModel:
             boundaries[i] = (ins, outs)
             for t in ins:
                 last_reader[t] = pos
-        mixed = len({b for b, _ in groups}) > 1
+        if mixed is None:
+            mixed = len({b for b, _ in groups}) > 1
         for pos, i in enumerate(order):
             backend, nodes = groups[i][0], members[i]
-            quiet = mixed and backend == "onnxruntime"
-            key = (f"{backend}{NO_SPIN}" if quiet else backend, nodes)
+            key = (composite_variant(graph, backend, nodes, mixed), nodes)
             runnable = cache.get(key) if cache is not None else None
             if runnable is None:
                 try:
-                    sub = graph.extract(nodes)
-                    runnable = _ort_without_spinning(sub) if quiet else registry.backend(backend).compile(sub)
+                    runnable = build_group(graph, key[0], nodes, registry)
                 except Exception as exc:  # noqa: BLE001 - any runtime's failure is a launch failure
                     raise LaunchError(
                         f"group {i} ({len(nodes)} operators) does not build on {backend}: "
@@ -137,6 +201,8 @@ class CompositeModel:
             release = tuple(t for t in ins if last_reader.get(t) == pos and t not in self.output_names)
             steps.append(Step(i, backend, nodes, runnable, tuple(ins), tuple(outs), release))
         self.steps = steps
+        # What run() walks: bound methods and name tuples, so a call builds nothing but the feeds.
+        self._program = [(s.runnable.run, s.inputs, s.outputs, s.release) for s in steps]
 
     @property
     def backends(self) -> list[str]:
@@ -145,11 +211,11 @@ class CompositeModel:
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The model's outputs for ``feeds`` (one array per model input)."""
         env: dict[str, Any] = {name: feeds[name] for name in self.input_names}
-        for step in self.steps:
-            results = step.runnable.run({t: env[t] for t in step.inputs})
-            for t in step.outputs:
+        for run, inputs, outputs, release in self._program:
+            results = run({t: env[t] for t in inputs})
+            for t in outputs:
                 env[t] = results[t]
-            for t in step.release:
+            for t in release:
                 env.pop(t, None)
         return {name: env[name] for name in self.output_names}
 
@@ -194,7 +260,8 @@ def latencies(
     runs: Mapping[str, Callable[[], Any]], *, rounds: int = 7, min_round_s: float = 0.05, warmup: int = 3
 ) -> dict[str, float]:
     """Median seconds per call of each runnable, timed interleaved: ``rounds`` rounds, each timing every
-    contender for about ``min_round_s`` (whole calls). A contender that raises gets ``inf``."""
+    contender for about ``min_round_s`` (whole calls) in a seeded order of its own. A contender that
+    raises gets ``inf``."""
     alive = dict(runs)
     result: dict[str, float] = {}
     number: dict[str, int] = {}
@@ -212,8 +279,14 @@ def latencies(
             continue
         number[name] = max(1, math.ceil(min_round_s / max(first, 1e-7)))
     samples: dict[str, list[float]] = {name: [] for name in alive}
-    for _ in range(rounds):
-        for name, run in alive.items():
+    for r in range(rounds):
+        # A runtime's threads still spinning from its last call slow down whoever runs next: each round
+        # times the contenders in its own (seeded) order, each after one untimed call.
+        names = list(alive)
+        random.Random(r).shuffle(names)
+        for name in names:
+            run = alive[name]
+            run()
             start = time.perf_counter()
             for _ in range(number[name]):
                 run()

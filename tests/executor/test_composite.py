@@ -89,3 +89,19 @@ def test_compare_outputs_reports_differences() -> None:
     assert compare_outputs(a, a)["ok"]
     bad = compare_outputs({"y": a["y"] + 0.1}, a)
     assert not bad["ok"] and bad["outputs"]["y"]["max_abs_diff"] == pytest.approx(0.1)
+
+
+def test_onnxruntime_groups_next_to_another_backend_do_not_spin_and_small_ones_use_one_thread() -> None:
+    from tessera.executor.composite import ONE_THREAD, composite_variant, written_bytes
+
+    graph = load_graph(build("resnext", "tiny"))
+    nodes = graph.order[:3]
+    small = written_bytes(graph, nodes) <= 256 * 1024
+    assert composite_variant(graph, "onnxruntime", nodes, mixed=False) == "onnxruntime"
+    assert composite_variant(graph, "openvino", nodes, mixed=True) == "openvino"
+    variant = composite_variant(graph, "onnxruntime", nodes, mixed=True)
+    assert variant.startswith("onnxruntime/no-spin") and (ONE_THREAD in variant) == small
+    # A placement with several backends runs its onnxruntime groups as built here, outputs unchanged.
+    model = CompositeModel(graph, alternating(graph, 8))
+    feeds = random_feeds(graph, seed=2)
+    assert compare_outputs(model.run(feeds), reference_outputs(graph, feeds))["ok"]

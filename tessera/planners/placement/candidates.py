@@ -15,6 +15,12 @@ Two graph facts shape the candidates:
   operators that feed only it, so a backend sees its weights as constants, as in the full model;
 - a node no backend runs alone gets a one-node onnxruntime candidate (the default backend) with a
   warning that names the node and what every backend said, so the search never fails to cover it.
+
+Besides kernels and small fused groups, :func:`region_candidates` proposes *regions*: the spans of
+the DP's frontier order between a few narrow cuts, up to the whole model, on every backend that runs
+all their operators. With them the DP itself weighs "everything on one backend" and "a large region
+on backend A, the rest on B" against fine-grained placements, each region measured as one subgraph
+(so a graph compiler's cross-kernel optimizations are in its cost, as in Collage's graph level).
 """
 
 from __future__ import annotations
@@ -200,3 +206,66 @@ def _why_not(support: SupportTable, backend: str, graph: Graph, nodes: frozenset
         return f"{backend}: no candidate proposed"
     ops = ", ".join(sorted({graph.op(n).op_type for n in rejected}))
     return f"{backend}: does not run {ops} with these operand types"
+
+
+def narrow_cuts(graph: Graph, order: Sequence[str], max_cuts: int) -> list[int]:
+    """Up to ``max_cuts`` positions of ``order`` (a topological order) where the fewest activations
+    cross the cut, spread evenly over the model. A cut never separates a constant from its owner."""
+    owned = owned_constants(graph)
+    owner = {c: v for v, cs in owned.items() for c in cs}
+    position = {n: i for i, n in enumerate(order)}
+    last_read: dict[str, int] = {}
+    for n in order:
+        for t in graph.op(n).outputs:
+            readers = graph.consumers.get(t, ())
+            if t and readers and n not in graph.constant_nodes:
+                last_read[t] = max(position[r] for r in readers)
+    # live[p]: activations produced before position p and read at or after it.
+    opened = [0] * (len(order) + 1)
+    for t, last in last_read.items():
+        first = position[graph.producer[t]] + 1
+        if first <= last:
+            opened[first] += 1
+            opened[last + 1] -= 1
+    live, running = [], 0
+    for p in range(len(order)):
+        running += opened[p]
+        live.append(running)
+    valid = [p for p in range(1, len(order)) if order[p - 1] not in owner and live[p] > 0]
+    if not valid or max_cuts <= 0:
+        return []
+    narrowest = min(live[p] for p in valid)
+    narrow = [p for p in valid if live[p] == narrowest]
+    chosen: list[int] = []
+    for k in range(1, max_cuts + 1):
+        target = k * len(order) / (max_cuts + 1)
+        best = min((p for p in narrow if p not in chosen), key=lambda p: (abs(p - target), p), default=None)
+        if best is not None:
+            chosen.append(best)
+    return sorted(chosen)
+
+
+def region_candidates(
+    graph: Graph,
+    backends: Sequence[str],
+    order: Sequence[str],
+    *,
+    support: SupportTable,
+    max_cuts: int = 6,
+) -> list[PlacementCandidate]:
+    """Every span of ``order`` between two of :func:`narrow_cuts` (and the model's ends) as a
+    candidate of each backend that runs all its operators (see the module docstring).
+
+    A span of a topological order is convex, so every region is a valid group.
+    """
+    bounds = [0, *narrow_cuts(graph, order, max_cuts), len(order)]
+    out: list[PlacementCandidate] = []
+    for backend in backends:
+        runs = [support.supports(backend, graph, n) for n in order]
+        for i, lo in enumerate(bounds):
+            for hi in bounds[i + 1 :]:
+                if hi - lo > 1 and all(runs[lo:hi]):
+                    nodes = frozenset(order[lo:hi])
+                    via = "region:whole-model" if (lo, hi) == (0, len(order)) else f"region:{lo}-{hi}"
+                    out.append(PlacementCandidate(backend, nodes, via))
+    return out

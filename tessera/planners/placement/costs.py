@@ -5,14 +5,28 @@
 at several places — are measured once: :func:`structure_key` is a name-free key at least as fine as
 the profile cache's canonical hash, computed from the graph IR without extracting a sub-model.
 
+With several backends, onnxruntime candidates are measured as the composite model builds them
+(:class:`~tessera.executor.composite.ComposedOnnxRuntime`: no spinning, one thread for small groups;
+cached under ``onnxruntime+composite``): a session that does not spin pays its threads' wake-up on
+every call (measured: +50-100 µs per group of light_inception_v1), which a spinning session measured
+alone hides and which the composite model pays once per group. Every candidate's ``M(P(g))`` thus
+includes its backend's per-call cost as the composite runs it.
+
 Screening (on by default, ``screen_ratio``): every operator's one-operator candidates are measured
 first; a multi-operator candidate of a backend that is more than ``screen_ratio`` times slower than
 the best backend on *each* of its operators alone is not measured (a fused kernel does not make up
 such a gap on CPU, and untuned TVM kernels take seconds to build). Set it to ``None`` to measure all.
 
-:class:`ContextSwitch` gives ``ε(src, dst, bytes)`` (Eq. 2): measured by
-:meth:`~tessera.backends.measure.Measurer.context_switch` at tensor sizes 1 KiB · 16^k up to 64 MiB and
-interpolated linearly in between, so a graph's many tensor sizes cost a handful of measurements.
+:class:`ContextSwitch` gives ``ε(src, dst, bytes)`` (Eq. 2): measured at tensor sizes 1 KiB · 16^k up
+to 64 MiB and interpolated linearly in between, so a graph's many tensor sizes cost a handful of
+measurements. It is measured on what the composite model runs (:func:`measure_switch`): a group on
+``src`` doing ~0.1 ms of work then a group on ``dst``, built as
+:class:`~tessera.executor.composite.CompositeModel` builds them (no spinning, one thread for small
+groups) and run through it, minus each group's time alone — so ε is everything a boundary between two
+backends adds to the groups' own measured calls ``M(g)`` (each of which already includes its backend's
+per-call cost): waking the other runtime's threads, which sleep while a real group runs, handing the
+tensor over, the composite's own bookkeeping (measured on the 2-core VM, onnxruntime → OpenVINO:
+~0-0.02 ms up to 16 KiB, 0.09 ms at 256 KiB, 0.18 ms at 4 MiB).
 """
 
 from __future__ import annotations
@@ -22,8 +36,10 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tessera.backends.measure import Measurement, Measurer
+from tessera.backends.profile_cache import device_fingerprint
 from tessera.backends.registry import BackendRegistry
 from tessera.core.graph import Graph
 from tessera.planners.placement.candidates import PlacementCandidate, owned_constants
@@ -78,7 +94,15 @@ class CandidateCosts:
     _keys: dict[PlacementCandidate, tuple[object, ...]] = field(default_factory=dict)
     _single: dict[tuple[str, str], float] = field(default_factory=dict)
 
+    composed: bool = False  # measure onnxruntime as a placement with several backends runs it
+    known: dict[tuple[str, frozenset[str]], float] = field(default_factory=dict)  # from the search memo
+
     def __post_init__(self) -> None:
+        self._measured_as: dict[str, object] = {}
+        if self.composed:
+            from tessera.executor.composite import ComposedOnnxRuntime
+
+            self._measured_as["onnxruntime"] = ComposedOnnxRuntime(self.registry.backend("onnxruntime"))
         self._index = {n: i for i, n in enumerate(self.graph.order)}
         owned = owned_constants(self.graph)
         self._owner = {c: v for v, cs in owned.items() for c in cs}
@@ -89,12 +113,31 @@ class CandidateCosts:
         return self._keys[c]
 
     def measurement(self, c: PlacementCandidate) -> Measurement:
+        remembered = self.known.get((c.backend, c.nodes))
+        if remembered is not None:
+            return Measurement(c.backend, c.nodes, "", remembered, math.nan, 0, None, True)
         k = (c.backend, self.key(c))
         if k not in self.measured:
             if self.progress is not None:
                 self.progress(c.backend)
-            self.measured[k] = self.measurer.measure(self.registry.backend(c.backend), self.graph, c.nodes)
+            self.measured[k] = self.measurer.measure(self._measured_on(c), self.graph, c.nodes)
         return self.measured[k]
+
+    def _measured_on(self, c: PlacementCandidate) -> Any:
+        """The backend as the composite model runs ``c``; the whole model alone runs as the backend builds it."""
+        if len(c.nodes) < len(self._index) and c.backend in self._measured_as:
+            return self._measured_as[c.backend]
+        return self.registry.backend(c.backend)
+
+    def answers(self, candidates: Sequence[PlacementCandidate]) -> dict[tuple[str, frozenset[str]], float]:
+        """``M(P(g))`` of every candidate measured (or remembered) so far, for the search memo."""
+        out = {}
+        for c in candidates:
+            if (c.backend, c.nodes) in self.known:
+                out[(c.backend, c.nodes)] = self.known[(c.backend, c.nodes)]
+            elif c in self._keys and (c.backend, self._keys[c]) in self.measured:
+                out[(c.backend, c.nodes)] = self.measured[(c.backend, self._keys[c])].median_s
+        return out
 
     def _anchors(self, c: PlacementCandidate) -> list[str]:
         return [n for n in c.nodes if n not in self._owner]
@@ -122,6 +165,63 @@ class CandidateCosts:
         return self.measurement(c).median_s
 
 
+SWITCH_WORK = 256  # the first group's MatMul is SWITCH_WORK² x SWITCH_WORK: ~0.1-0.3 ms on a CPU core
+
+
+def _switch_graph(nbytes: int) -> Graph:
+    """Group ``first``: a MatMul (work long enough for the other runtime's threads to fall asleep, as
+    between real groups) and a Relu writing the handed-over tensor ``h`` of ``nbytes``; group
+    ``second``: a Relu reading ``h``."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tessera.core.graph import build_graph
+
+    n, k = max(1, nbytes // 4), SWITCH_WORK
+    value = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    weight = numpy_helper.from_array(np.full((k, k), 1.0 / k, dtype=np.float32), "w")
+    nodes = [
+        helper.make_node("MatMul", ["a", "w"], ["m"], name="work"),
+        helper.make_node("Relu", ["x"], ["h"], name="first"),
+        helper.make_node("Relu", ["h"], ["y"], name="second"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "context_switch",
+        [value("a", [k, k]), value("x", [n])],
+        [value("m", [k, k]), value("y", [n])],
+        initializer=[weight],
+        value_info=[value("h", [n])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return build_graph(model, label="context_switch")
+
+
+def measure_switch(registry: BackendRegistry, src: str, dst: str, nbytes: int, *, seed: int = 0) -> float:
+    """ε of a tensor of ``nbytes`` handed from a group on ``src`` to one on ``dst`` in a composite
+    model (seconds, ≥ 0): the two groups run through the composite model, minus each group's time
+    alone (called back to back, as ``M(P(g))`` is measured). See the module docstring."""
+    import numpy as np
+
+    from tessera.backends.measure import time_runs
+    from tessera.executor.composite import CompositeModel
+
+    graph = _switch_graph(nbytes)
+    rng = np.random.default_rng(seed)
+    feeds = {t: rng.standard_normal(graph.inputs[t].shape).astype(np.float32) for t in ("a", "x")}
+    groups = [(src, ["work", "first"]), (dst, ["second"])]
+    model = CompositeModel(graph, groups, registry=registry, mixed=True)
+    across = time_runs(lambda: model.run(feeds), repeat=15).median_s
+    env: dict[str, np.ndarray] = dict(feeds)
+    alone = 0.0
+    for step in model.steps:
+        ins = {t: env[t] for t in step.inputs}
+        alone += time_runs(lambda r=step.runnable, i=ins: r.run(i), repeat=15).median_s
+        env.update(step.runnable.run(ins))
+    return max(0.0, across - alone)
+
+
 class ContextSwitch:
     """``ε(src, dst, bytes)``: measured at :data:`SWITCH_SIZES`, interpolated (see module docstring)."""
 
@@ -133,11 +233,25 @@ class ContextSwitch:
     def point(self, src: str, dst: str, nbytes: int) -> float:
         key = (src, dst, nbytes)
         if key not in self._points:
-            value = self.measurer.context_switch(
-                self.registry.backend(src), self.registry.backend(dst), nbytes
-            )
-            self._points[key] = value if math.isfinite(value) else 1.0
+            self._points[key] = self._measure(src, dst, nbytes)
         return self._points[key]
+
+    def _measure(self, src: str, dst: str, nbytes: int) -> float:
+        """Cached in the profile cache under ``<backend>+composed`` names (the runtimes as composed)."""
+        a, b = self.registry.backend(src), self.registry.backend(dst)
+        names = (f"{src}+composed", f"{dst}+composed")  # not Measurer.context_switch's ε
+        versions = f"{a.version}|{b.version}"
+        device = device_fingerprint(f"{a.device} -> {b.device}")
+        cache = self.measurer.cache
+        value = cache.get_switch(*names, versions, device, nbytes)
+        if value is None:
+            try:
+                value = measure_switch(self.registry, src, dst, nbytes, seed=self.measurer.seed)
+            except Exception as exc:  # noqa: BLE001 - a pair that cannot be chained is never switched
+                log.warning("cannot measure the %s -> %s switch: %s", src, dst, exc)
+                return 1.0
+            cache.put_switch(*names, versions, device, nbytes, value)
+        return value
 
     def __call__(self, src: str, dst: str, nbytes: int) -> float:
         if src == dst:
