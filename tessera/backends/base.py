@@ -112,7 +112,12 @@ class Backend(ABC):
                 info = graph.tensors.get(t) if t else None
                 if info is not None and info.dtype not in cap.dtypes:
                     return False
-        return True
+        # A backend that answers per subgraph (cap.query) is asked about the extracted sub-model.
+        return cap.query is None or self.supports_model(graph.extract(members))
+
+    def supports_model(self, model: onnx.ModelProto) -> bool:
+        """The runtime's own answer for a standalone sub-model (backends whose capability has a query)."""
+        raise NotImplementedError(f"{self.name}: capability names a query but supports_model is missing")
 
     @abstractmethod
     def compile(self, model: onnx.ModelProto) -> Runnable:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
 
@@ -17,7 +16,6 @@ import numpy as np
 import onnx
 
 from tessera.backends.base import Backend, BuildError, Capability, Feeds, model_io
-from tessera.core.graph import Graph
 
 log = logging.getLogger(__name__)
 
@@ -108,12 +106,6 @@ class OpenVinoBackend(Backend):
     @cached_property
     def _query_cache(self) -> dict[str, bool]:
         return {}
-
-    def supports(self, graph: Graph, nodes: Iterable[str]) -> bool:
-        members = list(nodes)
-        if not super().supports(graph, members):
-            return False
-        return self.supports_model(graph.extract(members))
 
     def supports_model(self, model: onnx.ModelProto) -> bool:
         """OpenVINO's own answer for a standalone model: frontend conversion + ``query_model``."""

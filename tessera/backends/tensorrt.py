@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -21,7 +20,6 @@ import onnx
 
 from tessera.backends.base import Backend, BuildError, Capability, Feeds, default_cache_dir, nvidia_gpus
 from tessera.core.files import write_atomic
-from tessera.core.graph import Graph
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +119,6 @@ class TensorRtBackend(Backend):
         return Capability(
             None, DTYPES, "tensorrt ONNX parser", query="OnnxParser.supports_model_v2 on the sub-model"
         )
-
-    def supports(self, graph: Graph, nodes: Iterable[str]) -> bool:
-        members = list(nodes)
-        if not super().supports(graph, members):
-            return False
-        return self.supports_model(graph.extract(members))
 
     def supports_model(self, model: onnx.ModelProto) -> bool:
         import tensorrt as trt

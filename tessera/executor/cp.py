@@ -66,10 +66,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
-from tessera.core.errors import InputError, LaunchError
+from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan
 from tessera.executor.gpp import WATCHDOG_FACTOR, _memory_status, _test_fault, _Watchdog
-from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers
+from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, worker_setup
 
 __all__ = [
     "CpRun",
@@ -787,17 +787,7 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
     """The entry point of every rank (started by :func:`tessera.executor.launcher.launch_workers`):
     join the process group, prefill, run ``new_tokens - 1`` decode steps; rank 0 returns every
     rank's report (gathered)."""
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world != spec.world_size:
-        raise LaunchError(f"rank {rank}: WORLD_SIZE {world}, but the plan needs {spec.world_size}")
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    if spec.backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    rank, device = worker_setup(spec.world_size, spec.backend)
     watchdog = _Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
     try:
         watchdog.arm("start-up")
@@ -835,7 +825,7 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
             "weight_bytes": worker.weight_bytes,
             "peak_rss_bytes": _memory_status("VmHWM"),
         }
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        gathered: list[Any] | None = [None] * spec.world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
         if gathered is not None:
             result["all"] = gathered

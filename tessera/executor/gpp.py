@@ -62,7 +62,7 @@ from torch import Tensor
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import GppPlan
-from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers
+from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, worker_setup
 from tessera.executor.torch_module import OnnxModule, to_torch
 
 # Test-only fault injection: "RANK:STEP:KIND" makes that rank fail at the start of that step
@@ -748,18 +748,8 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
     """The entry point of every rank (started by :func:`tessera.executor.launcher.launch_workers`):
     join the process group, build the stage replica, train ``spec.options.steps`` steps, and return
     the per-step reports (rank 0 returns every rank's, gathered)."""
-    rank = int(os.environ["RANK"])
-    world = int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if world != spec.routing.world_size:
-        raise LaunchError(f"rank {rank}: WORLD_SIZE {world}, but the plan needs {spec.routing.world_size}")
+    rank, device = worker_setup(spec.routing.world_size, spec.backend)
     stage, replica = next(k for k, r in spec.routing.ranks.items() if r == rank)
-    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
-    if spec.backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
     # Collectives and receives give up after timeout_s with a descriptive error; the watchdog is the
     # backstop for a rank stuck elsewhere (a hung kernel), a little later so it does not pre-empt them.
     watchdog = _Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
@@ -790,7 +780,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             result["weights"] = {
                 n: p.detach().cpu().numpy().copy() for n, p in worker.module.onnx_parameters()
             }
-        gathered: list[Any] | None = [None] * world if rank == 0 else None
+        gathered: list[Any] | None = [None] * spec.routing.world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
         if gathered is not None:
             result["all"] = gathered

@@ -196,3 +196,22 @@ def choose_backend(cluster: dict[str, Any] | None, device_ids: Iterable[str]) ->
         by_id = {d["id"]: d.get("type") for d in cluster.get("devices", [])}
         kinds = {types.get(by_id.get(dev), {}).get("kind") for dev in device_ids}
     return "nccl" if kinds == {"gpu"} and torch.cuda.is_available() else "gloo"
+
+
+def worker_setup(world_size: int, backend: str) -> tuple[int, Any]:
+    """What every worker does first: read its rank from the torchrun environment, check the world
+    size against the plan's, cap its threads (OMP_NUM_THREADS) and pick its device (the local GPU
+    under NCCL, else the CPU). Returns ``(rank, torch.device)``."""
+    import torch
+
+    rank = int(os.environ["RANK"])
+    world = int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if world != world_size:
+        raise LaunchError(f"rank {rank}: WORLD_SIZE {world}, but the plan needs {world_size}")
+    torch.set_num_threads(max(1, int(os.environ.get("OMP_NUM_THREADS", "1"))))
+    if backend != "nccl":
+        return rank, torch.device("cpu")
+    device = torch.device("cuda", local_rank)
+    torch.cuda.set_device(device)
+    return rank, device
