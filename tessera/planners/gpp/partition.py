@@ -50,7 +50,7 @@ from tessera.planners.gpp.dp import Entry, StageDP, stages_of
 from tessera.planners.gpp.greedy import greedy_schedules
 from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
 from tessera.planners.gpp.schedule import compute_in_flight, gpipe, in_flight_of, k_f_k_b, one_f_one_b
-from tessera.planners.gpp.sp import SPTree, decompose
+from tessera.planners.gpp.sp import SPNode, SPTree, decompose
 from tessera.planners.sim import SimEdge, SimStage, simulate_pipeline
 
 _PER_MICRO_BATCH = 3  # distinct plans per micro-batch size that are materialized
@@ -317,13 +317,16 @@ def partition(
                 window=_SPP_WINDOW if kind == "spp" else None,
             )
             # The exposed-transfer run only proposes alternatives: a coarser bisection will do.
-            entries, n_probes = _binary_search(dp, num, options.epsilon * (3 if exposed else 1))
+            # A plan whose bottleneck TPS exceeds cap cannot enter a full pool of finalists (its
+            # estimate is at least B · TPS: every micro-batch crosses the bottleneck stage).
+            pool = finalists[exposed]
+            cap = pool[-1][0] / options.mini_batch if len(pool) == _FINALISTS else math.inf
+            entries, n_probes = _binary_search(dp, num, options.epsilon * (3 if exposed else 1), cap)
             probes += n_probes
             # 1F1B: (m − 1) micro-batches at the bottleneck stage's pace, plus one through the
             # longest path (its latency: the fill and drain).
             ranked = sorted(entries, key=lambda e: ((m - 1) * e[3] * b + e[0], e[1]))
             seen: set[tuple] = set()
-            pool = finalists[exposed]
             for entry in ranked:
                 spans = tuple(stages_of(entry[5]))
                 if spans in seen:
@@ -402,23 +405,41 @@ def _transfers_matter(pool: list[tuple[float, Pipeline]], b: int, m: int, best: 
 
 
 def _lower_bound(costs: UnitCosts, mini_batch: int, b: int, num: int) -> float:
-    """A lower bound on the iteration time at micro-batch ``b``: every device busy at ``b``'s
-    per-sample work, and the heaviest unit (no stage splits it) at its most data parallel."""
+    """A lower bound on the 1F1B iteration time (:func:`_estimate_iteration`) at micro-batch ``b``.
+
+    Every unit runs at best at its most data-parallel pace (``b / min(b, num)`` samples per
+    device). A stage's cycle is at least the heaviest unit in it, and at least the micro-batch's
+    total work over the devices (a stage on ``d`` devices takes at least ``1/d`` of its work at
+    ``b`` samples: roofline time is sub-linear in the samples); one micro-batch must also cross
+    the model's critical path (series parts add up, parallel branches take the longest). So::
+
+        (m − 1) · max(W(b) / num, heaviest) + critical_path  and  m · max(W(b) / num, heaviest)
+    """
+    m = mini_batch // b
     fw, bw = costs.times(b)
-    balanced = mini_batch * (fw[-1] + bw[-1]) / b / num
+    balanced = (fw[-1] + bw[-1]) / num
     fw, bw = costs.times(per_device_samples(b, min(b, num)))
-    heaviest = max(fw[u + 1] - fw[u] + bw[u + 1] - bw[u] for u in range(costs.n))
-    return max(balanced, mini_batch // b * heaviest)
+    unit = [fw[u + 1] - fw[u] + bw[u + 1] - bw[u] for u in range(costs.n)]
+    cycle = max(balanced, max(unit))
+    return max(m * cycle, (m - 1) * cycle + _critical_path(costs.tree.root, unit))
 
 
-def _binary_search(dp: StageDP, num: int, epsilon: float) -> tuple[list[Entry], int]:
+def _critical_path(node: SPNode, unit: list[float]) -> float:
+    if node.kind == "leaf":
+        return sum(unit[node.lo : node.hi])
+    paths = [_critical_path(c, unit) for c in node.children]
+    return sum(paths) if node.kind == "series" else max(paths)
+
+
+def _binary_search(dp: StageDP, num: int, epsilon: float, cap: float = math.inf) -> tuple[list[Entry], int]:
     """Algorithm 2, lines 2–11: bisection on the bottleneck TPS ``t_max``.
 
     The bracket is found by galloping up from the perfect-balance bound (tight probes are cheap:
     the work bound prunes most states; loose ones are not), then bisected geometrically to a
     relative precision ``epsilon``. Returns the entries of every feasible probe's front (the caller
     picks by predicted iteration time: a slightly slower bottleneck with a shorter pipeline can
-    win) and the number of probes.
+    win) and the number of probes. Bottlenecks above ``cap`` are of no use to the caller: the
+    bracket never goes beyond it (no plan at all when none is feasible at ``cap``).
     """
     n = dp.costs.n
     # No stage graph beats perfect balance, nor the heaviest unit at its most data parallel.
@@ -426,6 +447,9 @@ def _binary_search(dp: StageDP, num: int, epsilon: float) -> tuple[list[Entry], 
     heaviest = max(fw[u + 1] - fw[u] + bw[u + 1] - bw[u] for u in range(n)) / dp.b
     lo_t = max(dp.work[n] / num, heaviest) * (1 - 1e-9)
     ceiling = 4 * (dp.stage(0, n, 1)[0] + 1e-12)  # beyond this, memory is what rules plans out
+    ceiling = min(ceiling, cap)
+    if ceiling < lo_t:
+        return [], 0
     probes = 0
     entries: list[Entry] = []
     step = 1.25
