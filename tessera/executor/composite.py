@@ -60,6 +60,9 @@ NO_SPIN = "/no-spin"
 # the group writes hold at most this many bytes.
 SMALL_GROUP_BYTES = 256 * 1024
 ONE_THREAD = "/1-thread"
+# Idle time before each contender's turn in :func:`latencies`: onnxruntime's and OpenVINO's worker
+# threads keep spinning for a while after a call and would take the cores from whoever runs next.
+SETTLE_S = 0.02
 
 
 def _ort_without_spinning(model: Any, *, threads: int = 0) -> Runnable:
@@ -257,11 +260,21 @@ def compare_outputs(
 
 
 def latencies(
-    runs: Mapping[str, Callable[[], Any]], *, rounds: int = 7, min_round_s: float = 0.05, warmup: int = 3
+    runs: Mapping[str, Callable[[], Any]],
+    *,
+    rounds: int = 7,
+    min_round_s: float = 0.05,
+    warmup: int = 3,
+    settle_s: float = SETTLE_S,
+    min_rounds: int | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each runnable, timed interleaved: ``rounds`` rounds, each timing every
-    contender for about ``min_round_s`` (whole calls) in a seeded order of its own. A contender that
-    raises gets ``inf``."""
+    contender for about ``min_round_s`` (whole calls) in a seeded order of its own, after ``settle_s``
+    of idleness (the previous contender's threads stop spinning). A contender that raises gets ``inf``.
+
+    With ``min_rounds``, timing stops after that many rounds once the ranking is clear: the fastest
+    contender's slowest round beats every other contender's fastest round (close calls get all
+    ``rounds``)."""
     alive = dict(runs)
     result: dict[str, float] = {}
     number: dict[str, int] = {}
@@ -281,19 +294,29 @@ def latencies(
     samples: dict[str, list[float]] = {name: [] for name in alive}
     for r in range(rounds):
         # A runtime's threads still spinning from its last call slow down whoever runs next: each round
-        # times the contenders in its own (seeded) order, each after one untimed call.
+        # times the contenders in its own (seeded) order, each after a pause and one untimed call.
         names = list(alive)
         random.Random(r).shuffle(names)
         for name in names:
             run = alive[name]
+            time.sleep(settle_s)
             run()
             start = time.perf_counter()
             for _ in range(number[name]):
                 run()
             samples[name].append((time.perf_counter() - start) / number[name])
+        if min_rounds is not None and r + 1 >= min_rounds and ranking_is_clear(samples):
+            break
     for name, values in samples.items():
         result[name] = float(np.median(values))
     return {name: result[name] for name in runs}
+
+
+def ranking_is_clear(samples: Mapping[str, list[float]]) -> bool:
+    if len(samples) < 2:
+        return True
+    fastest = min(samples, key=lambda n: float(np.median(samples[n])))
+    return all(max(samples[fastest]) < min(v) for n, v in samples.items() if n != fastest)
 
 
 def random_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:

@@ -6,6 +6,8 @@ and fuse differently; the differences stay far below it on these models.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pytest
 from onnx_builders import ONNX_LIGHT_MODELS
@@ -17,6 +19,7 @@ from tessera.executor.composite import (
     compare_outputs,
     latencies,
     random_feeds,
+    ranking_is_clear,
     reference_outputs,
 )
 from tessera.models import build
@@ -82,6 +85,20 @@ def test_latencies_interleaved() -> None:
         raise RuntimeError("no")
 
     assert latencies({"x": broken}, rounds=1)["x"] == float("inf")
+
+
+def test_latencies_stop_once_the_ranking_is_clear() -> None:
+    calls = {"slow": 0}
+
+    def slow() -> None:
+        calls["slow"] += 1
+        time.sleep(0.003)
+
+    # One call per round (min_round_s below one call): 3 warm-up + 1 probe, then 2 per round.
+    latencies({"fast": lambda: None, "slow": slow}, rounds=20, min_rounds=3, min_round_s=0.001, settle_s=0)
+    assert calls["slow"] == 4 + 2 * 3
+    assert ranking_is_clear({"a": [1.0, 1.1], "b": [1.2, 1.3]})
+    assert not ranking_is_clear({"a": [1.0, 1.25], "b": [1.2, 1.3]})
 
 
 def test_compare_outputs_reports_differences() -> None:
