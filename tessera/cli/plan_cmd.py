@@ -7,6 +7,7 @@ checks that no option of another kind was given, and calls it. The planning itse
 ``--kind gpp`` / ``--kind spp`` (pipeline-parallel training, GraphPipe)::
 
     tessera plan mmt.onnx --kind gpp --cluster graphpipe-v100 --mini-batch 256 -o plan.json --gantt plan.svg
+    tessera plan mmt.onnx --kind gpp --cluster local-cpu --mini-batch 32 --profile --cache profiles.sqlite
 
 ``--kind cp`` (cache-parallel decoding, thesis ch. 4)::
 
@@ -205,7 +206,19 @@ def _print_sweep(out: Any, rows: list[Any], *, unit: str) -> None:
 
 # -- --kind gpp / spp ------------------------------------------------------------------------------
 
-_GPP_OPTIONS = frozenset({"mini_batch", "devices", "schedule", "memory_limit", "gantt", "no_baseline", "k"})
+_GPP_OPTIONS = frozenset(
+    {
+        "mini_batch",
+        "devices",
+        "schedule",
+        "memory_limit",
+        "gantt",
+        "no_baseline",
+        "k",
+        "profile",
+        "cache_path",
+    }
+)
 
 
 def _pipeline_runner(kind: str) -> Callable[..., None]:
@@ -223,6 +236,8 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         gantt: str | None,
         no_baseline: bool,
         k: int,
+        profile: bool,
+        cache_path: str | None,
     ) -> None:
         """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
         from tessera.planners.gpp.cli import run_gpp_plan
@@ -243,6 +258,8 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
             gantt=gantt,
             as_json=as_json,
             no_baseline=no_baseline,
+            profile=profile,
+            cache=cache_path,
             k=k,
         )
 
@@ -315,6 +332,19 @@ KINDS: dict[str, PlanKind] = {
     help="[gpp/spp] Draw the simulated schedule (SVG).",
 )
 @click.option("--no-baseline", is_flag=True, help="[gpp] Skip predicting the sequential baseline.")
+@click.option(
+    "--profile",
+    is_flag=True,
+    help="[gpp/spp] Measure every operator's forward and backward on this machine (torch) instead of "
+    "the roofline model; cached.",
+)
+@click.option(
+    "--cache",
+    "cache_path",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="[gpp/spp] Profile cache of --profile (SQLite; default ~/.cache/tessera/profiles.sqlite).",
+)
 def plan(
     model: str | None,
     kind: str,

@@ -1,8 +1,8 @@
-"""Analytical cost model: time and memory of every operator, and of communication.
+"""The cost model: time and memory of every operator, and of communication.
 
-The default (and, for now, only) source of costs is a roofline model — deterministic, instant,
-and good enough to rank pipeline plans (GraphPipe thesis §3.5 estimates stage times the same way
-from per-operator costs; FlexFlow's simulator, thesis-jia §3.4, takes per-task times as input):
+The default source of operator times is a roofline model — deterministic, instant, and good
+enough to rank pipeline plans (GraphPipe thesis §3.5 estimates stage times the same way from
+per-operator costs; FlexFlow's simulator, thesis-jia §3.4, takes per-task times as input):
 
 - forward time of an operator on ``s`` samples (the IR's costs are at batch 1 and scale linearly
   with the samples, except weights, which are read once per pass)::
@@ -24,15 +24,29 @@ from per-operator costs; FlexFlow's simulator, thesis-jia §3.4, takes per-task 
   Activations are stored at the compute precision (fp16 under mixed precision: half the IR's fp32
   bytes).
 
-Measured costs (``--profile``: torch profiles in the SQLite cache) are not implemented yet; every
-caller gets the analytical model.
+Measured operator times (``tessera plan --kind gpp|spp --profile``) replace the roofline's forward
+and backward times, operator by operator: :mod:`tessera.planners.gpp.profile` runs every operator's
+forward and backward through torch autograd on *this* machine (median of repeats after a warm-up,
+at two sample counts, affine in the samples in between and beyond) and keeps them in the SQLite
+profile cache. A :class:`CostModel` with ``measured`` set asks it first and falls back to the roofline
+for the operators it has no time for (unsupported, non-differentiable, constant). Memory — weights,
+optimizer state, activations, wire bytes — stays analytical (tensor shapes) either way. The roofline
+is deterministic; measured times are deterministic only given the cache (a warm cache gives the same
+times, so the same plan, byte for byte).
+
+The planners build their cost models with :meth:`CostModel.for_device`; inside
+``with measured_costs(times):`` that returns models that take their operator times from ``times``
+(a scoped bridge until the partitioner takes a cost model as an argument).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from tessera.core.graph import Graph, OpNode
 from tessera.core.specs import DeviceType, Link
@@ -67,19 +81,45 @@ class TrainingMemory:
         )
 
 
+class OpTimes(Protocol):
+    """Measured operator times: ``(forward_s, backward_s)`` of ``op`` on ``samples`` samples, or
+    None where there is no measurement (the cost model then uses the roofline)."""
+
+    def times(self, op: OpNode, samples: float) -> tuple[float, float] | None: ...
+
+
+_MEASURED: ContextVar[OpTimes | None] = ContextVar("tessera_measured_costs", default=None)
+
+
+@contextmanager
+def measured_costs(times: OpTimes | None) -> Iterator[None]:
+    """Within the block, :meth:`CostModel.for_device` returns models that take operator times from
+    ``times`` (None: the roofline). Scoped to the current thread or task (a ``ContextVar``)."""
+    token = _MEASURED.set(times)
+    try:
+        yield
+    finally:
+        _MEASURED.reset(token)
+
+
 @dataclass(frozen=True)
 class CostModel:
-    """Roofline operator costs on one device type at one precision (see the module docstring)."""
+    """Operator costs on one device type at one precision: the roofline, or measured operator times
+    where ``measured`` has them (see the module docstring)."""
 
     device: DeviceType
     precision: Precision = "mixed"
     memory: TrainingMemory = TrainingMemory()
+    measured: OpTimes | None = None
 
     @classmethod
     def for_device(
         cls, device: DeviceType, precision: Precision = "mixed", bytes_per_param: float | None = None
     ) -> CostModel:
-        """The model for ``device``; ``bytes_per_param`` overrides the optimizer-state total (16)."""
+        """The model for ``device``; ``bytes_per_param`` overrides the optimizer-state total (16).
+
+        Inside ``with measured_costs(times):`` the model's operator times come from ``times``.
+        """
         memory = TrainingMemory.adam(precision)
         if bytes_per_param is not None:
             extra = bytes_per_param - memory.weight_bytes_per_param - memory.gradient_bytes_per_param
@@ -88,7 +128,7 @@ class CostModel:
             memory = TrainingMemory(
                 memory.weight_bytes_per_param, memory.gradient_bytes_per_param, extra, memory.activation_scale
             )
-        return cls(device=device, precision=precision, memory=memory)
+        return cls(device=device, precision=precision, memory=memory, measured=_MEASURED.get())
 
     @property
     def peak_flops(self) -> float:
@@ -100,17 +140,25 @@ class CostModel:
         return op.param_bytes * weight_scale + activation * self.memory.activation_scale * samples
 
     def forward_time(self, op: OpNode, samples: float) -> float:
-        """Seconds for the forward pass of ``op`` on ``samples`` samples (roofline + launch)."""
+        """Seconds for the forward pass of ``op`` on ``samples`` samples (measured, else roofline)."""
         if samples <= 0:
             return 0.0
+        if self.measured is not None:
+            got = self.measured.times(op, samples)
+            if got is not None:
+                return got[0]
         compute = op.flops * samples / self.peak_flops
         memory = self._scaled_bytes(op, samples) / self.device.memory_bandwidth
         return max(compute, memory) + self.device.kernel_launch_overhead
 
     def backward_time(self, op: OpNode, samples: float) -> float:
-        """Seconds for the backward pass: 2× the forward work with weights, 1× without."""
+        """Seconds for the backward pass: measured, else 2× the forward work with weights, 1× without."""
         if samples <= 0:
             return 0.0
+        if self.measured is not None:
+            got = self.measured.times(op, samples)
+            if got is not None:
+                return got[1]
         r = backward_ratio(op)
         compute = r * op.flops * samples / self.peak_flops
         memory = r * self._scaled_bytes(op, samples) / self.device.memory_bandwidth

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from tessera.core.cost import CostModel
+from tessera.core.cost import CostModel, measured_costs
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.files import write_atomic
 from tessera.core.graph import Graph
@@ -32,6 +32,7 @@ from tessera.core.plans import (
 from tessera.core.specs import ClusterSpec
 from tessera.core.units import format_bytes, parse_bytes
 from tessera.planners.gpp.partition import PartitionOptions, Pipeline, build_tree, partition
+from tessera.planners.gpp.profile import MeasuredCosts
 from tessera.planners.sim import SimResult, simulate_pipeline
 from tessera.planners.spp import plan_spp
 
@@ -48,10 +49,25 @@ def build_gpp_plan(
     *,
     kind: str = "gpp",
     baseline: bool = True,
+    measured: MeasuredCosts | None = None,
 ) -> tuple[GppPlan, Pipeline, SimResult]:
-    """Plan (GPP, or SPP with ``kind="spp"``), simulate it, and (for GPP) the SPP baseline."""
+    """Plan (GPP, or SPP with ``kind="spp"``), simulate it, and (for GPP) the SPP baseline.
+
+    ``measured``: operator times from :func:`~tessera.planners.gpp.profile.profile_graph` instead of
+    the roofline's (the plan's ``predicted.cost_model`` then says where they were measured).
+    """
     if kind not in ("gpp", "spp"):
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
+    with measured_costs(measured):
+        plan, pipe, sim = _build(graph, cluster, options, kind, baseline)
+    if measured is not None:
+        plan.predicted["cost_model"] = measured.to_json()
+    return plan, pipe, sim
+
+
+def _build(
+    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, kind: str, baseline: bool
+) -> tuple[GppPlan, Pipeline, SimResult]:
     device = cluster.devices()[0].type
     tree = build_tree(
         graph, CostModel.for_device(device, options.precision, options.bytes_per_param), options.max_units
@@ -187,15 +203,16 @@ def run_gpp_plan(
     as_json: bool = False,
     no_baseline: bool = False,
     profile: bool = False,
+    cache: str | os.PathLike[str] | None = None,
     k: int = 2,
 ) -> GppPlan:
-    """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3)."""
-    if profile:
-        click.echo(
-            "tessera: warning: --profile (measured costs) is not implemented for gpp yet; "
-            "using the analytical roofline cost model",
-            err=True,
-        )
+    """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
+
+    ``profile``: measure operator times on this machine first (:mod:`tessera.planners.gpp.profile`),
+    cached in the profile cache at ``cache`` (default: the one ``tessera place`` uses).
+    """
+    if cache is not None and not profile:
+        raise InputError("--cache is the cache of --profile's measurements; give --profile too")
     if schedule not in ("1f1b", "kfkb", "greedy", "gpipe"):
         raise InputError(f"--schedule {schedule!r}: expected 1f1b, kfkb, greedy or gpipe")
     limit = None if memory_limit is None else float(parse_bytes(memory_limit, field="--memory-limit"))
@@ -206,7 +223,10 @@ def run_gpp_plan(
         schedule=schedule,  # type: ignore[arg-type]
         k=k if schedule == "kfkb" else 1,
     )
-    plan, pipe, sim = build_gpp_plan(graph, cluster, options, kind=kind, baseline=not no_baseline)
+    measured = profile_costs(graph, cluster, cache) if profile else None
+    plan, pipe, sim = build_gpp_plan(
+        graph, cluster, options, kind=kind, baseline=not no_baseline, measured=measured
+    )
     if output is not None:
         write_plan(plan, output)
     if gantt is not None:
@@ -216,6 +236,43 @@ def run_gpp_plan(
     else:
         click.echo(summary(plan, pipe))
     return plan
+
+
+def profile_costs(
+    graph: Graph, cluster: ClusterSpec, cache: str | os.PathLike[str] | None = None
+) -> MeasuredCosts:
+    """``--profile``: measure every operator on this machine (progress bar on a terminal; one summary
+    line on stderr)."""
+    from tessera.cli.render import progress_bar
+    from tessera.planners.gpp.profile import open_cache, profile_graph
+
+    store = open_cache(cache)
+    try:
+        with progress_bar() as bar:
+            task = bar.add_task("profiling operators", total=None)
+            measured = profile_graph(
+                graph,
+                cluster.devices()[0].type,
+                cache=store,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+    finally:
+        store.close()
+    r = measured.report
+    roofline = measured.roofline_types()
+    fallback = (
+        f", {sum(roofline.values())} on the roofline ({', '.join(f'{t} x{n}' for t, n in roofline.items())})"
+        if roofline
+        else ""
+    )
+    click.echo(
+        f"tessera: profiled {r.operators} operators ({r.distinct} distinct) on {measured.source['device']}, "
+        f"torch {measured.source['torch']}: {r.measurements} (operator, samples) measured, "
+        f"{r.cache_hits} cached{fallback}, "
+        f"{r.seconds:.1f}s (cache {store.path})",
+        err=True,
+    )
+    return measured
 
 
 def summary(plan: GppPlan, pipe: Pipeline) -> str:
@@ -245,6 +302,12 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
         )
     elif b:
         lines.append(f"SPP baseline: infeasible ({b['infeasible']})")
+    cost = p.get("cost_model")
+    if isinstance(cost, dict) and cost.get("kind") == "measured":
+        lines.append(
+            f"costs: measured on {cost['device']} (torch {cost['torch']}, {cost['dtype']}), "
+            f"{cost['roofline_operators']} of {cost['operators']} operators on the roofline"
+        )
     return "\n".join(lines)
 
 
