@@ -178,18 +178,22 @@ class UnitCosts:
         cum[1:, 1:] = np.cumsum(np.cumsum(pair[:n, :n], axis=0), axis=1)
         self._cum = cum
         self._pair = pair
-        # Operator-cost identity of each unit: equal keys give equal times at every sample count.
+        # Operator-cost identity of each unit: equal keys give equal times at every sample count
+        # (the roofline's inputs, and the model's own times: measured costs differ by operator type).
         interned: dict[tuple, int] = {}
         self._unit_keys = [
             interned.setdefault(
                 tuple(
                     sorted(
                         (
+                            o.op_type,
                             o.flops,
                             o.bytes_moved,
                             o.param_bytes,
                             o.params,
                             cost.activation_bytes(graph, o.name),
+                            cost.forward_time(o, 1),
+                            cost.backward_time(o, 1),
                         )
                         for o in (graph.op(n) for n in u)
                     )
@@ -265,6 +269,7 @@ def partition(
     *,
     tree: SPTree | None = None,
     kind: Literal["gpp", "spp"] = "gpp",
+    cost: CostModel | None = None,
 ) -> Pipeline:
     """GraphPipe's stage partitioner (thesis §3.5, Algorithm 2); see the module docstring.
 
@@ -283,7 +288,8 @@ def partition(
         raise InputError("kFkB needs k >= 1")
     device_type = devices[0].type
     limit = float(options.memory_limit if options.memory_limit is not None else device_type.memory)
-    cost = CostModel.for_device(device_type, options.precision, options.bytes_per_param)
+    if cost is None:
+        cost = CostModel.for_device(device_type, options.precision, options.bytes_per_param)
     if tree is None:
         tree = build_tree(graph, cost, options.max_units)
     costs = UnitCosts(graph, tree, cost)
@@ -350,7 +356,7 @@ def partition(
         timed = [(simulate_pipeline(p).iteration_time, i) for i, p in enumerate(chosen)]
         best = chosen[min(timed)[1]]
     if best is None:
-        need = _memory_needed(graph, cluster, options, tree, kind) if math.isfinite(limit) else None
+        need = _memory_needed(graph, cluster, options, tree, kind, cost) if math.isfinite(limit) else None
         more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
         raise InfeasibleError(
             f"no {kind.upper()} plan of {graph.num_nodes} operators on {num} device(s) fits "
@@ -376,11 +382,11 @@ def _gib(n: float | None) -> str:
 
 
 def _memory_needed(
-    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, tree: SPTree, kind: str
+    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, tree: SPTree, kind: str, cost: CostModel
 ) -> float | None:
     relaxed = PartitionOptions(**{**options.__dict__, "memory_limit": float("inf")})
     try:
-        pipe = partition(graph, cluster, relaxed, tree=tree, kind=kind)  # type: ignore[arg-type]
+        pipe = partition(graph, cluster, relaxed, tree=tree, kind=kind, cost=cost)  # type: ignore[arg-type]
     except InfeasibleError:
         return None
     return max(s.memory.peak for s in pipe.stages if s.memory)
