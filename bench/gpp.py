@@ -21,7 +21,9 @@ from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.gpp.cli import build_gpp_plan
 from tessera.planners.gpp.partition import PartitionOptions, build_tree, partition
-from tessera.planners.spp import PIPER_LIMIT, piper_ideals, plan_spp
+from tessera.planners.piper import MIN_UNIT_SHARE, PIPER_LIMIT, piper_ideals, plan_piper
+from tessera.planners.sim import simulate_pipeline
+from tessera.planners.spp import plan_spp
 
 MINI_BATCH = {
     "mmt": {4: 64, 8: 128, 16: 256, 32: 512},
@@ -53,10 +55,10 @@ def main() -> None:
             gpp_dp = partition(graph, cluster, opts, tree=tree)
             t_gpp = time.perf_counter() - t0
             t0 = time.perf_counter()
-            plan_spp(graph, cluster, opts, tree=tree)
+            spp = plan_spp(graph, cluster, opts, tree=tree)
             t_spp = time.perf_counter() - t0
+            piper = plan_piper(graph, cluster, opts, tree=tree)
             plan, pipe, sim = build_gpp_plan(graph, cluster, opts)
-            base = plan.baseline or {}
             ideals = piper_ideals(tree)
             rows.append(
                 {
@@ -64,11 +66,16 @@ def main() -> None:
                     "devices": d,
                     "mini_batch": sizes[d],
                     "gpp": sim.throughput,
-                    "spp": base.get("throughput_samples_per_s", 0.0),
+                    "spp": simulate_pipeline(spp).throughput,
+                    "piper": simulate_pipeline(piper.pipeline).throughput if piper.pipeline else None,
+                    "piper_depth": piper.pipeline.pipeline_depth if piper.pipeline else None,
+                    "piper_units": piper.units if piper.pipeline else None,
+                    "t_piper": piper.search_time_s,
+                    "piper_reason": piper.reason,
                     "gpp_depth": pipe.pipeline_depth,
                     "gpp_stages": len(pipe.stages),
                     "used": sum(len(st.devices) for st in pipe.stages),
-                    "spp_depth": base.get("pipeline_depth", 0),
+                    "spp_depth": spp.pipeline_depth,
                     "structure": plan.predicted["structure"],
                     "dp_depth": gpp_dp.pipeline_depth,
                     "t_gpp": t_gpp,
@@ -82,7 +89,8 @@ def main() -> None:
             print(
                 f"{name:10} {d:>2} B={sizes[d]:>5} gpp {r['gpp']:10.1f} spp {r['spp']:10.1f} "
                 f"x{r['gpp'] / max(r['spp'], 1e-9):.2f} depth {r['gpp_depth']}/{r['spp_depth']} "
-                f"({r['structure']}) search {t_gpp:.2f}s/{t_spp:.2f}s",
+                f"({r['structure']}) search {t_gpp:.2f}s/{t_spp:.2f}s "
+                f"piper {_piper_cell(r)} ({r['t_piper']:.2f}s)",
                 flush=True,
             )
     lines = [
@@ -92,26 +100,40 @@ def main() -> None:
         "NVLink 50 GB/s, IB 12.5 GB/s; 32 devices = the preset extended to 8 nodes), mini-batch sizes of",
         "thesis §3.10.3, Adam mixed precision (16 B/param), 1F1B, roofline cost model. Throughput is the",
         "discrete-event simulator's samples/s for one iteration. *GPP* is `tessera plan --kind gpp`",
-        "(series-parallel DP of Algorithm 2, or the sequential plan when that simulates faster:",
-        "*structure*); *used* is the devices the GPP plan gives stages (a stage gets devices only where",
-        "they make it faster). *SPP* is the PipeDream-style sequential planner on the same units and",
-        "cost model; its stages run in order (a chain: depth = stages). Piper-style: not implemented;",
-        f"its DP runs over the ideals of the DAG — intractable here above {PIPER_LIMIT:,} (column",
-        "*Piper ideals*). Search times on this machine (2 cores, shared), GPP DP / SPP DP.",
+        "(series-parallel DP of Algorithm 2, or the strongest sequential plan, PipeDream- or",
+        "Piper-style, when that simulates faster: *structure*); *used* is the devices the GPP plan",
+        "gives stages (a stage gets devices only where they make it faster). *SPP* is the",
+        "PipeDream-style sequential planner on the same units and cost model; its stages run in order",
+        "(a chain: depth = stages). *Piper* is the Piper-style sequential planner",
+        "(`tessera.planners.piper`: a DP over the ideals of the unit DAG, a stage may span branches) on",
+        f"the same cost model; it runs on at most {PIPER_LIMIT:,} ideals, coarsening the units (to at",
+        f"least {MIN_UNIT_SHARE:.0%} of them, column *Piper units*) to get there, else it reports the",
+        "configuration intractable (*Piper ideals*: those of the *units* column). Search times on this",
+        "machine (2 cores, shared): GPP DP, SPP DP, Piper DP.",
         "",
-        "| model | devices | used | mini-batch | GPP samples/s | SPP samples/s | GPP/SPP | depth GPP/SPP | stages | structure | micro-batch | search GPP s | search SPP s | units | Piper ideals |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| model | devices | used | mini-batch | GPP samples/s | SPP samples/s | Piper samples/s | GPP/SPP | GPP/Piper | depth GPP/SPP/Piper | stages | structure | micro-batch | search GPP s | search SPP s | search Piper s | units | Piper units | Piper ideals |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         ratio = r["gpp"] / r["spp"] if r["spp"] else float("nan")
+        vs_piper = f"{r['gpp'] / r['piper']:.2f}x" if r["piper"] else "—"
         lines.append(
-            f"| {r['model']} | {r['devices']} | {r['used']} | {r['mini_batch']} | {r['gpp']:.1f} | {r['spp']:.1f} | {ratio:.2f}x | "
-            f"{r['gpp_depth']}/{r['spp_depth']} | {r['gpp_stages']} | {r['structure']} | {r['mb']} | "
-            f"{r['t_gpp']:.2f} | {r['t_spp']:.2f} | {r['units']} | {r['ideals']:.3g} |"
+            f"| {r['model']} | {r['devices']} | {r['used']} | {r['mini_batch']} | {r['gpp']:.1f} | {r['spp']:.1f} | "
+            f"{_piper_cell(r)} | {ratio:.2f}x | {vs_piper} | "
+            f"{r['gpp_depth']}/{r['spp_depth']}/{r['piper_depth'] or '—'} | {r['gpp_stages']} | {r['structure']} | {r['mb']} | "
+            f"{r['t_gpp']:.2f} | {r['t_spp']:.2f} | {r['t_piper']:.2f} | {r['units']} | {r['piper_units'] or '—'} | {r['ideals']:.3g} |"
         )
     out = Path(__file__).parent / "results" / "gpp.md"
     write_atomic(out, "\n".join(lines) + "\n")
     print(f"wrote {out}")
+
+
+def _piper_cell(r: dict) -> str:
+    if r["piper"] is not None:
+        return f"{r['piper']:.1f}"
+    if (r["piper_reason"] or "").startswith("intractable"):
+        return f"intractable ({r['ideals']:.3g} ideals)"
+    return "infeasible"
 
 
 if __name__ == "__main__":

@@ -1,56 +1,152 @@
 """Sequential pipeline-parallel (SPP) baselines on GraphPipe's cost model.
 
-- :func:`plan_spp` — PipeDream-style: the operators in one linear (topological) order, cut into
-  contiguous sequential stages, each possibly data-parallel, minimizing the bottleneck stage's
-  time per sample under the memory limit (PipeDream's objective). It runs the GPP partitioner
-  (:mod:`tessera.planners.gpp.partition`) on the *linearized* series-parallel tree — one series of
-  the same units — so both planners share units, cost model, micro-batch search and schedules,
-  and on a chain GPP and SPP produce the same plan. The stages run in order (stage i+1 after
-  stage i, zero-byte ordering edges where no tensor flows), as a sequential pipeline does (thesis
-  §3.2); the DP charges each stage the bytes crossing its left cut. For search time on 70–80-unit
-  chains it tries the 4 longest feasible first stages per data-parallel degree, not every split.
-- :func:`piper_ideals` — the size of Piper's search space: Piper's DP runs over the downsets
-  (ideals) of the operator DAG, whose number grows exponentially with the number of parallel
-  branches (GraphPipe thesis §3.7.1: Piper finds no strategy for DLRM and CANDLE-Uno). A
-  Piper-style partitioner is not implemented; :func:`piper_ideals` reports when it would be
-  intractable (more than ``PIPER_LIMIT`` ideals of the coarsened DAG).
+- :func:`plan_spp` — PipeDream-style: the operators in one linear (topological) order, cut
+  into contiguous sequential stages, each possibly data-parallel, minimizing the bottleneck
+  stage's time per sample under the memory limit (PipeDream's objective). It runs the GPP
+  partitioner (:mod:`tessera.planners.gpp.partition`) on the *linearized* series-parallel tree —
+  one series of the same units — so both planners share units, cost model, micro-batch search and
+  schedules, and on a chain GPP and SPP produce the same plan. The stages run in order (stage i+1
+  after stage i, zero-byte ordering edges where no tensor flows), as a sequential pipeline does
+  (thesis §3.2); the DP charges each stage the bytes crossing its left cut. For search time on
+  70–80-unit chains it tries the 4 longest feasible first stages per data-parallel degree, not
+  every split.
+- :func:`tessera.planners.piper.plan_piper` — Piper-style: a DP over the ideals of the unit DAG,
+  where a stage may take part of several branches (every topological order's cuts at once), when
+  the DAG has few enough ideals (:data:`~tessera.planners.piper.PIPER_LIMIT`, after coarsening);
+  otherwise it reports ``intractable: N ideals`` (GraphPipe §7.2: Piper finds no strategy for DLRM
+  and CANDLE-Uno).
+- :func:`plan_sequential` — the strongest sequential plan, what ``tessera plan --kind spp`` writes
+  and ``--kind gpp`` compares against: the PipeDream-style plan, or the Piper-style one where
+  Piper is tractable and its plan simulates faster. The result says which
+  (:class:`SequentialPipeline`; :func:`sequential_record` for the plan JSON).
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
 
 from tessera.core.cost import CostModel
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec
 from tessera.planners.gpp.partition import PartitionOptions, Pipeline, build_tree, partition
-from tessera.planners.gpp.sp import SPNode, SPTree
+from tessera.planners.gpp.sp import SPTree
+from tessera.planners.piper import PIPER_LIMIT, PiperResult, piper_ideals, plan_piper
+from tessera.planners.sim import simulate_pipeline
 
-PIPER_LIMIT = 100_000
+__all__ = [
+    "PIPER_LIMIT",
+    "SequentialPipeline",
+    "piper_ideals",
+    "plan_sequential",
+    "plan_spp",
+    "method_name",
+    "sequential_record",
+]
+
+Method = Literal["pipedream", "piper"]
+
+
+@dataclass
+class SequentialPipeline(Pipeline):
+    """A sequential :class:`Pipeline` that says which planner made it and how the other fared."""
+
+    method: Method = "pipedream"
+    pipedream_throughput: float | None = None  # simulated samples/s of the PipeDream-style plan
+    piper: PiperResult | None = None  # None when Piper was not run
+    piper_throughput: float | None = None
 
 
 def plan_spp(
-    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, *, tree: SPTree | None = None
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    *,
+    tree: SPTree | None = None,
+    cost: CostModel | None = None,
 ) -> Pipeline:
     """PipeDream-style sequential pipeline (see the module docstring)."""
+    cost = cost or _cost(cluster, options)
     if tree is None:
-        device = cluster.devices()[0].type
-        cost = CostModel.for_device(device, options.precision, options.bytes_per_param)
         tree = build_tree(graph, cost, options.max_units)
-    return partition(graph, cluster, options, tree=tree.linearized(), kind="spp")
+    return partition(graph, cluster, options, tree=tree.linearized(), kind="spp", cost=cost)
 
 
-def piper_ideals(tree: SPTree) -> int:
-    """Number of ideals (downward-closed sets) of the coarsened unit DAG, exact for the SP tree:
-    a leaf has 2, a series of A then B has I(A) + I(B) − 1, a parallel composition the product."""
-    return _ideals(tree.root)
+def plan_sequential(
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    *,
+    tree: SPTree | None = None,
+    cost: CostModel | None = None,
+    piper: bool = True,
+) -> SequentialPipeline:
+    """The strongest sequential pipeline: PipeDream-style, or Piper-style where Piper is
+    tractable and its plan simulates faster (ties go to PipeDream). ``piper=False`` skips Piper.
+    ``cost``: the cost model (default: the roofline, or measured times inside ``measured_costs``).
+
+    Raises what :func:`plan_spp` raises (``InfeasibleError`` when no sequential plan fits).
+    """
+    cost = cost or _cost(cluster, options)
+    if tree is None:
+        tree = build_tree(graph, cost, options.max_units)
+    pipedream = plan_spp(graph, cluster, options, tree=tree, cost=cost)
+    pd_time = simulate_pipeline(pipedream).iteration_time
+    result = plan_piper(graph, cluster, options, tree=tree, cost=cost) if piper else None
+    chosen: Pipeline = pipedream
+    method: Method = "pipedream"
+    piper_throughput = None
+    if result is not None and result.pipeline is not None:
+        sim = simulate_pipeline(result.pipeline)
+        piper_throughput = sim.throughput
+        if sim.iteration_time < pd_time:
+            chosen, method = result.pipeline, "piper"
+    fields = {f.name: getattr(chosen, f.name) for f in dataclasses.fields(Pipeline)}
+    fields["search_time_s"] = pipedream.search_time_s + (result.search_time_s if result else 0.0)
+    return SequentialPipeline(
+        **fields,
+        method=method,
+        pipedream_throughput=options.mini_batch / pd_time,
+        piper=result,
+        piper_throughput=piper_throughput,
+    )
 
 
-def _ideals(node: SPNode) -> int:
-    if node.kind == "leaf":
-        return 2
-    counts = [_ideals(c) for c in node.children]
-    if node.kind == "series":
-        return sum(counts) - (len(counts) - 1)
-    total = 1
-    for c in counts:
-        total *= c
-    return total
+def sequential_record(pipe: Pipeline) -> dict[str, Any]:
+    """What a plan records about its sequential planners (``{}`` for other pipelines):
+    ``sequential_method`` (``pipedream`` or ``piper``), ``pipedream_throughput_samples_per_s`` and
+    ``piper`` (the Piper-style result: throughput, ideals and units, or why there is none)."""
+    if not isinstance(pipe, SequentialPipeline):
+        return {}
+    out: dict[str, Any] = {"sequential_method": pipe.method}
+    if pipe.pipedream_throughput is not None:
+        out["pipedream_throughput_samples_per_s"] = _r(pipe.pipedream_throughput)
+    r = pipe.piper
+    if r is not None:
+        piper: dict[str, Any] = {"ideals": r.ideals, "units": r.units}
+        if r.coarsened:
+            piper["coarsened_from_units"] = r.requested_units
+        if r.pipeline is not None and pipe.piper_throughput is not None:
+            piper["throughput_samples_per_s"] = _r(pipe.piper_throughput)
+        else:
+            piper["no_plan"] = r.reason
+        out["piper"] = piper
+    return out
+
+
+def method_name(pipe: Pipeline) -> str:
+    """A one-line description of the planner behind a sequential pipeline."""
+    if isinstance(pipe, SequentialPipeline) and pipe.method == "piper":
+        return "Piper-style sequential stages (DP over the ideals of the unit DAG) on the same cost model"
+    return "PipeDream-style sequential stages on the same cost model"
+
+
+def _cost(cluster: ClusterSpec, options: PartitionOptions) -> CostModel:
+    device = cluster.devices()[0].type
+    return CostModel.for_device(device, options.precision, options.bytes_per_param)
+
+
+def _r(x: float) -> float:
+    """9 significant digits: stable JSON across platforms' float noise (as the plan writer)."""
+    return float(f"{x:.9g}")

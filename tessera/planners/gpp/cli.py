@@ -34,7 +34,7 @@ from tessera.core.units import format_bytes, parse_bytes
 from tessera.planners.gpp.partition import PartitionOptions, Pipeline, build_tree, partition
 from tessera.planners.gpp.profile import MeasuredCosts
 from tessera.planners.sim import SimResult, simulate_pipeline
-from tessera.planners.spp import plan_spp
+from tessera.planners.spp import method_name, plan_sequential, sequential_record
 
 
 def _r(x: float) -> float:
@@ -76,7 +76,7 @@ def _build(
     spp_error: str | None = None
     if kind == "spp" or baseline:
         try:
-            spp = plan_spp(graph, cluster, options, tree=tree)
+            spp = plan_sequential(graph, cluster, options, tree=tree)
         except InfeasibleError as exc:
             if kind == "spp":
                 raise
@@ -84,7 +84,9 @@ def _build(
     spp_sim = simulate_pipeline(spp) if spp is not None else None
     if kind == "spp":
         assert spp is not None and spp_sim is not None
-        return _to_plan(graph, cluster, spp, spp_sim, None, "sequential"), spp, spp_sim
+        plan = _to_plan(graph, cluster, spp, spp_sim, None, "sequential")
+        plan.predicted.update(sequential_record(spp))  # which sequential planner, and the other's result
+        return plan, spp, spp_sim
     try:
         pipe = partition(graph, cluster, options, tree=tree)
         sim = simulate_pipeline(pipe)
@@ -107,7 +109,7 @@ def _build(
         if spp is not None and spp_sim is not None:
             base = {
                 "kind": "spp",
-                "method": "PipeDream-style sequential stages on the same cost model",
+                "method": method_name(spp),
                 "iteration_time_s": _r(spp_sim.iteration_time),
                 "throughput_samples_per_s": _r(spp_sim.throughput),
                 "pipeline_depth": spp.pipeline_depth,

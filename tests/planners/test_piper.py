@@ -1,0 +1,221 @@
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from onnx import helper
+from planners.gpp.gpp_graphs import _model, chain
+
+from tessera.core.cost import CostModel
+from tessera.core.graph import Graph, load_graph
+from tessera.core.plans import check_plan_against_model, dump_plan
+from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.models import build
+from tessera.planners.gpp.cli import build_gpp_plan
+from tessera.planners.gpp.partition import PartitionOptions, _Links, build_tree
+from tessera.planners.piper import MIN_UNIT_SHARE, PIPER_LIMIT, _IdealDP, _Lattice, piper_ideals, plan_piper
+from tessera.planners.sim import simulate_pipeline
+from tessera.planners.spp import plan_sequential, plan_spp, sequential_record
+
+
+@pytest.fixture(scope="module")
+def v100() -> ClusterSpec:
+    return load_cluster("graphpipe-v100")
+
+
+def diamond(width: int = 256, narrow: int = 64) -> Graph:
+    """Two branches from x to an Add: a heavy one (two width×width MatMuls) and a light one (two
+    MatMuls through ``narrow``). Sequential stages {a1, b1} | {a2, b2, merge} balance the work;
+    no cut of a topological order that lists a branch before the other does."""
+    inits = {
+        "wa1": np.ones((width, width), np.float32),
+        "wa2": np.ones((width, width), np.float32),
+        "wb1": np.ones((width, narrow), np.float32),
+        "wb2": np.ones((narrow, width), np.float32),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "wa1"], ["a1"], name="a1"),
+        helper.make_node("MatMul", ["a1", "wa2"], ["a2"], name="a2"),
+        helper.make_node("MatMul", ["x", "wb1"], ["b1"], name="b1"),
+        helper.make_node("MatMul", ["b1", "wb2"], ["b2"], name="b2"),
+        helper.make_node("Add", ["a2", "b2"], ["y"], name="merge"),
+    ]
+    return load_graph(_model(nodes, ["x"], ["y"], inits, width))
+
+
+def compute_bound(devices: int = 2) -> ClusterSpec:
+    """Slow devices with no launch overhead on a fast link: stage times follow the FLOPs."""
+    return ClusterSpec.from_json_dict(
+        {
+            "name": "compute-bound",
+            "device_types": {
+                "slow": {
+                    "kind": "gpu",
+                    "name": "slow",
+                    "memory": 2**34,
+                    "flops": {"fp32": 1e12, "fp16": 1e12},
+                    "memory_bandwidth": 1e13,
+                    "kernel_launch_overhead": 0.0,
+                }
+            },
+            "nodes": [{"name": "n", "count": 1, "devices": [{"type": "slow", "count": devices}]}],
+            "links": {"intra_node": {"bandwidth": 1e12, "latency": 0.0}},
+        }
+    )
+
+
+def _stages(pipe) -> list[tuple[list[str], int, int]]:
+    return [(s.nodes, len(s.devices), s.micro_batch_size) for s in pipe.stages]
+
+
+def test_chain_piper_equals_pipedream(v100) -> None:
+    g = chain(16, width=512)
+    # Same search space on a chain (its ideals are its prefixes): the same plan.
+    opts = PartitionOptions(mini_batch=64, num_devices=4, micro_batch_sizes=(8,))
+    pipedream = plan_spp(g, v100, opts)
+    piper = plan_piper(g, v100, opts)
+    assert piper.pipeline is not None and not piper.coarsened
+    assert piper.ideals == piper.units + 1
+    assert _stages(piper.pipeline) == _stages(pipedream)
+    assert simulate_pipeline(piper.pipeline).throughput == pytest.approx(
+        simulate_pipeline(pipedream).throughput
+    )
+    # Over every micro-batch size Piper-style is never worse (the ladder of looser bounds finds
+    # the two-stage plan that beats four stages at one micro-batch).
+    opts = PartitionOptions(mini_batch=64, num_devices=4)
+    best = plan_piper(g, v100, opts).pipeline
+    assert best is not None
+    assert simulate_pipeline(best).throughput >= simulate_pipeline(plan_spp(g, v100, opts)).throughput
+
+
+def test_cross_branch_stage_beats_pipedream() -> None:
+    g = diamond()
+    cluster = compute_bound(2)
+    opts = PartitionOptions(mini_batch=32, micro_batch_sizes=(1,))  # pipelining, no replication
+    pipedream = plan_spp(g, cluster, opts)
+    piper = plan_piper(g, cluster, opts).pipeline
+    assert piper is not None
+    assert [s.nodes for s in piper.stages] == [["a1", "b1"], ["a2", "b2", "merge"]]
+    assert simulate_pipeline(piper).throughput > 1.1 * simulate_pipeline(pipedream).throughput
+    assert piper.bottleneck_tps < pipedream.bottleneck_tps
+    best = plan_sequential(g, cluster, opts)
+    assert best.method == "piper"
+    assert _stages(best) == _stages(piper)
+    record = sequential_record(best)
+    assert record["sequential_method"] == "piper"
+    assert record["piper"]["throughput_samples_per_s"] > record["pipedream_throughput_samples_per_s"]
+
+
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("limit", [2**22, 1_054_576])  # loose; weights + a few micro-batches
+def test_dp_finds_the_smallest_bottleneck(devices: int, limit: int) -> None:
+    """Against brute force over every chain of ideals and every data-parallel degree, memory
+    (in-flight micro-batches: one per stage from this one on) included."""
+    g = diamond()
+    cluster = compute_bound(4)
+    opts = PartitionOptions(mini_batch=64, num_devices=devices, memory_limit=limit)
+    cost = CostModel.for_device(cluster.devices()[0].type)
+    lattice = _Lattice(g, build_tree(g, cost, 128), cost)
+    dp = _IdealDP(lattice, _Links(cluster, devices), opts, 4, limit, devices)
+    pair = {(int(lo), int(hi)): p for p, (lo, hi) in enumerate(zip(lattice.lo, lattice.hi, strict=True))}
+
+    def chains(ideal: int):
+        if ideal == 0:
+            yield []
+            return
+        for (lower, upper), p in pair.items():
+            if upper == ideal:
+                for rest in chains(lower):
+                    yield [*rest, p]
+
+    best = np.inf
+    for stages in chains(lattice.n - 1):
+        n = len(stages)
+        for ks in itertools.product(range(len(dp.degrees)), repeat=n):
+            plan = list(zip(stages, ks, strict=True))
+            if sum(dp.degrees[k] for k in ks) > devices:
+                continue
+            if any(dp.smax[k, p] < n - 1 - i for i, (p, k) in enumerate(plan)):  # Eq. 3.2
+                continue
+            best = min(best, max(dp.tps[k, p] for p, k in plan))
+    plans = dp.search(0.0, 1e-6)
+    if best == np.inf:
+        assert plans == []
+        return
+    assert min(max(dp.tps[k, p] for p, k in plan) for plan in plans) == pytest.approx(best, rel=1e-5)
+    for plan in plans:
+        assert sum(dp.degrees[k] for _, k in plan) <= devices
+        assert all(dp.smax[k, p] >= len(plan) - 1 - i for i, (p, k) in enumerate(plan))
+
+
+@pytest.mark.parametrize(("name", "method"), [("gpt", "piper"), ("mmt", None)])
+def test_piper_plans_pass_the_plan_checks(v100, name: str, method: str | None) -> None:
+    g = load_graph(build(name, "tiny"))
+    for opts in (
+        PartitionOptions(mini_batch=32, num_devices=4),
+        PartitionOptions(mini_batch=32, num_devices=4, memory_limit=2**30, schedule="kfkb", k=2),
+        PartitionOptions(mini_batch=32, num_devices=3, schedule="gpipe"),
+    ):
+        piper = plan_piper(g, v100, opts)
+        assert piper.pipeline is not None and piper.ideals <= PIPER_LIMIT
+        plan, pipe, _ = build_gpp_plan(g, v100, opts, kind="spp")
+        assert check_plan_against_model(plan, g) == []
+        assert plan.predicted["sequential_method"] in ("piper", "pipedream")
+        assert plan.predicted["piper"]["units"] == piper.units
+        if method is not None and opts.schedule == "1f1b":
+            assert plan.predicted["sequential_method"] == method
+        for st in plan.stages:
+            assert st.memory.peak <= (opts.memory_limit or v100.devices()[0].type.memory)
+        assert pipe.pipeline_depth == len(pipe.stages)  # sequential: stages run in order
+
+
+def test_piper_plan_of_the_diamond_passes_the_checks() -> None:
+    g = diamond()
+    cluster = compute_bound(2)
+    plan, pipe, _ = build_gpp_plan(
+        g, cluster, PartitionOptions(mini_batch=32, micro_batch_sizes=(1,)), kind="spp"
+    )
+    assert plan.predicted["sequential_method"] == "piper"
+    assert [s.nodes for s in plan.stages] == [["a1", "b1"], ["a2", "b2", "merge"]]
+    assert check_plan_against_model(plan, g) == []
+
+
+def test_coarsened_to_become_tractable(v100) -> None:
+    g = load_graph(build("mmt", "tiny"))
+    tree = build_tree(g, CostModel.for_device(v100.devices()[0].type), 128)
+    assert piper_ideals(tree) > PIPER_LIMIT
+    result = plan_piper(g, v100, PartitionOptions(mini_batch=32, num_devices=4), tree=tree)
+    assert result.pipeline is not None and result.coarsened
+    assert result.requested_units == tree.num_units
+    assert MIN_UNIT_SHARE * tree.num_units <= result.units < tree.num_units
+    assert result.ideals <= PIPER_LIMIT
+    assert "coarsened from" in result.describe()
+    assert sorted(op for st in result.pipeline.stages for op in st.nodes) == sorted(g.order)
+
+
+@pytest.mark.parametrize("name", ["dlrm", "candle_uno"])
+def test_intractable_graphs_are_reported_not_attempted(v100, name: str) -> None:
+    g = load_graph(build(name, "tiny"))
+    result = plan_piper(g, v100, PartitionOptions(mini_batch=32, num_devices=4))
+    assert result.pipeline is None and not result.tractable
+    assert result.reason is not None and result.reason.startswith(f"intractable: {result.ideals} ideals")
+    assert result.ideals > 10**6 and result.pairs == 0  # counted, no DP
+    plan, _, _ = build_gpp_plan(g, v100, PartitionOptions(mini_batch=32, num_devices=4), kind="spp")
+    assert plan.predicted["sequential_method"] == "pipedream"
+    assert plan.predicted["piper"]["no_plan"] == result.reason
+    # Without coarsening even the MMT is over the limit.
+    mmt = plan_piper(load_graph(build("mmt", "tiny")), v100, PartitionOptions(mini_batch=32), coarsen=False)
+    assert mmt.pipeline is None and mmt.reason == f"intractable: {mmt.ideals} ideals (limit {PIPER_LIMIT})"
+
+
+def test_deterministic(v100) -> None:
+    opts = PartitionOptions(mini_batch=16, num_devices=4)
+    a = plan_piper(load_graph(build("gpt", "tiny")), v100, opts).pipeline
+    b = plan_piper(load_graph(build("gpt", "tiny")), v100, opts).pipeline
+    assert a is not None and b is not None
+    assert _stages(a) == _stages(b)
+    assert [s.schedule for s in a.stages] == [s.schedule for s in b.stages]
+    one = dump_plan(build_gpp_plan(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
+    two = dump_plan(build_gpp_plan(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
+    assert one == two
