@@ -33,18 +33,11 @@ for the operators it has no time for (unsupported, non-differentiable, constant)
 optimizer state, activations, wire bytes — stays analytical (tensor shapes) either way. The roofline
 is deterministic; measured times are deterministic only given the cache (a warm cache gives the same
 times, so the same plan, byte for byte).
-
-The planners build their cost models with :meth:`CostModel.for_device`; inside
-``with measured_costs(times):`` that returns models that take their operator times from ``times``
-(a scoped bridge until the partitioner takes a cost model as an argument).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -88,20 +81,6 @@ class OpTimes(Protocol):
     def times(self, op: OpNode, samples: float) -> tuple[float, float] | None: ...
 
 
-_MEASURED: ContextVar[OpTimes | None] = ContextVar("tessera_measured_costs", default=None)
-
-
-@contextmanager
-def measured_costs(times: OpTimes | None) -> Iterator[None]:
-    """Within the block, :meth:`CostModel.for_device` returns models that take operator times from
-    ``times`` (None: the roofline). Scoped to the current thread or task (a ``ContextVar``)."""
-    token = _MEASURED.set(times)
-    try:
-        yield
-    finally:
-        _MEASURED.reset(token)
-
-
 @dataclass(frozen=True)
 class CostModel:
     """Operator costs on one device type at one precision: the roofline, or measured operator times
@@ -114,12 +93,14 @@ class CostModel:
 
     @classmethod
     def for_device(
-        cls, device: DeviceType, precision: Precision = "mixed", bytes_per_param: float | None = None
+        cls,
+        device: DeviceType,
+        precision: Precision = "mixed",
+        bytes_per_param: float | None = None,
+        measured: OpTimes | None = None,
     ) -> CostModel:
-        """The model for ``device``; ``bytes_per_param`` overrides the optimizer-state total (16).
-
-        Inside ``with measured_costs(times):`` the model's operator times come from ``times``.
-        """
+        """The model for ``device``; ``bytes_per_param`` overrides the optimizer-state total (16);
+        ``measured``: operator times to take instead of the roofline's where it has them."""
         memory = TrainingMemory.adam(precision)
         if bytes_per_param is not None:
             extra = bytes_per_param - memory.weight_bytes_per_param - memory.gradient_bytes_per_param
@@ -128,7 +109,7 @@ class CostModel:
             memory = TrainingMemory(
                 memory.weight_bytes_per_param, memory.gradient_bytes_per_param, extra, memory.activation_scale
             )
-        return cls(device=device, precision=precision, memory=memory, measured=_MEASURED.get())
+        return cls(device=device, precision=precision, memory=memory, measured=measured)
 
     @property
     def peak_flops(self) -> float:

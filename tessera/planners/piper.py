@@ -146,8 +146,7 @@ def plan_piper(
 
     Returns a :class:`PiperResult`: its ``pipeline`` (kind ``spp``) is ``None`` when the unit DAG
     has more than ``limit`` ideals even after coarsening (``reason`` ``"intractable: N ideals"``)
-    or when no plan fits the memory limit. ``cost``: the cost model (default: the roofline, or
-    measured times inside ``measured_costs``). Raises :class:`InputError` for bad options.
+    or when no plan fits the memory limit. ``cost``: the cost model (default: the roofline). Raises :class:`InputError` for bad options.
     """
     started = time.perf_counter()
     devices = cluster.devices()

@@ -84,7 +84,7 @@ def plan_sequential(
 ) -> SequentialPipeline:
     """The strongest sequential pipeline: PipeDream-style, or Piper-style where Piper is
     tractable and its plan simulates faster (ties go to PipeDream). ``piper=False`` skips Piper.
-    ``cost``: the cost model (default: the roofline, or measured times inside ``measured_costs``).
+    ``cost``: the cost model (default: the roofline).
 
     Raises what :func:`plan_spp` raises (``InfeasibleError`` when no sequential plan fits).
     """

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from tessera.core.cost import CostModel, measured_costs
+from tessera.core.cost import CostModel
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.files import write_atomic
 from tessera.core.graph import Graph
@@ -58,25 +58,23 @@ def build_gpp_plan(
     """
     if kind not in ("gpp", "spp"):
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
-    with measured_costs(measured):
-        plan, pipe, sim = _build(graph, cluster, options, kind, baseline)
+    device = cluster.devices()[0].type
+    cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
+    plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost)
     if measured is not None:
         plan.predicted["cost_model"] = measured.to_json()
     return plan, pipe, sim
 
 
 def _build(
-    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, kind: str, baseline: bool
+    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, kind: str, baseline: bool, cost: CostModel
 ) -> tuple[GppPlan, Pipeline, SimResult]:
-    device = cluster.devices()[0].type
-    tree = build_tree(
-        graph, CostModel.for_device(device, options.precision, options.bytes_per_param), options.max_units
-    )
+    tree = build_tree(graph, cost, options.max_units)
     spp: Pipeline | None = None
     spp_error: str | None = None
     if kind == "spp" or baseline:
         try:
-            spp = plan_sequential(graph, cluster, options, tree=tree)
+            spp = plan_sequential(graph, cluster, options, tree=tree, cost=cost)
         except InfeasibleError as exc:
             if kind == "spp":
                 raise
@@ -88,7 +86,7 @@ def _build(
         plan.predicted.update(sequential_record(spp))  # which sequential planner, and the other's result
         return plan, spp, spp_sim
     try:
-        pipe = partition(graph, cluster, options, tree=tree)
+        pipe = partition(graph, cluster, options, tree=tree, cost=cost)
         sim = simulate_pipeline(pipe)
     except InfeasibleError:
         if spp is None:

@@ -2,7 +2,7 @@
 
 :func:`profile_graph` measures, on *this* machine, the forward and backward time of every operator
 of a graph that reads activations, and returns :class:`MeasuredCosts`, the operator times a
-:class:`~tessera.core.cost.CostModel` takes instead of the roofline's (``measured_costs``). The method:
+:class:`~tessera.core.cost.CostModel` takes instead of the roofline's (``CostModel.for_device(..., measured=...)``). The method:
 
 - **one operator at a time, through torch autograd**: the operator's ONNX node becomes a one-node
   :class:`~tessera.executor.torch_module.OnnxModule` (the executor's converter); its activation

@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx_builders import single_op_model
 
 from tessera.backends.profile_cache import ProfileCache
-from tessera.core.cost import CostModel, measured_costs
+from tessera.core.cost import CostModel
 from tessera.core.errors import InputError
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
@@ -113,13 +113,11 @@ def test_unsupported_and_non_differentiable_operators_fall_back_to_the_roofline(
     assert "differentiable" in measured.fallback["shape"]
     # The cost model takes measured times where there are some, the roofline elsewhere.
     roofline = CostModel.for_device(core)
-    with measured_costs(measured):
-        cost = CostModel.for_device(core)
+    cost = CostModel.for_device(core, measured=measured)
     matmul, hard = graph.op("matmul"), graph.op("hard_sigmoid")
     assert cost.forward_time(matmul, 4) == measured.times(matmul, 4)[0]
     assert cost.backward_time(matmul, 4) == measured.times(matmul, 4)[1]
     assert cost.forward_time(hard, 4) == roofline.forward_time(hard, 4)
-    assert CostModel.for_device(core).measured is None  # the scope ended
     # The failed measurement (Shape) is cached too: a second run measures nothing.
     again = profile_graph(graph, core, cache=ProfileCache(cache), options=FAST)
     assert again.report.measurements == 0
