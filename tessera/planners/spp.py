@@ -5,7 +5,7 @@
   stage's time per sample under the memory limit (PipeDream's objective). It runs the GPP
   partitioner (:mod:`tessera.planners.gpp.partition`) on the *linearized* series-parallel tree —
   one series of the same units — so both planners share units, cost model, micro-batch search and
-  schedules, and on a chain GPP and SPP produce the same plan. The stages run in order (stage i+1
+  schedules, and on a chain GPP and SPP find equally fast plans. The stages run in order (stage i+1
   after stage i, zero-byte ordering edges where no tensor flows), as a sequential pipeline does
   (thesis §3.2); the DP charges each stage the bytes crossing its left cut. For search time on
   70–80-unit chains it tries the 4 longest feasible first stages per data-parallel degree, not

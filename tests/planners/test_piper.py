@@ -149,8 +149,8 @@ def test_dp_finds_the_smallest_bottleneck(devices: int, limit: int) -> None:
         assert all(dp.smax[k, p] >= len(plan) - 1 - i for i, (p, k) in enumerate(plan))
 
 
-@pytest.mark.parametrize(("name", "method"), [("gpt", "piper"), ("mmt", None)])
-def test_piper_plans_pass_the_plan_checks(v100, name: str, method: str | None) -> None:
+@pytest.mark.parametrize("name", ["gpt", "mmt"])
+def test_piper_plans_pass_the_plan_checks(v100, name: str) -> None:
     g = load_graph(build(name, "tiny"))
     for opts in (
         PartitionOptions(mini_batch=32, num_devices=4),
@@ -163,8 +163,11 @@ def test_piper_plans_pass_the_plan_checks(v100, name: str, method: str | None) -
         assert check_plan_against_model(plan, g) == []
         assert plan.predicted["sequential_method"] in ("piper", "pipedream")
         assert plan.predicted["piper"]["units"] == piper.units
-        if method is not None and opts.schedule == "1f1b":
-            assert plan.predicted["sequential_method"] == method
+        # The plan is the faster of the two sequential planners.
+        pipedream = plan.predicted["pipedream_throughput_samples_per_s"]
+        piper_throughput = plan.predicted["piper"]["throughput_samples_per_s"]
+        faster = "piper" if piper_throughput > pipedream else "pipedream"
+        assert plan.predicted["sequential_method"] == faster
         for st in plan.stages:
             assert st.memory.peak <= (opts.memory_limit or v100.devices()[0].type.memory)
         assert pipe.pipeline_depth == len(pipe.stages)  # sequential: stages run in order

