@@ -21,8 +21,10 @@ is convex, so every stage stays a convex subgraph (C1); no operator is duplicate
 the costs are arithmetically identical; only the parallelism inside that subgraph is given up.
 
 Coarsening. Subtrees whose cost is at most ``total / max_units`` collapse into one leaf, and
-consecutive small leaves of a series are merged (chains), doubling the threshold until at most
-``max_units`` units remain (thesis §3.5: "apply [the decompositions] at a relatively coarse
+consecutive small leaves of a series are merged (chains) into units within that cost, closing units
+at the cuts with the fewest activation bytes (:func:`_merge_run`: stage boundaries can only fall
+between units, and a cut inside a transformer layer carries several times the bytes of one between
+layers), doubling the threshold until at most ``max_units`` units remain (thesis §3.5: "apply [the decompositions] at a relatively coarse
 granularity of small groups of operators to reduce the overall time complexity").
 
 The leaves, in depth-first order, are numbered 0..U-1; that order is a topological order of the
@@ -32,6 +34,7 @@ units and every subtree — and every contiguous range of a node's children — 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -110,10 +113,11 @@ def decompose(
     root = _decompose(dag, order, position, cost_fn, state)
     root = _flatten(root)
     threshold = root.cost / max(max_units, 1)
-    coarse = _coarsen(root, threshold)
+    cuts = CutBytes(graph)
+    coarse = _coarsen(root, threshold, cuts)
     while sum(1 for _ in coarse.leaves()) > max_units:
         threshold *= 2
-        coarse = _coarsen(root, threshold)
+        coarse = _coarsen(root, threshold, cuts)
     _number(coarse, 0)
     unit_ops = [list(leaf.ops) for leaf in coarse.leaves()]
     unit_of = {op: i for i, ops in enumerate(unit_ops) for op in ops}
@@ -202,32 +206,101 @@ def _flatten(node: SPNode) -> SPNode:
     return SPNode(node.kind, children=children, cost=node.cost)
 
 
-def _coarsen(node: SPNode, threshold: float) -> SPNode:
+def _coarsen(node: SPNode, threshold: float, cuts: CutBytes | None = None) -> SPNode:
     if node.kind == "leaf":
         return SPNode("leaf", ops=node.ops, cost=node.cost)
     if node.cost <= threshold:
         return SPNode("leaf", ops=tuple(node.all_ops()), cost=node.cost)
-    children = [_coarsen(c, threshold) for c in node.children]
+    children = [_coarsen(c, threshold, cuts) for c in node.children]
     if node.kind == "parallel":
         # Heaviest branches first (stable): the partitioner groups contiguous, similar branches.
         children.sort(key=lambda c: -c.cost)
     if node.kind == "series":
+        crossing = cuts(children) if cuts is not None else [0.0] * (len(children) - 1)
         merged: list[SPNode] = []
-        for c in children:
-            last = merged[-1] if merged else None
-            if (
-                last is not None
-                and last.kind == "leaf"
-                and c.kind == "leaf"
-                and last.cost + c.cost <= threshold
-            ):
-                merged[-1] = SPNode("leaf", ops=last.ops + c.ops, cost=last.cost + c.cost)
-            else:
-                merged.append(c)
+        i = 0
+        while i < len(children):
+            j = i
+            while j < len(children) and children[j].kind == "leaf":
+                j += 1
+            if j == i:
+                merged.append(children[i])
+                i += 1
+                continue
+            merged.extend(_merge_run(children[i:j], crossing[i : j - 1], threshold))
+            i = j
         children = merged
     if len(children) == 1:
         return children[0]
     return SPNode(node.kind, children=children, cost=node.cost)
+
+
+def _merge_run(leaves: list[SPNode], crossing: list[float], threshold: float) -> list[SPNode]:
+    """Consecutive leaves of a series merged into units of cost at most ``threshold``, closing units
+    at cheap cuts: a DP over the run minimizing Σ over units of ``1 + bytes(cut after it) / median
+    cut`` — as few units as the budget allows, but a unit more where that moves cuts off the wide
+    tensors (inside a transformer layer a cut carries the residual stream *and* the branch's
+    activations; between layers, the residual stream only)."""
+    n = len(leaves)
+    positive = sorted(x for x in crossing if x > 0)
+    ref = positive[len(positive) // 2] if positive else 1.0
+    best = [0.0] + [math.inf] * n  # best[e]: cost of leaves [0, e) in units
+    start = [0] * (n + 1)
+    for e in range(1, n + 1):
+        closing = 1.0 + (crossing[e - 1] / ref if e < n else 0.0)
+        total = 0.0
+        for b in range(e - 1, -1, -1):
+            total += leaves[b].cost
+            if b < e - 1 and total > threshold:
+                break
+            if best[b] + closing < best[e]:
+                best[e], start[e] = best[b] + closing, b
+    units: list[SPNode] = []
+    e = n
+    while e > 0:
+        b = start[e]
+        ops = tuple(op for leaf in leaves[b:e] for op in leaf.ops)
+        units.append(SPNode("leaf", ops=ops, cost=sum(leaf.cost for leaf in leaves[b:e])))
+        e = b
+    return units[::-1]
+
+
+class CutBytes:
+    """Bytes crossing each boundary between consecutive children of a series node: the tensors
+    produced at or before it (or entering the node from before) that are read after it (or leave
+    the node). Weights (constant operators) are not activations and do not count."""
+
+    def __init__(self, graph: Graph) -> None:
+        self.graph = graph
+
+    def __call__(self, children: Sequence[SPNode]) -> list[float]:
+        k = len(children)
+        pos = {op: i for i, c in enumerate(children) for op in c.all_ops()}
+        dag, constants = self.graph.dag, self.graph.constant_nodes
+        span: dict[str, list[float]] = {}  # tensor -> [first position, last reader, bytes]
+        for op, i in pos.items():
+            for succ in dag.successors(op):
+                reader = pos.get(succ, k)
+                for t in dag.edges[op, succ]["tensors"]:
+                    got = span.setdefault(t.name, [i, reader, t.nbytes])
+                    got[1] = max(got[1], reader)
+            for pred in dag.predecessors(op):
+                if pred in pos or pred in constants:
+                    continue
+                for t in dag.edges[pred, op]["tensors"]:
+                    got = span.setdefault(t.name, [-1, i, t.nbytes])
+                    got[0], got[1] = -1, max(got[1], i)
+        diff = [0.0] * (k + 1)
+        for lo, hi, nbytes in span.values():
+            a, b = max(int(lo), 0), min(int(hi), k - 1)
+            if a < b:
+                diff[a] += nbytes
+                diff[b] -= nbytes
+        out, run = [], 0.0
+        for j in range(k - 1):
+            run += diff[j]
+            out.append(run)
+        return out
 
 
 def _number(node: SPNode, start: int) -> int:
