@@ -73,14 +73,14 @@ from tessera.planners.gpp.partition import (
     build_tree,
     micro_batch_candidates,
 )
-from tessera.planners.gpp.sp import SPNode, SPTree, _coarsen, _number
+from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, _coarsen, _number
 from tessera.planners.sim import simulate_pipeline
 
 # The most ideals the DP runs on: a few seconds at 32 devices (module docstring, "Cost").
 PIPER_LIMIT = 1_500
 # Coarsening for tractability keeps at least this share of the requested units: the plan is of
-# the same model at most 4x coarser, not a different problem.
-MIN_UNIT_SHARE = 0.25
+# the same model at most ~7x coarser (MMT: layer-sized units), not a different problem.
+MIN_UNIT_SHARE = 0.15
 _EXPOSED = (0.0, 1.0)  # transfers hidden by the warm-up, or on every stage's cycle (as the GPP DP)
 _PER_MICRO_BATCH = 3  # plans per micro-batch size that are materialized
 _FINALISTS = 3  # best predicted plans overall that are simulated
@@ -255,8 +255,8 @@ def _tractable_tree(
 
 def _coarser(graph: Graph, tree: SPTree, threshold: float) -> SPTree:
     """``tree`` with subtrees of cost ≤ ``threshold`` merged into one unit and consecutive light
-    units of a series merged (the partitioner's coarsening, :mod:`tessera.planners.gpp.sp`)."""
-    root = _coarsen(tree.root, threshold)
+    units of a series merged at cheap cuts (the partitioner's coarsening, :mod:`tessera.planners.gpp.sp`)."""
+    root = _coarsen(tree.root, threshold, CutBytes(graph))
     _number(root, 0)
     rank = {n: i for i, n in enumerate(graph.order)}
     units: list[tuple[str, ...]] = []
