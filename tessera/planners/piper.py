@@ -46,9 +46,10 @@ micro-batch candidates and schedules as the PipeDream-style planner, and returns
   picks among the best (:func:`tessera.planners.sim.simulate_pipeline`).
 
 Cost. A probe costs about ``pairs × levels`` element operations. With :data:`PIPER_LIMIT` = 1,500
-the paper-size MMT (four branches; 69 units coarsened to 21: 1,297 ideals, 194,481 pairs) plans in
-0.5–2.2 s for 4–32 devices on this project's 2-core machine; at 25 units (2,402 ideals) it takes
-3–8 s and at 29 units (4,097 ideals) 9–21 s, for the same throughput.
+the paper-size MMT (four branches; 97 units coarsened to 21) plans in 0.5–2.2 s for 4–32 devices
+on this project's 2-core machine (measured on an earlier 69-unit tree: 25 units, 2,402 ideals,
+3–8 s; 29 units, 4,097 ideals, 9–21 s, for the same throughput); CANDLE-Uno (65 units coarsened
+to 10) in about 0.1 s. DLRM stays intractable (its eight branches: 1e10 ideals).
 """
 
 from __future__ import annotations
