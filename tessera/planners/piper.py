@@ -42,8 +42,9 @@ micro-batch candidates and schedules as the PipeDream-style planner, and returns
 - **choice**: the plans of the probes are ranked by the partitioner's 1F1B iteration estimate
   (fill and drain along the stage graph included); the best few per micro-batch size are
   materialized with exact in-flight counts, schedules and memory by the partitioner's own code
-  (on the units reordered stage by stage, so every stage is a contiguous range), and the simulator
-  picks among the best (:func:`tessera.planners.sim.simulate_pipeline`).
+  (on the units reordered stage by stage, so every stage is a contiguous range; with 1F1B also
+  with one more warm-up micro-batch per stage, as the partitioner does), and the simulator picks
+  among all of them (:func:`tessera.planners.sim.simulate_pipeline`).
 
 Cost. A probe costs about ``pairs × levels`` element operations. With :data:`PIPER_LIMIT` = 1,500
 the paper-size MMT (four branches; 97 units coarsened to 21) plans in 0.5–2.2 s for 4–32 devices
@@ -66,6 +67,7 @@ from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec, Link
 from tessera.core.units import format_bytes
 from tessera.planners.gpp.partition import (
+    _SLACK,
     PartitionOptions,
     Pipeline,
     UnitCosts,
@@ -84,7 +86,6 @@ PIPER_LIMIT = 1_500
 MIN_UNIT_SHARE = 0.15
 _EXPOSED = (0.0, 1.0)  # transfers hidden by the warm-up, or on every stage's cycle (as the GPP DP)
 _PER_MICRO_BATCH = 3  # plans per micro-batch size that are materialized
-_FINALISTS = 3  # best predicted plans overall that are simulated
 _LADDER = (1.25, 1.6, 2.5)  # looser bounds probed after the bisection (shallower plans)
 _STAGE = 1 << 10  # W's encoding: devices · _STAGE + stages (stages ≤ devices < _STAGE)
 _INF = 1 << 28  # int32: two of them still add without overflow
@@ -199,10 +200,13 @@ def plan_piper(
                 found.setdefault(plan, dp.estimate(plan))
         # The best few by the 1F1B estimate are materialized (exact in-flight counts and memory).
         for plan in sorted(found, key=lambda p: (found[p], p))[:_PER_MICRO_BATCH]:
-            pipe = _to_pipeline(graph, cluster, tree, cost, options, b, dp.stages(plan), num, limit_bytes)
-            if pipe is not None:
-                pool.append((pipe.estimated_iteration_time, len(pool), pipe))
-                best_estimate = min(best_estimate, pipe.estimated_iteration_time)
+            # With 1F1B, also with one more warm-up micro-batch per stage (as the partitioner tries).
+            for slack in _SLACK if options.schedule == "1f1b" else (0,):
+                stages = dp.stages(plan)
+                pipe = _to_pipeline(graph, cluster, tree, cost, options, b, stages, num, limit_bytes, slack)
+                if pipe is not None:
+                    pool.append((pipe.estimated_iteration_time, len(pool), pipe))
+                    best_estimate = min(best_estimate, pipe.estimated_iteration_time)
     elapsed = time.perf_counter() - started
     if not pool:
         return PiperResult(
@@ -214,8 +218,8 @@ def plan_piper(
             elapsed,
             f"infeasible: no sequential plan fits {format_bytes(limit_bytes)} per device",
         )
-    pool.sort(key=lambda x: (x[0], x[1]))
-    timed = [(simulate_pipeline(p).iteration_time, i) for i, (_, _, p) in enumerate(pool[:_FINALISTS])]
+    # The simulator picks among all of them (about a millisecond each).
+    timed = [(simulate_pipeline(p).iteration_time, i) for i, (_, _, p) in enumerate(pool)]
     best = pool[min(timed)[1]][2]
     best.search_time_s = time.perf_counter() - started
     return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
@@ -619,6 +623,7 @@ def _to_pipeline(
     stages: list[tuple[list[int], int]],
     num: int,
     limit: float,
+    slack: int = 0,
 ) -> Pipeline | None:
     """Materialize a chain of ideals with the partitioner's own code: the units reordered stage by
     stage (a topological order, since every prefix of stages is an ideal), so that every stage is
@@ -646,4 +651,4 @@ def _to_pipeline(
         end -= len(units)
     assert plan is not None
     costs = UnitCosts(graph, reordered, cost)
-    return _materialize(graph, cluster, reordered, costs, opts, "spp", b, plan, num, limit)
+    return _materialize(graph, cluster, reordered, costs, opts, "spp", b, plan, num, limit, slack)

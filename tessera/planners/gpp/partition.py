@@ -55,6 +55,9 @@ from tessera.planners.gpp.sp import SPNode, SPTree, decompose
 from tessera.planners.sim import SimEdge, SimStage, simulate_pipeline
 
 _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, materialized and simulated
+# 1F1B warm-up slack tried per candidate (:func:`_materialize`): Table 3.2's minimum, and one more
+# micro-batch in flight on every stage with successors (hides transfers; costs memory).
+_SLACK = (0, 1)
 # Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
 _LOOSER = (1.25, 1.6, 2.5)
 # Transfers hidden by the warm-up (0) or on every stage's cycle (1): two DP runs per micro-batch
@@ -344,8 +347,12 @@ def partition(
                 if spans in seen:
                     continue
                 seen.add(spans)
-                pipe = _materialize(graph, cluster, tree, costs, options, kind, b, entry[5], num, limit)
-                if pipe is not None:
+                for slack in _SLACK if options.schedule == "1f1b" else (0,):
+                    pipe = _materialize(
+                        graph, cluster, tree, costs, options, kind, b, entry[5], num, limit, slack
+                    )
+                    if pipe is None:
+                        continue
                     if not exposed:
                         hidden.append((pipe.estimated_iteration_time, pipe))
                     if leader is None or pipe.estimated_iteration_time < leader.estimated_iteration_time:
@@ -358,6 +365,7 @@ def partition(
                         simulate_pipeline(pipe).iteration_time,
                         pipe.bottleneck_tps,
                         pipe.estimated_iteration_time,
+                        slack,
                         spans,
                     )
                     if best_rank is None or rank < best_rank:
@@ -512,8 +520,14 @@ def _materialize(
     plan: tuple,
     num: int,
     limit: float,
+    slack: int = 0,
 ) -> Pipeline | None:
-    """Stages, devices, edges, exact in-flight counts, schedules and memory of a DP solution."""
+    """Stages, devices, edges, exact in-flight counts, schedules and memory of a DP solution.
+
+    ``slack`` (1F1B only): extra warm-up forwards on every stage with successors, beyond Table
+    3.2's minimum — a stage then sends micro-batch ``i + 1`` while its successor still works on
+    ``i``, hiding the transfer behind compute, at the memory of ``slack`` more micro-batches (a
+    successor keeps at least one fewer in flight than its predecessor: C5 still holds)."""
     devices = cluster.devices()[:num]
     spans = stages_of(plan)
     stages: list[PipelineStage] = []
@@ -577,6 +591,10 @@ def _materialize(
         else:
             samples = max(compute_in_flight(k, b, k, b, stages[j].in_flight * b) for j in succ[st.id])
         st.in_flight = max(1, min(m, math.ceil(samples / b)))
+    if slack and opts.schedule == "1f1b":
+        for st in stages:
+            if succ[st.id]:
+                st.in_flight = min(m, st.in_flight + slack)
     greedy = _greedy(stages, edges, opts.mini_batch) if opts.schedule == "greedy" else {}
     for st in stages:
         if opts.schedule == "kfkb":

