@@ -55,9 +55,9 @@ from tessera.planners.gpp.sp import SPNode, SPTree, decompose
 from tessera.planners.sim import SimEdge, SimStage, simulate_pipeline
 
 _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, materialized and simulated
-# 1F1B warm-up slack tried per candidate (:func:`_materialize`): Table 3.2's minimum, and one more
-# micro-batch in flight on every stage with successors (hides transfers; costs memory).
-_SLACK = (0, 1)
+# 1F1B warm-up slack tried per candidate (:func:`_materialize`): Table 3.2's minimum, and one or two more
+# micro-batches in flight on every stage with successors (hides transfers; costs memory).
+_SLACK = (0, 1, 2)
 # Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
 _LOOSER = (1.25, 1.6, 2.5)
 # Transfers hidden by the warm-up (0) or on every stage's cycle (1): two DP runs per micro-batch
