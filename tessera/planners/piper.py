@@ -73,8 +73,8 @@ from tessera.planners.gpp.partition import (
     UnitCosts,
     _Links,
     _materialize,
-    build_tree,
     micro_batch_candidates,
+    planning_inputs,
 )
 from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, _coarsen, _number
 from tessera.planners.sim import simulate_pipeline
@@ -148,22 +148,11 @@ def plan_piper(
 
     Returns a :class:`PiperResult`: its ``pipeline`` (kind ``spp``) is ``None`` when the unit DAG
     has more than ``limit`` ideals even after coarsening (``reason`` ``"intractable: N ideals"``)
-    or when no plan fits the memory limit. ``cost``: the cost model (default: the roofline). Raises :class:`InputError` for bad options.
+    or when no plan fits the memory limit. ``cost``: the cost model (default: the roofline).
+    Raises :class:`InputError` for bad options.
     """
     started = time.perf_counter()
-    devices = cluster.devices()
-    num = options.num_devices or len(devices)
-    if num < 1 or num > len(devices):
-        raise InputError(f"--devices {num}: the cluster has {len(devices)} device(s)")
-    if options.mini_batch < 1:
-        raise InputError("the mini-batch size must be positive")
-    if options.schedule == "kfkb" and options.k < 1:
-        raise InputError("kFkB needs k >= 1")
-    device_type = devices[0].type
-    if cost is None:
-        cost = CostModel.for_device(device_type, options.precision, options.bytes_per_param)
-    if tree is None:
-        tree = build_tree(graph, cost, options.max_units)
+    num, limit_bytes, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     requested, requested_ideals = tree.num_units, piper_ideals(tree)
     planned, ideals = _tractable_tree(graph, cost, tree, limit, coarsen)
     if ideals > limit:
@@ -181,7 +170,6 @@ def plan_piper(
     cands = micro_batch_candidates(options)
     if not cands:
         raise InputError(f"no micro-batch size divides the mini-batch {options.mini_batch}")
-    limit_bytes = float(options.memory_limit if options.memory_limit is not None else device_type.memory)
     lattice = _Lattice(graph, tree, cost)
     links = _Links(cluster, num)
     pool: list[tuple[float, int, Pipeline]] = []

@@ -30,7 +30,7 @@ from typing import Any, Literal
 from tessera.core.cost import CostModel
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec
-from tessera.planners.gpp.partition import PartitionOptions, Pipeline, build_tree, partition
+from tessera.planners.gpp.partition import PartitionOptions, Pipeline, partition, planning_inputs
 from tessera.planners.gpp.sp import SPTree
 from tessera.planners.piper import PIPER_LIMIT, PiperResult, piper_ideals, plan_piper
 from tessera.planners.sim import simulate_pipeline
@@ -67,9 +67,7 @@ def plan_spp(
     cost: CostModel | None = None,
 ) -> Pipeline:
     """PipeDream-style sequential pipeline (see the module docstring)."""
-    cost = cost or _cost(cluster, options)
-    if tree is None:
-        tree = build_tree(graph, cost, options.max_units)
+    _, _, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     return partition(graph, cluster, options, tree=tree.linearized(), kind="spp", cost=cost)
 
 
@@ -88,9 +86,7 @@ def plan_sequential(
 
     Raises what :func:`plan_spp` raises (``InfeasibleError`` when no sequential plan fits).
     """
-    cost = cost or _cost(cluster, options)
-    if tree is None:
-        tree = build_tree(graph, cost, options.max_units)
+    _, _, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     pipedream = plan_spp(graph, cluster, options, tree=tree, cost=cost)
     pd_time = simulate_pipeline(pipedream).iteration_time
     result = plan_piper(graph, cluster, options, tree=tree, cost=cost) if piper else None
@@ -140,11 +136,6 @@ def method_name(pipe: Pipeline) -> str:
     if isinstance(pipe, SequentialPipeline) and pipe.method == "piper":
         return "Piper-style sequential stages (DP over the ideals of the unit DAG) on the same cost model"
     return "PipeDream-style sequential stages on the same cost model"
-
-
-def _cost(cluster: ClusterSpec, options: PartitionOptions) -> CostModel:
-    device = cluster.devices()[0].type
-    return CostModel.for_device(device, options.precision, options.bytes_per_param)
 
 
 def _r(x: float) -> float:

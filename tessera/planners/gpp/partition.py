@@ -283,20 +283,7 @@ def partition(
     names the per-device memory the best plan would need) and :class:`InputError` for bad options.
     """
     started = time.perf_counter()
-    devices = cluster.devices()
-    num = options.num_devices or len(devices)
-    if num < 1 or num > len(devices):
-        raise InputError(f"--devices {num}: the cluster has {len(devices)} device(s)")
-    if options.mini_batch < 1:
-        raise InputError("the mini-batch size must be positive")
-    if options.schedule == "kfkb" and options.k < 1:
-        raise InputError("kFkB needs k >= 1")
-    device_type = devices[0].type
-    limit = float(options.memory_limit if options.memory_limit is not None else device_type.memory)
-    if cost is None:
-        cost = CostModel.for_device(device_type, options.precision, options.bytes_per_param)
-    if tree is None:
-        tree = build_tree(graph, cost, options.max_units)
+    num, limit, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     costs = UnitCosts(graph, tree, cost)
     links = _Links(cluster, num)
     cands = micro_batch_candidates(options)
@@ -383,6 +370,33 @@ def partition(
     best.search_time_s = time.perf_counter() - started
     best.probes = probes
     return best
+
+
+def planning_inputs(
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    tree: SPTree | None = None,
+    cost: CostModel | None = None,
+) -> tuple[int, float, CostModel, SPTree]:
+    """What every pipeline planner starts from: the number of devices (options checked, raising
+    :class:`InputError`), the per-device memory limit in bytes, the cost model (default: the
+    roofline of the cluster's device type) and the coarsened series-parallel tree."""
+    devices = cluster.devices()
+    num = options.num_devices or len(devices)
+    if num < 1 or num > len(devices):
+        raise InputError(f"--devices {num}: the cluster has {len(devices)} device(s)")
+    if options.mini_batch < 1:
+        raise InputError("the mini-batch size must be positive")
+    if options.schedule == "kfkb" and options.k < 1:
+        raise InputError("kFkB needs k >= 1")
+    device_type = devices[0].type
+    limit = float(options.memory_limit if options.memory_limit is not None else device_type.memory)
+    if cost is None:
+        cost = CostModel.for_device(device_type, options.precision, options.bytes_per_param)
+    if tree is None:
+        tree = build_tree(graph, cost, options.max_units)
+    return num, limit, cost, tree
 
 
 def build_tree(graph: Graph, cost: CostModel, max_units: int) -> SPTree:
