@@ -73,6 +73,7 @@ from tessera.planners.gpp.partition import (
     UnitCosts,
     _Links,
     _materialize,
+    fastest_tuned,
     micro_batch_candidates,
     planning_inputs,
 )
@@ -206,9 +207,25 @@ def plan_piper(
             elapsed,
             f"infeasible: no sequential plan fits {format_bytes(limit_bytes)} per device",
         )
-    # The simulator picks among all of them (about a millisecond each).
-    timed = [(simulate_pipeline(p).iteration_time, i) for i, (_, _, p) in enumerate(pool)]
-    best = pool[min(timed)[1]][2]
+    # The simulator picks among all of them (about a millisecond each), the fastest few with
+    # their warm-up tuned per stage (as the partitioner does).
+    timed = [
+        (
+            (
+                simulate_pipeline(p).iteration_time,
+                p.bottleneck_tps,
+                p.estimated_iteration_time,
+                sum(st.in_flight for st in p.stages),
+                tuple(tuple(st.nodes) for st in p.stages),
+            ),
+            p,
+        )
+        for _, _, p in pool
+    ]
+    if options.schedule == "1f1b":
+        best = fastest_tuned(timed, options.recompute)[0]
+    else:
+        best = min(timed, key=lambda rp: rp[0])[1]
     best.search_time_s = time.perf_counter() - started
     return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
 

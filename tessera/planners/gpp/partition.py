@@ -35,8 +35,10 @@ stage ``i + 1`` depends on stage ``i`` (ordering edges), as a sequential pipelin
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -58,6 +60,8 @@ _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, 
 # 1F1B warm-up slack tried per candidate (:func:`_materialize`): Table 3.2's minimum, and one or two more
 # micro-batches in flight on every stage with successors (hides transfers; costs memory).
 _SLACK = (0, 1, 2)
+# The fastest few candidates (distinct stage graphs) get per-stage warm-up tuning (:func:`tune_warm_up`).
+_TUNED = 3
 # Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
 _LOOSER = (1.25, 1.6, 2.5)
 # Transfers hidden by the warm-up (0) or on every stage's cycle (1): two DP runs per micro-batch
@@ -294,6 +298,7 @@ def partition(
     best_rank: tuple | None = None
     leader: Pipeline | None = None  # the best plan as estimated (which micro-batch sizes can win)
     hidden: list[tuple[float, Pipeline]] = []  # plans of the hidden-transfer runs, estimated
+    timed: list[tuple[tuple, Pipeline]] = []  # every materialized candidate, ranked as simulated
     probes = 0
     # Micro-batch sizes in order of a lower bound on the iteration time; a size whose bound
     # cannot beat the best estimate so far is skipped.
@@ -334,12 +339,13 @@ def partition(
                 if spans in seen:
                     continue
                 seen.add(spans)
+                first = _materialize(graph, cluster, tree, costs, options, kind, b, entry[5], num, limit)
+                if first is None:
+                    continue  # more warm-up only needs more memory
                 for slack in _SLACK if options.schedule == "1f1b" else (0,):
-                    pipe = _materialize(
-                        graph, cluster, tree, costs, options, kind, b, entry[5], num, limit, slack
-                    )
+                    pipe = first if not slack else scheduled(first, _uniform(first, slack), options.recompute)
                     if pipe is None:
-                        continue
+                        break
                     if not exposed:
                         hidden.append((pipe.estimated_iteration_time, pipe))
                     if leader is None or pipe.estimated_iteration_time < leader.estimated_iteration_time:
@@ -355,11 +361,14 @@ def partition(
                         slack,
                         spans,
                     )
+                    timed.append((rank, pipe))
                     if best_rank is None or rank < best_rank:
                         best, best_rank = pipe, rank
                         best_time = rank[0]
                 if len(seen) == _PER_MICRO_BATCH:
                     break
+    if timed and options.schedule == "1f1b":
+        best, best_rank = fastest_tuned(timed, options.recompute)
     if best is None:
         need = _memory_needed(graph, cluster, options, tree, kind, cost) if math.isfinite(limit) else None
         more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
@@ -592,30 +601,62 @@ def _materialize(
         edges.sort(key=lambda e: (e.src, e.dst))
     for e in edges:
         e.link = cluster.link_between(stages[e.src].devices[0], stages[e.dst].devices[0])
-    # Exact in-flight counts (Table 3.2) in reverse topological order of the stage graph (C5).
+    pipe = Pipeline(
+        kind=kind,
+        mini_batch_size=opts.mini_batch,
+        micro_batch_size=b,
+        schedule_kind=opts.schedule,
+        k=opts.k if opts.schedule == "kfkb" else 1,
+        stages=stages,
+        edges=edges,
+        bottleneck_tps=max(s.time_per_sample + s.allreduce_time / opts.mini_batch for s in stages),
+        estimated_iteration_time=_estimate_iteration(stages, edges, b, m),
+        search_time_s=0.0,
+        num_units=tree.num_units,
+        memory_limit=limit,
+    )
+    warm_up = {st.id: slack for st in stages} if slack and opts.schedule == "1f1b" else {}
+    return scheduled(pipe, warm_up, opts.recompute)
+
+
+def scheduled(pipe: Pipeline, extra: Mapping[int, int], recompute: bool = False) -> Pipeline | None:
+    """``pipe`` with every stage's in-flight count, schedule and memory (a copy; ``None`` when a
+    stage exceeds ``pipe.memory_limit``).
+
+    In-flight counts are Table 3.2's, in reverse topological order of the stage graph (C5), the
+    sinks keeping ``k`` micro-batches. 1F1B only: ``extra[s]`` more warm-up forwards on stage ``s``
+    (if it has successors) beyond Table 3.2's minimum — the stage then sends micro-batch ``i + 1``
+    while its successors still work on ``i``, hiding transfers and uneven loads behind compute, at
+    the memory of ``extra[s]`` more micro-batches. A stage keeps at least Table 3.2's count for
+    its successors' actual counts, so C5 holds for any ``extra``."""
+    b, k = pipe.micro_batch_size, pipe.k
+    m = pipe.mini_batch_size // b
+    kind = pipe.schedule_kind
+    stages = [dataclasses.replace(st) for st in pipe.stages]
     succ: dict[int, list[int]] = {s.id: [] for s in stages}
-    for e in edges:
+    for e in pipe.edges:
         succ[e.src].append(e.dst)
-    k = opts.k if opts.schedule == "kfkb" else 1
+    by_id = {st.id: st for st in stages}
+    table: dict[int, int] = {}  # Table 3.2's count with every successor at its own Table 3.2 count
     for st in reversed(stages):  # stage ids follow a topological order of the units
-        if opts.schedule == "gpipe":
-            samples = opts.mini_batch
-        elif not succ[st.id]:
-            samples = k * b
-        else:
-            samples = max(compute_in_flight(k, b, k, b, stages[j].in_flight * b) for j in succ[st.id])
-        st.in_flight = max(1, min(m, math.ceil(samples / b)))
-    if slack and opts.schedule == "1f1b":
-        for st in stages:
-            if succ[st.id]:
-                st.in_flight = min(m, st.in_flight + slack)
-    greedy = _greedy(stages, edges, opts.mini_batch) if opts.schedule == "greedy" else {}
+        if kind == "gpipe":
+            table[st.id] = st.in_flight = m
+            continue
+        if not succ[st.id]:
+            table[st.id] = st.in_flight = max(1, min(m, k))
+            continue
+        need = max(compute_in_flight(k, b, k, b, by_id[j].in_flight * b) for j in succ[st.id])
+        least = max(compute_in_flight(k, b, k, b, table[j] * b) for j in succ[st.id])
+        table[st.id] = max(1, min(m, math.ceil(least / b)))
+        own = table[st.id] + (extra.get(st.id, 0) if kind == "1f1b" else 0)
+        st.in_flight = max(1, min(m, max(math.ceil(need / b), own)))
+    greedy = _greedy(stages, pipe.edges, pipe.mini_batch_size) if kind == "greedy" else {}
     for st in stages:
-        if opts.schedule == "kfkb":
+        if kind == "kfkb":
             st.schedule = k_f_k_b(m, k, st.in_flight)
-        elif opts.schedule == "gpipe":
+        elif kind == "gpipe":
             st.schedule = gpipe(m)
-        elif opts.schedule == "greedy":
+        elif kind == "greedy":
             st.schedule = greedy[st.id]
             st.in_flight = in_flight_of(st.schedule)
         else:
@@ -628,25 +669,81 @@ def _materialize(
             micro_batch=b,
             devices=len(st.devices),
             in_flight=st.in_flight,
-            recompute=opts.recompute,
+            recompute=recompute,
         )
-        if st.memory.peak > limit:
+        if st.memory.peak > pipe.memory_limit:
             return None
-    estimate = _estimate_iteration(stages, edges, b, m)
-    return Pipeline(
-        kind=kind,
-        mini_batch_size=opts.mini_batch,
-        micro_batch_size=b,
-        schedule_kind=opts.schedule,
-        k=k,
-        stages=stages,
-        edges=edges,
-        bottleneck_tps=max(s.time_per_sample + s.allreduce_time / opts.mini_batch for s in stages),
-        estimated_iteration_time=estimate,
-        search_time_s=0.0,
-        num_units=tree.num_units,
-        memory_limit=limit,
-    )
+    return dataclasses.replace(pipe, stages=stages)
+
+
+def _uniform(pipe: Pipeline, slack: int) -> dict[int, int]:
+    return {st.id: slack for st in pipe.stages}
+
+
+def fastest_tuned(timed: list[tuple[tuple, Pipeline]], recompute: bool = False) -> tuple[Pipeline, tuple]:
+    """The fastest plan after :func:`tune_warm_up` of the :data:`_TUNED` fastest distinct stage
+    graphs of ``timed`` (each from its fastest uniform warm-up), with its rank.
+
+    ``timed``: ``(rank, pipeline)`` pairs, rank ``(simulated time, bottleneck TPS, estimate,
+    warm-up, stage graph key)``; ties go to the better balanced plan, the better estimate, fewer
+    micro-batches in flight."""
+    timed = sorted(timed, key=lambda rp: rp[0])
+    out: tuple[tuple, Pipeline] | None = None
+    seen: set[tuple] = set()
+    for rank, pipe in timed:
+        key = rank[-1]
+        if key in seen:
+            continue
+        seen.add(key)
+        tuned, t = tune_warm_up(pipe, recompute)
+        mine = (t, rank[1], rank[2], sum(st.in_flight for st in tuned.stages), key)
+        if out is None or mine < out[0]:
+            out = (mine, tuned)
+        if len(seen) == _TUNED:
+            break
+    if out is None:
+        raise ValueError("no candidate to tune")
+    return out[1], out[0]
+
+
+def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, float]:
+    """A 1F1B pipeline with each stage's warm-up tuned on the simulator, and its iteration time.
+
+    Algorithm 4's idea (a stage runs ahead as far as it helps, no further) at the grain of the
+    warm-up count: stages in reverse topological order (those downstream already tuned), each
+    trying 0, 1, 2, 4, … extra warm-up micro-batches (:func:`scheduled`) within memory; a count
+    is kept when the simulated iteration is faster, ties going to fewer in flight. Start: the
+    warm-up ``pipe`` has (its stages' extra over Table 3.2)."""
+    current = {st.id: 0 for st in pipe.stages}
+    base = scheduled(pipe, {})
+    if base is not None:
+        for st, least in zip(pipe.stages, base.stages, strict=True):
+            current[st.id] = max(0, st.in_flight - least.in_flight)
+    best, best_time = pipe, simulate_pipeline(pipe).iteration_time
+    if pipe.schedule_kind != "1f1b":
+        return best, best_time
+    m = pipe.num_micro_batches
+    sources = {e.src for e in pipe.edges}
+    for st in reversed(pipe.stages):
+        if st.id not in sources:
+            continue
+        extra = 0
+        for step in range(m + 1):
+            extra = 0 if step == 0 else 1 << (step - 1)
+            if extra >= m:
+                break
+            if extra == current[st.id]:
+                continue
+            trial = {**current, st.id: extra}
+            cand = scheduled(pipe, trial, recompute)
+            if cand is None:
+                if extra > current[st.id]:
+                    break  # more warm-up only needs more memory
+                continue
+            t = simulate_pipeline(cand).iteration_time
+            if t < best_time or (t == best_time and extra < current[st.id]):
+                best, best_time, current = cand, t, trial
+    return best, best_time
 
 
 def _greedy(stages: list[PipelineStage], edges: list[PipelineEdge], mini_batch: int) -> dict[int, list[str]]:
