@@ -62,6 +62,9 @@ _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, 
 _SLACK = (0, 1, 2)
 # The fastest few candidates (distinct stage graphs) get per-stage warm-up tuning (:func:`tune_warm_up`).
 _TUNED = 3
+# Simulated passes (forwards and backwards of all stages) one warm-up tuning may spend: about 0.3 s
+# of simulation; stages nearest the sinks are tuned first.
+_TUNE_TASKS = 150_000
 # Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
 _LOOSER = (1.25, 1.6, 2.5)
 # Transfers hidden by the warm-up (0) or on every stage's cycle (1): two DP runs per micro-batch
@@ -713,7 +716,8 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
     warm-up count: stages in reverse topological order (those downstream already tuned), each
     trying 0, 1, 2, 4, … extra warm-up micro-batches (:func:`scheduled`) within memory; a count
     is kept when the simulated iteration is faster, ties going to fewer in flight. Start: the
-    warm-up ``pipe`` has (its stages' extra over Table 3.2)."""
+    warm-up ``pipe`` has (its stages' extra over Table 3.2). At most :data:`_TUNE_TASKS`
+    simulated passes (long pipelines of many micro-batches stop early)."""
     current = {st.id: 0 for st in pipe.stages}
     base = scheduled(pipe, {})
     if base is not None:
@@ -724,6 +728,7 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
         return best, best_time
     m = pipe.num_micro_batches
     sources = {e.src for e in pipe.edges}
+    budget = _TUNE_TASKS // (2 * m * len(pipe.stages))  # simulations this pipeline may take
     for st in reversed(pipe.stages):
         if st.id not in sources:
             continue
@@ -734,6 +739,9 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
                 break
             if extra == current[st.id]:
                 continue
+            if budget <= 0:
+                return best, best_time
+            budget -= 1
             trial = {**current, st.id: extra}
             cand = scheduled(pipe, trial, recompute)
             if cand is None:
