@@ -19,6 +19,10 @@ micro-batch sizes together for the fastest 1F1B iteration under the per-device m
   (:mod:`tessera.planners.sim`) times every one of them and picks. The DP runs twice per size: with
   transfers hidden by the warm-up and with transfers on every stage's cycle (cuts through large
   tensors cost latency that 1F1B's minimal warm-up does not hide);
+- 1F1B warm-up: every candidate is timed with Table 3.2's minimal in-flight counts and with 1 or 2
+  more micro-batches on every stage with successors; the fastest few stage graphs then get their
+  warm-up tuned stage by stage on the simulator (:func:`tune_warm_up`: a stage runs ahead as far
+  as it helps, within memory — Algorithm 4's idea at the grain of the warm-up count);
 - stage graph edges come from the operator graph (C2), devices are assigned per stage (data
   parallel groups aligned within a node, C3), schedules are generated per stage (C4: 1F1B, kFkB,
   GPipe, or Algorithm 4's greedy scheduler, :mod:`.greedy`) with in-flight counts recomputed
