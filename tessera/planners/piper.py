@@ -76,6 +76,7 @@ from tessera.planners.gpp.partition import (
     fastest_tuned,
     micro_batch_candidates,
     planning_inputs,
+    unit_flow,
 )
 from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, _coarsen, _number
 from tessera.planners.sim import simulate_pipeline
@@ -323,7 +324,7 @@ class _Lattice:
         self.grads = self._pair_sum(np.diff(c.grads))
         self.act = self._pair_sum(np.diff(c.act))
         # Wire bytes per sample crossing each ideal's cut (a sequential stage receives all of it).
-        self.flow = _unit_flow(graph, tree, cost)
+        self.flow = unit_flow(graph, tree, cost)
         self.unit_grads = np.diff(c.grads)
         into = self.member @ self.flow
         self.cut = (into * (1 - self.member)).sum(axis=1)
@@ -376,23 +377,6 @@ def _ideals(node: SPNode) -> list[int]:
         sub = _ideals(c)
         out = [a | x for a in out for x in sub]
     return out
-
-
-def _unit_flow(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
-    """Wire bytes per sample from unit u to unit v, each tensor counted once per consuming unit
-    (the rule of :class:`~tessera.planners.gpp.partition.UnitCosts`)."""
-    n = tree.num_units
-    flow = np.zeros((n, n))
-    seen: set[tuple[str, int]] = set()
-    for u_name, v_name, data in graph.dag.edges(data=True):
-        u, v = tree.unit_of[u_name], tree.unit_of[v_name]
-        if u == v or u_name in graph.constant_nodes:
-            continue
-        for t in data["tensors"]:
-            if (t.name, v) not in seen:
-                seen.add((t.name, v))
-                flow[u, v] += cost.wire_bytes(t.nbytes)
-    return flow
 
 
 def _lower_bound(lattice: _Lattice, mini_batch: int, b: int, num: int) -> float:

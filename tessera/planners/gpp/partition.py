@@ -177,18 +177,10 @@ class UnitCosts:
         self.optimizer = _prefix(optimizer)
         self.grads = _prefix(grads)
         self.act = _prefix(act)
-        # Wire bytes per sample from unit u to unit v (u < v: depth-first order is topological).
+        # Wire bytes per sample between units u < v (depth-first order is topological).
+        flow = unit_flow(graph, tree, cost)
         pair = np.zeros((n + 1, n + 1))
-        seen: set[tuple[str, int]] = set()
-        for u_name, v_name, data in graph.dag.edges(data=True):
-            u, v = tree.unit_of[u_name], tree.unit_of[v_name]
-            if u == v or u_name in graph.constant_nodes:
-                continue
-            for t in data["tensors"]:
-                if (t.name, v) in seen:
-                    continue
-                seen.add((t.name, v))
-                pair[min(u, v), max(u, v)] += cost.wire_bytes(t.nbytes)
+        pair[:n, :n] = np.triu(flow + flow.T)
         # enter(lo, hi) = Σ pair[u, v] for u < lo ≤ v < hi, via a 2-D cumulative sum.
         cum = np.zeros((n + 1, n + 1))
         cum[1:, 1:] = np.cumsum(np.cumsum(pair[:n, :n], axis=0), axis=1)
@@ -241,6 +233,22 @@ class UnitCosts:
         """Wire bytes per sample entering units [lo, hi) from earlier units."""
         c = self._cum
         return float(c[lo, hi] - c[lo, lo])
+
+
+def unit_flow(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
+    """Wire bytes per sample from unit u to unit v, each tensor counted once per consuming unit."""
+    n = tree.num_units
+    flow = np.zeros((n, n))
+    seen: set[tuple[str, int]] = set()
+    for u_name, v_name, data in graph.dag.edges(data=True):
+        u, v = tree.unit_of[u_name], tree.unit_of[v_name]
+        if u == v or u_name in graph.constant_nodes:
+            continue
+        for t in data["tensors"]:
+            if (t.name, v) not in seen:
+                seen.add((t.name, v))
+                flow[u, v] += cost.wire_bytes(t.nbytes)
+    return flow
 
 
 def _prefix(values: np.ndarray) -> list[float]:
@@ -622,7 +630,7 @@ def _materialize(
         num_units=tree.num_units,
         memory_limit=limit,
     )
-    warm_up = {st.id: slack for st in stages} if slack and opts.schedule == "1f1b" else {}
+    warm_up = _uniform(pipe, slack) if slack and opts.schedule == "1f1b" else {}
     return scheduled(pipe, warm_up, opts.recompute)
 
 
