@@ -213,7 +213,7 @@ def plan_piper(
     timed = [
         (
             (
-                simulate_pipeline(p).iteration_time,
+                simulate_pipeline(p, trace=False).iteration_time,
                 p.bottleneck_tps,
                 p.estimated_iteration_time,
                 sum(st.in_flight for st in p.stages),

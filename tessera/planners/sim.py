@@ -23,7 +23,8 @@ device time) and the trace of every task.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import heapq
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 
 from tessera.planners.gpp.schedule import parse_action
@@ -49,11 +50,17 @@ class SimEdge:
     bytes_per_sample: float = 0.0
     bandwidth: float = float("inf")
     latency: float = 0.0
+    # Inter-node edges: the nodes whose network interface the activations leave (src_nics) and
+    # enter (dst_nics) through, shared with every other transfer through them; ``share`` is the
+    # largest fraction of a micro-batch's bytes through one of them. No NICs: a link of its own.
+    src_nics: tuple[str, ...] = ()
+    dst_nics: tuple[str, ...] = ()
+    share: float = 1.0
 
     def transfer_time(self, samples: int) -> float:
         if self.bytes_per_sample <= 0:
             return 0.0
-        return self.latency + self.bytes_per_sample * samples / self.bandwidth
+        return self.latency + self.share * self.bytes_per_sample * samples / self.bandwidth
 
 
 @dataclass(frozen=True)
@@ -75,12 +82,15 @@ class SimResult:
     bubble_fraction: float
     busy: dict[int, float]
     events: list[Event] = field(default_factory=list)
+    last_end: dict[int, float] = field(default_factory=dict)  # each stage's last F/B end
 
 
-def simulate(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int) -> SimResult:
-    """Simulate one iteration (see the module docstring). Raises ValueError on a deadlock."""
+def simulate(
+    stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int, *, trace: bool = True
+) -> SimResult:
+    """Simulate one iteration (see the module docstring); ``trace=False`` leaves ``events`` empty
+    (faster, for searches). Raises ValueError on a deadlock."""
     by_id = {s.id: s for s in stages}
-    m = {s.id: mini_batch // s.micro_batch_size for s in stages}
     for s in stages:
         if mini_batch % s.micro_batch_size:
             raise ValueError(f"stage {s.id}: micro-batch {s.micro_batch_size} does not divide {mini_batch}")
@@ -90,97 +100,136 @@ def simulate(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: i
         preds[e.dst].append(e)
         succs[e.src].append(e)
     parsed = {s.id: [parse_action(a)[1:] for a in s.actions] for s in stages}
+    # The links each edge's transfers occupy, per direction: its NICs, or a link of its own.
+    channels: dict[tuple[int, int, str], tuple[Hashable, ...]] = {}
+    for e in edges:
+        own = not (e.src_nics or e.dst_nics)
+        channels[(e.src, e.dst, "F")] = (
+            ((e.src, e.dst, "F"),)
+            if own
+            else (*(("out", n) for n in e.src_nics), *(("in", n) for n in e.dst_nics))
+        )
+        channels[(e.src, e.dst, "B")] = (
+            ((e.src, e.dst, "B"),)
+            if own
+            else (*(("out", n) for n in e.dst_nics), *(("in", n) for n in e.src_nics))
+        )
     # Arrival times at the receiver: fwd[(src, dst, q)] for activation micro-batch q of src,
     # bwd[(dst, src, k)] for gradient micro-batch k of dst.
     fwd_arrival: dict[tuple[int, int, int], float] = {}
     bwd_arrival: dict[tuple[int, int, int], float] = {}
-    link_free: dict[tuple[int, int, str], float] = {}
+    link_free: dict[Hashable, float] = {}
     device_free = {s.id: 0.0 for s in stages}
     busy = {s.id: 0.0 for s in stages}
     pointer = {s.id: 0 for s in stages}
+    queued = {s.id: False for s in stages}
     live = {s.id: 0 for s in stages}
     peak_live = {s.id: 0 for s in stages}
     events: list[Event] = []
     remaining = sum(len(v) for v in parsed.values())
+    # Tasks in order of the time they can start (ties: in the order they became ready), so every
+    # shared link serves its transfers first come, first served.
+    heap: list[tuple[float, int, int, tuple]] = []
+    order = 0
 
     def covering(k: int, b_self: int, b_other: int) -> range:
         first = k * b_self // b_other
         last = ((k + 1) * b_self - 1) // b_other
         return range(first, last + 1)
 
-    while remaining:
-        progressed = False
-        for s in stages:
-            sid = s.id
-            while pointer[sid] < len(parsed[sid]):
-                kind, k = parsed[sid][pointer[sid]]
-                ready = device_free[sid]
-                blocked = False
-                if kind == "F":
-                    for e in preds[sid]:
-                        for q in covering(k, s.micro_batch_size, by_id[e.src].micro_batch_size):
-                            t = fwd_arrival.get((e.src, sid, q))
-                            if t is None:
-                                blocked = True
-                                break
-                            ready = max(ready, t)
-                        if blocked:
-                            break
-                else:
-                    for e in succs[sid]:
-                        for q in covering(k, s.micro_batch_size, by_id[e.dst].micro_batch_size):
-                            t = bwd_arrival.get((e.dst, sid, q))
-                            if t is None:
-                                blocked = True
-                                break
-                            ready = max(ready, t)
-                        if blocked:
-                            break
-                if blocked:
-                    break
-                duration = s.forward_time if kind == "F" else s.backward_time
-                end = ready + duration
-                events.append(Event(kind, sid, k, ready, end))
-                device_free[sid] = end
-                busy[sid] += duration
-                pointer[sid] += 1
-                remaining -= 1
-                progressed = True
-                if kind == "F":
-                    live[sid] += 1
-                    peak_live[sid] = max(peak_live[sid], live[sid])
-                    for e in succs[sid]:
-                        key = (sid, e.dst, "F")
-                        start = max(end, link_free.get(key, 0.0))
-                        arrive = start + e.transfer_time(s.micro_batch_size)
-                        link_free[key] = arrive
-                        fwd_arrival[(sid, e.dst, k)] = arrive
-                        if arrive > start:
-                            events.append(Event("send_F", sid, k, start, arrive, e.dst))
-                else:
-                    live[sid] -= 1
-                    for e in preds[sid]:
-                        key = (sid, e.src, "B")
-                        start = max(end, link_free.get(key, 0.0))
-                        arrive = start + e.transfer_time(s.micro_batch_size)
-                        link_free[key] = arrive
-                        bwd_arrival[(sid, e.src, k)] = arrive
-                        if arrive > start:
-                            events.append(Event("send_B", sid, k, start, arrive, e.src))
-        if not progressed:
-            stuck = {sid: parsed[sid][pointer[sid]] for sid in pointer if pointer[sid] < len(parsed[sid])}
-            raise ValueError(f"the schedule deadlocks: waiting stages {stuck}")
+    # What each stage's forward (backward) waits for: (peer, the peer's micro-batch size).
+    needs_f = {s.id: [(e.src, by_id[e.src].micro_batch_size) for e in preds[s.id]] for s in stages}
+    needs_b = {s.id: [(e.dst, by_id[e.dst].micro_batch_size) for e in succs[s.id]] for s in stages}
+
+    def try_ready(sid: int) -> None:
+        """Queue stage sid's next action once every input it waits for has arrived."""
+        nonlocal order
+        if queued[sid] or pointer[sid] >= len(parsed[sid]):
+            return
+        kind, k = parsed[sid][pointer[sid]]
+        b = by_id[sid].micro_batch_size
+        ready = device_free[sid]
+        arrivals = fwd_arrival if kind == "F" else bwd_arrival
+        for peer, b_peer in needs_f[sid] if kind == "F" else needs_b[sid]:
+            for q in (k,) if b_peer == b else covering(k, b, b_peer):
+                t = arrivals.get((peer, sid, q))
+                if t is None:
+                    return
+                if t > ready:
+                    ready = t
+        queued[sid] = True
+        heapq.heappush(heap, (ready, order, sid, ()))
+        order += 1
+
+    def send(e: SimEdge, direction: str, sender: int, k: int, at: float, samples: int) -> None:
+        nonlocal order
+        duration = e.transfer_time(samples)
+        arrivals = fwd_arrival if direction == "F" else bwd_arrival
+        if duration <= 0:
+            arrivals[(sender, e.dst if direction == "F" else e.src, k)] = at
+            return
+        heapq.heappush(heap, (at, order, -1, (e, direction, sender, k, duration)))
+        order += 1
+
+    for s in stages:
+        try_ready(s.id)
+    while heap:
+        start, _, sid, transfer = heapq.heappop(heap)
+        if sid < 0:
+            e, direction, sender, k, duration = transfer
+            links = channels[(e.src, e.dst, direction)]
+            begin = max([start, *(link_free.get(c, 0.0) for c in links)])
+            arrive = begin + duration
+            for c in links:
+                link_free[c] = arrive
+            if direction == "F":
+                fwd_arrival[(sender, e.dst, k)] = arrive
+                if trace:
+                    events.append(Event("send_F", sender, k, begin, arrive, e.dst))
+                try_ready(e.dst)
+            else:
+                bwd_arrival[(sender, e.src, k)] = arrive
+                if trace:
+                    events.append(Event("send_B", sender, k, begin, arrive, e.src))
+                try_ready(e.src)
+            continue
+        s = by_id[sid]
+        kind, k = parsed[sid][pointer[sid]]
+        duration = s.forward_time if kind == "F" else s.backward_time
+        end = start + duration
+        if trace:
+            events.append(Event(kind, sid, k, start, end))
+        device_free[sid] = end
+        busy[sid] += duration
+        pointer[sid] += 1
+        queued[sid] = False
+        remaining -= 1
+        if kind == "F":
+            live[sid] += 1
+            peak_live[sid] = max(peak_live[sid], live[sid])
+            for e in succs[sid]:
+                send(e, "F", sid, k, end, s.micro_batch_size)
+                try_ready(e.dst)
+        else:
+            live[sid] -= 1
+            for e in preds[sid]:
+                send(e, "B", sid, k, end, s.micro_batch_size)
+                try_ready(e.src)
+        try_ready(sid)
+    if remaining:
+        stuck = {sid: parsed[sid][pointer[sid]] for sid in pointer if pointer[sid] < len(parsed[sid])}
+        raise ValueError(f"the schedule deadlocks: waiting stages {stuck}")
     finish = 0.0
     for s in stages:
         end = device_free[s.id]
         if s.allreduce_time > 0:
-            events.append(Event("allreduce", s.id, -1, end, end + s.allreduce_time))
+            if trace:
+                events.append(Event("allreduce", s.id, -1, end, end + s.allreduce_time))
             end += s.allreduce_time
         finish = max(finish, end)
     total_devices = sum(s.devices for s in stages)
     used = sum(busy[s.id] * s.devices for s in stages)
     bubble = 1.0 - used / (finish * total_devices) if finish > 0 else 0.0
-    _ = m
     return SimResult(
         iteration_time=finish,
         throughput=mini_batch / finish if finish > 0 else float("inf"),
@@ -189,11 +238,12 @@ def simulate(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: i
         bubble_fraction=max(0.0, bubble),
         busy=busy,
         events=events,
+        last_end=dict(device_free),
     )
 
 
-def simulate_pipeline(pipeline: object) -> SimResult:
-    """Simulate a :class:`tessera.planners.gpp.partition.Pipeline`."""
+def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
+    """Simulate a :class:`tessera.planners.gpp.partition.Pipeline` (``trace``: see :func:`simulate`)."""
     from tessera.core.cost import per_device_samples
 
     stages = []
@@ -225,4 +275,4 @@ def simulate_pipeline(pipeline: object) -> SimResult:
         )
         for e in pipeline.edges  # type: ignore[attr-defined]
     ]
-    return simulate(stages, edges, pipeline.mini_batch_size)  # type: ignore[attr-defined]
+    return simulate(stages, edges, pipeline.mini_batch_size, trace=trace)  # type: ignore[attr-defined]

@@ -81,7 +81,10 @@ def plan_spp(
     best = chain
     if _has_branches(tree.root):
         guided = partition(graph, cluster, options, tree=tree, kind="spp", cost=cost)
-        if simulate_pipeline(guided).iteration_time < simulate_pipeline(chain).iteration_time:
+        if (
+            simulate_pipeline(guided, trace=False).iteration_time
+            < simulate_pipeline(chain, trace=False).iteration_time
+        ):
             best = guided
     best.search_time_s = time.perf_counter() - started
     return best
@@ -108,13 +111,13 @@ def plan_sequential(
     """
     _, _, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     pipedream = plan_spp(graph, cluster, options, tree=tree, cost=cost)
-    pd_time = simulate_pipeline(pipedream).iteration_time
+    pd_time = simulate_pipeline(pipedream, trace=False).iteration_time
     result = plan_piper(graph, cluster, options, tree=tree, cost=cost) if piper else None
     chosen: Pipeline = pipedream
     method: Method = "pipedream"
     piper_throughput = None
     if result is not None and result.pipeline is not None:
-        sim = simulate_pipeline(result.pipeline)
+        sim = simulate_pipeline(result.pipeline, trace=False)
         piper_throughput = sim.throughput
         if sim.iteration_time < pd_time:
             chosen, method = result.pipeline, "piper"

@@ -68,10 +68,10 @@ def greedy_stage(
 
     def finish(actions: list[str]) -> float:
         try:
-            result = simulate([_with_actions(stage, actions), *fixed], edges, mini_batch)
+            result = simulate([_with_actions(stage, actions), *fixed], edges, mini_batch, trace=False)
         except ValueError:  # the candidate deadlocks against a successor's schedule (C5)
             return float("inf")
-        return max(e.end for e in result.events if e.stage == stage.id and e.kind in ("F", "B"))
+        return result.last_end[stage.id]
 
     best = finish(gpipe(m))  # the minimum running time (module docstring)
     actions = ["F0"]

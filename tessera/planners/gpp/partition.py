@@ -370,7 +370,7 @@ def partition(
                     # Ties (equal times to the last bit: one micro-batch runs the stages in turn)
                     # go to the better balanced plan, then the better estimate.
                     rank = (
-                        simulate_pipeline(pipe).iteration_time,
+                        simulate_pipeline(pipe, trace=False).iteration_time,
                         pipe.bottleneck_tps,
                         pipe.estimated_iteration_time,
                         slack,
@@ -735,7 +735,7 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
     if base is not None:
         for st, least in zip(pipe.stages, base.stages, strict=True):
             current[st.id] = max(0, st.in_flight - least.in_flight)
-    best, best_time = pipe, simulate_pipeline(pipe).iteration_time
+    best, best_time = pipe, simulate_pipeline(pipe, trace=False).iteration_time
     if pipe.schedule_kind != "1f1b":
         return best, best_time
     m = pipe.num_micro_batches
@@ -760,7 +760,7 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
                 if extra > current[st.id]:
                     break  # more warm-up only needs more memory
                 continue
-            t = simulate_pipeline(cand).iteration_time
+            t = simulate_pipeline(cand, trace=False).iteration_time
             if t < best_time or (t == best_time and extra < current[st.id]):
                 best, best_time, current = cand, t, trial
     return best, best_time
