@@ -187,10 +187,18 @@ class Links(_SpecModel):
 
     ``intra_node`` is required when a node holds more than one device, ``inter_node`` when the
     cluster has more than one node.
+
+    ``nics``: which transfers between nodes share a network interface (each direction a FIFO,
+    ``inter_node``'s bandwidth): ``per-node``, one interface per node that all its devices use;
+    ``per-device``, one per device (GPUDirect RDMA with a NIC per GPU, as in DGX systems). Unset,
+    every pair of communicating pipeline stages has an inter-node link of its own: no contention
+    between the transfers of different stage pairs (optimistic where several stages on one node
+    talk to other nodes at once).
     """
 
     intra_node: Link | None = None
     inter_node: Link | None = None
+    nics: Literal["per-node", "per-device"] | None = None
 
 
 @dataclass(frozen=True)
@@ -351,7 +359,11 @@ class ClusterSpec(_SpecModel):
                 }
                 for group in self.nodes
             ],
-            "links": {"intra_node": link(self.links.intra_node), "inter_node": link(self.links.inter_node)},
+            "links": {
+                "intra_node": link(self.links.intra_node),
+                "inter_node": link(self.links.inter_node),
+                **({"nics": self.links.nics} if self.links.nics else {}),
+            },
             "num_nodes": self.num_nodes,
             "num_devices": self.num_devices,
             "devices": [

@@ -26,6 +26,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from tessera.planners.gpp.schedule import parse_action
 
@@ -265,14 +266,20 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
                 activation_bytes=per_mb,
             )
         )
-    edges = [
-        SimEdge(
-            e.src,
-            e.dst,
-            e.bytes_per_sample,
-            e.link.bandwidth if e.link else float("inf"),
-            e.link.latency if e.link else 0.0,
-        )
-        for e in pipeline.edges  # type: ignore[attr-defined]
-    ]
+    edges = [sim_edge(e) for e in pipeline.edges]  # type: ignore[attr-defined]
     return simulate(stages, edges, pipeline.mini_batch_size, trace=trace)  # type: ignore[attr-defined]
+
+
+def sim_edge(edge: object) -> SimEdge:
+    """The simulator's view of a :class:`tessera.planners.gpp.partition.PipelineEdge`."""
+    e: Any = edge
+    return SimEdge(
+        e.src,
+        e.dst,
+        e.bytes_per_sample,
+        e.link.bandwidth if e.link else float("inf"),
+        e.link.latency if e.link else 0.0,
+        e.src_nics,
+        e.dst_nics,
+        e.nic_share,
+    )

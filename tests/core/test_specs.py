@@ -392,3 +392,14 @@ def test_json_dict_round_trips(preset: str) -> None:
     data = json.loads(json.dumps(cluster.to_json_dict()))
     back = ClusterSpec.from_json_dict(data, source="plan.json")
     assert back.to_json_dict() == cluster.to_json_dict()
+
+
+def test_shared_network_interfaces_round_trip() -> None:
+    data = load_cluster("graphpipe-v100").to_json_dict()
+    assert "nics" not in data["links"]  # unset: every stage pair has a link of its own
+    data["links"]["nics"] = "per-node"
+    back = ClusterSpec.from_json_dict(json.loads(json.dumps(data)), source="plan.json")
+    assert back.links.nics == "per-node" and back.to_json_dict()["links"]["nics"] == "per-node"
+    data["links"]["nics"] = "per-rack"
+    with pytest.raises(InputError, match="nics"):
+        ClusterSpec.from_json_dict(data, source="plan.json")

@@ -58,7 +58,7 @@ from tessera.planners.gpp.greedy import greedy_schedules
 from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
 from tessera.planners.gpp.schedule import compute_in_flight, gpipe, in_flight_of, k_f_k_b, one_f_one_b
 from tessera.planners.gpp.sp import SPNode, SPTree, decompose
-from tessera.planners.sim import SimEdge, SimStage, simulate_pipeline
+from tessera.planners.sim import SimStage, sim_edge, simulate_pipeline
 
 _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, materialized and simulated
 # 1F1B warm-up slack tried per candidate (:func:`_materialize`): Table 3.2's minimum, and one or two more
@@ -127,6 +127,11 @@ class PipelineEdge:
     tensors: list[tuple[str, float]]  # (name, wire bytes per sample)
     bytes_per_sample: float
     link: Link | None = None
+    # Nodes whose network interface the activations leave / enter through (none: inside a node),
+    # and the largest share of a micro-batch's bytes through one of them (:func:`nic_route`).
+    src_nics: tuple[str, ...] = ()
+    dst_nics: tuple[str, ...] = ()
+    nic_share: float = 1.0
 
 
 @dataclass
@@ -615,7 +620,9 @@ def _materialize(
         )
         edges.sort(key=lambda e: (e.src, e.dst))
     for e in edges:
-        e.link = cluster.link_between(stages[e.src].devices[0], stages[e.dst].devices[0])
+        src, dst = stages[e.src].devices, stages[e.dst].devices
+        e.src_nics, e.dst_nics, e.nic_share = nic_route(cluster, src, dst)
+        e.link = cluster.links.inter_node if e.src_nics else cluster.link_between(src[0], dst[0])
     pipe = Pipeline(
         kind=kind,
         mini_batch_size=opts.mini_batch,
@@ -772,16 +779,7 @@ def _greedy(stages: list[PipelineStage], edges: list[PipelineEdge], mini_batch: 
         SimStage(st.id, st.micro_batch_size, st.forward_time, st.backward_time, (), len(st.devices))
         for st in stages
     ]
-    sim_edges = [
-        SimEdge(
-            e.src,
-            e.dst,
-            e.bytes_per_sample,
-            e.link.bandwidth if e.link else float("inf"),
-            e.link.latency if e.link else 0.0,
-        )
-        for e in edges
-    ]
+    sim_edges = [sim_edge(e) for e in edges]
     return greedy_schedules(sim_stages, sim_edges, mini_batch)
 
 
@@ -819,6 +817,39 @@ def _estimate_iteration(
         longest[n] = graph.nodes[n]["w"] + max(into, default=0.0)
     slowest = max(cycle.values())
     return (m - 1) * slowest + max(longest.values()) + max(st.allreduce_time for st in stages)
+
+
+def nic_route(
+    cluster: ClusterSpec, src: list[str], dst: list[str]
+) -> tuple[tuple[str, ...], tuple[str, ...], float]:
+    """The network interfaces (``cluster.links.nics``) a micro-batch's activations cross from the
+    replicas on devices ``src`` to those on ``dst``, and the largest share of its bytes through one.
+
+    Replica ``i`` of ``p`` holds samples ``[i/p, (i+1)/p)`` of a micro-batch; the samples a replica
+    pair has in common cross the network when the two devices are on different nodes (leaving
+    through the sender's interface, entering through the receiver's) and NVLink otherwise.
+    Returns ``((), (), 1.0)`` when no interface is crossed or the cluster names none.
+    """
+    if cluster.links.nics is None:
+        return (), (), 1.0
+    per_node = cluster.links.nics == "per-node"
+    a = [cluster.device(d) for d in src]
+    b = [cluster.device(d) for d in dst]
+    out: dict[str, int] = {}
+    into: dict[str, int] = {}
+    for i, x in enumerate(a):  # in units of 1 / (len(a) * len(b)) of a micro-batch
+        for j, y in enumerate(b):
+            if x.node_index == y.node_index:
+                continue
+            common = min((i + 1) * len(b), (j + 1) * len(a)) - max(i * len(b), j * len(a))
+            if common > 0:
+                src_nic, dst_nic = (x.node, y.node) if per_node else (x.id, y.id)
+                out[src_nic] = out.get(src_nic, 0) + common
+                into[dst_nic] = into.get(dst_nic, 0) + common
+    if not out:
+        return (), (), 1.0
+    share = max(*out.values(), *into.values()) / (len(a) * len(b))
+    return tuple(sorted(out)), tuple(sorted(into)), share
 
 
 def _group_link(cluster: ClusterSpec, devices: list) -> Link | None:
