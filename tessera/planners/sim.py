@@ -2,8 +2,12 @@
 
 Modelled on FlexFlow's execution simulator (thesis-jia-taso-flexflow §3.4): a task graph whose
 tasks run on FIFO resources — each stage's devices (its data-parallel replicas advance in lockstep,
-so a stage is one resource) and each direction of each stage-to-stage link (a communication
-device) — and a task starts when its resource is free and its inputs have arrived.
+so a stage is one resource) and the links (communication devices) — and a task starts when its
+resources are free and its inputs have arrived. Tasks are processed in the order of the time they
+can start (a heap), so a resource shared by several streams of tasks serves them first come, first
+served. The links: each direction of each stage-to-stage edge, or, for edges between nodes of a
+cluster whose spec names its network interfaces (``links.nics``), the sending and the receiving
+interfaces, which every transfer through them shares (``SimEdge.src_nics`` / ``dst_nics``).
 
 Tasks of one iteration:
 
@@ -12,8 +16,8 @@ Tasks of one iteration:
   every predecessor micro-batch holding those samples; a backward of stage i's micro-batch q waits
   for the gradient transfers of every successor micro-batch holding its samples (C5, with
   different micro-batch sizes);
-- a transfer of an activation (or gradient) micro-batch: ``latency + bytes / bandwidth`` on the
-  edge's link, FIFO in micro-batch order;
+- a transfer of an activation (or gradient) micro-batch: ``latency + share · bytes / bandwidth``
+  on the edge's link or interfaces (``share``: the largest part of the bytes one interface carries);
 - after its last backward, each stage all-reduces its gradients (ring; time given per stage).
 
 :func:`simulate` returns the iteration time, throughput, per-stage peak memory (static memory +
