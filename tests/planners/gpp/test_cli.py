@@ -9,7 +9,7 @@ from click.testing import CliRunner
 from tessera.core.errors import InfeasibleError
 from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model, load_plan
-from tessera.core.specs import load_cluster
+from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.gpp.cli import run_gpp_plan
 
@@ -53,3 +53,17 @@ def test_json_and_exit_code_through_click(graph) -> None:
     assert json.loads(ok.output)["kind"] == "gpp"
     bad = runner.invoke(plan, ["--memory-limit", "1KiB"])
     assert bad.exit_code == 3
+
+
+def test_plan_on_shared_network_interfaces(tmp_path, graph) -> None:
+    # One interface per node: the plan records it, passes the checks, and its prediction comes
+    # from a simulation whose inter-node transfers queue at the interfaces they cross.
+    data = load_cluster("graphpipe-v100").to_json_dict()
+    data["links"]["nics"] = "per-node"
+    cluster = ClusterSpec.from_json_dict(data)
+    out = tmp_path / "plan.json"
+    plan = run_gpp_plan(graph, cluster, mini_batch=64, devices=8, output=out)
+    loaded = load_plan(out)
+    assert loaded == plan and loaded.cluster["links"]["nics"] == "per-node"
+    assert check_plan_against_model(loaded, graph) == []
+    assert loaded.predicted["throughput_samples_per_s"] > 0
