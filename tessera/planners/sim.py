@@ -55,9 +55,10 @@ class SimEdge:
     bytes_per_sample: float = 0.0
     bandwidth: float = float("inf")
     latency: float = 0.0
-    # Inter-node edges: the nodes whose network interface the activations leave (src_nics) and
-    # enter (dst_nics) through, shared with every other transfer through them; ``share`` is the
-    # largest fraction of a micro-batch's bytes through one of them. No NICs: a link of its own.
+    # Inter-node edges: the network interfaces (named by node or by device) the activations leave
+    # (src_nics) and enter (dst_nics) through, shared with every other transfer through them;
+    # ``share`` is the largest fraction of a micro-batch's bytes through one of them. No
+    # interfaces: the edge has a link of its own.
     src_nics: tuple[str, ...] = ()
     dst_nics: tuple[str, ...] = ()
     share: float = 1.0
