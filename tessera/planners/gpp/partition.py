@@ -127,8 +127,9 @@ class PipelineEdge:
     tensors: list[tuple[str, float]]  # (name, wire bytes per sample)
     bytes_per_sample: float
     link: Link | None = None
-    # Nodes whose network interface the activations leave / enter through (none: inside a node),
-    # and the largest share of a micro-batch's bytes through one of them (:func:`nic_route`).
+    # Network interfaces (named by node or by device) the activations leave / enter through (none:
+    # inside a node, or no shared interfaces), and the largest share of a micro-batch's bytes
+    # through one of them (:func:`nic_route`).
     src_nics: tuple[str, ...] = ()
     dst_nics: tuple[str, ...] = ()
     nic_share: float = 1.0
