@@ -18,7 +18,9 @@ Tasks of one iteration:
   different micro-batch sizes);
 - a transfer of an activation (or gradient) micro-batch: ``latency + share · bytes / bandwidth``
   on the edge's link or interfaces (``share``: the largest part of the bytes one interface carries);
-- after its last backward, each stage all-reduces its gradients (ring; time given per stage).
+- after its last backward, each stage all-reduces its gradients (ring; time given per stage). A
+  ring that spans nodes of a cluster with named interfaces holds them for its duration
+  (``SimStage.allreduce_nics``), queued first come, first served with the transfers.
 
 :func:`simulate` returns the iteration time, throughput, per-stage peak memory (static memory +
 activations of the peak number of in-flight micro-batches), the bubble fraction (idle share of
@@ -34,6 +36,8 @@ from typing import Any
 
 from tessera.planners.gpp.schedule import parse_action
 
+_SEND, _ALLREDUCE = -1, -2  # heap entries that are not a stage's F/B task
+
 
 @dataclass(frozen=True)
 class SimStage:
@@ -46,6 +50,7 @@ class SimStage:
     allreduce_time: float = 0.0
     static_memory: float = 0.0  # weights + optimizer per device
     activation_bytes: float = 0.0  # per in-flight micro-batch per device
+    allreduce_nics: tuple[str, ...] = ()  # the network interfaces the all-reduce holds (both directions)
 
 
 @dataclass(frozen=True)
@@ -174,14 +179,27 @@ def simulate(
         if duration <= 0:
             arrivals[(sender, e.dst if direction == "F" else e.src, k)] = at
             return
-        heapq.heappush(heap, (at, order, -1, (e, direction, sender, k, duration)))
+        heapq.heappush(heap, (at, order, _SEND, (e, direction, sender, k, duration)))
         order += 1
+
+    allreduce_end: dict[int, float] = {}
 
     for s in stages:
         try_ready(s.id)
     while heap:
         start, _, sid, transfer = heapq.heappop(heap)
-        if sid < 0:
+        if sid == _ALLREDUCE:
+            s = by_id[transfer[0]]
+            links = [(way, n) for n in s.allreduce_nics for way in ("out", "in")]
+            begin = max([start, *(link_free.get(c, 0.0) for c in links)])
+            end = begin + s.allreduce_time
+            for c in links:
+                link_free[c] = end
+            allreduce_end[s.id] = end
+            if trace:
+                events.append(Event("allreduce", s.id, -1, begin, end))
+            continue
+        if sid == _SEND:
             e, direction, sender, k, duration = transfer
             links = channels[(e.src, e.dst, direction)]
             begin = max([start, *(link_free.get(c, 0.0) for c in links)])
@@ -221,18 +239,14 @@ def simulate(
             for e in preds[sid]:
                 send(e, "B", sid, k, end, s.micro_batch_size)
                 try_ready(e.src)
+        if pointer[sid] == len(parsed[sid]) and s.allreduce_time > 0:
+            heapq.heappush(heap, (end, order, _ALLREDUCE, (sid,)))
+            order += 1
         try_ready(sid)
     if remaining:
         stuck = {sid: parsed[sid][pointer[sid]] for sid in pointer if pointer[sid] < len(parsed[sid])}
         raise ValueError(f"the schedule deadlocks: waiting stages {stuck}")
-    finish = 0.0
-    for s in stages:
-        end = device_free[s.id]
-        if s.allreduce_time > 0:
-            if trace:
-                events.append(Event("allreduce", s.id, -1, end, end + s.allreduce_time))
-            end += s.allreduce_time
-        finish = max(finish, end)
+    finish = max([0.0, *device_free.values(), *allreduce_end.values()])
     total_devices = sum(s.devices for s in stages)
     used = sum(busy[s.id] * s.devices for s in stages)
     bubble = 1.0 - used / (finish * total_devices) if finish > 0 else 0.0
@@ -269,6 +283,7 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
                 allreduce_time=st.allreduce_time,
                 static_memory=st.weights + st.optimizer,
                 activation_bytes=per_mb,
+                allreduce_nics=st.allreduce_nics,
             )
         )
     edges = [sim_edge(e) for e in pipeline.edges]  # type: ignore[attr-defined]

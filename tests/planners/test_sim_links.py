@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tessera.core.specs import ClusterSpec, load_cluster
-from tessera.planners.gpp.partition import nic_route
+from tessera.planners.gpp.partition import nic_route, ring_nics
 from tessera.planners.gpp.schedule import one_f_one_b
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
@@ -60,3 +60,49 @@ def test_nic_route_per_node_and_per_device() -> None:
     # Inside a node nothing crosses an interface; unset, every stage pair has its own link.
     assert nic_route(node, ids[:2], ids[2:4]) == ((), (), 1.0)
     assert nic_route(load_cluster("graphpipe-v100"), ids[:1], ids[4:8]) == ((), (), 1.0)
+
+
+def _two_rings(shared: bool, relay: bool = False):
+    """Stages 0 and 1, two data-parallel stages over the same two nodes a and b, finish their one
+    micro-batch at 1 and 2 and all-reduce for 3 each. With ``relay``, stage 1's forward takes 1.5
+    and then sends stage 2 (node c) a unit-time activation out through interface a."""
+    rings = ("a", "b") if shared else ()
+    stages = [
+        SimStage(0, 1, 0.5, 0.5, ("F0", "B0"), 2, 3.0, allreduce_nics=rings),
+        SimStage(1, 1, 1.5 if relay else 1.0, 1.0, ("F0", "B0"), 2, 3.0, allreduce_nics=rings),
+    ]
+    edges = []
+    if relay:
+        stages.append(SimStage(2, 1, 10.0, 1.0, ("F0", "B0")))
+        edges = [SimEdge(1, 2, 1.0, 1.0, 0.0, ("a",) if shared else (), ("c",) if shared else ())]
+    return simulate(stages, edges, 1)
+
+
+def test_all_reduces_through_one_interface_take_turns() -> None:
+    # Own links: the rings end at 1 + 3 and 2 + 3. Sharing the nodes' interfaces, the second
+    # ring starts when the first ends (4) and ends at 7.
+    assert _two_rings(shared=False).iteration_time == pytest.approx(5.0)
+    res = _two_rings(shared=True)
+    assert res.iteration_time == pytest.approx(7.0)
+    rings = sorted((e.start, e.end, e.stage) for e in res.events if e.kind == "allreduce")
+    assert rings == [(1.0, 4.0, 0), (4.0, 7.0, 1)]
+
+
+def test_a_transfer_waits_for_the_all_reduce_holding_its_interface() -> None:
+    # Stage 0's ring holds interface a from 1 to 4; stage 1's activation for stage 2, ready at
+    # 1.5, leaves when the ring is done (4) and arrives at 5. Own links: it would arrive at 2.5.
+    res = _two_rings(shared=True, relay=True)
+    send = next(e for e in res.events if e.kind == "send_F")
+    assert (send.start, send.end) == (pytest.approx(4.0), pytest.approx(5.0))
+    assert next(e for e in res.events if e.kind == "F" and e.stage == 2).start == pytest.approx(5.0)
+    own = next(e for e in _two_rings(shared=False, relay=True).events if e.kind == "send_F")
+    assert (own.start, own.end) == (pytest.approx(1.5), pytest.approx(2.5))
+
+
+def test_ring_nics() -> None:
+    node, device = _cluster("per-node"), _cluster("per-device")
+    devs = node.devices()
+    assert ring_nics(node, devs[2:6]) == ("summit0", "summit1")
+    assert ring_nics(device, device.devices()[2:6]) == tuple(d.id for d in devs[2:6])
+    assert ring_nics(node, devs[:4]) == ()  # one node: NVLink
+    assert ring_nics(load_cluster("graphpipe-v100"), devs[2:6]) == ()  # no interfaces named

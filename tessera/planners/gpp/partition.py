@@ -114,6 +114,9 @@ class PipelineStage:
     schedule: list[str] = field(default_factory=list)
     memory: StageMemoryEstimate | None = None
     units: tuple[int, int] = (0, 0)
+    # The network interfaces the stage's gradient all-reduce crosses (:func:`ring_nics`); none
+    # inside a node or when the cluster names no shared interfaces.
+    allreduce_nics: tuple[str, ...] = ()
 
     @property
     def time_per_sample(self) -> float:
@@ -607,6 +610,7 @@ def _materialize(
                 activation_per_sample=costs.act[hi] - costs.act[lo],
                 input_per_sample=costs.enter(lo, hi),
                 units=(lo, hi),
+                allreduce_nics=ring_nics(cluster, group),
             )
         )
         for u in range(lo, hi):
@@ -851,6 +855,21 @@ def nic_route(
         return (), (), 1.0
     share = max(*out.values(), *into.values()) / (len(a) * len(b))
     return tuple(sorted(out)), tuple(sorted(into)), share
+
+
+def ring_nics(cluster: ClusterSpec, devices: list) -> tuple[str, ...]:
+    """The network interfaces (``cluster.links.nics``) a ring all-reduce over ``devices`` occupies.
+
+    A ring over several nodes enters and leaves every node it spans, so it holds each node's
+    interface (``per-node``) for its whole duration. With ``per-device`` interfaces the
+    collective library stripes the ring's channels over every replica's interface (NCCL: one
+    channel per NIC), so it holds all of them. None inside one node or with ``nics`` unset.
+    """
+    if cluster.links.nics is None or len({d.node_index for d in devices}) < 2:
+        return ()
+    if cluster.links.nics == "per-node":
+        return tuple(sorted({d.node for d in devices}))
+    return tuple(sorted(d.id for d in devices))
 
 
 def _group_link(cluster: ClusterSpec, devices: list) -> Link | None:
