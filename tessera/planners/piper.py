@@ -67,18 +67,18 @@ from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec, Link
 from tessera.core.units import format_bytes
 from tessera.planners.gpp.partition import (
-    _SLACK,
+    WARM_UP_SLACKS,
     PartitionOptions,
     Pipeline,
+    StageLinks,
     UnitCosts,
-    _Links,
-    _materialize,
     fastest_tuned,
+    materialize,
     micro_batch_candidates,
     planning_inputs,
     unit_flow,
 )
-from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, _coarsen, _number
+from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, coarsen, number_units
 from tessera.planners.sim import simulate_pipeline
 
 # The most ideals the DP runs on: a few seconds at 32 devices (module docstring, "Cost").
@@ -173,7 +173,7 @@ def plan_piper(
     if not cands:
         raise InputError(f"no micro-batch size divides the mini-batch {options.mini_batch}")
     lattice = _Lattice(graph, tree, cost)
-    links = _Links(cluster, num)
+    links = StageLinks(cluster, num)
     pool: list[tuple[float, int, Pipeline]] = []
     best_estimate = math.inf
     lower = {b: _lower_bound(lattice, options.mini_batch, b, num) for b in cands}
@@ -191,7 +191,7 @@ def plan_piper(
         # The best few by the 1F1B estimate are materialized (exact in-flight counts and memory).
         for plan in sorted(found, key=lambda p: (found[p], p))[:_PER_MICRO_BATCH]:
             # With 1F1B, also with one more warm-up micro-batch per stage (as the partitioner tries).
-            for slack in _SLACK if options.schedule == "1f1b" else (0,):
+            for slack in WARM_UP_SLACKS if options.schedule == "1f1b" else (0,):
                 stages = dp.stages(plan)
                 pipe = _to_pipeline(graph, cluster, tree, cost, options, b, stages, num, limit_bytes, slack)
                 if pipe is not None:
@@ -267,8 +267,8 @@ def _tractable_tree(
 def _coarser(graph: Graph, tree: SPTree, threshold: float) -> SPTree:
     """``tree`` with subtrees of cost ≤ ``threshold`` merged into one unit and consecutive light
     units of a series merged at cheap cuts (the partitioner's coarsening, :mod:`tessera.planners.gpp.sp`)."""
-    root = _coarsen(tree.root, threshold, CutBytes(graph))
-    _number(root, 0)
+    root = coarsen(tree.root, threshold, CutBytes(graph))
+    number_units(root, 0)
     rank = {n: i for i, n in enumerate(graph.order)}
     units: list[tuple[str, ...]] = []
     for leaf in root.leaves():
@@ -410,7 +410,7 @@ class _IdealDP:
     """
 
     def __init__(
-        self, lattice: _Lattice, links: _Links, opts: PartitionOptions, b: int, limit: float, num: int
+        self, lattice: _Lattice, links: StageLinks, opts: PartitionOptions, b: int, limit: float, num: int
     ) -> None:
         self.lat, self.links = lattice, links
         self.b, self.B, self.num = b, opts.mini_batch, num
@@ -640,4 +640,4 @@ def _to_pipeline(
         end -= len(units)
     assert plan is not None
     costs = UnitCosts(graph, reordered, cost)
-    return _materialize(graph, cluster, reordered, costs, opts, "spp", b, plan, num, limit, slack)
+    return materialize(graph, cluster, reordered, costs, opts, "spp", b, plan, num, limit, slack)

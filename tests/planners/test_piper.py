@@ -13,7 +13,7 @@ from tessera.core.plans import check_plan_against_model, dump_plan
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.gpp.cli import build_gpp_plan
-from tessera.planners.gpp.partition import PartitionOptions, _Links, build_tree
+from tessera.planners.gpp.partition import PartitionOptions, StageLinks, build_tree
 from tessera.planners.piper import MIN_UNIT_SHARE, PIPER_LIMIT, _IdealDP, _Lattice, piper_ideals, plan_piper
 from tessera.planners.sim import simulate_pipeline
 from tessera.planners.spp import plan_sequential, plan_spp, sequential_record
@@ -117,7 +117,7 @@ def test_dp_finds_the_smallest_bottleneck(devices: int, limit: int) -> None:
     opts = PartitionOptions(mini_batch=64, num_devices=devices, memory_limit=limit)
     cost = CostModel.for_device(cluster.devices()[0].type)
     lattice = _Lattice(g, build_tree(g, cost, 128), cost)
-    dp = _IdealDP(lattice, _Links(cluster, devices), opts, 4, limit, devices)
+    dp = _IdealDP(lattice, StageLinks(cluster, devices), opts, 4, limit, devices)
     pair = {(int(lo), int(hi)): p for p, (lo, hi) in enumerate(zip(lattice.lo, lattice.hi, strict=True))}
 
     def chains(ideal: int):

@@ -54,7 +54,7 @@ from tessera.planners.gpp.memory import max_in_flight
 from tessera.planners.gpp.sp import SPNode, SPTree
 
 if TYPE_CHECKING:
-    from tessera.planners.gpp.partition import PartitionOptions, UnitCosts, _Links
+    from tessera.planners.gpp.partition import PartitionOptions, StageLinks, UnitCosts
 
 INF_SLACK = 1 << 30
 FRONT = 3  # Pareto entries kept per DP state
@@ -72,7 +72,7 @@ class StageDP:
         self,
         tree: SPTree,
         costs: UnitCosts,
-        links: _Links,
+        links: StageLinks,
         opts: PartitionOptions,
         b: int,
         limit: float,

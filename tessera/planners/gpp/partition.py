@@ -61,9 +61,9 @@ from tessera.planners.gpp.sp import SPNode, SPTree, decompose
 from tessera.planners.sim import SimStage, sim_edge, simulate_pipeline
 
 _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, materialized and simulated
-# 1F1B warm-up slack tried per candidate (:func:`_materialize`): Table 3.2's minimum, and one or two more
+# 1F1B warm-up slack tried per candidate (:func:`materialize`): Table 3.2's minimum, and one or two more
 # micro-batches in flight on every stage with successors (hides transfers; costs memory).
-_SLACK = (0, 1, 2)
+WARM_UP_SLACKS = (0, 1, 2)
 # The fastest few candidates (distinct stage graphs) get per-stage warm-up tuning (:func:`tune_warm_up`).
 _TUNED = 3
 # Simulated passes (forwards and backwards of all stages) one warm-up tuning may spend: about 0.3 s
@@ -266,7 +266,7 @@ def _prefix(values: np.ndarray) -> list[float]:
     return out.tolist()
 
 
-class _Links:
+class StageLinks:
     """The links the partitioner assumes: inside a node when the devices fit one, else between."""
 
     def __init__(self, cluster: ClusterSpec, num_devices: int) -> None:
@@ -313,7 +313,7 @@ def partition(
     started = time.perf_counter()
     num, limit, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     costs = UnitCosts(graph, tree, cost)
-    links = _Links(cluster, num)
+    links = StageLinks(cluster, num)
     cands = micro_batch_candidates(options)
     if not cands:
         raise InputError(f"no micro-batch size divides the mini-batch {options.mini_batch}")
@@ -363,10 +363,10 @@ def partition(
                 if spans in seen:
                     continue
                 seen.add(spans)
-                first = _materialize(graph, cluster, tree, costs, options, kind, b, entry[5], num, limit)
+                first = materialize(graph, cluster, tree, costs, options, kind, b, entry[5], num, limit)
                 if first is None:
                     continue  # more warm-up only needs more memory
-                for slack in _SLACK if options.schedule == "1f1b" else (0,):
+                for slack in WARM_UP_SLACKS if options.schedule == "1f1b" else (0,):
                     pipe = first if not slack else scheduled(first, _uniform(first, slack), options.recompute)
                     if pipe is None:
                         break
@@ -556,7 +556,7 @@ def _binary_search(dp: StageDP, num: int, epsilon: float, cap: float = math.inf)
     return entries, probes
 
 
-def _materialize(
+def materialize(
     graph: Graph,
     cluster: ClusterSpec,
     tree: SPTree,

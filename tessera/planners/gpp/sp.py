@@ -89,7 +89,7 @@ class SPTree:
         """The same units as one series (a sequential chain): the SPP view of the same graph."""
         leaves = [SPNode("leaf", ops=leaf.ops, cost=leaf.cost) for leaf in self.root.leaves()]
         root = leaves[0] if len(leaves) == 1 else SPNode("series", children=leaves, cost=self.root.cost)
-        _number(root, 0)
+        number_units(root, 0)
         return SPTree(root=root, units=self.units, unit_of=self.unit_of, converted=self.converted)
 
 
@@ -114,11 +114,11 @@ def decompose(
     root = _flatten(root)
     threshold = root.cost / max(max_units, 1)
     cuts = CutBytes(graph)
-    coarse = _coarsen(root, threshold, cuts)
+    coarse = coarsen(root, threshold, cuts)
     while sum(1 for _ in coarse.leaves()) > max_units:
         threshold *= 2
-        coarse = _coarsen(root, threshold, cuts)
-    _number(coarse, 0)
+        coarse = coarsen(root, threshold, cuts)
+    number_units(coarse, 0)
     unit_ops = [list(leaf.ops) for leaf in coarse.leaves()]
     unit_of = {op: i for i, ops in enumerate(unit_ops) for op in ops}
     _attach_constants(graph, unit_ops, unit_of)
@@ -206,12 +206,12 @@ def _flatten(node: SPNode) -> SPNode:
     return SPNode(node.kind, children=children, cost=node.cost)
 
 
-def _coarsen(node: SPNode, threshold: float, cuts: CutBytes | None = None) -> SPNode:
+def coarsen(node: SPNode, threshold: float, cuts: CutBytes | None = None) -> SPNode:
     if node.kind == "leaf":
         return SPNode("leaf", ops=node.ops, cost=node.cost)
     if node.cost <= threshold:
         return SPNode("leaf", ops=tuple(node.all_ops()), cost=node.cost)
-    children = [_coarsen(c, threshold, cuts) for c in node.children]
+    children = [coarsen(c, threshold, cuts) for c in node.children]
     if node.kind == "parallel":
         # Heaviest branches first (stable): the partitioner groups contiguous, similar branches.
         children.sort(key=lambda c: -c.cost)
@@ -303,14 +303,14 @@ class CutBytes:
         return out
 
 
-def _number(node: SPNode, start: int) -> int:
+def number_units(node: SPNode, start: int) -> int:
     node.lo = start
     if node.kind == "leaf":
         node.hi = start + 1
         return node.hi
     at = start
     for c in node.children:
-        at = _number(c, at)
+        at = number_units(c, at)
     node.hi = at
     return at
 

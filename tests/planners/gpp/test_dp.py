@@ -9,7 +9,7 @@ from planners.gpp.gpp_graphs import chain
 from tessera.core.cost import CostModel
 from tessera.core.specs import load_cluster
 from tessera.planners.gpp.dp import StageDP, par_join, pareto, seq, stages_of
-from tessera.planners.gpp.partition import PartitionOptions, UnitCosts, _Links, build_tree
+from tessera.planners.gpp.partition import PartitionOptions, StageLinks, UnitCosts, build_tree
 
 
 def _optimum(dp: StageDP, n: int, num: int) -> float:
@@ -36,7 +36,7 @@ def test_series_dp_finds_the_optimal_split(num: int) -> None:
     tree = build_tree(g, cost, 6)
     costs = UnitCosts(g, tree, cost)
     opts = PartitionOptions(mini_batch=64, num_devices=num, memory_limit=math.inf)
-    dp = StageDP(tree, costs, _Links(cluster, num), opts, 8, math.inf, num)
+    dp = StageDP(tree, costs, StageLinks(cluster, num), opts, 8, math.inf, num)
     best = _optimum(dp, costs.n, num)
     assert dp.run(best * (1 + 1e-9))  # the optimum is feasible
     assert not dp.run(best * (1 - 1e-6))  # and nothing beats it
