@@ -29,7 +29,7 @@ from rich.table import Table
 from tessera.cli.options import json_option, load_model_option, output_option
 from tessera.cli.render import console, emit_json, human_bytes
 from tessera.core.plans import ModelRef, dump_plan, write_plan
-from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.core.specs import load_cluster
 
 __all__ = ["KINDS", "PlanKind", "plan"]
 
@@ -51,7 +51,7 @@ def run_cp(
     *,
     model: str | None,
     input_shapes: tuple[str, ...],
-    cluster: ClusterSpec,
+    cluster: str,
     output: str | None,
     as_json: bool,
     llm: str | None,
@@ -76,6 +76,7 @@ def run_cp(
         parse_token_counts,
     )
 
+    spec = load_cluster(cluster)
     if (model is None) == (llm is None):
         raise click.UsageError(
             "--kind cp takes either MODEL (an ONNX decoder) or --llm CONFIG, not both or neither"
@@ -107,15 +108,15 @@ def run_cp(
 
     plan = None
     if context is not None:
-        plan = plan_cp(config, cluster, workload, model=model_ref, source=source, layers=layers)
+        plan = plan_cp(config, spec, workload, model=model_ref, source=source, layers=layers)
         if output:
             write_plan(plan, output)
-    rows = sweep(config, cluster, workload, contexts, layers=layers) if contexts else []
+    rows = sweep(config, spec, workload, contexts, layers=layers) if contexts else []
     if plot:
         from tessera.planners.cp.plot import plot_sweep
 
         per = f", {layers} layer{'s' if layers > 1 else ''}" if layers else ""
-        plot_sweep(rows, plot, title=f"{config.name} on {cluster.name}, batch {batch}{per}")
+        plot_sweep(rows, plot, title=f"{config.name} on {spec.name}, batch {batch}{per}")
 
     if as_json:
         if rows:
@@ -226,7 +227,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         *,
         model: str | None,
         input_shapes: tuple[str, ...],
-        cluster: ClusterSpec,
+        cluster: str,
         output: str | None,
         as_json: bool,
         mini_batch: int | None,
@@ -241,14 +242,17 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
     ) -> None:
         """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
         from tessera.planners.gpp.cli import run_gpp_plan
+        from tessera.planners.gpp.partition import planned_device_type
 
+        spec = load_cluster(cluster)
+        planned_device_type(spec, devices, source=cluster)
         if model is None:
             raise click.UsageError(f"--kind {kind} needs MODEL (an ONNX file)")
         if mini_batch is None:
             raise click.UsageError(f"--kind {kind} needs --mini-batch")
         run_gpp_plan(
             load_model_option(model, input_shapes),
-            cluster,
+            spec,
             kind=kind,
             mini_batch=mini_batch,
             devices=devices,
@@ -377,7 +381,7 @@ def plan(
     spec.run(
         model=model,
         input_shapes=input_shapes,
-        cluster=load_cluster(cluster),
+        cluster=cluster,
         output=output,
         as_json=as_json,
         **{name: value for name, value in options.items() if name in spec.options},

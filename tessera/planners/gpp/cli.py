@@ -31,7 +31,13 @@ from tessera.core.plans import (
 )
 from tessera.core.specs import ClusterSpec
 from tessera.core.units import format_bytes, parse_bytes
-from tessera.planners.gpp.partition import PartitionOptions, Pipeline, build_tree, partition
+from tessera.planners.gpp.partition import (
+    PartitionOptions,
+    Pipeline,
+    build_tree,
+    partition,
+    planned_device_type,
+)
 from tessera.planners.gpp.profile import MeasuredCosts
 from tessera.planners.sim import SimResult, simulate_pipeline
 from tessera.planners.spp import method_name, plan_sequential, sequential_record
@@ -58,7 +64,7 @@ def build_gpp_plan(
     """
     if kind not in ("gpp", "spp"):
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
-    device = cluster.devices()[0].type
+    device = planned_device_type(cluster, options.num_devices)
     cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
     plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost)
     if measured is not None:
@@ -223,7 +229,7 @@ def run_gpp_plan(
         schedule=schedule,  # type: ignore[arg-type]
         k=k if schedule == "kfkb" else 1,
     )
-    measured = profile_costs(graph, cluster, cache) if profile else None
+    measured = profile_costs(graph, cluster, cache, devices) if profile else None
     plan, pipe, sim = build_gpp_plan(
         graph, cluster, options, kind=kind, baseline=not no_baseline, measured=measured
     )
@@ -239,20 +245,24 @@ def run_gpp_plan(
 
 
 def profile_costs(
-    graph: Graph, cluster: ClusterSpec, cache: str | os.PathLike[str] | None = None
+    graph: Graph,
+    cluster: ClusterSpec,
+    cache: str | os.PathLike[str] | None = None,
+    devices: int | None = None,
 ) -> MeasuredCosts:
     """``--profile``: measure every operator on this machine (progress bar on a terminal; one summary
-    line on stderr)."""
+    line on stderr); ``devices``: how many of the cluster's devices the plan uses."""
     from tessera.cli.render import progress_bar
     from tessera.planners.gpp.profile import open_cache, profile_graph
 
+    device_type = planned_device_type(cluster, devices)
     store = open_cache(cache)
     try:
         with progress_bar() as bar:
             task = bar.add_task("profiling operators", total=None)
             measured = profile_graph(
                 graph,
-                cluster.devices()[0].type,
+                device_type,
                 cache=store,
                 progress=lambda done, total: bar.update(task, completed=done, total=total),
             )

@@ -42,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,7 +53,7 @@ import numpy as np
 from tessera.core.cost import CostModel, allreduce_time, per_device_samples
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import Graph
-from tessera.core.specs import ClusterSpec, Link
+from tessera.core.specs import ClusterSpec, DeviceType, Link
 from tessera.planners.gpp.dp import Entry, StageDP, stages_of
 from tessera.planners.gpp.greedy import greedy_schedules
 from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
@@ -423,13 +424,35 @@ def planning_inputs(
         raise InputError("the mini-batch size must be positive")
     if options.schedule == "kfkb" and options.k < 1:
         raise InputError("kFkB needs k >= 1")
-    device_type = devices[0].type
+    device_type = planned_device_type(cluster, num)
     limit = float(options.memory_limit if options.memory_limit is not None else device_type.memory)
     if cost is None:
         cost = CostModel.for_device(device_type, options.precision, options.bytes_per_param)
     if tree is None:
         tree = build_tree(graph, cost, options.max_units)
     return num, limit, cost, tree
+
+
+def planned_device_type(
+    cluster: ClusterSpec, num: int | None = None, source: str | None = None
+) -> DeviceType:
+    """The one device type of the first ``num`` devices (default: all) a pipeline is planned on.
+
+    The cost model and Eq. 3.2's memory limit are per device type, so a mix is an
+    :class:`InputError` (naming ``source``, the spec's file, when given) that says how to plan
+    on the first devices only.
+    """
+    devices = cluster.devices()[: num or None]
+    types = Counter(d.type_name for d in devices)
+    if len(types) > 1:
+        mix = ", ".join(f"{name} x{n}" for name, n in types.items())
+        raise InputError(
+            f"pipeline plans need devices of one type (the cost model and the memory limit are per "
+            f"type); the {len(devices)} devices planned on mix {mix}: give --devices to plan on the "
+            "first ones only, or a cluster of one device type",
+            source=source or f"cluster {cluster.name!r}",
+        )
+    return devices[0].type
 
 
 def build_tree(graph: Graph, cost: CostModel, max_units: int) -> SPTree:

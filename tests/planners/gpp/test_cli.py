@@ -67,3 +67,37 @@ def test_plan_on_shared_network_interfaces(tmp_path, graph) -> None:
     assert loaded == plan and loaded.cluster["links"]["nics"] == "per-node"
     assert check_plan_against_model(loaded, graph) == []
     assert loaded.predicted["throughput_samples_per_s"] > 0
+
+
+MIXED = """
+name: mixed
+device_types:
+  a100: {kind: gpu, memory: 80GiB, flops: {fp32: 19.5TFLOPS, fp16: 312TFLOPS}, memory_bandwidth: 2039GB/s}
+  t4: {kind: gpu, memory: 16GiB, flops: {fp32: 8.1TFLOPS, fp16: 65TFLOPS}, memory_bandwidth: 320GB/s}
+nodes:
+  - {name: n, count: 1, devices: [{type: a100, count: 2}, {type: t4, count: 2}]}
+links:
+  intra_node: {bandwidth: 50GB/s, latency: 2us}
+"""
+
+
+@pytest.mark.parametrize("kind", ["gpp", "spp"])
+def test_a_cluster_of_mixed_device_types_is_refused_unless_devices_selects_one(tmp_path, kind) -> None:
+    # The cost model and the memory limit are per device type: planning a100s and t4s with the
+    # a100's costs would mispredict every t4 stage, so the planner says so and how to go on.
+    from cli_runner import run_cli
+
+    spec = tmp_path / "mixed.yaml"
+    spec.write_text(MIXED)
+    model = tmp_path / "cu.onnx"
+    model.write_bytes(build("candle_uno", "tiny").SerializeToString())
+    out = tmp_path / "plan.json"
+    args = ["plan", str(model), "--kind", kind, "--cluster", str(spec), "--mini-batch", "64", "-o", str(out)]
+    bad = run_cli(*args)
+    assert bad.code == 2 and not out.exists()
+    lines = bad.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in bad.err
+    assert str(spec) in lines[0] and "a100 x2, t4 x2" in lines[0] and "--devices" in lines[0]
+    ok = run_cli(*args, "--devices", "2")
+    assert ok.code == 0, ok.err
+    assert all("a100" in d for st in load_plan(out).stages for d in st.devices)
