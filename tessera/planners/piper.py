@@ -75,6 +75,7 @@ from tessera.planners.gpp.partition import (
     fastest_tuned,
     materialize,
     micro_batch_candidates,
+    no_micro_batch,
     planning_inputs,
     unit_flow,
 )
@@ -171,7 +172,7 @@ def plan_piper(
     tree = planned
     cands = micro_batch_candidates(options)
     if not cands:
-        raise InputError(f"no micro-batch size divides the mini-batch {options.mini_batch}")
+        raise InputError(no_micro_batch(options))
     lattice = _Lattice(graph, tree, cost)
     links = StageLinks(cluster, num)
     pool: list[tuple[float, int, Pipeline]] = []

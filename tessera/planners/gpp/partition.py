@@ -54,6 +54,7 @@ from tessera.core.cost import CostModel, allreduce_time, per_device_samples
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec, DeviceType, Link
+from tessera.core.units import format_bytes
 from tessera.planners.gpp.dp import Entry, StageDP, stages_of
 from tessera.planners.gpp.greedy import greedy_schedules
 from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
@@ -296,6 +297,20 @@ def micro_batch_candidates(opts: PartitionOptions) -> list[int]:
     return out
 
 
+def no_micro_batch(opts: PartitionOptions) -> str:
+    """Why :func:`micro_batch_candidates` is empty, and a mini-batch size that has candidates."""
+    if opts.micro_batch_sizes:
+        return f"none of the micro-batch sizes {list(opts.micro_batch_sizes)} divides the mini-batch {opts.mini_batch}"
+    b = 1
+    while b * opts.max_micro_batches < opts.mini_batch:
+        b *= 2
+    near = -(-opts.mini_batch // b) * b
+    return (
+        f"mini-batch {opts.mini_batch}: no micro-batch size fits (a power of two that divides it into "
+        f"at most {opts.max_micro_batches} micro-batches); a multiple of {b} has one, e.g. {near}"
+    )
+
+
 def partition(
     graph: Graph,
     cluster: ClusterSpec,
@@ -317,7 +332,7 @@ def partition(
     links = StageLinks(cluster, num)
     cands = micro_batch_candidates(options)
     if not cands:
-        raise InputError(f"no micro-batch size divides the mini-batch {options.mini_batch}")
+        raise InputError(no_micro_batch(options))
     best: Pipeline | None = None  # the fastest plan as simulated: the simulator has the last word
     best_time = math.inf
     best_rank: tuple | None = None
@@ -466,7 +481,11 @@ def build_tree(graph: Graph, cost: CostModel, max_units: int) -> SPTree:
 
 
 def _gib(n: float | None) -> str:
-    return "?" if n is None else f"{n / 2**30:.2f} GiB"
+    """A memory size in messages: GiB to two decimals (limits are near device sizes), smaller
+    sizes in the unit that shows them (a tiny model needs KiB, not "0.00 GiB")."""
+    if n is None:
+        return "?"
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else format_bytes(n)
 
 
 def _memory_needed(

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from planners.gpp.gpp_graphs import chain, n_shaped
 
-from tessera.core.errors import InfeasibleError
+from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model, dump_plan
 from tessera.core.specs import load_cluster
@@ -106,6 +106,22 @@ def test_infeasible_memory_limit(v100) -> None:
     g = load_graph(build("mmt", "paper"))
     with pytest.raises(InfeasibleError, match="GiB per device"):
         partition(g, v100, PartitionOptions(mini_batch=64, num_devices=2, memory_limit=2**30))
+
+
+def test_infeasible_message_shows_small_sizes_in_their_unit(v100) -> None:
+    # A tiny model needs about a MiB: the message says so instead of "0.00 GiB".
+    g = load_graph(build("mmt", "tiny"))
+    with pytest.raises(InfeasibleError, match=r"fits 100\.0 KiB per device .* needs \d+\.\d MiB per device"):
+        partition(g, v100, PartitionOptions(mini_batch=64, num_devices=4, memory_limit=100 * 1024))
+
+
+def test_a_mini_batch_without_micro_batch_sizes_gets_a_suggestion(v100) -> None:
+    # 100000 = 32 · 3125: its power-of-two divisors leave more than 256 micro-batches. A multiple of
+    # 512 (100000 / 256 rounded up to a power of two) has one; 100352 is the nearest.
+    g = load_graph(build("mmt", "tiny"))
+    with pytest.raises(InputError, match="a multiple of 512 has one, e.g. 100352"):
+        partition(g, v100, PartitionOptions(mini_batch=100000, num_devices=4))
+    partition(g, v100, PartitionOptions(mini_batch=100352, num_devices=4))  # and it plans
 
 
 def test_deterministic_plan_json(v100) -> None:
