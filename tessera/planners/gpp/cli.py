@@ -30,7 +30,7 @@ from tessera.core.plans import (
     write_plan,
 )
 from tessera.core.specs import ClusterSpec
-from tessera.core.units import format_bytes, parse_bytes
+from tessera.core.units import UnitError, format_bytes, parse_bytes
 from tessera.planners.gpp.partition import (
     PartitionOptions,
     Pipeline,
@@ -221,7 +221,14 @@ def run_gpp_plan(
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
     if schedule not in ("1f1b", "kfkb", "greedy", "gpipe"):
         raise InputError(f"--schedule {schedule!r}: expected 1f1b, kfkb, greedy or gpipe")
-    limit = None if memory_limit is None else float(parse_bytes(memory_limit, field="--memory-limit"))
+    try:
+        limit = (
+            None
+            if memory_limit is None
+            else float(parse_bytes(memory_limit, field="--memory-limit", allow_zero=False))
+        )
+    except UnitError as err:
+        raise InputError(str(err)) from None
     options = PartitionOptions(
         mini_batch=mini_batch,
         num_devices=devices,

@@ -4,6 +4,7 @@ import json
 
 import click
 import pytest
+from cli_runner import run_cli
 from click.testing import CliRunner
 
 from tessera.core.errors import InfeasibleError
@@ -85,8 +86,6 @@ links:
 def test_a_cluster_of_mixed_device_types_is_refused_unless_devices_selects_one(tmp_path, kind) -> None:
     # The cost model and the memory limit are per device type: planning a100s and t4s with the
     # a100's costs would mispredict every t4 stage, so the planner says so and how to go on.
-    from cli_runner import run_cli
-
     spec = tmp_path / "mixed.yaml"
     spec.write_text(MIXED)
     model = tmp_path / "cu.onnx"
@@ -101,3 +100,22 @@ def test_a_cluster_of_mixed_device_types_is_refused_unless_devices_selects_one(t
     ok = run_cli(*args, "--devices", "2")
     assert ok.code == 0, ok.err
     assert all("a100" in d for st in load_plan(out).stages for d in st.devices)
+
+
+@pytest.mark.parametrize(
+    ("limit", "fault"),
+    [
+        ("0", "must be greater than zero"),
+        ("-5GB", "must not be negative"),
+        ("12parsecs", "unknown unit 'parsecs'"),
+    ],
+)
+def test_a_bad_memory_limit_is_bad_input(tmp_path, limit, fault) -> None:
+    # Exit 2 with one line naming the option, not an internal error (exit 1) or "no plan fits 0 B".
+    model = tmp_path / "cu.onnx"
+    model.write_bytes(build("candle_uno", "tiny").SerializeToString())
+    res = run_cli("plan", str(model), "--kind", "gpp", "--cluster", "graphpipe-v100", "--mini-batch", "8",
+                  "--memory-limit", limit)  # fmt: skip
+    lines = res.err.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1
+    assert lines[0].startswith(f"tessera: error: --memory-limit: {fault}")
