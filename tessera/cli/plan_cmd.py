@@ -245,11 +245,11 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         from tessera.planners.gpp.partition import planned_device_type
 
         spec = load_cluster(cluster)
-        planned_device_type(spec, devices, source=cluster)
         if model is None:
             raise click.UsageError(f"--kind {kind} needs MODEL (an ONNX file)")
         if mini_batch is None:
             raise click.UsageError(f"--kind {kind} needs --mini-batch")
+        planned_device_type(spec, devices, source=cluster)  # before the model is loaded
         run_gpp_plan(
             load_model_option(model, input_shapes),
             spec,

@@ -904,8 +904,8 @@ def ring_nics(cluster: ClusterSpec, devices: list) -> tuple[str, ...]:
 
     A ring over several nodes enters and leaves every node it spans, so it holds each node's
     interface (``per-node``) for its whole duration. With ``per-device`` interfaces the
-    collective library stripes the ring's channels over every replica's interface (NCCL: one
-    channel per NIC), so it holds all of them. None inside one node or with ``nics`` unset.
+    collective library spreads the ring's channels over every replica's interface (as NCCL does
+    over a node's NICs), so it holds all of them. None inside one node or with ``nics`` unset.
     """
     if cluster.links.nics is None or len({d.node_index for d in devices}) < 2:
         return ()
