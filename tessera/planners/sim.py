@@ -182,6 +182,13 @@ def simulate(
         heapq.heappush(heap, (at, order, _SEND, (e, direction, sender, k, duration)))
         order += 1
 
+    def hold(links: Sequence[Hashable], ready: float, duration: float) -> tuple[float, float]:
+        """Run a task on ``links`` (FIFO resources) for ``duration`` once they are all free."""
+        begin = max([ready, *(link_free.get(c, 0.0) for c in links)])
+        for c in links:
+            link_free[c] = begin + duration
+        return begin, begin + duration
+
     allreduce_end: dict[int, float] = {}
 
     for s in stages:
@@ -190,22 +197,15 @@ def simulate(
         start, _, sid, transfer = heapq.heappop(heap)
         if sid == _ALLREDUCE:
             s = by_id[transfer[0]]
-            links = [(way, n) for n in s.allreduce_nics for way in ("out", "in")]
-            begin = max([start, *(link_free.get(c, 0.0) for c in links)])
-            end = begin + s.allreduce_time
-            for c in links:
-                link_free[c] = end
+            rings = [(way, n) for n in s.allreduce_nics for way in ("out", "in")]
+            begin, end = hold(rings, start, s.allreduce_time)
             allreduce_end[s.id] = end
             if trace:
                 events.append(Event("allreduce", s.id, -1, begin, end))
             continue
         if sid == _SEND:
             e, direction, sender, k, duration = transfer
-            links = channels[(e.src, e.dst, direction)]
-            begin = max([start, *(link_free.get(c, 0.0) for c in links)])
-            arrive = begin + duration
-            for c in links:
-                link_free[c] = arrive
+            begin, arrive = hold(channels[(e.src, e.dst, direction)], start, duration)
             if direction == "F":
                 fwd_arrival[(sender, e.dst, k)] = arrive
                 if trace:

@@ -53,7 +53,7 @@ import numpy as np
 from tessera.core.cost import CostModel, allreduce_time, per_device_samples
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import Graph
-from tessera.core.specs import ClusterSpec, DeviceType, Link
+from tessera.core.specs import ClusterSpec, Device, DeviceType, Link
 from tessera.core.units import format_bytes
 from tessera.planners.gpp.dp import Entry, StageDP, stages_of
 from tessera.planners.gpp.greedy import greedy_schedules
@@ -879,7 +879,6 @@ def nic_route(
     """
     if cluster.links.nics is None:
         return (), (), 1.0
-    per_node = cluster.links.nics == "per-node"
     a = [cluster.device(d) for d in src]
     b = [cluster.device(d) for d in dst]
     out: dict[str, int] = {}
@@ -890,7 +889,7 @@ def nic_route(
                 continue
             common = min((i + 1) * len(b), (j + 1) * len(a)) - max(i * len(b), j * len(a))
             if common > 0:
-                src_nic, dst_nic = (x.node, y.node) if per_node else (x.id, y.id)
+                src_nic, dst_nic = nic_of(cluster, x), nic_of(cluster, y)
                 out[src_nic] = out.get(src_nic, 0) + common
                 into[dst_nic] = into.get(dst_nic, 0) + common
     if not out:
@@ -899,7 +898,7 @@ def nic_route(
     return tuple(sorted(out)), tuple(sorted(into)), share
 
 
-def ring_nics(cluster: ClusterSpec, devices: list) -> tuple[str, ...]:
+def ring_nics(cluster: ClusterSpec, devices: list[Device]) -> tuple[str, ...]:
     """The network interfaces (``cluster.links.nics``) a ring all-reduce over ``devices`` occupies.
 
     A ring over several nodes enters and leaves every node it spans, so it holds each node's
@@ -909,9 +908,12 @@ def ring_nics(cluster: ClusterSpec, devices: list) -> tuple[str, ...]:
     """
     if cluster.links.nics is None or len({d.node_index for d in devices}) < 2:
         return ()
-    if cluster.links.nics == "per-node":
-        return tuple(sorted({d.node for d in devices}))
-    return tuple(sorted(d.id for d in devices))
+    return tuple(sorted({nic_of(cluster, d) for d in devices}))
+
+
+def nic_of(cluster: ClusterSpec, device: Device) -> str:
+    """The name of ``device``'s network interface: its node's (``per-node``) or its own."""
+    return device.node if cluster.links.nics == "per-node" else device.id
 
 
 def _group_link(cluster: ClusterSpec, devices: list) -> Link | None:

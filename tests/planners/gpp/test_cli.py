@@ -20,6 +20,14 @@ def graph():
     return load_graph(build("candle_uno", "tiny"))
 
 
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory):
+    """The tiny CANDLE-Uno as an ONNX file, for runs through the CLI."""
+    path = tmp_path_factory.mktemp("model") / "cu.onnx"
+    path.write_bytes(build("candle_uno", "tiny").SerializeToString())
+    return path
+
+
 def test_run_writes_plan_gantt_and_summary(tmp_path, graph, capsys) -> None:
     cluster = load_cluster("graphpipe-v100")
     out = tmp_path / "plan.json"
@@ -83,15 +91,26 @@ links:
 
 
 @pytest.mark.parametrize("kind", ["gpp", "spp"])
-def test_a_cluster_of_mixed_device_types_is_refused_unless_devices_selects_one(tmp_path, kind) -> None:
+def test_a_cluster_of_mixed_device_types_is_refused_unless_devices_selects_one(
+    tmp_path, model_file, kind
+) -> None:
     # The cost model and the memory limit are per device type: planning a100s and t4s with the
     # a100's costs would mispredict every t4 stage, so the planner says so and how to go on.
     spec = tmp_path / "mixed.yaml"
     spec.write_text(MIXED)
-    model = tmp_path / "cu.onnx"
-    model.write_bytes(build("candle_uno", "tiny").SerializeToString())
     out = tmp_path / "plan.json"
-    args = ["plan", str(model), "--kind", kind, "--cluster", str(spec), "--mini-batch", "64", "-o", str(out)]
+    args = [
+        "plan",
+        str(model_file),
+        "--kind",
+        kind,
+        "--cluster",
+        str(spec),
+        "--mini-batch",
+        "64",
+        "-o",
+        str(out),
+    ]
     bad = run_cli(*args)
     assert bad.code == 2 and not out.exists()
     lines = bad.err.strip().splitlines()
@@ -110,11 +129,9 @@ def test_a_cluster_of_mixed_device_types_is_refused_unless_devices_selects_one(t
         ("12parsecs", "unknown unit 'parsecs'"),
     ],
 )
-def test_a_bad_memory_limit_is_bad_input(tmp_path, limit, fault) -> None:
+def test_a_bad_memory_limit_is_bad_input(model_file, limit, fault) -> None:
     # Exit 2 with one line naming the option, not an internal error (exit 1) or "no plan fits 0 B".
-    model = tmp_path / "cu.onnx"
-    model.write_bytes(build("candle_uno", "tiny").SerializeToString())
-    res = run_cli("plan", str(model), "--kind", "gpp", "--cluster", "graphpipe-v100", "--mini-batch", "8",
+    res = run_cli("plan", str(model_file), "--kind", "gpp", "--cluster", "graphpipe-v100", "--mini-batch", "8",
                   "--memory-limit", limit)  # fmt: skip
     lines = res.err.strip().splitlines()
     assert res.code == 2 and len(lines) == 1
