@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tessera.core.cost import allreduce_time
 from tessera.core.specs import ClusterSpec, load_cluster
-from tessera.planners.gpp.partition import nic_route, ring_nics
+from tessera.planners.gpp.partition import StageLinks, nic_route, ring_link, ring_nics
 from tessera.planners.gpp.schedule import one_f_one_b
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
@@ -106,3 +107,35 @@ def test_ring_nics() -> None:
     assert ring_nics(device, device.devices()[2:6]) == tuple(d.id for d in devs[2:6])
     assert ring_nics(node, devs[:4]) == ()  # one node: NVLink
     assert ring_nics(load_cluster("graphpipe-v100"), devs[2:6]) == ()  # no interfaces named
+
+
+def test_ring_link_bandwidth_per_interface_layout() -> None:
+    # graphpipe-v100: NVLink 50 GB/s inside a node, one 12.5 GB/s interface per node (or device).
+    node, device, own = _cluster("per-node"), _cluster("per-device"), load_cluster("graphpipe-v100")
+    devs = node.devices()
+    assert ring_link(node, devs[:1]) is None
+    assert ring_link(node, devs[:4]).bandwidth == pytest.approx(50e9)
+    # Over two nodes the ring leaves each node through its interface: 12.5 GB/s ...
+    assert ring_link(node, devs[:8]).bandwidth == pytest.approx(12.5e9)
+    assert ring_link(own, devs[:8]).bandwidth == pytest.approx(12.5e9)
+    # ... unless every replica has its own: four channels, capped by NVLink (4 x 12.5 = 50) ...
+    assert ring_link(device, devs[:8]).bandwidth == pytest.approx(50e9)
+    # ... and a node holding only two of the replicas gives two lanes (25 GB/s).
+    assert ring_link(device, devs[2:8]).bandwidth == pytest.approx(25e9)
+    assert ring_link(device, devs[:8]).latency == own.links.inter_node.latency
+    # 235 MB of fp16 gradients (CANDLE-Uno's first top layer) over 8 devices on 2 nodes:
+    # 2 * 7/8 * 235e6 / 12.5e9 = 32.9 ms through one interface per node, 8.2 ms through four,
+    # plus 14 hops of 5 us.
+    nbytes = 235e6
+    assert allreduce_time(nbytes, 8, ring_link(node, devs[:8])) == pytest.approx(32.97e-3, rel=1e-3)
+    assert allreduce_time(nbytes, 8, ring_link(device, devs[:8])) == pytest.approx(8.295e-3, rel=1e-3)
+
+
+def test_stage_links_match_the_ring_of_the_placed_group() -> None:
+    # The DP's estimate (StageLinks.within) and the materialized stage (ring_link over the ranks
+    # _assign_ranks gives a power-of-two group: whole nodes) agree.
+    for nics in ("per-node", "per-device"):
+        cluster = _cluster(nics)
+        links = StageLinks(cluster, 16)
+        for d in (2, 4, 8, 16):
+            assert links.within(d) == ring_link(cluster, cluster.devices()[:d]), (nics, d)

@@ -269,7 +269,11 @@ def _prefix(values: np.ndarray) -> list[float]:
 
 
 class StageLinks:
-    """The links the partitioner assumes: inside a node when the devices fit one, else between."""
+    """The links the partitioner assumes: inside a node when the devices fit one, else between.
+
+    A data-parallel stage too big for one node is assumed spread evenly over the fewest nodes
+    that hold it (``_assign_ranks`` places power-of-two groups so), for its ring's lanes
+    (:func:`ring_link`)."""
 
     def __init__(self, cluster: ClusterSpec, num_devices: int) -> None:
         devices = cluster.devices()[:num_devices]
@@ -280,9 +284,14 @@ class StageLinks:
         self.intra = intra or inter
         self.inter = inter or intra
         self.p2p = self.intra if num_devices <= per_node else self.inter
+        self.lanes_per_device = cluster.links.nics == "per-device"
 
     def within(self, d: int) -> Link | None:
-        return self.intra if d <= self.per_node else self.inter
+        """The link a ring all-reduce over ``d`` devices runs at."""
+        if d <= self.per_node:
+            return self.intra
+        lanes = d // -(-d // self.per_node) if self.lanes_per_device else 1
+        return _ring_between_nodes(self.intra, self.inter, lanes)
 
 
 def micro_batch_candidates(opts: PartitionOptions) -> list[int]:
@@ -633,7 +642,7 @@ def materialize(
         if opts.recompute:
             g += f
         grads = costs.grads[hi] - costs.grads[lo]
-        link = _group_link(cluster, group)
+        link = ring_link(cluster, group)
         nodes = [op for u in range(lo, hi) for op in tree.units[u]]
         rank = {n: i for i, n in enumerate(graph.order)}
         nodes.sort(key=rank.__getitem__)
@@ -916,13 +925,34 @@ def nic_of(cluster: ClusterSpec, device: Device) -> str:
     return device.node if cluster.links.nics == "per-node" else device.id
 
 
-def _group_link(cluster: ClusterSpec, devices: list) -> Link | None:
+def ring_link(cluster: ClusterSpec, devices: list[Device]) -> Link | None:
+    """The link a ring all-reduce over ``devices`` runs at (:func:`tessera.core.cost.allreduce_time`).
+
+    Inside one node the intra-node link; over several nodes the inter-node link, which bounds
+    the ring where it leaves a node. With ``per-device`` interfaces the collective library runs
+    one ring channel through each replica's interface (NCCL spreads its channels over a node's
+    NICs), so the ring crosses between nodes ``lanes`` times as fast — ``lanes`` the fewest
+    replicas on any of its nodes — up to the intra-node link that every channel also crosses
+    (NCCL's bus bandwidth: the node's NICs together, or NVLink, whichever is slower).
+    ``None`` for one device."""
     if len(devices) < 2:
         return None
-    nodes = {d.node_index for d in devices}
-    if len(nodes) == 1:
-        return cluster.links.intra_node or cluster.links.inter_node
-    return cluster.links.inter_node or cluster.links.intra_node
+    per_node = Counter(d.node_index for d in devices)
+    intra = cluster.links.intra_node or cluster.links.inter_node
+    if len(per_node) == 1:
+        return intra
+    inter = cluster.links.inter_node or cluster.links.intra_node
+    lanes = min(per_node.values()) if cluster.links.nics == "per-device" else 1
+    return _ring_between_nodes(intra, inter, lanes)
+
+
+def _ring_between_nodes(intra: Link | None, inter: Link | None, lanes: int) -> Link | None:
+    if lanes <= 1 or inter is None:
+        return inter
+    bandwidth = lanes * inter.bandwidth
+    if intra is not None:
+        bandwidth = min(bandwidth, intra.bandwidth)
+    return Link(bandwidth=bandwidth, latency=inter.latency)
 
 
 def stage_edges(
