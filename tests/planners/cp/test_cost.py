@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tessera.core.specs import load_cluster
+from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.planners.cp.cost import (
     CostParams,
     cp_comm_elements,
@@ -132,6 +132,25 @@ def test_decode_is_memory_bound_and_cp_splits_the_kv_read() -> None:
     kv_read = 32 * 64 * 1024 * llm.kv_bytes_per_token(1) / cluster.devices()[0].type.memory_bandwidth
     assert one.compute_s == pytest.approx(kv_read + llm.layer_params * 2 / 768e9, rel=0.01)
     assert four.compute_s == pytest.approx(kv_read / 4 + llm.layer_params * 2 / 768e9, rel=0.01)
+
+
+def test_a_group_of_mixed_device_types_runs_at_its_slowest_and_fits_its_smallest() -> None:
+    # a5000-4x with its last two devices replaced by a type of half the memory bandwidth and
+    # memory: a CP group over all four decodes (memory-bound) at the slow pair's pace.
+    data = load_cluster("a5000-4x").to_json_dict()
+    slow = {**data["device_types"]["a5000"], "memory_bandwidth": 384e9, "memory": 12 * 2**30}
+    data["device_types"]["slow"] = slow
+    data["nodes"][0]["devices"] = [{"type": "a5000", "count": 2}, {"type": "slow", "count": 2}]
+    mixed = ClusterSpec.from_json_dict(data)
+    same = load_cluster("a5000-4x")
+    llm, _ = load_llm_config("llama-7b")
+    work = Workload(32, 64 * 1024, OutputLengths("fixed", 1, 1))
+    params = CostParams(block_table_entry_s=0)
+    fast2, fast4 = (estimate(llm, same, work, "cp", n, layers=1, params=params) for n in (2, 4))
+    mixed2, mixed4 = (estimate(llm, mixed, work, "cp", n, layers=1, params=params) for n in (2, 4))
+    assert mixed2.compute_s == pytest.approx(fast2.compute_s)  # the first two are A5000s
+    assert mixed4.compute_s == pytest.approx(2 * fast4.compute_s)  # half the bandwidth
+    assert (mixed2.capacity_bytes, mixed4.capacity_bytes) == (same.devices()[0].type.memory, 12 * 2**30)
 
 
 def test_estimate_all_covers_every_strategy_and_degree() -> None:
