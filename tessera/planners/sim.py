@@ -173,14 +173,20 @@ def simulate(
         order += 1
 
     def send(e: SimEdge, direction: str, sender: int, k: int, at: float, samples: int) -> None:
+        """Start moving micro-batch ``k``'s activations (``F``) or gradients (``B``) over ``e``."""
         nonlocal order
         duration = e.transfer_time(samples)
-        arrivals = fwd_arrival if direction == "F" else bwd_arrival
         if duration <= 0:
-            arrivals[(sender, e.dst if direction == "F" else e.src, k)] = at
+            arrive(e, direction, sender, k, at)
             return
         heapq.heappush(heap, (at, order, _SEND, (e, direction, sender, k, duration)))
         order += 1
+
+    def arrive(e: SimEdge, direction: str, sender: int, k: int, at: float) -> None:
+        """``sender``'s micro-batch ``k`` reaches the other end of ``e`` at ``at``."""
+        receiver = e.dst if direction == "F" else e.src
+        (fwd_arrival if direction == "F" else bwd_arrival)[(sender, receiver, k)] = at
+        try_ready(receiver)
 
     def hold(links: Sequence[Hashable], ready: float, duration: float) -> tuple[float, float]:
         """Run a task on ``links`` (FIFO resources) for ``duration`` once they are all free."""
@@ -205,17 +211,11 @@ def simulate(
             continue
         if sid == _SEND:
             e, direction, sender, k, duration = transfer
-            begin, arrive = hold(channels[(e.src, e.dst, direction)], start, duration)
-            if direction == "F":
-                fwd_arrival[(sender, e.dst, k)] = arrive
-                if trace:
-                    events.append(Event("send_F", sender, k, begin, arrive, e.dst))
-                try_ready(e.dst)
-            else:
-                bwd_arrival[(sender, e.src, k)] = arrive
-                if trace:
-                    events.append(Event("send_B", sender, k, begin, arrive, e.src))
-                try_ready(e.src)
+            begin, end = hold(channels[(e.src, e.dst, direction)], start, duration)
+            if trace:
+                receiver = e.dst if direction == "F" else e.src
+                events.append(Event(f"send_{direction}", sender, k, begin, end, receiver))
+            arrive(e, direction, sender, k, end)
             continue
         s = by_id[sid]
         kind, k = parsed[sid][pointer[sid]]
@@ -233,12 +233,10 @@ def simulate(
             peak_live[sid] = max(peak_live[sid], live[sid])
             for e in succs[sid]:
                 send(e, "F", sid, k, end, s.micro_batch_size)
-                try_ready(e.dst)
         else:
             live[sid] -= 1
             for e in preds[sid]:
                 send(e, "B", sid, k, end, s.micro_batch_size)
-                try_ready(e.src)
         if pointer[sid] == len(parsed[sid]) and s.allreduce_time > 0:
             heapq.heappush(heap, (end, order, _ALLREDUCE, (sid,)))
             order += 1
