@@ -190,7 +190,8 @@ class Links(_SpecModel):
 
     ``nics``: which transfers between nodes share a network interface (each direction a FIFO,
     ``inter_node``'s bandwidth): ``per-node``, one interface per node that all its devices use;
-    ``per-device``, one per device (GPUDirect RDMA with a NIC per GPU, as in DGX systems). Unset,
+    ``per-device``, one per device (GPUDirect RDMA with a NIC per GPU, as in DGX systems), and a
+    ring all-reduce between nodes runs through all its replicas' interfaces at once. Unset,
     every pair of communicating pipeline stages has an inter-node link of its own: no contention
     between the transfers of different stage pairs (optimistic where several stages on one node
     talk to other nodes at once).
