@@ -73,6 +73,7 @@ from tessera.planners.gpp.partition import (
     StageLinks,
     UnitCosts,
     fastest_tuned,
+    greedy_if_faster,
     materialize,
     micro_batch_candidates,
     no_micro_batch,
@@ -192,7 +193,7 @@ def plan_piper(
         # The best few by the 1F1B estimate are materialized (exact in-flight counts and memory).
         for plan in sorted(found, key=lambda p: (found[p], p))[:_PER_MICRO_BATCH]:
             # With 1F1B, also with one more warm-up micro-batch per stage (as the partitioner tries).
-            for slack in WARM_UP_SLACKS if options.schedule == "1f1b" else (0,):
+            for slack in WARM_UP_SLACKS if options.searched_schedule == "1f1b" else (0,):
                 stages = dp.stages(plan)
                 pipe = _to_pipeline(graph, cluster, tree, cost, options, b, stages, num, limit_bytes, slack)
                 if pipe is not None:
@@ -224,10 +225,12 @@ def plan_piper(
         )
         for _, _, p in pool
     ]
-    if options.schedule == "1f1b":
+    if options.searched_schedule == "1f1b":
         best = fastest_tuned(timed, options.recompute)[0]
     else:
         best = min(timed, key=lambda rp: rp[0])[1]
+    if options.schedule == "auto":
+        best = greedy_if_faster(best, options.recompute)
     best.search_time_s = time.perf_counter() - started
     return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
 

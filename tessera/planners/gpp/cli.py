@@ -219,8 +219,8 @@ def run_gpp_plan(
     """
     if cache is not None and not profile:
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
-    if schedule not in ("1f1b", "kfkb", "greedy", "gpipe"):
-        raise InputError(f"--schedule {schedule!r}: expected 1f1b, kfkb, greedy or gpipe")
+    if schedule not in ("1f1b", "kfkb", "greedy", "gpipe", "auto"):
+        raise InputError(f"--schedule {schedule!r}: expected 1f1b, kfkb, greedy, gpipe or auto")
     try:
         limit = (
             None

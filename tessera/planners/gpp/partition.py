@@ -23,6 +23,9 @@ micro-batch sizes together for the fastest 1F1B iteration under the per-device m
   more micro-batches on every stage with successors; the fastest few stage graphs then get their
   warm-up tuned stage by stage on the simulator (:func:`tune_warm_up`: a stage runs ahead as far
   as it helps, within memory — Algorithm 4's idea at the grain of the warm-up count);
+- ``schedule="auto"``: that search, then the winner rescheduled by Algorithm 4 itself
+  (:func:`greedy_if_faster`) when that fits memory and simulates faster — stages of unequal
+  load side by side, as in a graph pipeline, gain from passes 1F1B's fixed pattern cannot order;
 - stage graph edges come from the operator graph (C2), devices are assigned per stage (data
   parallel groups aligned within a node, C3), schedules are generated per stage (C4: 1F1B, kFkB,
   GPipe, or Algorithm 4's greedy scheduler, :mod:`.greedy`) with in-flight counts recomputed
@@ -81,6 +84,9 @@ _EXPOSED = (0.0, 1.0)
 _SPP_WINDOW = 4
 
 ScheduleKind = Literal["1f1b", "kfkb", "greedy", "gpipe"]
+# What a planner is asked for: a schedule kind, or ``auto`` — the search as for 1F1B, then the
+# winner rescheduled by Algorithm 4 where that simulates faster (:func:`greedy_if_faster`).
+ScheduleChoice = Literal["1f1b", "kfkb", "greedy", "gpipe", "auto"]
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ class PartitionOptions:
     mini_batch: int
     num_devices: int | None = None  # default: every device of the cluster
     memory_limit: float | None = None  # bytes per device; default: the device's memory
-    schedule: ScheduleKind = "1f1b"
+    schedule: ScheduleChoice = "1f1b"
     k: int = 1  # kFkB's k
     micro_batch_sizes: tuple[int, ...] | None = None  # default: powers of two dividing mini_batch
     max_micro_batches: int = 256
@@ -97,6 +103,11 @@ class PartitionOptions:
     epsilon: float = 0.01
     precision: Literal["mixed", "fp32"] = "mixed"
     bytes_per_param: float | None = None
+
+    @property
+    def searched_schedule(self) -> ScheduleKind:
+        """The schedule the search materializes its candidates with (``auto`` searches as 1F1B)."""
+        return "1f1b" if self.schedule == "auto" else self.schedule
 
 
 @dataclass
@@ -391,7 +402,7 @@ def partition(
                 first = materialize(graph, cluster, tree, costs, options, kind, b, entry[5], num, limit)
                 if first is None:
                     continue  # more warm-up only needs more memory
-                for slack in WARM_UP_SLACKS if options.schedule == "1f1b" else (0,):
+                for slack in WARM_UP_SLACKS if options.searched_schedule == "1f1b" else (0,):
                     pipe = first if not slack else scheduled(first, _uniform(first, slack), options.recompute)
                     if pipe is None:
                         break
@@ -416,8 +427,10 @@ def partition(
                         best_time = rank[0]
                 if len(seen) == _PER_MICRO_BATCH:
                     break
-    if timed and options.schedule == "1f1b":
+    if timed and options.searched_schedule == "1f1b":
         best, best_rank = fastest_tuned(timed, options.recompute)
+    if best is not None and options.schedule == "auto":
+        best = greedy_if_faster(best, options.recompute)
     if best is None:
         need = _memory_needed(graph, cluster, options, tree, kind, cost) if math.isfinite(limit) else None
         more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
@@ -683,7 +696,7 @@ def materialize(
         kind=kind,
         mini_batch_size=opts.mini_batch,
         micro_batch_size=b,
-        schedule_kind=opts.schedule,
+        schedule_kind=opts.searched_schedule,
         k=opts.k if opts.schedule == "kfkb" else 1,
         stages=stages,
         edges=edges,
@@ -693,7 +706,7 @@ def materialize(
         num_units=tree.num_units,
         memory_limit=limit,
     )
-    warm_up = _uniform(pipe, slack) if slack and opts.schedule == "1f1b" else {}
+    warm_up = _uniform(pipe, slack) if slack and opts.searched_schedule == "1f1b" else {}
     return scheduled(pipe, warm_up, opts.recompute)
 
 
@@ -827,6 +840,17 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
             if t < best_time or (t == best_time and extra < current[st.id]):
                 best, best_time, current = cand, t, trial
     return best, best_time
+
+
+def greedy_if_faster(pipe: Pipeline, recompute: bool = False) -> Pipeline:
+    """``pipe`` rescheduled by Algorithm 4 (:mod:`.greedy`: every stage as early as its
+    successors allow, with the fewest micro-batches in flight that costs no time) when that fits
+    memory and simulates faster; else ``pipe``. Same stages, devices and micro-batch size."""
+    greedy = scheduled(dataclasses.replace(pipe, schedule_kind="greedy"), {}, recompute)
+    if greedy is None:
+        return pipe
+    fast = simulate_pipeline(greedy, trace=False).iteration_time
+    return greedy if fast < simulate_pipeline(pipe, trace=False).iteration_time else pipe
 
 
 def _greedy(stages: list[PipelineStage], edges: list[PipelineEdge], mini_batch: int) -> dict[int, list[str]]:
