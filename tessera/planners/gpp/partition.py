@@ -74,6 +74,10 @@ _TUNED = 3
 # Simulated passes (forwards and backwards of all stages) one warm-up tuning may spend: about 0.3 s
 # of simulation; stages nearest the sinks are tuned first.
 _TUNE_TASKS = 150_000
+# Algorithm 4's cost for ``--schedule auto``: about 4·m²·S² simulated passes for m micro-batches
+# and S stages (2m trial simulations per stage, each of up to 2m·S passes); above this many
+# (1–2 s on this machine) auto keeps the 1F1B schedule.
+_GREEDY_TASKS = 1_500_000
 # Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
 _LOOSER = (1.25, 1.6, 2.5)
 # Transfers hidden by the warm-up (0) or on every stage's cycle (1): two DP runs per micro-batch
@@ -845,7 +849,11 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
 def greedy_if_faster(pipe: Pipeline, recompute: bool = False) -> Pipeline:
     """``pipe`` rescheduled by Algorithm 4 (:mod:`.greedy`: every stage as early as its
     successors allow, with the fewest micro-batches in flight that costs no time) when that fits
-    memory and simulates faster; else ``pipe``. Same stages, devices and micro-batch size."""
+    memory and simulates faster; else ``pipe``. Same stages, devices and micro-batch size.
+    Pipelines too long for Algorithm 4 to schedule quickly (:data:`_GREEDY_TASKS`) keep ``pipe``."""
+    m, n = pipe.num_micro_batches, len(pipe.stages)
+    if 4 * m * m * n * n > _GREEDY_TASKS:
+        return pipe
     greedy = scheduled(dataclasses.replace(pipe, schedule_kind="greedy"), {}, recompute)
     if greedy is None:
         return pipe

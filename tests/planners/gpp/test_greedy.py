@@ -82,3 +82,13 @@ def test_auto_keeps_1f1b_where_algorithm_4_is_no_faster() -> None:
     # DLRM on 8 V100s: single-device stages feeding one; greedy ties with the tuned 1F1B.
     _, out = _auto_vs_1f1b("dlrm", 8, 512)
     assert out["auto"][0].model_dump() == out["1f1b"][0].model_dump()
+
+
+def test_auto_keeps_1f1b_where_algorithm_4_would_take_too_long(monkeypatch) -> None:
+    from tessera.planners.gpp import partition
+
+    g = load_graph(build("candle_uno", "paper"))
+    opts = PartitionOptions(mini_batch=8192, num_devices=8, schedule="auto")
+    monkeypatch.setattr(partition, "_GREEDY_TASKS", 0)
+    pipe = partition.partition(g, load_cluster("graphpipe-v100"), opts)
+    assert pipe.schedule_kind == "1f1b"
