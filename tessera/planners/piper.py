@@ -226,11 +226,11 @@ def plan_piper(
         for _, _, p in pool
     ]
     if options.searched_schedule == "1f1b":
-        best = fastest_tuned(timed, options.recompute)[0]
+        best, rank = fastest_tuned(timed, options.recompute)
     else:
-        best = min(timed, key=lambda rp: rp[0])[1]
+        rank, best = min(timed, key=lambda rp: rp[0])
     if options.schedule == "auto":
-        best = greedy_if_faster(best, options.recompute)
+        best = greedy_if_faster(best, rank[0], options.recompute)
     best.search_time_s = time.perf_counter() - started
     return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
 

@@ -433,8 +433,8 @@ def partition(
                     break
     if timed and options.searched_schedule == "1f1b":
         best, best_rank = fastest_tuned(timed, options.recompute)
-    if best is not None and options.schedule == "auto":
-        best = greedy_if_faster(best, options.recompute)
+    if best is not None and best_rank is not None and options.schedule == "auto":
+        best = greedy_if_faster(best, best_rank[0], options.recompute)
     if best is None:
         need = _memory_needed(graph, cluster, options, tree, kind, cost) if math.isfinite(limit) else None
         more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
@@ -846,19 +846,19 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
     return best, best_time
 
 
-def greedy_if_faster(pipe: Pipeline, recompute: bool = False) -> Pipeline:
+def greedy_if_faster(pipe: Pipeline, iteration_time: float, recompute: bool = False) -> Pipeline:
     """``pipe`` rescheduled by Algorithm 4 (:mod:`.greedy`: every stage as early as its
     successors allow, with the fewest micro-batches in flight that costs no time) when that fits
-    memory and simulates faster; else ``pipe``. Same stages, devices and micro-batch size.
-    Pipelines too long for Algorithm 4 to schedule quickly (:data:`_GREEDY_TASKS`) keep ``pipe``."""
+    memory and simulates faster than ``iteration_time`` (``pipe``'s, as the caller simulated it);
+    else ``pipe``. Same stages, devices and micro-batch size. Pipelines too long for Algorithm 4
+    to schedule quickly (:data:`_GREEDY_TASKS`) keep ``pipe``."""
     m, n = pipe.num_micro_batches, len(pipe.stages)
     if 4 * m * m * n * n > _GREEDY_TASKS:
         return pipe
     greedy = scheduled(dataclasses.replace(pipe, schedule_kind="greedy"), {}, recompute)
     if greedy is None:
         return pipe
-    fast = simulate_pipeline(greedy, trace=False).iteration_time
-    return greedy if fast < simulate_pipeline(pipe, trace=False).iteration_time else pipe
+    return greedy if simulate_pipeline(greedy, trace=False).iteration_time < iteration_time else pipe
 
 
 def _greedy(stages: list[PipelineStage], edges: list[PipelineEdge], mini_batch: int) -> dict[int, list[str]]:
