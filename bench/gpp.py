@@ -204,10 +204,11 @@ def main() -> None:
         "## With `--schedule auto`",
         "",
         "Own links, as in the first table; every planner (GPP, PipeDream- and Piper-style) searches",
-        "as for 1F1B and then reschedules its plan by Algorithm 4 (the greedy scheduler, thesis",
-        "§3.10.1) where that simulates faster within memory. *schedule*: what the GPP plan runs;",
-        "*best sequential*: the faster sequential plan, also rescheduled where that helps. GPP",
-        "search: `partition` with `auto`, on this machine.",
+        "as for 1F1B, then reschedules the candidates of that search by Algorithm 4 (the greedy",
+        "scheduler, thesis §3.10.1), best first, within a budget of about 1 s, and keeps the",
+        "fastest plan that fits memory. *schedule*: what the GPP plan runs; *best sequential*: the",
+        "faster sequential plan, also rescheduled where that helps. GPP search: `partition` with",
+        "`auto`, on this machine.",
         "",
         "| model | devices | GPP samples/s | schedule | structure | best sequential samples/s | sequential planner | GPP/sequential | GPP 1F1B samples/s | auto/1F1B | search GPP s |",
         "| --- | ---: | ---: | --- | --- | ---: | --- | ---: | ---: | ---: | ---: |",
@@ -224,7 +225,7 @@ def main() -> None:
 
 
 def auto_rows(counts: list[int], own: list[dict]) -> list[dict]:
-    """GPP and its sequential baseline with ``--schedule auto`` (each planner's 1F1B plan,
+    """GPP and its sequential baseline with ``--schedule auto`` (each planner's 1F1B candidates,
     rescheduled by Algorithm 4 where that is faster), own links, next to the 1F1B rows ``own``."""
     rows = []
     for name, sizes in MINI_BATCH.items():

@@ -326,8 +326,8 @@ KINDS: dict[str, PlanKind] = {
     type=click.Choice(["1f1b", "kfkb", "greedy", "gpipe", "auto"]),
     default="1f1b",
     show_default=True,
-    help="[gpp/spp] Micro-batch schedule of every stage; auto: 1F1B's plan, rescheduled by "
-    "Algorithm 4 (greedy) where that is faster.",
+    help="[gpp/spp] Micro-batch schedule of every stage; auto: the 1F1B search's plans, "
+    "rescheduled by Algorithm 4 (greedy) where that is faster, the fastest kept.",
 )
 @click.option("--k", type=click.IntRange(min=1), default=2, show_default=True, help="[gpp/spp] k of kFkB.")
 @click.option("--memory-limit", metavar="BYTES", help="[gpp/spp] Per-device memory cap, e.g. 8GiB.")

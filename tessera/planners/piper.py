@@ -72,8 +72,8 @@ from tessera.planners.gpp.partition import (
     Pipeline,
     StageLinks,
     UnitCosts,
+    fastest_rescheduled,
     fastest_tuned,
-    greedy_if_faster,
     materialize,
     micro_batch_candidates,
     no_micro_batch,
@@ -230,7 +230,7 @@ def plan_piper(
     else:
         rank, best = min(timed, key=lambda rp: rp[0])
     if options.schedule == "auto":
-        best = greedy_if_faster(best, rank[0], options.recompute)
+        best = fastest_rescheduled(best, rank[0], timed, options.recompute)
     best.search_time_s = time.perf_counter() - started
     return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
 

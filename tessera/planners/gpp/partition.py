@@ -23,9 +23,10 @@ micro-batch sizes together for the fastest 1F1B iteration under the per-device m
   more micro-batches on every stage with successors; the fastest few stage graphs then get their
   warm-up tuned stage by stage on the simulator (:func:`tune_warm_up`: a stage runs ahead as far
   as it helps, within memory — Algorithm 4's idea at the grain of the warm-up count);
-- ``schedule="auto"``: that search, then the winner rescheduled by Algorithm 4 itself
-  (:func:`greedy_if_faster`) when that fits memory and simulates faster — stages of unequal
-  load side by side, as in a graph pipeline, gain from passes 1F1B's fixed pattern cannot order;
+- ``schedule="auto"``: that search, then its candidates, best first, rescheduled by Algorithm 4
+  itself within a budget (:func:`fastest_rescheduled`); the fastest plan wins, 1F1B or greedy —
+  stages of unequal load side by side, as in a graph pipeline, gain from passes 1F1B's fixed
+  pattern cannot order, and the stage graph that gains most is not always 1F1B's winner;
 - stage graph edges come from the operator graph (C2), devices are assigned per stage (data
   parallel groups aligned within a node, C3), schedules are generated per stage (C4: 1F1B, kFkB,
   GPipe, or Algorithm 4's greedy scheduler, :mod:`.greedy`) with in-flight counts recomputed
@@ -74,9 +75,9 @@ _TUNED = 3
 # Simulated passes (forwards and backwards of all stages) one warm-up tuning may spend: about 0.3 s
 # of simulation; stages nearest the sinks are tuned first.
 _TUNE_TASKS = 150_000
-# Algorithm 4's cost for ``--schedule auto``: about 4·m²·S² simulated passes for m micro-batches
-# and S stages (2m trial simulations per stage, each of up to 2m·S passes); above this many
-# (1–2 s on this machine) auto keeps the 1F1B schedule.
+# Algorithm 4's budget under ``--schedule auto``, for all the candidates it reschedules together:
+# one costs about 4·m²·S² simulated passes for m micro-batches and S stages (2m trial simulations
+# per stage, each of up to 2m·S passes); this many take about 1 s on this machine.
 _GREEDY_TASKS = 1_500_000
 # Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
 _LOOSER = (1.25, 1.6, 2.5)
@@ -88,8 +89,8 @@ _EXPOSED = (0.0, 1.0)
 _SPP_WINDOW = 4
 
 ScheduleKind = Literal["1f1b", "kfkb", "greedy", "gpipe"]
-# What a planner is asked for: a schedule kind, or ``auto`` — the search as for 1F1B, then the
-# winner rescheduled by Algorithm 4 where that simulates faster (:func:`greedy_if_faster`).
+# What a planner is asked for: a schedule kind, or ``auto`` — the search as for 1F1B, then its
+# candidates rescheduled by Algorithm 4 where that simulates faster (:func:`fastest_rescheduled`).
 ScheduleChoice = Literal["1f1b", "kfkb", "greedy", "gpipe", "auto"]
 
 
@@ -434,7 +435,7 @@ def partition(
     if timed and options.searched_schedule == "1f1b":
         best, best_rank = fastest_tuned(timed, options.recompute)
     if best is not None and best_rank is not None and options.schedule == "auto":
-        best = greedy_if_faster(best, best_rank[0], options.recompute)
+        best = fastest_rescheduled(best, best_rank[0], timed, options.recompute)
     if best is None:
         need = _memory_needed(graph, cluster, options, tree, kind, cost) if math.isfinite(limit) else None
         more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
@@ -846,19 +847,45 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
     return best, best_time
 
 
-def greedy_if_faster(pipe: Pipeline, iteration_time: float, recompute: bool = False) -> Pipeline:
-    """``pipe`` rescheduled by Algorithm 4 (:mod:`.greedy`: every stage as early as its
-    successors allow, with the fewest micro-batches in flight that costs no time) when that fits
-    memory and simulates faster than ``iteration_time`` (``pipe``'s, as the caller simulated it);
-    else ``pipe``. Same stages, devices and micro-batch size. Pipelines too long for Algorithm 4
-    to schedule quickly (:data:`_GREEDY_TASKS`) keep ``pipe``."""
-    m, n = pipe.num_micro_batches, len(pipe.stages)
-    if 4 * m * m * n * n > _GREEDY_TASKS:
-        return pipe
-    greedy = scheduled(dataclasses.replace(pipe, schedule_kind="greedy"), {}, recompute)
-    if greedy is None:
-        return pipe
-    return greedy if simulate_pipeline(greedy, trace=False).iteration_time < iteration_time else pipe
+def fastest_rescheduled(
+    best: Pipeline, best_time: float, timed: list[tuple[tuple, Pipeline]], recompute: bool = False
+) -> Pipeline:
+    """``--schedule auto``: the fastest of ``best`` (the 1F1B search's plan, simulated at
+    ``best_time``) and the candidates of ``timed`` rescheduled by Algorithm 4 (:mod:`.greedy`:
+    every stage as early as its successors allow, with the fewest micro-batches in flight that
+    costs no time), where that fits memory. Same stages, devices and micro-batch sizes as the
+    candidates; only the order of passes changes.
+
+    Candidates go in the order of their 1F1B rank (``timed``: ``(rank, pipeline)``, the stage
+    graph's key last in the rank), each distinct stage graph and micro-batch size once. Algorithm 4
+    costs about ``4·m²·S²`` simulated passes for ``m`` micro-batches and ``S`` stages: together
+    they may spend :data:`_GREEDY_TASKS` (a candidate that would overdraw it is passed over). A
+    candidate whose busiest stage alone — ``m`` forwards and backwards, then its all-reduce —
+    takes as long as the best so far is passed over too: no schedule makes it faster.
+
+    The stage graph that wins under 1F1B is not always the one that wins under Algorithm 4:
+    stages of unequal load side by side gain most from passes 1F1B's fixed pattern cannot
+    order."""
+    budget = _GREEDY_TASKS
+    seen: set[tuple] = set()
+    for rank, pipe in sorted(timed, key=lambda rp: rp[0]):
+        key = (rank[-1], pipe.micro_batch_size)
+        if key in seen:
+            continue
+        seen.add(key)
+        m, n = pipe.num_micro_batches, len(pipe.stages)
+        tasks = 4 * m * m * n * n
+        busiest = max(m * (st.forward_time + st.backward_time) + st.allreduce_time for st in pipe.stages)
+        if tasks > budget or busiest >= best_time:
+            continue
+        budget -= tasks
+        greedy = scheduled(dataclasses.replace(pipe, schedule_kind="greedy"), {}, recompute)
+        if greedy is None:
+            continue
+        t = simulate_pipeline(greedy, trace=False).iteration_time
+        if t < best_time:
+            best, best_time = greedy, t
+    return best
 
 
 def _greedy(stages: list[PipelineStage], edges: list[PipelineEdge], mini_batch: int) -> dict[int, list[str]]:
