@@ -29,12 +29,11 @@ device time) and the trace of every task.
 
 from __future__ import annotations
 
+import functools
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-from tessera.planners.gpp.schedule import parse_action
 
 _SEND, _ALLREDUCE = -1, -2  # heap entries that are not a stage's F/B task
 
@@ -110,7 +109,7 @@ def simulate(
     for e in edges:
         preds[e.dst].append(e)
         succs[e.src].append(e)
-    parsed = {s.id: [parse_action(a)[1:] for a in s.actions] for s in stages}
+    parsed = {s.id: [_parsed(a) for a in s.actions] for s in stages}
     # The links each edge's transfers occupy, per direction: its NICs, or a link of its own.
     channels: dict[tuple[int, int, str], tuple[Hashable, ...]] = {}
     for e in edges:
@@ -258,6 +257,17 @@ def simulate(
         events=events,
         last_end=dict(device_free),
     )
+
+
+@functools.lru_cache(maxsize=65536)
+def _parsed(action: str) -> tuple[str, int]:
+    """``(kind, micro-batch)`` of a schedule action (searches simulate the same few thousand).
+
+    Imported here: :mod:`tessera.planners.gpp`'s package imports this module (its plan checks
+    simulate), so a module-level import would be circular when this module is imported first."""
+    from tessera.planners.gpp.schedule import parse_action
+
+    return parse_action(action)[1:]
 
 
 def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
