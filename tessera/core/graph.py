@@ -13,6 +13,7 @@ executors run subgraphs through it.
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -41,7 +42,7 @@ class TensorInfo:
 
     @property
     def numel(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) if self.shape is not None else 0
+        return int(math.prod(self.shape)) if self.shape is not None else 0
 
     @property
     def nbytes(self) -> int:

@@ -195,7 +195,9 @@ def plan_piper(
             # With 1F1B, also with one more warm-up micro-batch per stage (as the partitioner tries).
             for slack in WARM_UP_SLACKS if options.searched_schedule == "1f1b" else (0,):
                 stages = dp.stages(plan)
-                pipe = _to_pipeline(graph, cluster, tree, cost, options, b, stages, num, limit_bytes, slack)
+                pipe = _to_pipeline(
+                    graph, cluster, lattice.costs, options, b, stages, num, limit_bytes, slack
+                )
                 if pipe is not None:
                     pool.append((pipe.estimated_iteration_time, len(pool), pipe))
                     best_estimate = min(best_estimate, pipe.estimated_iteration_time)
@@ -609,8 +611,7 @@ class _IdealDP:
 def _to_pipeline(
     graph: Graph,
     cluster: ClusterSpec,
-    tree: SPTree,
-    cost: CostModel,
+    costs: UnitCosts,
     opts: PartitionOptions,
     b: int,
     stages: list[tuple[list[int], int]],
@@ -621,7 +622,8 @@ def _to_pipeline(
     """Materialize a chain of ideals with the partitioner's own code: the units reordered stage by
     stage (a topological order, since every prefix of stages is an ideal), so that every stage is
     a contiguous range of that order; ``None`` when a stage exceeds the memory limit with its exact
-    in-flight count."""
+    in-flight count. ``costs``: the units' costs in the tree's own order."""
+    tree = costs.tree
     order = [u for units, _ in stages for u in units]
     leaves = list(tree.root.leaves())
     chain = [SPNode("leaf", ops=leaves[u].ops, cost=leaves[u].cost) for u in order]
@@ -643,5 +645,6 @@ def _to_pipeline(
         plan = span if plan is None else ("+", span, plan)
         end -= len(units)
     assert plan is not None
-    costs = UnitCosts(graph, reordered, cost)
-    return materialize(graph, cluster, reordered, costs, opts, "spp", b, plan, num, limit, slack)
+    return materialize(
+        graph, cluster, reordered, costs.reordered(reordered, order), opts, "spp", b, plan, num, limit, slack
+    )

@@ -189,21 +189,18 @@ class Pipeline:
 class UnitCosts:
     """Per-unit costs with prefix sums, so any unit range [lo, hi) is costed in O(1)."""
 
-    def __init__(self, graph: Graph, tree: SPTree, cost: CostModel) -> None:
+    def __init__(
+        self, graph: Graph, tree: SPTree, cost: CostModel, _per_unit: _PerUnit | None = None
+    ) -> None:
         self.graph, self.tree, self.cost = graph, tree, cost
-        units = tree.units
-        n = len(units)
+        n = tree.num_units
         self.n = n
-        activation_ops = [[o for o in u if o not in graph.constant_nodes] for u in units]
-        self._ops = activation_ops
-        weights = np.array([sum(cost.weight_bytes(graph.op(o)) for o in u) for u in units])
-        optimizer = np.array([sum(cost.optimizer_bytes(graph.op(o)) for o in u) for u in units])
-        grads = np.array([sum(cost.gradient_bytes(graph.op(o)) for o in u) for u in units])
-        act = np.array([sum(cost.activation_bytes(graph, o) for o in u) for u in activation_ops])
-        self.weights = _prefix(weights)
-        self.optimizer = _prefix(optimizer)
-        self.grads = _prefix(grads)
-        self.act = _prefix(act)
+        per = _per_unit if _per_unit is not None else _PerUnit.of(graph, tree.units, cost)
+        self._per = per
+        self.weights = _prefix(per.weights)
+        self.optimizer = _prefix(per.optimizer)
+        self.grads = _prefix(per.grads)
+        self.act = _prefix(per.act)
         # Wire bytes per sample between units u < v (depth-first order is topological).
         flow = unit_flow(graph, tree, cost)
         pair = np.zeros((n + 1, n + 1))
@@ -213,39 +210,20 @@ class UnitCosts:
         cum[1:, 1:] = np.cumsum(np.cumsum(pair[:n, :n], axis=0), axis=1)
         self._cum = cum
         self._pair = pair
-        # Operator-cost identity of each unit: equal keys give equal times at every sample count
-        # (the roofline's inputs, and the model's own times: measured costs differ by operator type).
-        interned: dict[tuple, int] = {}
-        self._unit_keys = [
-            interned.setdefault(
-                tuple(
-                    sorted(
-                        (
-                            o.op_type,
-                            o.flops,
-                            o.bytes_moved,
-                            o.param_bytes,
-                            o.params,
-                            cost.activation_bytes(graph, o.name),
-                            cost.forward_time(o, 1),
-                            cost.backward_time(o, 1),
-                        )
-                        for o in (graph.op(n) for n in u)
-                    )
-                ),
-                len(interned),
-            )
-            for u in units
-        ]
-        self._times: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self._unit_keys = per.keys
+        self._times: dict[int, tuple[list[float], list[float]]] = {}
 
-    def times(self, samples: int) -> tuple[np.ndarray, np.ndarray]:
+    def reordered(self, tree: SPTree, order: list[int]) -> UnitCosts:
+        """The costs of ``tree``: these units in the order ``order`` (unit ``i`` of ``tree`` is
+        unit ``order[i]`` here); per-unit costs are reused, not recomputed."""
+        return UnitCosts(self.graph, tree, self.cost, self._per.permuted(order))
+
+    def times(self, samples: int) -> tuple[list[float], list[float]]:
         """Prefix sums of forward and backward time per unit at ``samples`` samples."""
         got = self._times.get(samples)
         if got is None:
-            fw = [sum(self.cost.forward_time(self.graph.op(o), samples) for o in u) for u in self._ops]
-            bw = [sum(self.cost.backward_time(self.graph.op(o), samples) for o in u) for u in self._ops]
-            got = (_prefix(np.array(fw)), _prefix(np.array(bw)))
+            fw, bw = self._per.times(self.graph, self.cost, samples)
+            got = (_prefix(fw), _prefix(bw))
             self._times[samples] = got
         return got
 
@@ -276,6 +254,78 @@ def unit_flow(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
                 seen.add((t.name, v))
                 flow[u, v] += cost.wire_bytes(t.nbytes)
     return flow
+
+
+@dataclass(frozen=True)
+class _PerUnit:
+    """What each unit costs, in the units' order: weight, optimizer and gradient bytes, stored
+    activation bytes per sample, an operator-cost identity (equal keys give equal times at every
+    sample count: the roofline's inputs, and the model's own times, since measured costs differ
+    by operator type), and forward/backward times per sample count (filled as asked for)."""
+
+    ops: list[list[str]]  # each unit's operators that store activations (not constants)
+    weights: np.ndarray
+    optimizer: np.ndarray
+    grads: np.ndarray
+    act: np.ndarray
+    keys: list[int]
+    _times: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, graph: Graph, units: list[list[str]], cost: CostModel) -> _PerUnit:
+        activation_ops = [[o for o in u if o not in graph.constant_nodes] for u in units]
+        interned: dict[tuple, int] = {}
+        keys = [
+            interned.setdefault(
+                tuple(
+                    sorted(
+                        (
+                            o.op_type,
+                            o.flops,
+                            o.bytes_moved,
+                            o.param_bytes,
+                            o.params,
+                            cost.activation_bytes(graph, o.name),
+                            cost.forward_time(o, 1),
+                            cost.backward_time(o, 1),
+                        )
+                        for o in (graph.op(n) for n in u)
+                    )
+                ),
+                len(interned),
+            )
+            for u in units
+        ]
+        return cls(
+            ops=activation_ops,
+            weights=np.array([sum(cost.weight_bytes(graph.op(o)) for o in u) for u in units]),
+            optimizer=np.array([sum(cost.optimizer_bytes(graph.op(o)) for o in u) for u in units]),
+            grads=np.array([sum(cost.gradient_bytes(graph.op(o)) for o in u) for u in units]),
+            act=np.array([sum(cost.activation_bytes(graph, o) for o in u) for u in activation_ops]),
+            keys=keys,
+        )
+
+    def permuted(self, order: list[int]) -> _PerUnit:
+        """The same units in the order ``order`` (times already computed come along)."""
+        idx = np.array(order, dtype=np.int64)
+        return _PerUnit(
+            ops=[self.ops[u] for u in order],
+            weights=self.weights[idx],
+            optimizer=self.optimizer[idx],
+            grads=self.grads[idx],
+            act=self.act[idx],
+            keys=[self.keys[u] for u in order],
+            _times={s: (fw[idx], bw[idx]) for s, (fw, bw) in self._times.items()},
+        )
+
+    def times(self, graph: Graph, cost: CostModel, samples: int) -> tuple[np.ndarray, np.ndarray]:
+        """Forward and backward time of each unit at ``samples`` samples."""
+        got = self._times.get(samples)
+        if got is None:
+            fw = np.array([sum(cost.forward_time(graph.op(o), samples) for o in u) for u in self.ops])
+            bw = np.array([sum(cost.backward_time(graph.op(o), samples) for o in u) for u in self.ops])
+            got = self._times[samples] = (fw, bw)
+        return got
 
 
 def _prefix(values: np.ndarray) -> list[float]:
