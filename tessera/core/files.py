@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 import tempfile
 from pathlib import Path
 
@@ -11,11 +12,20 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a rename.
 
     Readers see either the old file or the complete new one, never a partial write: the rename is
-    atomic on POSIX file systems, and the data is fsynced before it.
+    atomic on POSIX file systems, and the data is fsynced before it. A symbolic link is followed
+    (the file it points to is replaced, the link stays). A path that exists and is not a regular
+    file — ``/dev/null``, ``/dev/stdout``, a named pipe — is written to directly: renaming over
+    it would replace the device or pipe with a regular file.
     """
     target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     payload = data.encode() if isinstance(data, str) else data
+    if target.is_symlink():
+        target = target.resolve()
+    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+        with open(target, "wb") as stream:
+            stream.write(payload)
+        return Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
@@ -31,7 +41,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
         except FileNotFoundError:
             pass
         raise
-    return target
+    return Path(path)
 
 
 def _umask() -> int:

@@ -47,3 +47,32 @@ def test_killed_writer_leaves_the_old_file_intact(tmp_path):
     # The killed writer's temp file may remain (it is hidden and never read as a plan).
     assert all(p.name.startswith(".plan.json.") and p.name.endswith(".tmp") for p in leftovers)
     assert os.path.getsize(path) == len("previous plan\n")
+
+
+def test_write_atomic_follows_a_symlink(tmp_path):
+    real = tmp_path / "plans" / "plan.json"
+    real.parent.mkdir()
+    real.write_text("old")
+    link = tmp_path / "latest.json"
+    link.symlink_to(real)
+    write_atomic(link, "new")
+    assert link.is_symlink() and link.resolve() == real.resolve()  # the link stays a link
+    assert real.read_text() == "new"
+
+
+def test_write_atomic_writes_into_a_pipe_instead_of_replacing_it(tmp_path):
+    """``-o /dev/stdout`` or a named pipe: renaming over it would swap the pipe (or, as root, the
+    device node) for a regular file."""
+    import stat
+    import threading
+
+    fifo = tmp_path / "out"
+    os.mkfifo(fifo)
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
+    reader.start()
+    write_atomic(fifo, "through the pipe\n")
+    reader.join(timeout=10)
+    assert got == [b"through the pipe\n"]
+    assert stat.S_ISFIFO(fifo.stat().st_mode)
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp file beside it
