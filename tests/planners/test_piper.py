@@ -222,3 +222,42 @@ def test_deterministic(v100) -> None:
     one = dump_plan(build_gpp_plan(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
     two = dump_plan(build_gpp_plan(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
     assert one == two
+
+
+def test_reordered_unit_costs_equal_costs_computed_afresh(v100) -> None:
+    # The Piper planner materializes every chain with its units' costs permuted, not recomputed:
+    # they must equal the costs computed on the reordered tree, to the last bit.
+    import random
+
+    from tessera.planners.gpp.partition import UnitCosts
+    from tessera.planners.gpp.sp import SPNode, SPTree
+
+    g = load_graph(build("mmt", "tiny"))
+    cost = CostModel.for_device(v100.devices()[0].type)
+    tree = build_tree(g, cost, 128)
+    costs = UnitCosts(g, tree, cost)
+    costs.times(4)  # computed before the permutation: carried along
+    order = list(range(tree.num_units))
+    random.Random(0).shuffle(order)
+    leaves = list(tree.root.leaves())
+    chain = [SPNode("leaf", ops=leaves[u].ops, cost=leaves[u].cost) for u in order]
+    for i, leaf in enumerate(chain):
+        leaf.lo, leaf.hi = i, i + 1
+    root = SPNode("series", children=chain, cost=tree.root.cost)
+    root.lo, root.hi = 0, len(chain)
+    new_index = {u: i for i, u in enumerate(order)}
+    reordered = SPTree(
+        root=root,
+        units=[tree.units[u] for u in order],
+        unit_of={op: new_index[u] for op, u in tree.unit_of.items()},
+        converted=tree.converted,
+    )
+    fresh, permuted = UnitCosts(g, reordered, cost), costs.reordered(reordered, order)
+    for name in ("weights", "optimizer", "grads", "act"):
+        assert getattr(permuted, name) == getattr(fresh, name)
+    for samples in (4, 7):
+        assert permuted.times(samples) == fresh.times(samples)
+    n = tree.num_units
+    for lo, hi in [(0, n), (3, n - 2), (n // 2, n // 2 + 5)]:
+        assert permuted.enter(lo, hi) == fresh.enter(lo, hi)
+        assert permuted.block_key(lo, hi)[1:] == fresh.block_key(lo, hi)[1:]

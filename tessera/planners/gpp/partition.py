@@ -256,7 +256,7 @@ def unit_flow(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
     return flow
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _PerUnit:
     """What each unit costs, in the units' order: weight, optimizer and gradient bytes, stored
     activation bytes per sample, an operator-cost identity (equal keys give equal times at every
