@@ -19,12 +19,12 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     """
     target = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    if target.is_symlink():
-        target = target.resolve()
-    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+    if target.exists() and not stat.S_ISREG(target.stat().st_mode):  # stat follows links
         with open(target, "wb") as stream:
             stream.write(payload)
         return Path(path)
+    if target.is_symlink():
+        target = target.resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:

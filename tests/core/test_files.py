@@ -7,6 +7,8 @@ import signal
 import subprocess
 import sys
 
+import pytest
+
 from tessera.core.files import write_atomic
 
 
@@ -60,19 +62,40 @@ def test_write_atomic_follows_a_symlink(tmp_path):
     assert real.read_text() == "new"
 
 
-def test_write_atomic_writes_into_a_pipe_instead_of_replacing_it(tmp_path):
-    """``-o /dev/stdout`` or a named pipe: renaming over it would swap the pipe (or, as root, the
-    device node) for a regular file."""
+@pytest.mark.parametrize("through_link", [False, True])
+def test_write_atomic_writes_into_a_pipe_instead_of_replacing_it(tmp_path, through_link):
+    """``-o /dev/stdout`` (a link to the process's pipe) or a named pipe: renaming over it would
+    swap the pipe or the link (or, as root, a device node) for a regular file."""
     import stat
     import threading
 
     fifo = tmp_path / "out"
     os.mkfifo(fifo)
+    target = fifo
+    if through_link:
+        target = tmp_path / "stdout"
+        target.symlink_to(fifo)
     got: list[bytes] = []
     reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()), daemon=True)
     reader.start()
-    write_atomic(fifo, "through the pipe\n")
+    write_atomic(target, "through the pipe\n")
     reader.join(timeout=10)
     assert got == [b"through the pipe\n"]
-    assert stat.S_ISFIFO(fifo.stat().st_mode)
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temp file beside it
+    assert stat.S_ISFIFO(fifo.stat().st_mode) and target.is_symlink() == through_link
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"out", target.name})  # no temp file
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs Linux /proc")
+def test_write_atomic_writes_into_dev_stdout(tmp_path):
+    """``/dev/stdout`` links to ``/proc/self/fd/1``, whose target (``pipe:[…]``) is no path:
+    resolving it gave a bogus file name and an internal error."""
+    r, w = os.pipe()
+    link = tmp_path / "stdout"
+    link.symlink_to(f"/proc/self/fd/{w}")
+    try:
+        write_atomic(link, "plan\n")
+    finally:
+        os.close(w)
+    with os.fdopen(r, "rb") as f:
+        assert f.read() == b"plan\n"
+    assert link.is_symlink() and [p.name for p in tmp_path.iterdir()] == ["stdout"]
