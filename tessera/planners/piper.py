@@ -623,21 +623,8 @@ def _to_pipeline(
     stage (a topological order, since every prefix of stages is an ideal), so that every stage is
     a contiguous range of that order; ``None`` when a stage exceeds the memory limit with its exact
     in-flight count. ``costs``: the units' costs in the tree's own order."""
-    tree = costs.tree
     order = [u for units, _ in stages for u in units]
-    leaves = list(tree.root.leaves())
-    chain = [SPNode("leaf", ops=leaves[u].ops, cost=leaves[u].cost) for u in order]
-    for i, leaf in enumerate(chain):
-        leaf.lo, leaf.hi = i, i + 1
-    root = chain[0] if len(chain) == 1 else SPNode("series", children=chain, cost=tree.root.cost)
-    root.lo, root.hi = 0, len(chain)
-    new_index = {u: i for i, u in enumerate(order)}
-    reordered = SPTree(
-        root=root,
-        units=[tree.units[u] for u in order],
-        unit_of={op: new_index[u] for op, u in tree.unit_of.items()},
-        converted=tree.converted,
-    )
+    reordered = costs.tree.chained(order)
     plan: tuple | None = None
     end = len(order)
     for units, d in reversed(stages):

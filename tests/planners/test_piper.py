@@ -230,7 +230,6 @@ def test_reordered_unit_costs_equal_costs_computed_afresh(v100) -> None:
     import random
 
     from tessera.planners.gpp.partition import UnitCosts
-    from tessera.planners.gpp.sp import SPNode, SPTree
 
     g = load_graph(build("mmt", "tiny"))
     cost = CostModel.for_device(v100.devices()[0].type)
@@ -239,19 +238,7 @@ def test_reordered_unit_costs_equal_costs_computed_afresh(v100) -> None:
     costs.times(4)  # computed before the permutation: carried along
     order = list(range(tree.num_units))
     random.Random(0).shuffle(order)
-    leaves = list(tree.root.leaves())
-    chain = [SPNode("leaf", ops=leaves[u].ops, cost=leaves[u].cost) for u in order]
-    for i, leaf in enumerate(chain):
-        leaf.lo, leaf.hi = i, i + 1
-    root = SPNode("series", children=chain, cost=tree.root.cost)
-    root.lo, root.hi = 0, len(chain)
-    new_index = {u: i for i, u in enumerate(order)}
-    reordered = SPTree(
-        root=root,
-        units=[tree.units[u] for u in order],
-        unit_of={op: new_index[u] for op, u in tree.unit_of.items()},
-        converted=tree.converted,
-    )
+    reordered = tree.chained(order)
     fresh, permuted = UnitCosts(g, reordered, cost), costs.reordered(reordered, order)
     for name in ("weights", "optimizer", "grads", "act"):
         assert getattr(permuted, name) == getattr(fresh, name)

@@ -87,10 +87,22 @@ class SPTree:
 
     def linearized(self) -> SPTree:
         """The same units as one series (a sequential chain): the SPP view of the same graph."""
-        leaves = [SPNode("leaf", ops=leaf.ops, cost=leaf.cost) for leaf in self.root.leaves()]
-        root = leaves[0] if len(leaves) == 1 else SPNode("series", children=leaves, cost=self.root.cost)
+        return self.chained(range(self.num_units))
+
+    def chained(self, order: Sequence[int]) -> SPTree:
+        """The units as one series in the order ``order`` (a permutation of their indices), and
+        renumbered so: unit ``i`` of the result is unit ``order[i]`` here."""
+        leaves = list(self.root.leaves())
+        chain = [SPNode("leaf", ops=leaves[u].ops, cost=leaves[u].cost) for u in order]
+        root = chain[0] if len(chain) == 1 else SPNode("series", children=chain, cost=self.root.cost)
         number_units(root, 0)
-        return SPTree(root=root, units=self.units, unit_of=self.unit_of, converted=self.converted)
+        index = {u: i for i, u in enumerate(order)}
+        return SPTree(
+            root=root,
+            units=[self.units[u] for u in order],
+            unit_of={op: index[u] for op, u in self.unit_of.items()},
+            converted=self.converted,
+        )
 
 
 def decompose(
