@@ -8,9 +8,9 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tessera.cli.options import json_option, model_options, output_option
+from tessera.cli.options import OutputFile, json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, human_bytes, human_count
-from tessera.core.files import write_atomic
+from tessera.core.files import write_output
 from tessera.core.graph import Graph, write_model
 from tessera.core.structure import branch_structure
 
@@ -45,7 +45,7 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
 @output_option
 @click.option(
     "--write-named",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=OutputFile(),
     help="Write the model with every node named.",
 )
 @click.option("--top", default=12, show_default=True, help="Op types shown in the histogram (human output).")
@@ -55,7 +55,7 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
     if write_named:
         write_model(graph.model, write_named)
     if output:
-        write_atomic(output, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        write_output(output, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     if as_json:
         emit_json(report)
         return

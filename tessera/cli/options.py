@@ -10,6 +10,7 @@ from typing import Any
 import click
 
 from tessera.core.errors import InputError
+from tessera.core.files import check_writable
 from tessera.core.graph import Graph, load_graph
 from tessera.core.onnx_io import parse_input_shapes
 
@@ -101,7 +102,23 @@ def json_option(f: F) -> F:
     )(f)
 
 
+class OutputFile(click.Path):
+    """A file a command writes: checked writable when the command line is parsed, so that a
+    wrong ``-o`` fails at once (exit code 2) rather than after a long search loses its result."""
+
+    name = "file"
+
+    def __init__(self) -> None:
+        super().__init__(dir_okay=False, path_type=str)
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        try:
+            check_writable(path)
+        except InputError as exc:
+            self.fail(f"{click.format_filename(path)}: {exc.message}", param, ctx)
+        return path
+
+
 def output_option(f: F, help: str = "Write the result to this file (atomically).") -> F:
-    return click.option(
-        "-o", "--output", type=click.Path(dir_okay=False, path_type=str), default=None, help=help
-    )(f)
+    return click.option("-o", "--output", type=OutputFile(), default=None, help=help)(f)

@@ -26,7 +26,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tessera.cli.options import json_option, load_model_option, output_option
+from tessera.cli.options import OutputFile, json_option, load_model_option, output_option
 from tessera.cli.render import console, emit_json, human_bytes
 from tessera.core.plans import ModelRef, dump_plan, write_plan
 from tessera.core.specs import load_cluster
@@ -318,7 +318,7 @@ KINDS: dict[str, PlanKind] = {
 @click.option(
     "--sweep-context", metavar="LIST", help="[cp] Also predict these contexts, e.g. 1K,10K,100K,1M."
 )
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=str), help="[cp] Draw the sweep (SVG).")
+@click.option("--plot", type=OutputFile(), help="[cp] Draw the sweep (SVG).")
 @click.option("--mini-batch", type=click.IntRange(min=1), help="[gpp/spp] Samples per training iteration.")
 @click.option("--devices", type=click.IntRange(min=1), help="[gpp/spp] Use this many devices (default: all).")
 @click.option(
@@ -333,7 +333,7 @@ KINDS: dict[str, PlanKind] = {
 @click.option("--memory-limit", metavar="BYTES", help="[gpp/spp] Per-device memory cap, e.g. 8GiB.")
 @click.option(
     "--gantt",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=OutputFile(),
     help="[gpp/spp] Draw the simulated schedule (SVG).",
 )
 @click.option("--no-baseline", is_flag=True, help="[gpp] Skip predicting the sequential baseline.")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 from rich.table import Table
 
-from tessera.cli.options import json_option
+from tessera.cli.options import OutputFile, json_option
 from tessera.cli.render import console, emit_json
 from tessera.core.graph import write_model
 from tessera.models import SIZES, ZOO, build
@@ -39,7 +39,7 @@ def zoo_list(as_json: bool) -> None:
 @click.option(
     "-o",
     "--output",
-    type=click.Path(dir_okay=False, path_type=str),
+    type=OutputFile(),
     required=True,
     help="ONNX file to write.",
 )

@@ -7,7 +7,7 @@ code  meaning
 ====  =====================================================================
 0     success
 1     internal error (a bug in tessera: please report it)
-2     bad input: usage, an unreadable or invalid model, spec or plan
+2     bad input: usage, an unreadable or invalid model, spec or plan, an unwritable output
 3     infeasible: no plan meets the constraints
 4     launch or verification failure
 ====  =====================================================================

@@ -7,6 +7,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from tessera.core.errors import InputError
+
 
 def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     """Write ``data`` to ``path`` through a temporary file in the same directory and a rename.
@@ -42,6 +44,44 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
             pass
         raise
     return Path(path)
+
+
+def write_output(path: str | os.PathLike[str], data: bytes | str) -> Path:
+    """:func:`write_atomic` for a file the user named: a failure (no such directory, no
+    permission, a full disk) is an :class:`InputError` naming the file, not an internal error."""
+    try:
+        return write_atomic(path, data)
+    except OSError as exc:
+        raise InputError(f"cannot write: {exc.strerror or exc}", source=path) from exc
+
+
+def check_writable(path: str | os.PathLike[str]) -> None:
+    """Fail early, before any work, when :func:`write_atomic` could not write ``path``.
+
+    The check creates (and removes) a temporary file where the write would put its own: in the
+    directory of the path (after links), or in its nearest existing ancestor when directories
+    are missing (the write creates them). Permission bits alone would not tell: root passes
+    every access check, and ``/proc`` refuses new files anyway. An existing non-regular file
+    (``/dev/null``, a pipe) is written to directly, so only its kind is checked.
+    """
+    target = Path(path)
+    if target.is_dir():
+        raise InputError("is a directory", source=path)
+    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+        return
+    if target.is_symlink():
+        target = target.resolve()
+    where = target.parent
+    while not where.exists():
+        where = where.parent
+    if not where.is_dir():
+        raise InputError(f"cannot write: {where} is not a directory", source=path)
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=where)
+    except OSError as exc:
+        raise InputError(f"cannot write in {where}: {exc.strerror or exc}", source=path) from exc
+    os.close(fd)
+    os.unlink(probe)
 
 
 def _umask() -> int:

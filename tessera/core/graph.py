@@ -484,6 +484,6 @@ def _plain(value: Any) -> Any:
 
 def write_model(model: onnx.ModelProto, path: str | os.PathLike[str]) -> Path:
     """Write a model atomically (serialized deterministically)."""
-    from tessera.core.files import write_atomic
+    from tessera.core.files import write_output
 
-    return write_atomic(path, model.SerializeToString(deterministic=True))
+    return write_output(path, model.SerializeToString(deterministic=True))

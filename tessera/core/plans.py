@@ -32,7 +32,7 @@ from pydantic import (
 
 from tessera import __version__
 from tessera.core.errors import InputError
-from tessera.core.files import write_atomic
+from tessera.core.files import write_output
 
 SCHEMA_VERSION = 1
 
@@ -190,7 +190,7 @@ def dump_plan(plan: _PlanBase) -> str:
 
 
 def write_plan(plan: _PlanBase, path: str | os.PathLike[str]) -> Path:
-    return write_atomic(path, dump_plan(plan))
+    return write_output(path, dump_plan(plan))
 
 
 def parse_plan(data: dict[str, Any], *, label: str) -> Plan:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,41 @@ def test_bad_cluster_specs_through_the_cli(name):
         "plan", "--kind", "cp", "--llm", "llama-7b", "--cluster", str(path), "--batch", "1", "--context", "1K"
     )
     assert_one_line_error(result, path, SPEC_CASES[name])
+
+
+def _output_commands(out: str) -> list[list[str]]:
+    """Every command line that writes a file the user names, writing it to ``out``; the model
+    they read does not exist, so only a check made before any work can report the output."""
+    model = "no_such_model.onnx"
+    gpp = ["plan", model, "--kind", "gpp", "--cluster", "graphpipe-v100", "--mini-batch", "8"]
+    cp = ["plan", "--kind", "cp", "--llm", "gpt2", "--cluster", "h200", "--batch", "1", "--context", "1K"]
+    return [
+        [*gpp, "-o", out],
+        [*gpp, "--gantt", out],
+        ["inspect", model, "-o", out],
+        ["inspect", model, "--write-named", out],
+        ["place", model, "-o", out],
+        ["zoo", "build", "mmt", "-o", out],
+        [*cp, "--sweep-context", "1K,2K", "--plot", out],
+    ]
+
+
+def test_an_unwritable_output_fails_before_any_work(tmp_path):
+    """``-o``, ``--gantt``, ``--plot``, ``--write-named`` under a regular file: exit 2 with one
+    line naming the path, before the model is read (a long search would lose its result)."""
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    out = blocker / "out.json"
+    for args in _output_commands(str(out)):
+        result = run_cli(*args)
+        assert_one_line_error(result, out, f"{blocker} is not a directory")
+    assert blocker.read_text() == "x"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs Linux /proc")
+def test_an_output_in_a_directory_that_refuses_files_fails_even_as_root():
+    """Permission bits say nothing to root: ``/proc`` passes ``os.access`` but refuses new
+    files; the check tries a file where the write would put one."""
+    out = Path("/proc/tessera-plan.json")
+    for args in _output_commands(str(out)):
+        assert_one_line_error(run_cli(*args), out, "cannot write in /proc")

@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from tessera.core.files import write_atomic
+from tessera.core.errors import InputError
+from tessera.core.files import check_writable, write_atomic, write_output
 
 
 def test_write_atomic_replaces_whole_file(tmp_path):
@@ -99,3 +100,24 @@ def test_write_atomic_writes_into_dev_stdout(tmp_path):
     with os.fdopen(r, "rb") as f:
         assert f.read() == b"plan\n"
     assert link.is_symlink() and [p.name for p in tmp_path.iterdir()] == ["stdout"]
+
+
+def test_write_output_names_the_file_it_cannot_write(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(InputError) as info:
+        write_output(blocker / "plan.json", "{}")
+    assert info.value.source == str(blocker / "plan.json") and "cannot write" in info.value.message
+    assert blocker.read_text() == "x"
+
+
+def test_check_writable_leaves_nothing_behind(tmp_path):
+    """The probe file goes, and directories the write would create are not created early."""
+    (tmp_path / "old.json").write_text("old")
+    check_writable(tmp_path / "old.json")
+    check_writable(tmp_path / "new" / "deeper" / "plan.json")
+    assert [p.name for p in tmp_path.iterdir()] == ["old.json"]
+    assert (tmp_path / "old.json").read_text() == "old"
+    with pytest.raises(InputError, match="is a directory"):
+        check_writable(tmp_path)
+    check_writable("/dev/null")  # written into, not replaced: only its kind matters

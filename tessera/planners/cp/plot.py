@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from tessera.core.errors import InputError
-from tessera.core.files import write_atomic
+from tessera.core.files import write_output
 from tessera.planners.cp.cost import STRATEGIES
 from tessera.planners.cp.plan import SweepRow
 
@@ -58,4 +58,4 @@ def plot_sweep(rows: list[SweepRow], path: str | os.PathLike[str], *, title: str
             raise InputError(f"cannot write the plot: {err}", source=str(path)) from None
         finally:
             plt.close(fig)
-    return write_atomic(path, buffer.getvalue())
+    return write_output(path, buffer.getvalue())

@@ -16,7 +16,7 @@ import click
 
 from tessera.core.cost import CostModel
 from tessera.core.errors import InfeasibleError, InputError
-from tessera.core.files import write_atomic
+from tessera.core.files import write_output
 from tessera.core.graph import Graph
 from tessera.core.plans import (
     EdgeTensor,
@@ -367,4 +367,4 @@ def write_gantt(sim: SimResult, pipe: Pipeline, path: str | os.PathLike[str]) ->
         fig.savefig(buf, format=fmt, metadata={"Date": None} if fmt == "svg" else None)
     finally:
         plt.close(fig)
-    return write_atomic(path, buf.getvalue())
+    return write_output(path, buf.getvalue())
