@@ -214,6 +214,7 @@ _GPP_OPTIONS = frozenset(
         "schedule",
         "memory_limit",
         "gantt",
+        "pytorch_csv",
         "no_baseline",
         "k",
         "profile",
@@ -235,6 +236,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         schedule: str,
         memory_limit: str | None,
         gantt: str | None,
+        pytorch_csv: str | None,
         no_baseline: bool,
         k: int,
         profile: bool,
@@ -260,6 +262,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
             memory_limit=memory_limit,
             output=output,
             gantt=gantt,
+            pytorch_csv=pytorch_csv,
             as_json=as_json,
             no_baseline=no_baseline,
             profile=profile,
@@ -335,6 +338,12 @@ KINDS: dict[str, PlanKind] = {
     "--gantt",
     type=OutputFile(),
     help="[gpp/spp] Draw the simulated schedule (SVG).",
+)
+@click.option(
+    "--pytorch-csv",
+    type=OutputFile(),
+    help="[gpp/spp] Also write the schedule as torch.distributed.pipelining's CSV (rank r runs "
+    "stage r; chain plans only: exit 2 for a graph of stages, after -o is written).",
 )
 @click.option("--no-baseline", is_flag=True, help="[gpp] Skip predicting the sequential baseline.")
 @click.option(

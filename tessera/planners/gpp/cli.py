@@ -39,6 +39,7 @@ from tessera.planners.gpp.partition import (
     planned_device_type,
 )
 from tessera.planners.gpp.profile import MeasuredCosts
+from tessera.planners.gpp.schedule import chain_order, to_pytorch_csv
 from tessera.planners.sim import SimResult, simulate_pipeline
 from tessera.planners.spp import method_name, plan_sequential, sequential_record
 
@@ -206,6 +207,7 @@ def run_gpp_plan(
     memory_limit: int | float | str | None = None,
     output: str | os.PathLike[str] | None = None,
     gantt: str | os.PathLike[str] | None = None,
+    pytorch_csv: str | os.PathLike[str] | None = None,
     as_json: bool = False,
     no_baseline: bool = False,
     profile: bool = False,
@@ -244,6 +246,8 @@ def run_gpp_plan(
         write_plan(plan, output)
     if gantt is not None:
         write_gantt(sim, pipe, gantt)
+    if pytorch_csv is not None:
+        write_pytorch_csv(plan, pytorch_csv)
     if as_json:
         click.echo(dump_plan(plan), nl=False)
     else:
@@ -329,6 +333,21 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
 
 
 _COLOURS = {"F": "#4C72B0", "B": "#DD8452", "send_F": "#55A868", "send_B": "#55A868", "allreduce": "#8C8C8C"}
+
+
+def write_pytorch_csv(plan: GppPlan, path: str | os.PathLike[str]) -> Path:
+    """``--pytorch-csv``: a chain plan's schedule in ``torch.distributed.pipelining``'s compute-only
+    CSV (what ``_PipelineScheduleRuntime._load_csv`` reads): row ``r`` is rank ``r``, which runs
+    stage ``r``; each cell an action such as ``2F3``. A graph of stages has no such form: an
+    :class:`InputError` (the plan itself is written first)."""
+    why = chain_order([st.id for st in plan.stages], [(e.src, e.dst) for e in plan.edges])
+    if why is not None:
+        raise InputError(
+            f"--pytorch-csv: {why}; torch.distributed.pipelining runs a chain of stages "
+            "(--kind spp plans one)",
+            source=path,
+        )
+    return write_output(path, to_pytorch_csv({st.id: st.schedule.actions for st in plan.stages}))
 
 
 def write_gantt(sim: SimResult, pipe: Pipeline, path: str | os.PathLike[str]) -> Path:

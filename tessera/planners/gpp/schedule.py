@@ -165,6 +165,24 @@ def to_pytorch_csv(schedules: Mapping[int, Sequence[str]]) -> str:
     return out.getvalue()
 
 
+def chain_order(stage_ids: Sequence[int], edges: Sequence[tuple[int, int]]) -> str | None:
+    """Why stages ``stage_ids`` with dependencies ``edges`` are not the chain ``0 → 1 → … → S−1``
+    that ``torch.distributed.pipelining`` runs (rank ``i`` runs stage ``i``, which feeds stage
+    ``i + 1``); ``None`` when they are. A tensor that skips stages (``0 → 2`` besides ``0 → 1 →
+    2``) keeps the chain: the stages between pass it along, as PyTorch's pipeline splitter does."""
+    ids = sorted(stage_ids)
+    if ids != list(range(len(ids))):
+        return f"stage ids {ids} are not 0..{len(ids) - 1}"
+    for src, dst in sorted(set(edges)):
+        if dst <= src:
+            return f"stage {src} feeds stage {dst}, an earlier one"
+    missing = sorted(set(range(len(ids) - 1)) - {src for src, dst in edges if dst == src + 1})
+    if missing:
+        i = missing[0]
+        return f"stage {i} does not feed stage {i + 1}: the stages form a graph, not a chain"
+    return None
+
+
 def from_pytorch_csv(text: str) -> dict[int, list[str]]:
     """Inverse of :func:`to_pytorch_csv` (rank → actions without the stage prefix)."""
     result: dict[int, list[str]] = {}

@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import csv
+import io
 import json
 
 import click
@@ -12,7 +14,9 @@ from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model, load_plan
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.gpp.cli import run_gpp_plan
+from tessera.planners.gpp.cli import build_gpp_plan, run_gpp_plan, write_pytorch_csv
+from tessera.planners.gpp.partition import PartitionOptions
+from tessera.planners.gpp.schedule import to_pytorch_csv
 
 
 @pytest.fixture(scope="module")
@@ -136,3 +140,57 @@ def test_a_bad_memory_limit_is_bad_input(model_file, limit, fault) -> None:
     lines = res.err.strip().splitlines()
     assert res.code == 2 and len(lines) == 1
     assert lines[0].startswith(f"tessera: error: --memory-limit: {fault}")
+
+
+def _torch_pipelining_accepts(csv_text: str, stages: int, micro_batches: int) -> None:
+    """``torch.distributed.pipelining``'s own checks of a compute-only CSV, as its runtime's
+    ``_load_csv`` makes them: every cell parses as an action, each stage's passes come in a
+    valid order on one rank; then its lowering adds the sends and receives, and its dry run of
+    that schedule raises if the ranks deadlock (the lowering itself fails on some deadlocks)."""
+    from torch.distributed.pipelining import schedules as pp
+
+    rows = csv.reader(io.StringIO(csv_text))
+    actions = {rank: [pp._Action.from_str(cell) for cell in row] for rank, row in enumerate(rows)}
+    pp._validate_schedule(actions, stages, stages, micro_batches)
+    comms = pp._add_send_recv(actions, stage_to_rank=lambda s: s, num_stages=stages)
+    pp._simulate_comms_compute(comms, stage_to_rank=lambda s: s, num_stages=stages)
+
+
+def test_torch_pipelining_catches_a_deadlocking_schedule() -> None:
+    """The check above bites: stage 0 waits for B0 before F1, stage 1 for F1 before B0."""
+    with pytest.raises((AssertionError, ValueError), match="not progressing|can't schedule sends/recvs"):
+        _torch_pipelining_accepts("0F0,0B0,0F1,0B1\n1F0,1F1,1B0,1B1\n", 2, 2)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "kfkb", "gpipe", "greedy", "auto"])
+def test_a_chain_plan_exports_a_schedule_torch_pipelining_runs(tmp_path, graph, schedule) -> None:
+    options = PartitionOptions(
+        mini_batch=64,
+        num_devices=4,
+        schedule=schedule,
+        k=2 if schedule == "kfkb" else 1,
+        micro_batch_sizes=(8,),
+    )
+    plan, _, _ = build_gpp_plan(graph, load_cluster("graphpipe-v100"), options, kind="spp", baseline=False)
+    assert len(plan.stages) > 1 and plan.mini_batch_size // plan.stages[0].micro_batch_size == 8
+    path = write_pytorch_csv(plan, tmp_path / "schedule.csv")
+    text = path.read_text()
+    assert text.splitlines()[0].startswith("0F0,")
+    _torch_pipelining_accepts(text, len(plan.stages), 8)
+
+
+def test_pytorch_csv_through_the_cli(tmp_path, model_file) -> None:
+    """``--kind spp --pytorch-csv``: the plan's own schedules; a graph of stages: exit 2 naming
+    the file, after the plan itself is written."""
+    args = ("plan", str(model_file), "--cluster", "graphpipe-v100", "--mini-batch", "64", "--devices", "4")
+    out, csv_path = tmp_path / "spp.json", tmp_path / "spp.csv"
+    res = run_cli(*args, "--kind", "spp", "-o", str(out), "--pytorch-csv", str(csv_path))
+    assert res.code == 0, res.err
+    plan = load_plan(out)
+    assert csv_path.read_text() == to_pytorch_csv({st.id: st.schedule.actions for st in plan.stages})
+    out, csv_path = tmp_path / "gpp.json", tmp_path / "gpp.csv"
+    res = run_cli(*args, "--kind", "gpp", "-o", str(out), "--pytorch-csv", str(csv_path))
+    lines = res.err.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1, res.err
+    assert f"{csv_path}: --pytorch-csv: stage 0 does not feed stage 1" in lines[0]
+    assert load_plan(out).kind == "gpp" and not csv_path.exists()
