@@ -21,6 +21,7 @@ import json
 import logging
 import math
 import sqlite3
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -34,6 +35,7 @@ import onnx
 from onnx import helper
 
 from tessera.backends.base import cpu_cores, cpu_model, default_cache_dir
+from tessera.core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +71,9 @@ CREATE TABLE IF NOT EXISTS context_switch (
 """
 
 
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
 def default_profile_path() -> Path:
     return default_cache_dir() / "profiles.sqlite"
 
@@ -101,7 +106,10 @@ class ProfileCache:
     """The cache file (see the module docstring). Safe to share between threads and processes."""
 
     def __init__(self, path: str | Path | None = None) -> None:
+        # A file at the default path is tessera's own: garbage there is moved aside. A path the
+        # user named (``--cache``) may be a typo for a model or a plan: only an SQLite file is.
         self.path = Path(path) if path is not None else default_profile_path()
+        self._own = path is None or Path(path) == default_profile_path()
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
 
@@ -131,8 +139,28 @@ class ProfileCache:
             self._conn = conn
         return self._conn
 
+    def _not_a_cache(self) -> str | None:
+        """Why the file at the cache path is not a cache to move aside, or ``None`` if it is one."""
+        try:
+            info = self.path.stat()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:  # a link loop, a name too long
+            return f"cannot open the profile cache: {exc.strerror or exc}"
+        if not stat.S_ISREG(info.st_mode):
+            return "the profile cache is not a regular file"
+        with open(self.path, "rb") as f:
+            head = f.read(len(SQLITE_MAGIC))
+        if head and head != SQLITE_MAGIC and not self._own:
+            return "not a profile cache (an SQLite database); left untouched: give --cache another path"
+        return None
+
     def _recover(self, err: Exception) -> None:
-        """Move an unreadable cache file (and its WAL) aside and start an empty one."""
+        """Move an unreadable cache file (and its WAL) aside and start an empty one; a file that
+        is no cache of tessera's (see :meth:`_not_a_cache`) is an :class:`InputError` instead."""
+        why = self._not_a_cache()
+        if why is not None:
+            raise InputError(why, source=self.path) from err
         if self._conn is not None:
             try:
                 self._conn.close()

@@ -15,6 +15,7 @@ from tessera.backends.measure import Measurer, time_runs
 from tessera.backends.onnxruntime import OnnxRuntimeBackend
 from tessera.backends.openvino import OpenVinoBackend
 from tessera.backends.profile_cache import Profile, ProfileCache, subgraph_hash
+from tessera.core.errors import InputError
 
 LINEAR = ["layer0/ffn/fc1/matmul", "layer0/ffn/fc1/bias_add"]
 LINEAR_1 = ["layer1/ffn/fc1/matmul", "layer1/ffn/fc1/bias_add"]
@@ -51,7 +52,7 @@ def test_second_measurement_hits_the_cache(tmp_path: Path, gpt, ort) -> None:
     assert ProfileCache(tmp_path / "profiles.sqlite").count() == 1
 
 
-def test_cache_survives_truncation_and_garbage(tmp_path: Path, gpt, ort, caplog) -> None:
+def test_cache_survives_truncation_and_garbage(tmp_path: Path, gpt, ort, caplog, monkeypatch) -> None:
     path = tmp_path / "profiles.sqlite"
     cache = ProfileCache(path)
     fast(cache).measure(ort, gpt, LINEAR)
@@ -66,9 +67,27 @@ def test_cache_survives_truncation_and_garbage(tmp_path: Path, gpt, ort, caplog)
     assert fast(again).measure(ort, gpt, LINEAR).cached
     assert list(tmp_path.glob("profiles.sqlite.corrupt-*"))
     again.close()
-    path.write_bytes(b"this is not a database" * 10)
-    assert ProfileCache(path).get("onnxruntime", "x", "y", "z") is None
+    caplog.clear()
+    path.write_bytes(b"this is not a database" * 10)  # at the default path: tessera's own file
+    monkeypatch.setenv("TESSERA_CACHE_DIR", str(tmp_path))
+    assert ProfileCache().get("onnxruntime", "x", "y", "z") is None
     assert "unreadable" in caplog.text
+
+
+def test_a_cache_path_that_holds_another_file_is_left_alone(tmp_path: Path) -> None:
+    """``--cache plan.json`` (a typo): an error naming the file, which stays as it was; a link
+    loop is an error too, not moved aside."""
+    other = tmp_path / "model.onnx"
+    other.write_bytes(b"\x08\x07not sqlite")
+    with pytest.raises(InputError, match="not a profile cache") as info:
+        ProfileCache(other).get("onnxruntime", "x", "y", "z")
+    assert info.value.source == str(other)
+    assert other.read_bytes() == b"\x08\x07not sqlite" and sorted(tmp_path.iterdir()) == [other]
+    loop = tmp_path / "loop.sqlite"
+    loop.symlink_to(loop)
+    with pytest.raises(InputError, match="cannot open the profile cache"):
+        ProfileCache(loop).get("onnxruntime", "x", "y", "z")
+    assert loop.is_symlink()
 
 
 def test_concurrent_writers(tmp_path: Path) -> None:
