@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -516,6 +517,11 @@ def planning_inputs(
         raise InputError("the mini-batch size must be positive")
     if options.schedule == "kfkb" and options.k < 1:
         raise InputError("kFkB needs k >= 1")
+    if options.schedule == "kfkb" and options.k > options.mini_batch:
+        raise InputError(
+            f"--k {options.k}: a mini-batch of {options.mini_batch} has at most {options.mini_batch} "
+            "micro-batches (k of them or more in a row is GPipe: --schedule gpipe)"
+        )
     device_type = planned_device_type(cluster, num)
     limit = float(options.memory_limit if options.memory_limit is not None else device_type.memory)
     if cost is None:
@@ -643,6 +649,7 @@ def _binary_search(dp: StageDP, num: int, epsilon: float, cap: float = math.inf)
     probes = 0
     entries: list[Entry] = []
     step = 1.25
+    lo_t = max(lo_t, sys.float_info.min)  # a model of free operators: gallop from a positive bound
     hi_t = lo_t
     while True:
         hi_t = min(hi_t * step, ceiling)
@@ -655,8 +662,12 @@ def _binary_search(dp: StageDP, num: int, epsilon: float, cap: float = math.inf)
             return [], probes
         lo_t = hi_t
         step *= step
-    while hi_t / lo_t > 1 + epsilon:
-        mid = math.sqrt(lo_t * hi_t)
+    # At most ~60 halvings of log(hi/lo) reach epsilon from any finite bracket; the bound only
+    # guards against a bracket that cannot shrink (a spec whose times overflow to infinity).
+    for _ in range(200):
+        if not hi_t / lo_t > 1 + epsilon:
+            break
+        mid = math.sqrt(lo_t) * math.sqrt(hi_t)  # lo·hi may overflow where the mean does not
         probes += 1
         front = dp.run(mid)
         if front:

@@ -73,6 +73,7 @@ def one_f_one_b(num_micro_batches: int, warmup: int) -> list[str]:
 def k_f_k_b(num_micro_batches: int, k: int, warmup: int) -> list[str]:
     """kFkB: ``warmup`` forwards, then ``k`` backwards and ``k`` forwards alternating, then the rest."""
     m = num_micro_batches
+    k = min(k, m)
     w = max(1, min(max(warmup, k), m))
     actions = [f"F{i}" for i in range(w)]
     f, b = w, 0

@@ -194,3 +194,23 @@ def test_pytorch_csv_through_the_cli(tmp_path, model_file) -> None:
     assert res.code == 2 and len(lines) == 1, res.err
     assert f"{csv_path}: --pytorch-csv: stage 0 does not feed stage 1" in lines[0]
     assert load_plan(out).kind == "gpp" and not csv_path.exists()
+
+
+def test_a_k_beyond_the_micro_batches_is_bad_input(model_file) -> None:
+    """``--k 1e20`` ran for ever (kFkB's loops are linear in k): exit 2 naming --k."""
+    res = run_cli("plan", str(model_file), "--kind", "gpp", "--cluster", "local-cpu-split", "--mini-batch", "8",
+                  "--schedule", "kfkb", "--k", "99999999999999999999")  # fmt: skip
+    lines = res.err.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1 and "--k 99999999999999999999" in lines[0], res.err
+
+
+@pytest.mark.parametrize("field,value", [("flops", {"fp32": 1e-200}), ("kernel_launch_overhead", 1e200)])
+def test_extreme_device_speeds_still_plan(tmp_path, graph, field, value) -> None:
+    """Operator times near the float range: the bisection's geometric mean overflowed to inf and
+    the search never ended. Now it ends, and the plan holds C1-C5."""
+    data = load_cluster("local-cpu-split").to_json_dict()
+    for device_type in data["device_types"].values():
+        device_type[field] = value
+    cluster = ClusterSpec.from_json_dict(data)
+    plan, _, _ = build_gpp_plan(graph, cluster, PartitionOptions(mini_batch=8), baseline=False)
+    assert check_plan_against_model(plan, graph) == []
