@@ -8,7 +8,7 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tessera.cli.options import OutputFile, json_option, model_options, output_option
+from tessera.cli.options import OutputFile, check_outputs, json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, human_bytes, human_count
 from tessera.core.files import write_output
 from tessera.core.graph import Graph, write_model
@@ -51,6 +51,7 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
 @click.option("--top", default=12, show_default=True, help="Op types shown in the histogram (human output).")
 def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | None, top: int) -> None:
     """Summarize MODEL: nodes, op types, parameters, FLOPs, inputs/outputs and branch structure."""
+    check_outputs({"-o": output, "--write-named": write_named}, {"model": graph.source})
     report = inspect_report(graph)
     if write_named:
         write_model(graph.model, write_named)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -112,12 +113,48 @@ class OutputFile(click.Path):
         super().__init__(dir_okay=False, path_type=str)
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, str) and (not value or value.endswith(("/", os.sep))):
+            self.fail(f"{value!r} names no file", param, ctx)
         path = super().convert(value, param, ctx)
         try:
             check_writable(path)
         except InputError as exc:
             self.fail(f"{click.format_filename(path)}: {exc.message}", param, ctx)
         return path
+
+
+class FigureFile(OutputFile):
+    """A picture a command draws (``--gantt``, ``--plot``): the suffix picks matplotlib's format
+    (SVG without one), checked with the path, before any work."""
+
+    FORMATS = ("svg", "png", "pdf", "ps", "eps")
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        path = super().convert(value, param, ctx)
+        suffix = Path(path).suffix.lstrip(".").lower()
+        if suffix and suffix not in self.FORMATS:
+            self.fail(
+                f"{click.format_filename(path)}: not a picture format ({', '.join(self.FORMATS)})", param, ctx
+            )
+        return path
+
+
+def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None]) -> None:
+    """Outputs that would destroy an input (``-o model.onnx``) or each other (``-o x --gantt x``):
+    a usage error before any work. Keys are how the message names each file."""
+    named = [(name, path) for name, path in outputs.items() if path is not None]
+    for i, (name, path) in enumerate(named):
+        others = [*named[:i], *((k, v) for k, v in inputs.items() if v is not None)]
+        for other, other_path in others:
+            if _same_file(path, other_path):
+                raise click.UsageError(f"{name} {path} is also the {other}: one would replace the other")
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # one does not exist (yet): the same only if the paths are
+        return os.path.abspath(a) == os.path.abspath(b)
 
 
 def output_option(f: F, help: str = "Write the result to this file (atomically).") -> F:

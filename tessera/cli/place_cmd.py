@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import json_option, model_options, output_option
+from tessera.cli.options import check_outputs, json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, progress_bar
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
@@ -98,6 +98,7 @@ def place(
     options = PlacementOptions(
         device=device, backends=backends, search=search, budget_s=budget_s, seed=seed, max_states=max_states
     )
+    check_outputs({"-o": output}, {"model": graph.source, "--cache": cache_path})
     measurer = Measurer(ProfileCache(cache_path) if cache_path else None, seed=seed)
     start = time.perf_counter()
     with progress_bar() as bar:

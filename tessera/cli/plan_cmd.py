@@ -19,6 +19,7 @@ checks that no option of another kind was given, and calls it. The planning itse
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,7 +27,14 @@ from typing import Any
 import click
 from rich.table import Table
 
-from tessera.cli.options import OutputFile, json_option, load_model_option, output_option
+from tessera.cli.options import (
+    FigureFile,
+    OutputFile,
+    check_outputs,
+    json_option,
+    load_model_option,
+    output_option,
+)
 from tessera.cli.render import console, emit_json, human_bytes
 from tessera.core.plans import ModelRef, dump_plan, write_plan
 from tessera.core.specs import load_cluster
@@ -252,6 +260,10 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         if mini_batch is None:
             raise click.UsageError(f"--kind {kind} needs --mini-batch")
         planned_device_type(spec, devices, source=cluster)  # before the model is loaded
+        check_outputs(
+            {"-o": output, "--gantt": gantt, "--pytorch-csv": pytorch_csv},
+            {"model": model, "cluster spec": cluster if os.path.isfile(cluster) else None},
+        )
         run_gpp_plan(
             load_model_option(model, input_shapes),
             spec,
@@ -321,7 +333,7 @@ KINDS: dict[str, PlanKind] = {
 @click.option(
     "--sweep-context", metavar="LIST", help="[cp] Also predict these contexts, e.g. 1K,10K,100K,1M."
 )
-@click.option("--plot", type=OutputFile(), help="[cp] Draw the sweep (SVG).")
+@click.option("--plot", type=FigureFile(), help="[cp] Draw the sweep (SVG).")
 @click.option("--mini-batch", type=click.IntRange(min=1), help="[gpp/spp] Samples per training iteration.")
 @click.option("--devices", type=click.IntRange(min=1), help="[gpp/spp] Use this many devices (default: all).")
 @click.option(
@@ -336,7 +348,7 @@ KINDS: dict[str, PlanKind] = {
 @click.option("--memory-limit", metavar="BYTES", help="[gpp/spp] Per-device memory cap, e.g. 8GiB.")
 @click.option(
     "--gantt",
-    type=OutputFile(),
+    type=FigureFile(),
     help="[gpp/spp] Draw the simulated schedule (SVG).",
 )
 @click.option(

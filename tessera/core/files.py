@@ -64,7 +64,15 @@ def check_writable(path: str | os.PathLike[str]) -> None:
     every access check, and ``/proc`` refuses new files anyway. An existing non-regular file
     (``/dev/null``, a pipe) is written to directly, so only its kind is checked.
     """
-    target = Path(path)
+    try:
+        _check_writable(Path(path))
+    except (OSError, RuntimeError) as exc:  # a link loop, a name too long
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise InputError(f"cannot write: {reason}", source=path) from exc
+
+
+def _check_writable(target: Path) -> None:
+    path = target
     if target.is_dir():
         raise InputError("is a directory", source=path)
     if target.exists() and not stat.S_ISREG(target.stat().st_mode):

@@ -153,3 +153,52 @@ def test_an_output_in_a_directory_that_refuses_files_fails_even_as_root():
     out = Path("/proc/tessera-plan.json")
     for args in _output_commands(str(out)):
         assert_one_line_error(run_cli(*args), out, "cannot write in /proc")
+
+
+def test_outputs_that_would_replace_an_input_or_each_other(tmp_path):
+    """``-o model.onnx`` replaced the model with the plan (exit 0); ``-o x --gantt x`` kept one."""
+    from tessera.models import build
+
+    model = tmp_path / "m.onnx"
+    model.write_bytes(build("candle_uno", "tiny").SerializeToString())
+    before = model.read_bytes()
+    gpp = ["plan", str(model), "--kind", "gpp", "--cluster", "local-cpu-split", "--mini-batch", "8"]
+    same = str(tmp_path / "same.svg")
+    cases = [
+        ([*gpp, "-o", str(model)], "-o", "model"),
+        ([*gpp, "-o", same, "--gantt", same], "--gantt", "-o"),
+        (["place", str(model), "--backends", "onnxruntime", "-o", str(model)], "-o", "model"),
+        (["inspect", str(model), "--write-named", str(model)], "--write-named", "model"),
+    ]
+    for args, option, other in cases:
+        result = run_cli(*args)
+        lines = result.err.strip().splitlines()
+        assert result.code == 2 and len(lines) == 1, (args, result.err)
+        assert f"{option} " in lines[0] and f"is also the {other}" in lines[0]
+    assert model.read_bytes() == before and not (tmp_path / "same.svg").exists()
+
+
+@pytest.mark.parametrize(
+    "make,fragment",
+    [
+        (lambda d: d / "plan.txt", "not a picture format"),  # --gantt only
+        (lambda d: (d / "loop.svg").symlink_to(d / "loop.svg") or d / "loop.svg", "Symlink loop"),
+        (lambda d: d / ("x" * 300 + ".svg"), "File name too long"),
+        (lambda d: str(d) + "/", "names no file"),
+    ],
+)
+def test_odd_output_paths_are_bad_input(tmp_path, make, fragment):
+    out = str(make(tmp_path))
+    args = [
+        "plan",
+        "no_such_model.onnx",
+        "--kind",
+        "gpp",
+        "--cluster",
+        "local-cpu-split",
+        "--mini-batch",
+        "8",
+    ]
+    result = run_cli(*args, "--gantt", out)
+    lines = result.err.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1 and fragment in lines[0], result.err
