@@ -41,6 +41,7 @@ from typing import Literal
 
 import networkx as nx
 
+from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.structure import activation_dag
 
@@ -118,7 +119,9 @@ def decompose(
     dag = nx.DiGraph(activation_dag(graph))
     order = [n for n in graph.order if n in dag]
     if not order:
-        raise ValueError("the graph has no operator that reads an activation")
+        raise InputError(
+            "no operator reads a model input or an activation: nothing to pipeline", source=graph.source
+        )
     cost_fn = op_cost or (lambda n: 1.0 + graph.op(n).flops / 1e6)
     position = {n: i for i, n in enumerate(order)}
     state = {"converted": 0}

@@ -48,3 +48,24 @@ def test_chain_is_one_series_and_constants_are_attached() -> None:
     gpt = load_graph(build("gpt", "tiny"))
     tree = decompose(gpt, max_units=50)
     _covers(gpt, tree)
+
+
+def test_a_model_with_nothing_to_pipeline_is_bad_input() -> None:
+    """A Constant-only model loads (``inspect`` shows it) but has no operator on an activation:
+    an InputError naming the model (exit 2), not a ValueError (an internal error, exit 1)."""
+    import numpy as np
+    import onnx
+    import pytest
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tessera.core.errors import InputError
+
+    value = numpy_helper.from_array(np.ones((2, 2), np.float32))
+    node = helper.make_node("Constant", [], ["y"], value=value, name="c")
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 2])
+    model = helper.make_model(
+        helper.make_graph([node], "g", [], [out]), opset_imports=[helper.make_opsetid("", 17)]
+    )
+    onnx.checker.check_model(model)
+    with pytest.raises(InputError, match="nothing to pipeline"):
+        decompose(load_graph(model))
