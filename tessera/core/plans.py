@@ -134,6 +134,25 @@ class GppPlan(_PlanBase):
     edges: list[StageEdge] = Field(default_factory=list)
     baseline: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _stage_graph_indexes(self) -> GppPlan:
+        """Stage ids are 0..S−1 in order and edges join stages that exist (every consumer of a
+        plan indexes stages by id), and every stage's micro-batches divide the mini-batch."""
+        ids = [st.id for st in self.stages]
+        if ids != list(range(len(ids))):
+            raise ValueError(f"stage ids must be 0..{len(ids) - 1} in order, got {ids[:8]}")
+        for e in self.edges:
+            if e.src >= len(ids) or e.dst >= len(ids) or e.src == e.dst:
+                raise ValueError(f"edge {e.src}->{e.dst} does not join two of the {len(ids)} stages")
+        for st in self.stages:
+            m, rest = divmod(self.mini_batch_size, st.micro_batch_size)
+            if rest or len(st.schedule.actions) != 2 * m:
+                raise ValueError(
+                    f"stage {st.id}: {len(st.schedule.actions)} actions for mini-batch "
+                    f"{self.mini_batch_size} in micro-batches of {st.micro_batch_size}"
+                )
+        return self
+
 
 # -- cache-parallel decode (tessera plan --kind cp) --------------------------------------------
 
@@ -204,7 +223,7 @@ def parse_plan(data: dict[str, Any], *, label: str) -> Plan:
             source=label,
         )
     kind = data.get("kind")
-    if kind not in _KINDS:
+    if not isinstance(kind, str) or kind not in _KINDS:
         raise InputError(
             f"kind {kind!r} is not a plan kind (expected one of: placement, gpp, spp, cp)", source=label
         )
@@ -228,6 +247,8 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
         raise InputError(
             f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", source=label
         ) from None
+    except (RecursionError, ValueError) as exc:  # nested too deep; an integer of 4300+ digits
+        raise InputError(f"not a plausible plan: {exc}", source=label) from None
     return parse_plan(data, label=label)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -202,3 +203,34 @@ def test_odd_output_paths_are_bad_input(tmp_path, make, fragment):
     result = run_cli(*args, "--gantt", out)
     lines = result.err.strip().splitlines()
     assert result.code == 2 and len(lines) == 1 and fragment in lines[0], result.err
+
+
+def _edited(change):
+    def edit(plan: dict) -> str:
+        change(plan)
+        return json.dumps(plan)
+
+    return edit
+
+
+HAND_EDITS = {
+    "duplicate stage id": (_edited(lambda p: p["stages"][1].update(id=0)), "stage ids must be 0..1"),
+    "edge to no stage": (_edited(lambda p: p["edges"][0].update(dst=99)), "edge 0->99 does not join"),
+    "kind is a list": (_edited(lambda p: p.update(kind=[])), "kind [] is not a plan kind"),
+    "mini-batch without its actions": (
+        _edited(lambda p: p.update(mini_batch_size=16 * 10**12)),
+        "stage 0: 4 actions for mini-batch 16000000000000",
+    ),
+    "nested too deep": (lambda p: "[" * 100_000 + "]" * 100_000, "not a plausible plan"),
+    "a 5000-digit number": (lambda p: '{"schema_version": ' + "9" * 5000 + "}", "not a plausible plan"),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(HAND_EDITS))
+def test_hand_edited_plans_are_bad_input(tmp_path, edit):
+    """Each crashed ``validate`` with exit 1 (KeyError, TypeError, RecursionError, ValueError,
+    MemoryError) before the plan's schema said what is wrong."""
+    change, fragment = HAND_EDITS[edit]
+    path = tmp_path / "plan.json"
+    path.write_text(change(json.loads((BAD / "plan_ok.json").read_text())))
+    assert_one_line_error(run_cli("validate", str(path)), path, fragment)
