@@ -9,6 +9,7 @@ A worker that fails stops the launch with exit 4 and the failing rank named.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import click
@@ -27,6 +28,27 @@ _KIND_OPTIONS: dict[str, frozenset[str]] = {
     "placement": frozenset({"repeat", "data"}),
 }
 _DISTRIBUTED = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "timeout_s")
+
+MAX_TIMEOUT_S = 86400.0
+"""The longest ``--timeout`` accepted: a day (the workers' timers and process-group timeouts overflow
+on absurd values, and a hang should not be waited out for longer)."""
+
+
+class PositiveFloat(click.ParamType):
+    """A finite number greater than 0 (and at most ``maximum``): ``inf``, ``nan``, 0 and negatives
+    are refused when the command line is parsed (exit code 2), before any worker starts."""
+
+    name = "float"
+
+    def __init__(self, maximum: float | None = None) -> None:
+        self.maximum = maximum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        if math.isfinite(number) and number > 0 and (self.maximum is None or number <= self.maximum):
+            return number
+        bound = "" if self.maximum is None else f" and at most {self.maximum:g}"
+        self.fail(f"{value!r}: expected a finite number greater than 0{bound}", param, ctx)
 
 
 def _refuse_options_of_other_kinds(kind: str) -> None:
@@ -63,7 +85,9 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
 @click.option(
     "--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Training steps (mini-batches)."
 )
-@click.option("--lr", type=float, default=0.01, show_default=True, help="SGD learning rate.")
+@click.option(
+    "--lr", type=PositiveFloat(), default=0.01, show_default=True, help="SGD learning rate (finite, > 0)."
+)
 @click.option(
     "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the synthetic data."
 )
@@ -76,10 +100,11 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
 @click.option(
     "--timeout",
     "timeout_s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=PositiveFloat(maximum=MAX_TIMEOUT_S),
     default=60.0,
     show_default=True,
-    help="Seconds a worker may wait on a peer before the launch is stopped (a step stuck elsewhere: 1.5x).",
+    help="Seconds a worker may wait on a peer before the launch is stopped (a step stuck elsewhere: 1.5x); "
+    "0 < SECONDS <= 86400 (a day).",
 )
 @click.option(
     "--new-tokens",

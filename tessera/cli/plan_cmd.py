@@ -111,7 +111,7 @@ def run_cp(
         raise InputError(f"--layers: must be in 1..{config.layers} (the model's layers); got {layers}")
     output_lengths = parse_output_lengths(output_len)
     contexts = parse_token_counts(sweep_context, option="--sweep-context") if sweep_context else []
-    base_context = parse_token_count(context, option="--context") if context else contexts[0]
+    base_context = parse_token_count(context, option="--context") if context is not None else contexts[0]
     workload = Workload(batch, base_context, output_lengths)
 
     plan = None
@@ -311,7 +311,9 @@ KINDS: dict[str, PlanKind] = {
 @click.option(
     "--llm", metavar="CONFIG", help="[cp] LLM config YAML or preset (llama-7b, gpt2) instead of MODEL."
 )
-@click.option("--batch", type=click.IntRange(min=1), help="[cp] Concurrent requests (the batch limit).")
+@click.option(
+    "--batch", type=click.IntRange(min=1), help="[cp] Concurrent requests (the batch limit; 1..65536)."
+)
 @click.option(
     "--context", metavar="TOKENS", help="[cp] Prompt length already in the KV cache, e.g. 32K (K = 1024)."
 )
@@ -320,7 +322,7 @@ KINDS: dict[str, PlanKind] = {
     default="uniform:1-1024",
     show_default=True,
     metavar="DIST",
-    help="[cp] Output lengths: N, uniform:A-B or file:PATH (one integer per line).",
+    help="[cp] Output lengths: N, uniform:A-B or file:PATH (one integer per line); tokens 1..1024M.",
 )
 @click.option(
     "--layers",

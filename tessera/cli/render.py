@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -14,9 +15,23 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 NO_PROGRESS_ENV = "TESSERA_NO_PROGRESS"
 
 
+def json_safe(data: Any) -> Any:
+    """``data`` with every non-finite float (NaN, ±Infinity: not JSON) replaced by ``None`` (null)."""
+    if isinstance(data, float):
+        return data if math.isfinite(data) else None
+    if isinstance(data, dict):
+        return {key: json_safe(value) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return [json_safe(value) for value in data]
+    return data
+
+
 def emit_json(data: Any) -> None:
-    """Write ``data`` to stdout as JSON and nothing else (deterministic key order as built)."""
-    sys.stdout.write(json.dumps(data, indent=2, ensure_ascii=False) + "\n")
+    """Write ``data`` to stdout as JSON and nothing else (deterministic key order as built).
+
+    Always valid JSON: a non-finite number (a diverged loss, a ratio over zero) is written as null.
+    """
+    sys.stdout.write(json.dumps(json_safe(data), indent=2, ensure_ascii=False, allow_nan=False) + "\n")
     sys.stdout.flush()
 
 

@@ -10,6 +10,7 @@ dangling inputs, cycles) → ``name_nodes`` → ``lower_ir_version`` → ``check
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -277,6 +278,15 @@ def check_model(model: onnx.ModelProto, *, label: str) -> None:
         raise InputError(f"invalid ONNX model: {first}", source=label) from None
 
 
+# The largest input --input-shape may give, in elements (the graph loader's limit for any tensor:
+# tessera.core.graph.MAX_TENSOR_ELEMENTS); a larger dimension would not even fit an ONNX int64 dim.
+MAX_INPUT_ELEMENTS = 2**40
+
+
+def _cut(text: str, limit: int = 64) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"… ({len(text)} characters)"
+
+
 def parse_input_shapes(specs: Sequence[str], *, option: str = "--input-shape") -> dict[str, Shape]:
     """Parse ``NAME=1x3x224x224`` strings (the CLI's ``--input-shape``) into a mapping."""
     shapes: dict[str, Shape] = {}
@@ -292,6 +302,11 @@ def parse_input_shapes(specs: Sequence[str], *, option: str = "--input-shape") -
             ) from None
         if any(d <= 0 for d in shape):
             raise InputError(f"{spec!r}: dimensions must be positive", source=option)
+        if math.prod(shape) > MAX_INPUT_ELEMENTS:
+            raise InputError(
+                f"{_cut(spec)}: more than {MAX_INPUT_ELEMENTS:.3g} elements (2**40), not a plausible input",
+                source=option,
+            )
         shapes[name] = shape
     return shapes
 

@@ -153,6 +153,15 @@ def test_input_shape_errors_name_the_problem():
         parse_input_shapes(["x=1x0x3"])
 
 
+@pytest.mark.parametrize("dims", ["99999999999999999999999x16x32", "1048576x1048576x2", "9" * 30])
+def test_input_shape_too_large_is_bad_input(dims):
+    # An int64-overflowing dim used to reach protobuf and fail as "ValueError: Value out of range".
+    with pytest.raises(InputError, match="not a plausible input") as info:
+        parse_input_shapes([f"modality0={dims}"])
+    assert info.value.one_line().startswith("--input-shape: ")
+    assert parse_input_shapes(["x=1024x1024x1024x1024"]) == {"x": (1024,) * 4}
+
+
 # -- loading steps ---------------------------------------------------------------------------------
 
 

@@ -437,12 +437,13 @@ def _collective(
 @functools.lru_cache(maxsize=256)
 def _replica_steps(output: OutputLengths, batch: int, replicas: int, trials: int, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
-    lengths = output.sample(rng, (trials, batch)).astype(np.float64)
-    owner = np.arange(batch) % replicas  # round-robin: lengths are unknown when requests are placed
-    counts = np.bincount(owner, minlength=replicas).astype(np.float64)
+    lengths = output.sample(rng, (trials, batch))  # int64; batch <= MAX_BATCH keeps it bounded
+    # Round-robin (lengths are unknown when requests are placed): replica r owns requests r, r+N, …
+    # Integer sums over strided views: exact, and no float copy of the whole array.
+    counts = np.bincount(np.arange(batch) % replicas, minlength=replicas).astype(np.float64)
     work = np.zeros((trials, replicas))
     for r in range(replicas):
-        work[:, r] = lengths[:, owner == r].sum(axis=1)
+        work[:, r] = lengths[:, r::replicas].sum(axis=1)
     steps = work / counts
     steps.setflags(write=False)
     return steps

@@ -9,11 +9,17 @@ uncertainty is what makes data parallelism straggle. Three forms (``--output-len
   ignored); requests draw from it with replacement.
 
 Token counts on the command line take ``K`` (×1024) and ``M`` (×1024²) suffixes: ``--context 32K``.
+
+Limits (a bad value is an :class:`InputError`, exit code 2, naming the option): every token count
+(context, output length, a line of an output-length file) is in ``1..MAX_TOKENS`` (1024M = 2**30,
+beyond any model's positions), and ``--batch`` in ``1..MAX_BATCH`` (65536: the DP straggler model
+draws an output length per request for each of its Monte Carlo trials).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +30,8 @@ import numpy as np
 from tessera.core.errors import InputError
 
 __all__ = [
+    "MAX_BATCH",
+    "MAX_TOKENS",
     "OutputLengths",
     "Workload",
     "parse_output_lengths",
@@ -34,6 +42,18 @@ __all__ = [
 _COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
 _SCALE = {"": 1, "k": 1024, "m": 1024 * 1024}
 
+MAX_TOKENS = 2**30
+"""The largest token count (context, output length) accepted: 1024M, beyond any model's positions."""
+MAX_BATCH = 2**16
+"""The largest ``--batch`` accepted (the DP Monte Carlo holds trials × batch output lengths)."""
+_TOKEN_RANGE = f"1..{MAX_TOKENS} (1024M)"
+
+
+def _shown(text: object, limit: int = 32) -> str:
+    """``repr(text)``, cut short: a value with thousands of digits must not flood the one-line error."""
+    text = str(text)
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"… ({len(text)} characters)"
+
 
 def parse_token_count(text: str | int, *, option: str = "value") -> int:
     """``"32K"`` → 32768, ``"1M"`` → 1048576, ``"1000"`` → 1000. Raises :class:`InputError`."""
@@ -43,14 +63,18 @@ def parse_token_count(text: str | int, *, option: str = "value") -> int:
         match = _COUNT.match(str(text))
         if match is None:
             raise InputError(
-                f"{option}: expected a token count such as 4096, 32K or 1M (K = 1024); got {text!r}"
+                f"{option}: expected a token count such as 4096, 32K or 1M (K = 1024); got {_shown(text)}"
             )
-        value = float(match[1]) * _SCALE[match[2].lower()]
-        if value != int(value):
-            raise InputError(f"{option}: {text!r} is not a whole number of tokens")
-        value = int(value)
+        number = float(match[1]) * _SCALE[match[2].lower()]
+        if not math.isfinite(number) or number > MAX_TOKENS:
+            raise InputError(f"{option}: token counts must be in {_TOKEN_RANGE}; got {_shown(text)}")
+        if number != int(number):
+            raise InputError(f"{option}: {_shown(text)} is not a whole number of tokens")
+        value = int(number)
     if value < 1:
         raise InputError(f"{option}: must be at least 1 token; got {text!r}")
+    if value > MAX_TOKENS:
+        raise InputError(f"{option}: token counts must be in {_TOKEN_RANGE}; got {_shown(text)}")
     return value
 
 
@@ -98,8 +122,8 @@ class OutputLengths:
             return float(np.mean(np.square(np.asarray(self.samples, dtype=np.float64))))
         if self.kind == "fixed":
             return float(self.low) ** 2
-        n = np.arange(self.low, self.high + 1, dtype=np.float64)
-        return float(np.mean(n * n))
+        # Closed form (exact integers, one rounding): Σ n² over low..high, divided by the count.
+        return (_sum_of_squares(self.high) - _sum_of_squares(self.low - 1)) / (self.high - self.low + 1)
 
     @property
     def mean_kv_growth(self) -> float:
@@ -123,6 +147,11 @@ class OutputLengths:
         if self.kind == "file":
             data.update(samples=len(self.samples), sha256=self.sha256)
         return data
+
+
+def _sum_of_squares(n: int) -> int:
+    """``1² + 2² + … + n²``."""
+    return n * (n + 1) * (2 * n + 1) // 6
 
 
 def parse_output_lengths(text: str | int, *, option: str = "--output-len") -> OutputLengths:
@@ -150,12 +179,18 @@ def parse_output_lengths(text: str | int, *, option: str = "--output-len") -> Ou
             line = line.split("#", 1)[0].strip()
             if not line:
                 continue
-            if not line.isdigit() or int(line) < 1:
+            digits = line.lstrip("0")  # int() of a huge string is slow or refused: check the length first
+            if not (line.isascii() and line.isdigit()) or not digits:
                 raise InputError(
-                    f"{option}: line {number}: expected a positive integer (tokens); got {line!r}",
+                    f"{option}: line {number}: expected a positive integer (tokens); got {_shown(line)}",
                     source=path,
                 )
-            samples.append(int(line))
+            if len(digits) > len(str(MAX_TOKENS)) or int(digits) > MAX_TOKENS:
+                raise InputError(
+                    f"{option}: line {number}: output lengths must be in {_TOKEN_RANGE}; got {_shown(line)}",
+                    source=path,
+                )
+            samples.append(int(digits))
         if not samples:
             raise InputError(f"{option}: no output lengths in the file", source=path)
         return OutputLengths(
@@ -183,10 +218,10 @@ class Workload:
     output: OutputLengths = field(default_factory=lambda: OutputLengths("uniform", 1, 1024))
 
     def __post_init__(self) -> None:
-        if self.batch < 1:
-            raise InputError(f"--batch: must be at least 1; got {self.batch}")
-        if self.context < 1:
-            raise InputError(f"--context: must be at least 1 token; got {self.context}")
+        if not 1 <= self.batch <= MAX_BATCH:
+            raise InputError(f"--batch: must be in 1..{MAX_BATCH} (concurrent requests); got {self.batch}")
+        if not 1 <= self.context <= MAX_TOKENS:
+            raise InputError(f"--context: must be in {_TOKEN_RANGE} tokens; got {self.context}")
 
     @property
     def mean_kv_length(self) -> float:

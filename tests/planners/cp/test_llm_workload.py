@@ -10,6 +10,8 @@ import pytest
 from tessera.core.errors import InputError
 from tessera.planners.cp.llm import list_llm_presets, load_llm_config
 from tessera.planners.cp.workload import (
+    MAX_BATCH,
+    MAX_TOKENS,
     Workload,
     parse_output_lengths,
     parse_token_count,
@@ -108,3 +110,41 @@ def test_output_length_file_errors(tmp_path: Path) -> None:
     path.write_text("10\nabc\n")
     with pytest.raises(InputError, match="line 2"):
         parse_output_lengths(f"file:{path}")
+
+
+def test_token_counts_are_bounded() -> None:
+    assert parse_token_count("1024M") == MAX_TOKENS == 2**30
+    for bad in ("1025M", "99999999999999999999", "9" * 400, "1073741825"):
+        with pytest.raises(InputError, match=r"--context: token counts must be in 1\.\.1073741824"):
+            parse_token_count(bad, option="--context")
+    with pytest.raises(InputError, match="--output-len"):
+        parse_output_lengths("uniform:1-99999999999999")
+
+
+def test_uniform_moments_in_closed_form() -> None:
+    """The mean square of uniform:A-B is Σn²/(B-A+1), not a mean over an array of every length."""
+    small = parse_output_lengths("uniform:3-4096")
+    n = np.arange(3, 4097, dtype=np.float64)
+    assert small.mean_square == float(np.mean(n * n))
+    huge = parse_output_lengths("uniform:1-1024M")  # 2**30 lengths: 8 GiB as an array
+    top = 2**30
+    assert huge.mean_square == (top + 1) * (2 * top + 1) / 6
+    assert huge.mean_kv_growth == pytest.approx(top / 3, rel=1e-6)
+
+
+def test_output_length_file_lines_are_bounded(tmp_path: Path) -> None:
+    path = tmp_path / "lengths.txt"
+    path.write_text("10\n12345678901234567890123\n")
+    with pytest.raises(InputError, match="line 2: output lengths must be in 1..1073741824"):
+        parse_output_lengths(f"file:{path}")
+    path.write_text("007\n1073741824\n")
+    assert parse_output_lengths(f"file:{path}").samples == (7, 2**30)
+
+
+def test_workload_batch_is_bounded() -> None:
+    assert Workload(MAX_BATCH, 1).batch == 65536
+    for bad in (0, MAX_BATCH + 1, 10**23):
+        with pytest.raises(InputError, match=r"--batch: must be in 1\.\.65536"):
+            Workload(bad, 1024)
+    with pytest.raises(InputError, match="--context"):
+        Workload(1, MAX_TOKENS + 1)
