@@ -35,9 +35,19 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+class _Console(Console):
+    def on_broken_pipe(self) -> None:
+        """A reader that went away (``tessera inspect m.onnx | head -1``): rich exits 1 here; raise
+        BrokenPipeError instead, which the entry point turns into exit 0 as for plain output."""
+        self.quiet = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # no second error when Python flushes stdout at exit
+        raise BrokenPipeError
+
+
 def console() -> Console:
     """A console on stdout; colour and markup only when stdout is a terminal and NO_COLOR is unset."""
-    return Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    return _Console(file=sys.stdout, highlight=False, soft_wrap=True)
 
 
 def human_count(n: float, unit: str = "") -> str:

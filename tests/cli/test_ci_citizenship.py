@@ -96,3 +96,40 @@ def test_plans_and_specs_are_data_never_code():
     from tessera.core.config_files import UniqueKeyLoader
 
     assert issubclass(UniqueKeyLoader, yaml.SafeLoader)
+
+
+@pytest.mark.parametrize("table", ["inspect", "cp"])
+def test_a_reader_that_goes_away_is_not_a_failure(models, table):
+    """``tessera inspect m.onnx | head -1`` under ``set -o pipefail``: rich's console exited 1 on
+    the broken pipe; now it is exit 0 and nothing on stderr, as for plain output."""
+    import os
+    import subprocess
+    import sys
+
+    args = {
+        "inspect": ["inspect", str(models["mmt"])],
+        "cp": [
+            "plan",
+            "--kind",
+            "cp",
+            "--llm",
+            "gpt2",
+            "--cluster",
+            "h200",
+            "--batch",
+            "4",
+            "--context",
+            "1K",
+        ],
+    }[table]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first byte
+    with os.fdopen(write, "wb") as stdout:
+        proc = subprocess.run(
+            [sys.executable, "-m", "tessera", *args],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+        )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
