@@ -151,6 +151,8 @@ def check_outputs(outputs: dict[str, str | None], inputs: dict[str, str | None])
 
 
 def _same_file(a: str, b: str) -> bool:
+    if os.path.exists(a) and not os.path.isfile(a):
+        return False  # a device or a pipe (-o /dev/null --gantt /dev/null) is written into, not replaced
     try:
         return os.path.samefile(a, b)
     except OSError:  # one does not exist (yet): the same only if the paths are

@@ -97,6 +97,10 @@ def run_cp(
         raise click.UsageError("-o writes the plan for --context; give --context")
     if plot is not None and sweep_context is None:
         raise click.UsageError("--plot draws the --sweep-context table; give --sweep-context")
+    check_outputs(
+        {"-o": output, "--plot": plot},
+        {"model": model, "LLM config": llm, "cluster spec": cluster if os.path.isfile(cluster) else None},
+    )
     model_ref = None
     if model is not None:
         graph = load_model_option(model, input_shapes)

@@ -177,6 +177,12 @@ def test_outputs_that_would_replace_an_input_or_each_other(tmp_path):
         assert result.code == 2 and len(lines) == 1, (args, result.err)
         assert f"{option} " in lines[0] and f"is also the {other}" in lines[0]
     assert model.read_bytes() == before and not (tmp_path / "same.svg").exists()
+    both = run_cli(*gpp, "-o", "/dev/null", "--gantt", "/dev/null")  # written into: no conflict
+    assert both.code == 0, both.err
+    llm = tmp_path / "llm.yaml"
+    cp = ["plan", "--kind", "cp", "--llm", str(llm), "--cluster", "h200", "--batch", "1", "--context", "1K"]
+    result = run_cli(*cp, "-o", str(llm))
+    assert result.code == 2 and "-o " in result.err and "is also the LLM config" in result.err, result.err
 
 
 @pytest.mark.parametrize(
