@@ -19,16 +19,14 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     file — ``/dev/null``, ``/dev/stdout``, a named pipe — is written to directly: renaming over
     it would replace the device or pipe with a regular file.
     """
-    target = Path(path)
     payload = data.encode() if isinstance(data, str) else data
-    if target.exists() and not stat.S_ISREG(target.stat().st_mode):  # stat follows links
-        with open(target, "wb") as stream:
+    target = _replaced(Path(path))
+    if target is None:
+        with open(path, "wb") as stream:
             stream.write(payload)
         return Path(path)
-    if target.is_symlink():
-        target = target.resolve()
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = _temp_file(target.parent, target)
     try:
         # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
         os.fchmod(fd, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
@@ -71,25 +69,35 @@ def check_writable(path: str | os.PathLike[str]) -> None:
         raise InputError(f"cannot write: {reason}", source=path) from exc
 
 
-def _check_writable(target: Path) -> None:
-    path = target
-    if target.is_dir():
+def _check_writable(path: Path) -> None:
+    if path.is_dir():
         raise InputError("is a directory", source=path)
-    if target.exists() and not stat.S_ISREG(target.stat().st_mode):
+    target = _replaced(path)
+    if target is None:
         return
-    if target.is_symlink():
-        target = target.resolve()
     where = target.parent
     while not where.exists():
         where = where.parent
     if not where.is_dir():
         raise InputError(f"cannot write: {where} is not a directory", source=path)
     try:
-        fd, probe = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=where)
+        fd, probe = _temp_file(where, target)
     except OSError as exc:
         raise InputError(f"cannot write in {where}: {exc.strerror or exc}", source=path) from exc
     os.close(fd)
     os.unlink(probe)
+
+
+def _replaced(path: Path) -> Path | None:
+    """The file :func:`write_atomic` renames its temporary file over (a link followed, the link
+    stays), or ``None`` for an existing non-regular file it writes into (``stat`` follows links)."""
+    if path.exists() and not stat.S_ISREG(path.stat().st_mode):
+        return None
+    return path.resolve() if path.is_symlink() else path
+
+
+def _temp_file(directory: Path, target: Path) -> tuple[int, str]:
+    return tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
 
 
 def _umask() -> int:

@@ -12,6 +12,9 @@ from cli_runner import run_cli
 
 import tessera
 
+CP_PLAN = ["plan", "--kind", "cp", "--llm", "gpt2", "--cluster", "h200", "--batch", "4", "--context"]
+"""A cache-parallel plan of GPT-2 on the H200 preset; the context follows."""
+
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, Path]:
@@ -39,20 +42,7 @@ def json_commands(models: dict[str, Path], tmp: Path) -> list[list[str]]:
         ["zoo", "build", "gpt", "-o", str(tmp / "gpt.onnx"), "--json"],
         [*gpp, "--json", "-o", str(tmp / "gpp.json")],
         ["validate", str(tmp / "gpp.json"), "--json"],
-        [
-            "plan",
-            "--kind",
-            "cp",
-            "--llm",
-            "gpt2",
-            "--cluster",
-            "h200",
-            "--batch",
-            "4",
-            "--context",
-            "4K",
-            "--json",
-        ],
+        [*CP_PLAN, "4K", "--json"],
         ["backends", "--json"],
     ]
 
@@ -108,19 +98,7 @@ def test_a_reader_that_goes_away_is_not_a_failure(models, table):
 
     args = {
         "inspect": ["inspect", str(models["mmt"])],
-        "cp": [
-            "plan",
-            "--kind",
-            "cp",
-            "--llm",
-            "gpt2",
-            "--cluster",
-            "h200",
-            "--batch",
-            "4",
-            "--context",
-            "1K",
-        ],
+        "cp": [*CP_PLAN, "1K"],
     }[table]
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first byte
