@@ -301,7 +301,13 @@ KINDS: dict[str, PlanKind] = {
 
 @click.command()
 @click.argument("model", required=False, type=click.Path(dir_okay=False, path_type=str))
-@click.option("--kind", type=click.Choice(sorted(KINDS)), required=True, help="What to plan.")
+@click.option(
+    "--kind",
+    type=click.Choice(sorted(KINDS)),
+    default="gpp",
+    show_default=True,
+    help="What to plan: a graph-pipeline-parallel (gpp) or sequential (spp) training plan, or cp decoding.",
+)
 @click.option("--cluster", required=True, metavar="SPEC", help="Cluster spec: a YAML file or a preset name.")
 @click.option(
     "--input-shape",
@@ -406,6 +412,11 @@ def plan(
     if foreign:
         flag = "--" + foreign[0].replace("_", "-")
         raise click.UsageError(f"{flag} does not apply to --kind {kind}")
+    if (
+        ctx.get_parameter_source("k") is not click.core.ParameterSource.DEFAULT
+        and options.get("schedule") != "kfkb"
+    ):
+        raise click.UsageError(f"--k is the k of kFkB: it needs --schedule kfkb (not {options.get('schedule')})")
     spec.run(
         model=model,
         input_shapes=input_shapes,

@@ -204,6 +204,29 @@ def test_a_k_beyond_the_micro_batches_is_bad_input(model_file) -> None:
     assert res.code == 2 and len(lines) == 1 and "--k 99999999999999999999" in lines[0], res.err
 
 
+def test_kind_defaults_to_gpp(tmp_path, model_file) -> None:
+    """The issue's command line, ``tessera plan MODEL --cluster C.yaml [--kind gpp|spp]``: without
+    --kind the plan is a GPP plan, byte-identical to the one ``--kind gpp`` writes."""
+    args = ("plan", str(model_file), "--cluster", "local-cpu-split", "--mini-batch", "8")
+    default, explicit = tmp_path / "default.json", tmp_path / "gpp.json"
+    assert run_cli(*args, "-o", str(default)).code == 0
+    assert run_cli(*args, "--kind", "gpp", "-o", str(explicit)).code == 0
+    assert load_plan(default).kind == "gpp"
+    assert default.read_bytes() == explicit.read_bytes()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "greedy", "gpipe", "auto"])
+def test_k_without_kfkb_is_a_usage_error(tmp_path, model_file, schedule) -> None:
+    """``--k 4`` with another schedule was silently ignored: the user asked for kFkB's k."""
+    out = tmp_path / "plan.json"
+    res = run_cli("plan", str(model_file), "--cluster", "local-cpu-split", "--mini-batch", "8",
+                  "--schedule", schedule, "--k", "4", "-o", str(out))  # fmt: skip
+    lines = res.err.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1, res.err
+    assert f"--k is the k of kFkB: it needs --schedule kfkb (not {schedule})" in lines[0]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("field,value", [("flops", {"fp32": 1e-200}), ("kernel_launch_overhead", 1e200)])
 def test_extreme_device_speeds_still_plan(tmp_path, graph, field, value) -> None:
     """Operator times near the float range: the bisection's geometric mean overflowed to inf and
