@@ -62,6 +62,10 @@ def main(argv: list[str] | None = None) -> None:
     except click.exceptions.Abort:
         click.echo("tessera: aborted", err=True)
         sys.exit(130)
+    except click.exceptions.NoArgsIsHelpError as exc:
+        # A bare ``tessera`` (or ``tessera zoo``): the help as click lays it out, on stderr, exit 2.
+        click.echo(exc.ctx.get_help(), err=True)
+        sys.exit(EXIT_BAD_INPUT)
     except click.ClickException as exc:
         # Usage errors (unknown option, missing argument, bad value): exit 2, as click does.
         message = " ".join(exc.format_message().split())

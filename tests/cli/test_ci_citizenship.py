@@ -111,3 +111,14 @@ def test_a_reader_that_goes_away_is_not_a_failure(models, table):
             timeout=120,
         )
     assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+
+
+@pytest.mark.parametrize("command", [[], ["zoo"]])
+def test_a_bare_command_group_prints_its_help(command):
+    """``tessera`` alone used to print its whole help squeezed into one ``error:`` line. Now it is
+    the help as ``--help`` lays it out (on stderr, nothing on stdout) with the usage exit code 2."""
+    res = run_cli(*command)
+    shown = run_cli(*command, "--help")
+    assert res.code == 2 and res.out == "" and "error" not in res.err
+    assert res.err.strip() == shown.out.strip()
+    assert len(res.err.splitlines()) > 5
