@@ -227,6 +227,10 @@ HAND_EDITS = {
         _edited(lambda p: p.update(mini_batch_size=16 * 10**12)),
         "stage 0: 4 actions for mini-batch 16000000000000",
     ),
+    "no cluster": (
+        _edited(lambda p: p.update(cluster=None)),
+        "cluster: the plan records no cluster, so C3 and device memory cannot be checked",
+    ),
     "nested too deep": (lambda p: "[" * 100_000 + "]" * 100_000, "not a plausible plan"),
     "a 5000-digit number": (lambda p: '{"schema_version": ' + "9" * 5000 + "}", "not a plausible plan"),
 }
@@ -239,4 +243,5 @@ def test_hand_edited_plans_are_bad_input(tmp_path, edit):
     change, fragment = HAND_EDITS[edit]
     path = tmp_path / "plan.json"
     path.write_text(change(json.loads((BAD / "plan_ok.json").read_text())))
-    assert_one_line_error(run_cli("validate", str(path)), path, fragment)
+    model = BAD / "plan_model.onnx"  # the copy's recorded model path is relative to BAD
+    assert_one_line_error(run_cli("validate", str(path), "--model", str(model)), path, fragment)

@@ -14,6 +14,7 @@ import networkx as nx
 import onnx
 
 from tessera.core.graph import Graph, load_graph
+from tessera.core.specs import ClusterSpec
 from tessera.core.plans import (
     EdgeTensor,
     GppPlan,
@@ -61,6 +62,7 @@ def make_plan(
     predicted_iteration_s: float = 0.01,
     kind: str = "gpp",
 ) -> GppPlan:
+    cluster, device_id = _cluster_of([d for _, devices, _ in stages for d in devices])
     stage_of = {n: i for i, (nodes, _, _) in enumerate(stages) for n in nodes}
     tensors: dict[tuple[int, int], dict[str, int]] = {}
     for u, v, data in graph.dag.edges(data=True):
@@ -81,7 +83,7 @@ def make_plan(
             Stage(
                 id=i,
                 nodes=list(nodes),
-                devices=list(devices),
+                devices=[device_id[d] for d in devices],
                 micro_batch_size=b,
                 schedule=StageSchedule(kind=schedule, actions=actions),
                 in_flight=in_flight(actions),
@@ -98,7 +100,7 @@ def make_plan(
     return GppPlan(
         kind=kind,
         model=ModelRef.of(graph),
-        cluster=None,
+        cluster=cluster,
         mini_batch_size=mini_batch,
         stages=built,
         edges=edges,
@@ -107,6 +109,24 @@ def make_plan(
             "throughput_samples_per_s": mini_batch / predicted_iteration_s,
         },
     )
+
+
+def _cluster_of(names: Sequence[str]) -> tuple[dict, dict[str, str]]:
+    """A one-node cluster of CPU cores, one per distinct device name (in order of appearance),
+    and the cluster's device id for each name: ``validate`` checks C3 against the plan's cluster."""
+    order = list(dict.fromkeys(names))
+    spec = ClusterSpec.from_json_dict(
+        {
+            "name": "hand-built",
+            "device_types": {
+                "cpu": {"kind": "cpu", "memory": 8 << 30, "flops": {"fp32": 1e11}, "memory_bandwidth": 1e10}
+            },
+            "nodes": [{"name": "host", "count": 1, "devices": [{"type": "cpu", "count": len(order)}]}],
+            "links": {"intra_node": {"bandwidth": 2e9, "latency": 8e-5}},
+        }
+    )
+    ids = [d.id for d in spec.devices()]
+    return spec.to_json_dict(), dict(zip(order, ids, strict=True))
 
 
 def save_model(model: onnx.ModelProto, path: Path) -> Graph:

@@ -71,7 +71,7 @@ def test_a_worker_that_dies_mid_run_stops_the_launch_with_exit_4(chain_plan, mon
     res = run_cli("launch", str(plan_path), "--steps", "4", "--timeout", "20")
     elapsed = time.monotonic() - start
     assert res.code == 4, res.err
-    assert "rank 1 (stage 1, replica 0, device cpu:1) failed: exited with code 3" in res.err
+    assert "rank 1 (stage 1, replica 0, device host0/cpu:1) failed: exited with code 3" in res.err
     assert elapsed < 60
     assert _worker_children() == []
 

@@ -53,7 +53,9 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
         problems.append(f"C2: operators of stage {su} feed stage {sv} but the plan has no edge {su}->{sv}")
     owner: dict[str, int] = {}
     known = None
-    if plan.cluster:
+    if not plan.cluster:  # tessera plan always records it; without it C3 and memory go unchecked
+        problems.append("cluster: the plan records no cluster, so C3 and device memory cannot be checked")
+    else:
         from tessera.core.specs import ClusterSpec
 
         try:
