@@ -416,7 +416,9 @@ def plan(
         ctx.get_parameter_source("k") is not click.core.ParameterSource.DEFAULT
         and options.get("schedule") != "kfkb"
     ):
-        raise click.UsageError(f"--k is the k of kFkB: it needs --schedule kfkb (not {options.get('schedule')})")
+        raise click.UsageError(
+            f"--k is the k of kFkB: it needs --schedule kfkb (not {options.get('schedule')})"
+        )
     spec.run(
         model=model,
         input_shapes=input_shapes,

@@ -14,7 +14,6 @@ import networkx as nx
 import onnx
 
 from tessera.core.graph import Graph, load_graph
-from tessera.core.specs import ClusterSpec
 from tessera.core.plans import (
     EdgeTensor,
     GppPlan,
@@ -25,6 +24,7 @@ from tessera.core.plans import (
     StageSchedule,
     write_plan,
 )
+from tessera.core.specs import ClusterSpec
 
 StageSpec = tuple[Sequence[str], Sequence[str], int]  # nodes, devices, micro-batch size
 
