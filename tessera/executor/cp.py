@@ -927,11 +927,13 @@ def check_cp_plan(plan: CpPlan, options: DecodeOptions) -> list[int]:
     if options.attention not in ("torch", "triton"):
         raise InputError(f"--attention {options.attention!r}: expected torch or triton")
     if options.attention == "triton":
-        from tessera.kernels import available_implementations
+        from tessera.kernels.triton_decode import triton_unavailable_reason
 
-        why = available_implementations()["triton"]
+        # The workers' device (a GPU under NCCL, else the CPU), asked before any worker starts.
+        device = "cuda" if choose_backend(plan.cluster, _devices(plan)) == "nccl" else "cpu"
+        why = triton_unavailable_reason(device)
         if why is not None:
-            raise InputError(f"--attention triton is unavailable: {why}")
+            raise InputError(f"--attention triton is unavailable on the plan's {device} workers: {why}")
     batch = int(plan.workload["batch"])
     context = int(plan.workload["context"])
     given = options.prompt_lens or (context,)

@@ -11,6 +11,9 @@ KV cache, plain softmax), and its prefill equals ONNX Runtime on the zoo GPT.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -245,3 +248,19 @@ def test_a_rank_that_fails_mid_decode_stops_the_launch_with_exit_4(
     res = run_cli("launch", str(plan), "--new-tokens", "4", "--timeout", "20")
     assert res.code == 4, res.err
     assert "rank 1 (cp 1/2, device local0/cpu-core:1) failed: RuntimeError: injected fault" in res.err
+
+
+def test_triton_attention_on_cpu_workers_is_refused_before_they_start(tmp_path: Path) -> None:
+    """Without Triton's interpreter the CPU workers cannot run the Triton kernel. That was found by
+    every worker after start-up (exit 4, seconds later); now the launcher refuses it first (exit 2,
+    one line with the reason). A subprocess, so that Triton is imported without TRITON_INTERPRET."""
+    plan_path = make_plan(tmp_path, ["--llm", "gpt2"], "local-cpu-split", 2, 64)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "TESSERA_DEBUG")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera", "launch", str(plan_path), "--attention", "triton"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "--attention triton is unavailable on the plan's cpu workers" in lines[0]
+    assert "TRITON_INTERPRET=1" in lines[0] and "rank" not in lines[0]
