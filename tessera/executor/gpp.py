@@ -63,7 +63,7 @@ from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import GppPlan
 from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, worker_setup
-from tessera.executor.torch_module import OnnxModule, to_torch
+from tessera.executor.torch_module import OnnxModule, check_supported, to_torch
 
 # Test-only fault injection: "RANK:STEP:KIND" makes that rank fail at the start of that step
 # (KIND: exit = os._exit(3), raise = an exception, hang = sleep until the timeouts act).
@@ -852,6 +852,7 @@ def run_gpp_plan(
     launch = launch or LaunchOptions()
     if options.steps < 1:
         raise InputError(f"--steps {options.steps}: must be at least 1")
+    check_supported(graph.model, model_path)  # refuse what the workers could not build, before they start
     if options.data is not None:
         _load_npz(options.data, graph, plan.mini_batch_size)  # refuse bad data before starting workers
     routing = build_routing(plan, graph, tensor_layouts(graph, model_path))

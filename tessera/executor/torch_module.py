@@ -56,6 +56,22 @@ def op(*names: str) -> Callable[[OpFn], OpFn]:
     return register
 
 
+def check_supported(model: onnx.ModelProto, label: str) -> None:
+    """InputError naming the operators of ``model`` this executor has no function for (custom
+    domains included), so a launcher can refuse a model before any worker starts."""
+    g = model.graph
+    missing = sorted(
+        {n.op_type for n in g.node if n.domain not in ("", "ai.onnx")}
+        | {n.op_type for n in g.node if n.op_type not in OPS}
+    )
+    if missing:
+        raise InputError(
+            f"operator(s) {', '.join(missing)} not supported by the torch executor "
+            "(tessera.executor.torch_module.OPS)",
+            source=label,
+        )
+
+
 class OnnxModule(nn.Module):
     """An ONNX model (or a sub-model from ``Graph.extract``) as a trainable torch module.
 
@@ -71,16 +87,7 @@ class OnnxModule(nn.Module):
         inits = {t.name for t in g.initializer}
         self.input_names: tuple[str, ...] = tuple(vi.name for vi in g.input if vi.name not in inits)
         self.output_names: tuple[str, ...] = tuple(vi.name for vi in g.output)
-        missing = sorted(
-            {n.op_type for n in g.node if n.domain not in ("", "ai.onnx")}
-            | {n.op_type for n in g.node if n.op_type not in OPS}
-        )
-        if missing:
-            raise InputError(
-                f"operator(s) {', '.join(missing)} not supported by the torch executor "
-                "(tessera.executor.torch_module.OPS)",
-                source=label,
-            )
+        check_supported(model, label)
         frozen = {n.input[i] for n in g.node for i in range(len(n.input)) if (n.op_type, i) in _FROZEN_INPUTS}
         self.params = nn.ParameterDict()
         self.onnx_names: dict[str, str] = {}  # sanitized parameter or buffer name → initializer name
