@@ -18,6 +18,7 @@ worker and surfaces as ``KeyboardInterrupt``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import re
@@ -53,9 +54,43 @@ class LaunchOptions:
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((addr, 0))
-        return int(s.getsockname()[1])
+    """A port free for listening on ``addr``; InputError when ``addr`` does not resolve or is not
+    an address of this machine (node 0 serves the rendezvous there)."""
+    return _probe_listen(addr, 0)
+
+
+def _probe_listen(addr: str, port: int) -> int:
+    """Bind (and release) ``addr:port`` as the rendezvous store will; the port bound. InputError for
+    an address that does not resolve or is not this machine's, LaunchError for a port in use."""
+    family, kind, proto, _, where = _address(addr, port)
+    try:
+        with socket.socket(family, kind, proto) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the store: TIME_WAIT is no conflict
+            s.bind(where)
+            return int(s.getsockname()[1])
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise _port_in_use(addr, port) from None
+        raise InputError(
+            f"--master-addr {addr!r}: cannot listen there ({exc.strerror}); "
+            "node 0 serves the rendezvous, so it must be one of its addresses"
+        ) from None
+
+
+def _address(addr: str, port: int) -> tuple:
+    """``addr:port`` resolved (the first of ``getaddrinfo``); InputError when it does not resolve."""
+    try:
+        return socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError) as exc:
+        reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
+        raise InputError(f"--master-addr {addr!r}: the host name does not resolve ({reason})") from None
+
+
+def _port_in_use(addr: str, port: int) -> LaunchError:
+    return LaunchError(
+        f"--master-port {port} on {addr} is in use (another job?): "
+        "give another port, or leave --master-port out to use a free one"
+    )
 
 
 def resolve(options: LaunchOptions, world_size: int) -> tuple[int, int]:
@@ -79,6 +114,10 @@ def resolve(options: LaunchOptions, world_size: int) -> tuple[int, int]:
         if options.nnodes > 1:
             raise InputError("--master-port is required with --nnodes > 1")
         port = free_port(options.master_addr)
+    elif options.node_rank == 0:  # this node serves the rendezvous: it must be able to listen there
+        _probe_listen(options.master_addr, port)
+    else:
+        _address(options.master_addr, port)
     return nproc, port
 
 
@@ -119,6 +158,10 @@ def launch_workers(
             if type(exc).__name__ == "SignalException":  # the agent caught SIGINT/SIGTERM
                 raise KeyboardInterrupt from None
             if type(exc).__name__ in ("RendezvousTimeoutError", "RendezvousError", "DistStoreError"):
+                raise LaunchError(f"rendezvous at {options.master_addr}:{port} failed: {exc}") from None
+            if type(exc).__name__ == "DistNetworkError":  # the store could not listen or connect
+                if "EADDRINUSE" in str(exc):  # taken since resolve() probed it
+                    raise _port_in_use(options.master_addr, port) from None
                 raise LaunchError(f"rendezvous at {options.master_addr}:{port} failed: {exc}") from None
             raise
 

@@ -190,3 +190,34 @@ def test_an_operator_the_executor_lacks_is_refused_before_workers_start(tmp_path
     assert res.code == 2 and len(lines) == 1, res.err
     assert f"{tmp_path / 'cos.onnx'}: operator(s) Cos not supported by the torch executor" in lines[0]
     assert "rank" not in lines[0]  # the launcher's refusal, not a worker's failure
+
+
+@pytest.mark.parametrize(
+    "args,code,fragment",
+    [
+        (["--master-addr", "nosuchhost.invalid"], 2, "--master-addr 'nosuchhost.invalid': the host name does not resolve"),
+        (["--master-addr", "nosuchhost.invalid", "--master-port", "29611"], 2, "the host name does not resolve"),
+        (["--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1", "--master-addr", "nosuchhost.invalid",
+          "--master-port", "29612"], 2, "the host name does not resolve"),
+        (["--master-addr", "192.0.2.1"], 2, "--master-addr '192.0.2.1': cannot listen there"),
+        (["--master-port", "{busy}"], 4, "--master-port {busy} on 127.0.0.1 is in use (another job?)"),
+    ],
+)  # fmt: skip
+def test_rendezvous_address_and_port_are_checked_before_workers_start(
+    chain_plan, args, code, fragment
+) -> None:
+    """A host that does not resolve, an address that is not this machine's (192.0.2.1 is
+    TEST-NET-1) and a port another process listens on were internal errors (exit 1, torch's
+    gaierror or DistNetworkError). Now: one line naming the option, exit 2 for the address, 4 for
+    a busy port (a launch failure: nothing wrong with the command, the port is taken)."""
+    import socket
+
+    _, plan_path = chain_plan
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = str(busy.getsockname()[1])
+        res = run_cli("launch", str(plan_path), *[a.replace("{busy}", port) for a in args])
+    lines = res.err.strip().splitlines()
+    assert res.code == code and len(lines) == 1, res.err
+    assert fragment.replace("{busy}", port) in lines[0] and "rank" not in lines[0]
