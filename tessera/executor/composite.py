@@ -343,12 +343,9 @@ def random_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 def load_feeds(graph: Graph, path: str) -> dict[str, np.ndarray]:
     """Inputs from an ``.npz`` with one array per model input (checked against the model)."""
     from tessera.core.errors import InputError
+    from tessera.core.files import read_npz
 
-    try:
-        with np.load(path) as data:
-            arrays = {k: data[k] for k in data.files}
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read inputs: {exc}", source=path) from None
+    arrays = read_npz(path, "inputs")
     feeds = {}
     for name, info in graph.inputs.items():
         if name in graph.initializers:

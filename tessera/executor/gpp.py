@@ -60,6 +60,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tessera.core.errors import InputError, LaunchError
+from tessera.core.files import read_npz
 from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import GppPlan
 from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, worker_setup
@@ -137,11 +138,7 @@ def _id_range(graph: Graph, name: str) -> int:
 
 
 def _load_npz(path: str, graph: Graph, mini_batch: int) -> dict[str, np.ndarray]:
-    try:
-        with np.load(path) as npz:
-            arrays = {k: npz[k] for k in npz.files}
-    except (OSError, ValueError) as exc:
-        raise InputError(f"cannot read data: {exc}", source=path) from None
+    arrays = read_npz(path)
     missing = [n for n in graph.inputs if n not in arrays]
     if missing:
         raise InputError(f"no array for model input(s) {', '.join(missing)}", source=path)

@@ -7,10 +7,11 @@ import signal
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from tessera.core.errors import InputError
-from tessera.core.files import check_writable, write_atomic, write_output
+from tessera.core.files import check_writable, read_npz, write_atomic, write_output
 
 
 def test_write_atomic_replaces_whole_file(tmp_path):
@@ -121,3 +122,37 @@ def test_check_writable_leaves_nothing_behind(tmp_path):
     with pytest.raises(InputError, match="is a directory"):
         check_writable(tmp_path)
     check_writable("/dev/null")  # written into, not replaced: only its kind matters
+
+
+NOT_AN_NPZ = {
+    "empty": (lambda p: p.write_bytes(b""), "the file is empty"),
+    "a lone .npy": (
+        lambda p: np.save(p.open("wb"), [1.0, 2.0]),
+        "an array of shape [2], not an .npz",
+    ),
+    "a broken archive": (lambda p: p.write_bytes(b"PK\x03\x04garbage"), "File is not a zip file"),
+    "pickled objects": (
+        lambda p: np.savez(p, x=np.array([{"a": 1}], dtype=object)),
+        "Object arrays cannot be loaded when allow_pickle=False",
+    ),
+    "missing": (lambda p: None, "No such file or directory"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(NOT_AN_NPZ))
+def test_read_npz_names_the_file_and_the_fault(tmp_path, case):
+    """``--data``/``--inputs`` files: an empty one raised EOFError, which click turned into
+    "aborted" (exit 130); a lone .npy a TypeError (exit 1). All are InputError now."""
+    make, fragment = NOT_AN_NPZ[case]
+    path = tmp_path / "data.npz"
+    make(path)
+    with pytest.raises(InputError) as info:
+        read_npz(path)
+    line = info.value.one_line()
+    assert str(path) in line and "cannot read data" in line and fragment in line
+
+
+def test_read_npz_returns_the_arrays_by_name(tmp_path):
+    np.savez(tmp_path / "d.npz", a=np.arange(3), b=np.ones((2, 2), np.float32))
+    got = read_npz(tmp_path / "d.npz")
+    assert sorted(got) == ["a", "b"] and got["a"].tolist() == [0, 1, 2] and got["b"].dtype == np.float32
