@@ -304,6 +304,37 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
             stage_dag.add_edge(e.src, e.dst)
         if not nx.is_directed_acyclic_graph(stage_dag):
             problems.append("stage graph has a cycle")
+    if isinstance(plan, PlacementPlan) and not problems:
+        problems.extend(_placement_problems(plan, graph))
     for check in PLAN_CHECKS.get(plan.kind, []):
         problems.extend(check(plan, graph))
+    return problems
+
+
+def _placement_problems(plan: PlacementPlan, graph: Any) -> list[str]:
+    """A covering placement that still cannot run: a group on a backend no registry knows (one
+    not available on this machine is fine: the plan may be for another), or groups that feed each
+    other in a cycle (no order runs them)."""
+    from tessera.backends.registry import default_registry
+
+    problems = []
+    known = set(default_registry().names())
+    for g in plan.groups:
+        if g.backend not in known:
+            problems.append(
+                f"group {g.id}: backend {g.backend!r} is not a registered backend (known: {', '.join(sorted(known))})"
+            )
+    group_of = {n: g.id for g in plan.groups for n in g.nodes}
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(g.id for g in plan.groups)
+    quotient.add_edges_from(
+        (group_of[u], group_of[v]) for u, v in graph.dag.edges if group_of[u] != group_of[v]
+    )
+    try:
+        cycle = nx.find_cycle(quotient)
+    except nx.NetworkXNoCycle:
+        cycle = []
+    if cycle:
+        path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
+        problems.append(f"groups feed each other in a cycle ({path}): no order runs them")
     return problems

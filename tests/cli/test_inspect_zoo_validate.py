@@ -129,6 +129,36 @@ def test_validate_finds_unknown_duplicated_and_missing_nodes(tmp_path, mmt_path)
     assert "unknown node 'ghost'" in result.err and "(and 2 more)" in result.err
 
 
+def test_validate_refuses_placements_that_cannot_run(tmp_path, mmt_path):
+    """Both passed validate and then failed launch (exit 4): a backend no registry knows, and
+    groups that feed each other in a cycle (first and last thirds on one backend, the middle on
+    another: the model's chain goes out of the first group and back in)."""
+    plan = placement_for(mmt_path)
+    nodes = plan.groups[0].nodes
+    third = len(nodes) // 3
+    cases = {
+        "unknown": (
+            [PlacementGroup(id=0, backend="tensorrtx", nodes=nodes, pattern="p")],
+            "group 0: backend 'tensorrtx' is not a registered backend (known: cudnn, onnxruntime, openvino",
+        ),
+        "cycle": (
+            [
+                PlacementGroup(
+                    id=0, backend="onnxruntime", nodes=nodes[:third] + nodes[2 * third :], pattern="p"
+                ),
+                PlacementGroup(id=1, backend="openvino", nodes=nodes[third : 2 * third], pattern="p"),
+            ],
+            "groups feed each other in a cycle (0 -> 1 -> 0): no order runs them",
+        ),
+    }
+    for name, (groups, fragment) in cases.items():
+        plan_path = write_plan(plan.model_copy(update={"groups": groups}), tmp_path / f"{name}.json")
+        result = run_cli("validate", str(plan_path))
+        lines = result.err.strip().splitlines()
+        assert result.code == 2 and len(lines) == 1, result.err
+        assert str(plan_path) in lines[0] and fragment in lines[0], lines[0]
+
+
 def test_validate_names_a_missing_model(tmp_path, mmt_path):
     plan_path = write_plan(placement_for(mmt_path), tmp_path / "plan.json")
     mmt_path.unlink()
