@@ -64,15 +64,14 @@ def plan_model_path(plan_path: str, recorded: str, given: str | None) -> str:
 def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
     """Load the model a plan names (with the input shapes it was planned at) and check the plan
     against it: sha256, node names, coverage and the planner's constraints. InputError otherwise."""
-    from tessera.core.plans import check_plan_against_model
+    from tessera.core.plans import check_plan_against_model, problems_error
 
     model_path = plan_model_path(plan_path, plan.model.path, given)
     shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
     graph = load_model_option(model_path, shapes)
     problems = check_plan_against_model(plan, graph)
     if problems:
-        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-        raise InputError(f"{problems[0]}{more}", source=plan_path)
+        raise problems_error(problems, plan_path)
     return graph
 
 

@@ -190,6 +190,36 @@ class CpPlan(_PlanBase):
             raise ValueError("a cp plan names exactly one of model (ONNX) and llm_config")
         return self
 
+    @model_validator(mode="after")
+    def _shards_fit_the_workload(self) -> CpPlan:
+        """One distinct device per rank, and KV shards as the planner writes them: consecutive
+        ranges that split the context for CP, the whole context on every device otherwise."""
+        n = self.degree
+        devices = self.workload.get("devices")
+        if devices is not None and (
+            not isinstance(devices, list) or len(devices) != n or len(set(map(str, devices))) != n
+        ):
+            raise ValueError(f"workload.devices must name {n} distinct devices (degree {n})")
+        context = self.workload.get("context")
+        if type(context) is not int or context < 1:
+            raise ValueError(f"workload.context must be a positive integer, got {context!r}")
+        if not self.kv_shards:
+            return self
+        if len(self.kv_shards) != n:
+            raise ValueError(f"a plan of degree {n} has {len(self.kv_shards)} kv_shards")
+        if devices is not None and [s.device for s in self.kv_shards] != devices:
+            raise ValueError("kv_shards name other devices than workload.devices")
+        spans = [(s.start, s.stop) for s in self.kv_shards]
+        if self.strategy == "cp":
+            ends = [0] + [b for _, b in spans]
+            if [a for a, _ in spans] != ends[:-1] or ends[-1] != context or any(a > b for a, b in spans):
+                raise ValueError(
+                    f"cp kv_shards must split positions 0..{context} in consecutive ranges, got {spans}"
+                )
+        elif any(span != (0, context) for span in spans):
+            raise ValueError(f"{self.strategy} kv_shards must each hold positions 0..{context}, got {spans}")
+        return self
+
 
 Plan = PlacementPlan | GppPlan | CpPlan
 _KINDS: dict[str, type[_PlanBase]] = {
@@ -306,6 +336,8 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
             problems.append("stage graph has a cycle")
     if isinstance(plan, PlacementPlan) and not problems:
         problems.extend(_placement_problems(plan, graph))
+    if isinstance(plan, CpPlan):
+        problems.extend(cp_plan_problems(plan))
     for check in PLAN_CHECKS.get(plan.kind, []):
         problems.extend(check(plan, graph))
     return problems
@@ -338,3 +370,29 @@ def _placement_problems(plan: PlacementPlan, graph: Any) -> list[str]:
         path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
         problems.append(f"groups feed each other in a cycle ({path}): no order runs them")
     return problems
+
+
+def cp_plan_problems(plan: CpPlan) -> list[str]:
+    """What a cp plan's schema cannot see: its devices must be in its cluster, and its predicted
+    memory per device within that device's capacity."""
+    problems: list[str] = []
+    devices = plan.workload.get("devices") or [s.device for s in plan.kv_shards]
+    if plan.cluster:
+        from tessera.core.specs import ClusterSpec
+
+        try:
+            known = {d.id for d in ClusterSpec.from_json_dict(plan.cluster).devices()}
+        except Exception as exc:  # noqa: BLE001 - reported as a problem
+            return [f"cluster: {' '.join(str(exc).split())}"]
+        problems += [f"device {d!r} is not in the plan's cluster" for d in devices if d not in known]
+    memory = plan.predicted.get("memory_per_device") or {}
+    total, capacity = memory.get("total"), memory.get("capacity")
+    if isinstance(total, int | float) and isinstance(capacity, int | float) and total > capacity:
+        problems.append(f"predicted memory per device {total} bytes exceeds its capacity {capacity}")
+    return problems
+
+
+def problems_error(problems: list[str], source: str) -> InputError:
+    """One line for a plan's problems: the first, and how many more."""
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return InputError(f"{problems[0]}{more}", source=source)

@@ -110,3 +110,66 @@ def test_model_and_llm_are_exclusive(tmp_path: Path, capsys: pytest.CaptureFixtu
     code, _, err = run(["plan", "--kind", "cp", "--llm", str(bad), "--cluster", "h200", "--batch", "1",
                         "--context", "1K"], capsys)  # fmt: skip
     assert code == 2 and str(bad) in err and "layers" in err
+
+
+def _shards(p: dict, spans: list[list[int]]) -> None:
+    for shard, (a, b) in zip(p["kv_shards"], spans, strict=True):
+        shard.update(start=a, stop=b)
+
+
+CP_HAND_EDITS = {
+    "a gap between shards": (
+        lambda p: _shards(p, [[0, 8192], [8200, 16384], [16384, 24576], [24576, 32768]]),
+        "cp kv_shards must split positions 0..32768 in consecutive ranges",
+    ),
+    "shards short of the context": (
+        lambda p: _shards(p, [[0, 8192], [8192, 16384], [16384, 24576], [24576, 30000]]),
+        "cp kv_shards must split positions 0..32768",
+    ),
+    "a shard too few": (lambda p: p["kv_shards"].pop(), "a plan of degree 4 has 3 kv_shards"),
+    "a device twice": (
+        lambda p: p["workload"]["devices"].__setitem__(1, p["workload"]["devices"][0]),
+        "workload.devices must name 4 distinct devices (degree 4)",
+    ),
+    "a device not in the cluster": (
+        lambda p: [
+            p["workload"]["devices"].__setitem__(0, "node9/a5000:0"),
+            p["kv_shards"][0].update(device="node9/a5000:0"),
+        ],
+        "device 'node9/a5000:0' is not in the plan's cluster",
+    ),
+    "context not an integer": (
+        lambda p: p["workload"].update(context="32K"),
+        "workload.context must be a positive integer",
+    ),
+    "memory beyond capacity": (
+        lambda p: p["predicted"]["memory_per_device"].update(total=10**12),
+        "predicted memory per device 1000000000000 bytes exceeds its capacity",
+    ),
+    "tp shards that split the context": (
+        lambda p: [
+            p.update(strategy="tp"),
+            _shards(p, [[0, 8192], [8192, 16384], [16384, 24576], [24576, 32768]]),
+        ],
+        "tp kv_shards must each hold positions 0..32768",
+    ),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(CP_HAND_EDITS))
+def test_validate_checks_what_a_cp_plan_says(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], edit: str
+) -> None:
+    """``validate`` passed any cp plan whose schema parsed: it now checks the KV shards against the
+    strategy and context, the devices against degree and cluster, and memory against capacity."""
+    path = tmp_path / "plan.json"
+    assert run([*THESIS, "--context", "32K", "-o", str(path)], capsys)[0] == 0
+    assert run(["validate", str(path)], capsys)[0] == 0
+    plan = json.loads(path.read_text())
+    assert plan["strategy"] == "cp" and plan["degree"] == 4
+    change, fragment = CP_HAND_EDITS[edit]
+    change(plan)
+    path.write_text(json.dumps(plan))
+    code, _, err = run(["validate", str(path)], capsys)
+    lines = err.strip().splitlines()
+    assert code == 2 and len(lines) == 1 and str(path) in lines[0] and fragment in lines[0], err
