@@ -264,3 +264,16 @@ def test_triton_attention_on_cpu_workers_is_refused_before_they_start(tmp_path: 
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert "--attention triton is unavailable on the plan's cpu workers" in lines[0]
     assert "TRITON_INTERPRET=1" in lines[0] and "rank" not in lines[0]
+
+
+def test_launch_checks_an_llm_plans_devices_against_its_cluster(tmp_path: Path) -> None:
+    """A plan made from ``--llm`` has no model to check it against; launch still checks what the
+    plan says (as validate does) before starting workers."""
+    plan_path = make_plan(tmp_path, ["--llm", "gpt2"], "local-cpu-split", 2, 64)
+    plan = json.loads(plan_path.read_text())
+    plan["workload"]["devices"][0] = plan["kv_shards"][0]["device"] = "nowhere/cpu:0"
+    plan_path.write_text(json.dumps(plan))
+    res = run_cli("launch", str(plan_path))
+    lines = res.err.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1, res.err
+    assert f"{plan_path}: device 'nowhere/cpu:0' is not in the plan's cluster" in lines[0]
