@@ -411,7 +411,13 @@ def plan(
     ]
     if foreign:
         flag = "--" + foreign[0].replace("_", "-")
-        raise click.UsageError(f"{flag} does not apply to --kind {kind}")
+        defaulted = ctx.get_parameter_source("kind") is click.core.ParameterSource.DEFAULT
+        hint = (
+            " (the default kind; decoding plans need --kind cp)"
+            if defaulted and foreign[0] in _CP_OPTIONS
+            else ""
+        )
+        raise click.UsageError(f"{flag} does not apply to --kind {kind}{hint}")
     if (
         ctx.get_parameter_source("k") is not click.core.ParameterSource.DEFAULT
         and options.get("schedule") != "kfkb"

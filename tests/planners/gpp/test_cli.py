@@ -215,6 +215,14 @@ def test_kind_defaults_to_gpp(tmp_path, model_file) -> None:
     assert default.read_bytes() == explicit.read_bytes()
 
 
+def test_a_decoding_option_without_kind_says_kind_cp() -> None:
+    """With --kind left at its default (gpp), a cp option gets the hint a user needs."""
+    res = run_cli("plan", "--llm", "gpt2", "--cluster", "h200", "--batch", "4", "--context", "1K")
+    lines = res.err.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1, res.err
+    assert "--llm does not apply to --kind gpp (the default kind; decoding plans need --kind cp)" in lines[0]
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "greedy", "gpipe", "auto"])
 def test_k_without_kfkb_is_a_usage_error(tmp_path, model_file, schedule) -> None:
     """``--k 4`` with another schedule was silently ignored: the user asked for kFkB's k."""
