@@ -17,7 +17,7 @@ import click
 from tessera.cli.options import check_plan_llm_config, json_option, load_plan_model, plan_model_option
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
-from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, cp_plan_problems, load_plan, problems_error
+from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, load_plan
 from tessera.executor.launcher import LaunchOptions
 
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
@@ -279,8 +279,6 @@ def _launch_cp(
         model_path = load_plan_model(plan, plan_path, model).source
     elif plan.llm_config is not None:
         check_plan_llm_config(plan, plan_path, must_exist=False)
-        if problems := cp_plan_problems(plan):
-            raise problems_error(problems, plan_path)
     lens = None
     if prompt_lens:
         try:

@@ -76,10 +76,14 @@ def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
 
 
 def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> None:
-    """A cp plan made from ``--llm``: its config must be unchanged (sha256). When the file cannot be
-    read, that is an error only if ``must_exist`` (the plan itself carries the config's shape)."""
+    """A cp plan made from ``--llm``: what it says must hold (:func:`cp_plan_problems`) and its
+    config must be unchanged (sha256). When the file cannot be read, that is an error only if
+    ``must_exist`` (the plan itself carries the config's shape)."""
+    from tessera.core.plans import cp_plan_problems, problems_error
     from tessera.planners.cp.llm import load_llm_config
 
+    if problems := cp_plan_problems(plan):
+        raise problems_error(problems, plan_path)
     ref = plan.llm_config
     try:
         _, source = load_llm_config(ref.path)

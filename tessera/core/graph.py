@@ -130,6 +130,16 @@ class Graph:
 
     # -- extraction ----------------------------------------------------------------------------
 
+    def quotient(self, groups: Iterable[Iterable[str]]) -> nx.DiGraph:
+        """The group graph: node ``i`` for the ``i``-th group of operators, an edge ``i -> j`` when
+        an operator of group ``i`` feeds one of group ``j``. Every operator must be in one group."""
+        members = list(groups)
+        of = {n: i for i, nodes in enumerate(members) for n in nodes}
+        q = nx.DiGraph()
+        q.add_nodes_from(range(len(members)))
+        q.add_edges_from((of[u], of[v]) for u, v in self.dag.edges if of[u] != of[v])
+        return q
+
     def boundary(self, nodes: Iterable[str]) -> tuple[list[str], list[str]]:
         """Input and output activation tensors of a node set, in a deterministic order.
 

@@ -356,18 +356,13 @@ def _placement_problems(plan: PlacementPlan, graph: Any) -> list[str]:
             problems.append(
                 f"group {g.id}: backend {g.backend!r} is not a registered backend (known: {', '.join(sorted(known))})"
             )
-    group_of = {n: g.id for g in plan.groups for n in g.nodes}
-    quotient = nx.DiGraph()
-    quotient.add_nodes_from(g.id for g in plan.groups)
-    quotient.add_edges_from(
-        (group_of[u], group_of[v]) for u, v in graph.dag.edges if group_of[u] != group_of[v]
-    )
     try:
-        cycle = nx.find_cycle(quotient)
+        cycle = nx.find_cycle(graph.quotient(g.nodes for g in plan.groups))
     except nx.NetworkXNoCycle:
         cycle = []
     if cycle:
-        path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"
+        ids = [plan.groups[i].id for i, _ in cycle]
+        path = " -> ".join(map(str, ids)) + f" -> {ids[0]}"
         problems.append(f"groups feed each other in a cycle ({path}): no order runs them")
     return problems
 

@@ -139,17 +139,8 @@ def build_group(graph: Graph, variant: str, nodes: Iterable[str], registry: Back
 
 def group_order(graph: Graph, groups: Sequence[Iterable[str]]) -> list[int]:
     """Indices of ``groups`` in an executable order (stable); raises when the groups form a cycle."""
-    of: dict[str, int] = {}
-    for i, nodes in enumerate(groups):
-        for n in nodes:
-            of[n] = i
-    q = nx.DiGraph()
-    q.add_nodes_from(range(len(groups)))
-    for u, v in graph.dag.edges:
-        if of[u] != of[v]:
-            q.add_edge(of[u], of[v])
     try:
-        return list(nx.lexicographical_topological_sort(q))
+        return list(nx.lexicographical_topological_sort(graph.quotient(groups)))
     except nx.NetworkXUnfeasible:
         raise LaunchError("the placement's groups depend on each other in a cycle") from None
 

@@ -213,11 +213,7 @@ def _merge_regions(graph: Graph, groups: list[Group], backend: str) -> list[Grou
     """Greedily merge adjacent groups of ``backend`` (edges in model order) while the group graph
     stays acyclic (a merge of A → B is refused when another path leads from A to B)."""
     of = {n: i for i, (_, nodes, _) in enumerate(groups) for n in nodes}
-    q = nx.DiGraph()
-    q.add_nodes_from(range(len(groups)))
-    for u, v in graph.dag.edges:
-        if of[u] != of[v]:
-            q.add_edge(of[u], of[v])
+    q = graph.quotient(nodes for _, nodes, _ in groups)
     parent = list(range(len(groups)))
 
     def find(i: int) -> int:
