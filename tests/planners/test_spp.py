@@ -24,3 +24,15 @@ def test_piper_search_space_grows_with_branches() -> None:
     branchy = build_tree(load_graph(build("dlrm", "paper")), cost, 64)
     assert piper_ideals(chain_like) < 10 * chain_like.num_units
     assert piper_ideals(branchy) > 10**6
+
+
+def test_spp_finds_the_sequential_plan_gpp_finds_under_a_tight_memory_limit() -> None:
+    # GPT-2 small is a chain: at 2 GiB per device the only plans are four one-device stages whose
+    # first stages are short (they hold the most micro-batches). The SPP DP tries a few split
+    # points per stage for time; it used to try the longest ones only, which leave no plan here.
+    cluster = load_cluster("graphpipe-v100")
+    g = load_graph(build("gpt", "paper"))
+    opts = PartitionOptions(mini_batch=8, num_devices=4, memory_limit=2 * 2**30)
+    pipe = plan_spp(g, cluster, opts)
+    assert len(pipe.stages) == 4
+    assert all(st.memory is not None and st.memory.peak <= 2 * 2**30 for st in pipe.stages)
