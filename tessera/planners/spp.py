@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from tessera.core.cost import CostModel
+from tessera.core.errors import InfeasibleError
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec
 from tessera.planners.gpp.partition import PartitionOptions, Pipeline, partition, planning_inputs
@@ -72,20 +73,29 @@ def plan_spp(
     *,
     tree: SPTree | None = None,
     cost: CostModel | None = None,
+    explain: bool = True,
 ) -> Pipeline:
     """PipeDream-style sequential pipeline (see the module docstring): the faster simulated of
-    the chain DP on the linearized tree and the same DP guided by the series-parallel tree."""
+    the chain DP on the linearized tree and the same DP guided by the series-parallel tree.
+
+    Raises the chain DP's :class:`InfeasibleError` when neither finds a plan (``explain``: its
+    message names the least memory a plan needs, a search of several plans)."""
     started = time.perf_counter()
     _, _, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
-    chain = partition(graph, cluster, options, tree=tree.linearized(), kind="spp", cost=cost)
-    best = chain
-    if _has_branches(tree.root):
-        guided = partition(graph, cluster, options, tree=tree, kind="spp", cost=cost)
-        if (
-            simulate_pipeline(guided, trace=False).iteration_time
-            < simulate_pipeline(chain, trace=False).iteration_time
-        ):
-            best = guided
+    proposals: list[Pipeline] = []
+    error: InfeasibleError | None = None
+    trees = [tree.linearized(), tree] if _has_branches(tree.root) else [tree.linearized()]
+    for proposer in trees:
+        try:
+            proposals.append(
+                partition(graph, cluster, options, tree=proposer, kind="spp", cost=cost, explain=explain)
+            )
+        except InfeasibleError as exc:
+            error = error or exc
+    if not proposals:
+        assert error is not None
+        raise error
+    best = min(proposals, key=lambda p: simulate_pipeline(p, trace=False).iteration_time)
     best.search_time_s = time.perf_counter() - started
     return best
 
@@ -102,15 +112,17 @@ def plan_sequential(
     tree: SPTree | None = None,
     cost: CostModel | None = None,
     piper: bool = True,
+    explain: bool = True,
 ) -> SequentialPipeline:
     """The strongest sequential pipeline: PipeDream-style, or Piper-style where Piper is
     tractable and its plan simulates faster (ties go to PipeDream). ``piper=False`` skips Piper.
     ``cost``: the cost model (default: the roofline).
 
-    Raises what :func:`plan_spp` raises (``InfeasibleError`` when no sequential plan fits).
+    Raises what :func:`plan_spp` raises (``InfeasibleError`` when no sequential plan fits;
+    ``explain``: see there).
     """
     _, _, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
-    pipedream = plan_spp(graph, cluster, options, tree=tree, cost=cost)
+    pipedream = plan_spp(graph, cluster, options, tree=tree, cost=cost, explain=explain)
     pd_time = simulate_pipeline(pipedream, trace=False).iteration_time
     result = plan_piper(graph, cluster, options, tree=tree, cost=cost) if piper else None
     chosen: Pipeline = pipedream

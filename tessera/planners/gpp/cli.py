@@ -81,7 +81,8 @@ def _build(
     spp_error: str | None = None
     if kind == "spp" or baseline:
         try:
-            spp = plan_sequential(graph, cluster, options, tree=tree, cost=cost)
+            # The baseline's message skips the search for the least memory SPP needs.
+            spp = plan_sequential(graph, cluster, options, tree=tree, cost=cost, explain=kind == "spp")
         except InfeasibleError as exc:
             if kind == "spp":
                 raise
@@ -231,6 +232,13 @@ def run_gpp_plan(
         )
     except UnitError as err:
         raise InputError(str(err)) from None
+    device_type = planned_device_type(cluster, devices)
+    if limit is not None and limit > device_type.memory:
+        raise InputError(
+            f"--memory-limit {format_bytes(limit)} is more than a {cluster.devices()[0].type_name}'s "
+            f"{format_bytes(device_type.memory)}: the limit can only lower the device memory "
+            "(a plan over it would not run, and validate would reject it)"
+        )
     options = PartitionOptions(
         mini_batch=mini_batch,
         num_devices=devices,

@@ -48,7 +48,7 @@ import math
 import sys
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -88,6 +88,9 @@ _EXPOSED = (0.0, 1.0)
 # The SPP baseline's chain has every unit of the model (70–80 here): it tries the 4 longest
 # feasible first stages per data-parallel degree, not every split point (search time).
 _SPP_WINDOW = 4
+# An infeasible memory limit's message: the least memory a plan needs, to 3 %, in at most 6 plans.
+_NEED_PROBES = 6
+_NEED_PRECISION = 0.03
 
 ScheduleKind = Literal["1f1b", "kfkb", "greedy", "gpipe"]
 # What a planner is asked for: a schedule kind, or ``auto`` — the search as for 1F1B, then its
@@ -395,12 +398,14 @@ def partition(
     tree: SPTree | None = None,
     kind: Literal["gpp", "spp"] = "gpp",
     cost: CostModel | None = None,
+    explain: bool = True,
 ) -> Pipeline:
     """GraphPipe's stage partitioner (thesis §3.5, Algorithm 2); see the module docstring.
 
     Returns the best :class:`Pipeline` over the micro-batch candidates, with per-stage schedules
     and memory. Raises :class:`InfeasibleError` when no plan fits the memory limit (the message
-    names the per-device memory the best plan would need) and :class:`InputError` for bad options.
+    names the least per-device memory a plan needs, :func:`_memory_needed`, unless ``explain`` is
+    false) and :class:`InputError` for bad options.
     """
     started = time.perf_counter()
     num, limit, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
@@ -488,11 +493,15 @@ def partition(
     if best is not None and best_rank is not None and options.schedule == "auto":
         best = fastest_rescheduled(best, best_rank[0], timed, options.recompute)
     if best is None:
-        need = _memory_needed(graph, cluster, options, tree, kind, cost) if math.isfinite(limit) else None
-        more = f"; the best plan without the limit needs {_gib(need)} per device" if need else ""
-        raise InfeasibleError(
-            f"no {kind.upper()} plan of {graph.num_nodes} operators on {num} device(s) fits "
-            f"{_gib(limit)} per device at mini-batch {options.mini_batch}{more}"
+        raise no_plan_error(
+            graph,
+            options,
+            num,
+            limit,
+            kind,
+            _least_peak(graph, cluster, options, tree, kind, cost)
+            if explain and math.isfinite(limit)
+            else None,
         )
     best.search_time_s = time.perf_counter() - started
     best.probes = probes
@@ -571,15 +580,67 @@ def _gib(n: float | None) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else format_bytes(n)
 
 
-def _memory_needed(
-    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, tree: SPTree, kind: str, cost: CostModel
-) -> float | None:
-    relaxed = PartitionOptions(**{**options.__dict__, "memory_limit": float("inf")})
-    try:
-        pipe = partition(graph, cluster, relaxed, tree=tree, kind=kind, cost=cost)  # type: ignore[arg-type]
-    except InfeasibleError:
+def no_plan_error(
+    graph: Graph,
+    options: PartitionOptions,
+    num: int,
+    limit: float,
+    kind: str,
+    peak_of: Callable[[float], float | None] | None = None,
+) -> InfeasibleError:
+    """The error of a memory limit no plan fits; with ``peak_of`` (a planner: the largest stage
+    peak of its plan under a limit, ``None`` when none fits) it names the least per-device memory
+    a plan needs (:func:`least_memory`) and the fastest plan's."""
+    need = least_memory(peak_of, limit) if peak_of is not None else None
+    more = f"; the smallest plan found needs {_gib(need)} per device" if need is not None else ""
+    return InfeasibleError(
+        f"no {kind.upper()} plan of {graph.num_nodes} operators on {num} device(s) fits "
+        f"{_gib(limit)} per device at mini-batch {options.mini_batch}{more}"
+    )
+
+
+def least_memory(peak_of: Callable[[float], float | None], limit: float) -> float | None:
+    """The least per-device memory of the plans ``peak_of`` finds (see :func:`no_plan_error`), or
+    ``None`` when it finds none at any limit: a bisection on the limit between ``limit`` (no plan
+    fits) and the peak of the plan without a limit, each probe that finds a plan lowering the
+    bracket to that plan's peak — at most :data:`_NEED_PROBES` probes, to within
+    :data:`_NEED_PRECISION` of the least the planner finds (it optimizes time: a limit is known to
+    fit only where it finds a plan, and what it returns is such a plan's peak)."""
+    hi = peak_of(math.inf)
+    if hi is None:
         return None
-    return max(s.memory.peak for s in pipe.stages if s.memory)
+    lo = limit
+    for _ in range(_NEED_PROBES):
+        if hi <= lo * (1 + _NEED_PRECISION):
+            break
+        mid = math.sqrt(lo * hi)
+        got = peak_of(mid)
+        if got is None:
+            lo = mid
+        else:
+            hi = got
+    return hi
+
+
+def _least_peak(
+    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, tree: SPTree, kind: str, cost: CostModel
+) -> Callable[[float], float | None]:
+    """:func:`partition`'s plans as a ``peak_of`` for :func:`no_plan_error`."""
+
+    def peak_of(cap: float) -> float | None:
+        probe = dataclasses.replace(options, memory_limit=cap)
+        try:
+            pipe = partition(graph, cluster, probe, tree=tree, kind=kind, cost=cost, explain=False)  # type: ignore[arg-type]
+        except InfeasibleError:
+            return None
+        return peak_memory(pipe)
+
+    return peak_of
+
+
+def peak_memory(pipe: Pipeline) -> float:
+    """The largest per-device memory of ``pipe``'s stages."""
+    return float(max(s.memory.peak for s in pipe.stages if s.memory))
 
 
 def _transfers_matter(pool: list[tuple[float, Pipeline]], b: int, m: int, best: Pipeline | None) -> bool:

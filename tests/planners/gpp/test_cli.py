@@ -9,7 +9,7 @@ import pytest
 from cli_runner import run_cli
 from click.testing import CliRunner
 
-from tessera.core.errors import InfeasibleError
+from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model, load_plan
 from tessera.core.specs import ClusterSpec, load_cluster
@@ -245,3 +245,11 @@ def test_extreme_device_speeds_still_plan(tmp_path, graph, field, value) -> None
     cluster = ClusterSpec.from_json_dict(data)
     plan, _, _ = build_gpp_plan(graph, cluster, PartitionOptions(mini_batch=8), baseline=False)
     assert check_plan_against_model(plan, graph) == []
+
+
+def test_a_memory_limit_above_the_device_memory_is_refused(graph) -> None:
+    # A plan over the device's memory would not run (validate rejects it): the limit only lowers.
+    cluster = load_cluster("graphpipe-v100")
+    with pytest.raises(InputError, match=r"--memory-limit 1\.0 TiB is more than a v100-16g's 15\.8 GiB"):
+        run_gpp_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="1TiB")
+    run_gpp_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="15GiB")  # below it: plans

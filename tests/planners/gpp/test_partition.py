@@ -1,5 +1,9 @@
 from __future__ import annotations
 
+import dataclasses
+import math
+import re
+
 import pytest
 from planners.gpp.gpp_graphs import chain, n_shaped
 
@@ -108,11 +112,23 @@ def test_infeasible_memory_limit(v100) -> None:
         partition(g, v100, PartitionOptions(mini_batch=64, num_devices=2, memory_limit=2**30))
 
 
-def test_infeasible_message_shows_small_sizes_in_their_unit(v100) -> None:
-    # A tiny model needs about a MiB: the message says so instead of "0.00 GiB".
+def test_infeasible_message_names_the_smallest_memory_a_plan_needs(v100) -> None:
+    # Tiny MMT needs KiB, not "0.00 GiB". The fastest plan without a limit needs about 1.6 MiB,
+    # but that is not what the limit must be: the message names the least memory of the plans
+    # the partitioner finds (a bisection on the limit), and at that limit it plans.
     g = load_graph(build("mmt", "tiny"))
-    with pytest.raises(InfeasibleError, match=r"fits 100\.0 KiB per device .* needs \d+\.\d MiB per device"):
-        partition(g, v100, PartitionOptions(mini_batch=64, num_devices=4, memory_limit=100 * 1024))
+    opts = PartitionOptions(mini_batch=16, num_devices=4, memory_limit=200 * 1024)
+    with pytest.raises(
+        InfeasibleError, match=r"fits 200\.0 KiB per device .* needs (\d+\.\d) KiB per device"
+    ) as err:
+        partition(g, v100, opts)
+    need = float(re.search(r"needs (\d+\.\d) KiB", str(err.value)).group(1)) * 1024
+    fastest = max(
+        s.memory.peak for s in partition(g, v100, dataclasses.replace(opts, memory_limit=None)).stages
+    )
+    assert 200 * 1024 < need < fastest / 2
+    fits = partition(g, v100, dataclasses.replace(opts, memory_limit=math.ceil(need * 1.001)))
+    assert max(s.memory.peak for s in fits.stages) <= need * 1.001
 
 
 def test_a_mini_batch_without_micro_batch_sizes_gets_a_suggestion(v100) -> None:
