@@ -247,7 +247,7 @@ def _progress(enabled: bool, total: int) -> Any:
     class _Bar:
         def __enter__(self) -> Callable[[str], None]:
             self.bar = Progress(
-                TextColumn("profiling {task.description}"),
+                TextColumn("profiling {task.description}", markup=False),  # labels name user nodes
                 BarColumn(),
                 MofNCompleteColumn(),
                 TimeElapsedColumn(),

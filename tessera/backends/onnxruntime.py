@@ -7,6 +7,7 @@ opset ranges and tensor types the CPU provider has kernels for.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
@@ -79,9 +80,26 @@ def _ort_input_dtype(type_str: str) -> str | None:
     return _ORT_TYPES.get(type_str[7:-1]) if type_str.startswith("tensor(") else None
 
 
+# ORT prefixes its messages with the C++ source line and function signature: noise to a user.
+_ORT_SOURCE = re.compile(r"/onnxruntime_src/\S+:\d+ [^()]*\([^()]*\) ")
+
+
+def ort_message(exc: BaseException) -> str:
+    """ORT's exception as one line, without the C++ source location it carries."""
+    return _ORT_SOURCE.sub("", " ".join(str(exc).split()))
+
+
+def quiet_native_log() -> None:
+    """Keep ORT's own logger off stderr: every failure it logs also comes back as an exception."""
+    import onnxruntime as ort
+
+    ort.set_default_logger_severity(4)
+
+
 def make_session(model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: bool = True) -> Any:
     import onnxruntime as ort
 
+    quiet_native_log()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 3
@@ -92,7 +110,9 @@ def make_session(model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: 
             model.SerializeToString(deterministic=True), sess_options=options, providers=providers
         )
     except Exception as exc:  # noqa: BLE001 - ORT raises its own exception types
-        raise BuildError(f"onnxruntime could not build the subgraph: {type(exc).__name__}: {exc}") from exc
+        raise BuildError(
+            f"onnxruntime could not build the subgraph: {type(exc).__name__}: {ort_message(exc)}"
+        ) from exc
 
 
 class OnnxRuntimeBackend(Backend):

@@ -115,12 +115,34 @@ class ProfileCache:
 
     # -- connection and recovery ----------------------------------------------------------------
 
+    def open(self) -> None:
+        """Open (or create) the cache now: a path that cannot hold one is an :class:`InputError`
+        before any measuring work, not a failure after it."""
+        self._with_conn(lambda conn: None)
+
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            conn = sqlite3.connect(
-                self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
-            )
+            try:
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+            except (FileExistsError, NotADirectoryError):
+                raise InputError(
+                    "cannot create the profile cache: a file is in the way of its folder", source=self.path
+                ) from None
+            except OSError as exc:  # no permission, a read-only file system
+                raise InputError(
+                    f"cannot create the profile cache's folder: {exc.strerror or exc}", source=self.path
+                ) from None
+            existed = self.path.is_symlink() or self.path.exists()
+            try:
+                conn = sqlite3.connect(
+                    self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
+                )
+                if not existed:
+                    conn.execute("PRAGMA user_version").fetchone()  # sqlite creates the file lazily
+            except sqlite3.OperationalError as exc:
+                if existed:
+                    raise
+                raise InputError(f"cannot create the profile cache: {exc}", source=self.path) from None
             try:
                 conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
                 conn.execute("PRAGMA journal_mode = WAL")

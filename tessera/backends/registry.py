@@ -67,6 +67,17 @@ class BackendEntry:
             self._instance = self.factory()
         return self._instance
 
+    def available(self) -> tuple[bool, str]:
+        """Whether the backend can run here, and why not. Never raises: a plugin whose construction
+        or ``available()`` raises is unavailable, with the error as the reason."""
+        if self.factory is None:
+            return False, f"plugin failed to load: {self.load_error}"
+        try:
+            ok, reason = self.backend().available()
+        except Exception as exc:  # noqa: BLE001 - third-party code: never crash the registry
+            return False, f"availability check failed: {type(exc).__name__}: {exc}"
+        return bool(ok), str(reason or "")
+
     def describe(self) -> dict[str, Any]:
         """The ``tessera backends --json`` row."""
         if self.factory is None:
@@ -79,10 +90,14 @@ class BackendEntry:
             }
             capability = None
         else:
-            backend = self.backend()
-            info = backend.describe()
-            info["name"] = self.name
             capability = None
+            try:
+                backend = self.backend()
+                info = backend.describe()
+            except Exception:  # noqa: BLE001 - a plugin that raises is listed, unavailable
+                info = {"name": self.name, "available": False, "reason": self.available()[1]}
+                info.update(version=None, device=None)
+            info["name"] = self.name
             if info["available"]:
                 try:
                     cap = backend.capability()
@@ -186,7 +201,7 @@ class BackendRegistry:
         """Names of the backends that can run here."""
         out = []
         for e in self._entries.values():
-            if e.factory is not None and e.backend().available()[0]:
+            if e.available()[0]:
                 out.append(e.name)
         return out
 

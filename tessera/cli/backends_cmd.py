@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import click
+from rich.markup import escape
 
 from tessera.cli.options import json_option
 from tessera.cli.render import console, emit_json
@@ -28,11 +29,9 @@ def backends(as_json: bool) -> None:
             ops = "ops per subgraph" if cap else ""
         counts = f"{row['patterns']} patterns, {row['rules']} rules"
         version = row["version"] or "-"
+        # Names, devices and reasons come from plugins and drivers: text, never rich markup.
+        name = escape(f"{row['name']:<{width}}  {version:<12}")
         if row["available"]:
-            out.print(
-                f"[green]✓[/green] {row['name']:<{width}}  {version:<12} {row['device']}  ({ops}; {counts})"
-            )
+            out.print(f"[green]✓[/green] {name} {escape(str(row['device']))}  ({ops}; {counts})")
         else:
-            out.print(
-                f"[red]✗[/red] {row['name']:<{width}}  {version:<12} unavailable: {row['reason']}  ({counts})"
-            )
+            out.print(f"[red]✗[/red] {name} unavailable: {escape(str(row['reason']))}  ({counts})")

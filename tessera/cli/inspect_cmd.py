@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from tessera.cli.options import OutputFile, check_outputs, json_option, model_options, output_option
@@ -48,7 +49,13 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
     type=OutputFile(),
     help="Write the model with every node named.",
 )
-@click.option("--top", default=12, show_default=True, help="Op types shown in the histogram (human output).")
+@click.option(
+    "--top",
+    type=click.IntRange(min=0),
+    default=12,
+    show_default=True,
+    help="Op types shown in the histogram (human output).",
+)
 def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | None, top: int) -> None:
     """Summarize MODEL: nodes, op types, parameters, FLOPs, inputs/outputs and branch structure."""
     check_outputs({"-o": output, "--write-named": write_named}, {"model": graph.source})
@@ -63,7 +70,7 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
     out = console()
     params = report["parameters"]
     out.print(
-        f"[bold]{graph.source}[/bold]  (IR {report['model']['ir_version']}, opsets {report['model']['opsets']})"
+        f"[bold]{escape(graph.source)}[/bold]  (IR {report['model']['ir_version']}, opsets {report['model']['opsets']})"
     )
     out.print(
         f"nodes {report['nodes']}   parameters {human_count(params['count'])} ({human_bytes(params['bytes'])})   "
@@ -74,14 +81,14 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
         io.add_column(col)
     for kind in ("inputs", "outputs"):
         for t in report[kind]:
-            io.add_row(kind[:-1], t["name"], "x".join(map(str, t["shape"] or ["?"])), t["dtype"])
+            io.add_row(kind[:-1], escape(t["name"]), "x".join(map(str, t["shape"] or ["?"])), t["dtype"])
     out.print(io)
     hist = Table(title="op types", title_justify="left")
     hist.add_column("op")
     hist.add_column("count", justify="right")
     items = list(report["op_types"].items())
     for op, n in items[:top]:
-        hist.add_row(op, str(n))
+        hist.add_row(escape(op), str(n))
     if len(items) > top:
         hist.add_row(f"… {len(items) - top} more", str(sum(n for _, n in items[top:])))
     out.print(hist)
@@ -93,8 +100,9 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
     )
     for seg in segments[:5]:
         out.print(
-            f"  {seg['branches']} branches, {seg['nodes']} nodes: {seg['start'] or 'inputs'} → {seg['end'] or 'outputs'}"
+            f"  {seg['branches']} branches, {seg['nodes']} nodes: "
+            f"{escape(seg['start'] or 'inputs')} → {escape(seg['end'] or 'outputs')}"
         )
     if graph.defaulted_dims:
         dims = ", ".join(f"{k}={v}" for k, v in graph.defaulted_dims.items())
-        out.print(f"symbolic dims bound to 1: {dims} (override with --input-shape)")
+        out.print(f"symbolic dims bound to 1: {escape(dims)} (override with --input-shape)")

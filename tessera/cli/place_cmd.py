@@ -85,8 +85,9 @@ def place(
 
     Writes the placement plan (-o) with every group's backend, operators, pattern and measured time,
     the predicted latency, and — measured in the same run — the placed model's latency and every
-    available backend's latency on the whole model. Exit codes: 0 done, 2 bad model or options,
-    4 --verify found different outputs.
+    available backend's latency on the whole model. Exit codes: 0 done, 2 bad model or options (also
+    a model onnxruntime cannot run: it is the reference every placement is checked against), 4 nothing
+    could be measured, or --verify found different outputs.
     """
     from tessera.backends.measure import Measurer
     from tessera.backends.profile_cache import ProfileCache
@@ -98,8 +99,12 @@ def place(
     options = PlacementOptions(
         device=device, backends=backends, search=search, budget_s=budget_s, seed=seed, max_states=max_states
     )
+    if cache_path is not None and not cache_path.strip():
+        raise InputError("--cache '' names no file")
     check_outputs({"-o": output}, {"model": graph.source, "--cache": cache_path})
-    measurer = Measurer(ProfileCache(cache_path) if cache_path else None, seed=seed)
+    cache = ProfileCache(cache_path)
+    cache.open()  # a path that cannot hold the cache fails now, before any measuring
+    measurer = Measurer(cache, seed=seed)
     start = time.perf_counter()
     with progress_bar() as bar:
         task = bar.add_task("profiling", total=None)
@@ -137,7 +142,11 @@ def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
 
     feeds = random_feeds(graph, seed)
     model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
-    return compare_outputs(model.run(feeds), reference_outputs(graph, feeds))
+    try:
+        outputs = model.run(feeds)
+    except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
+        raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
+    return compare_outputs(outputs, reference_outputs(graph, feeds))
 
 
 def _worst(report: dict[str, Any]) -> str:
@@ -152,14 +161,18 @@ def _worst(report: dict[str, Any]) -> str:
 def _print_summary(
     plan: PlacementPlan, search_s: float, verified: dict[str, Any] | None, output: str | None
 ) -> None:
+    from rich.markup import escape
     from rich.table import Table
 
+    # Paths, backend and node names are the user's text: escaped, never read as rich markup.
     out = console()
     m, s = plan.measured, plan.search
     out.print(
-        f"placed {plan.model.path} ({plan.model.num_nodes} operators) on {', '.join(s['backends'])}: "
-        f"{len(plan.groups)} group(s), {s['kind']}-level search in {search_s:.1f} s "
-        f"({s['candidates']} candidates, {s['measured_candidates']} measured); chosen: {s['chosen']}"
+        escape(
+            f"placed {plan.model.path} ({plan.model.num_nodes} operators) on {', '.join(s['backends'])}: "
+            f"{len(plan.groups)} group(s), {s['kind']}-level search in {search_s:.1f} s "
+            f"({s['candidates']} candidates, {s['measured_candidates']} measured); chosen: {s['chosen']}"
+        )
     )
     table = Table(title="groups per backend")
     for col in ("backend", "groups", "operators", "measured (sum)"):
@@ -171,24 +184,29 @@ def _print_summary(
         row[1] += len(g.nodes)
         row[2] += g.measured_time_s or 0.0
     for backend, (groups, ops, t) in sorted(per.items()):
-        table.add_row(backend, str(groups), str(ops), _ms(t))
+        table.add_row(escape(backend), str(groups), str(ops), _ms(t))
     out.print(table)
     singles = m["single_backend_latency_s"]
     out.print(
-        f"predicted {_ms(plan.predicted['latency_s'])}; measured {_ms(m['latency_s'])} "
-        + " ".join(f"| {b} alone {_ms(t)}" for b, t in singles.items())
+        escape(
+            f"predicted {_ms(plan.predicted['latency_s'])}; measured {_ms(m['latency_s'])} "
+            + " ".join(f"| {b} alone {_ms(t)}" for b, t in singles.items())
+        )
     )
     if m.get("best_single_backend"):
         out.print(
-            f"speed-up over the best single backend ({m['best_single_backend']}): "
-            f"{m['speedup_over_best_single']:.2f}x"
+            escape(
+                f"speed-up over the best single backend ({m['best_single_backend']}): "
+                f"{m['speedup_over_best_single']:.2f}x"
+            )
         )
     if verified is not None:
         out.print(
-            ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER: ") + f" ({_worst(verified)})"
+            ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER: ")
+            + escape(f" ({_worst(verified)})")
         )
     if output:
-        out.print(f"wrote {output}")
+        out.print(escape(f"wrote {output}"))
 
 
 def launch_placement(

@@ -72,7 +72,7 @@ def progress_enabled() -> bool:
 def progress_bar() -> Progress:
     """A rich progress bar on stderr; disabled (prints nothing) when progress is off."""
     return Progress(
-        TextColumn("{task.description}"),
+        TextColumn("{task.description}", markup=False),  # descriptions carry user text
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),

@@ -29,7 +29,7 @@ from onnx import helper, numpy_helper
 
 from tessera.core.errors import InputError
 from tessera.core.flops import OpCost, op_cost
-from tessera.core.onnx_io import Shape, prepare_model, read_bytes
+from tessera.core.onnx_io import Shape, outer_scope_inputs, prepare_model, read_bytes
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class OpNode:
     bytes_moved: int
     params: int  # parameter elements first consumed by this node (floating-point initializers)
     param_bytes: int
+    # Outer tensors its subgraphs (If branches, Loop bodies) read without listing them as inputs.
+    implicit_inputs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -158,7 +160,7 @@ class Graph:
             if name not in members:
                 continue
             op = self.op(name)
-            for t in op.inputs:
+            for t in (*op.inputs, *op.implicit_inputs):
                 if not t or t in self.initializers or t in seen_in:
                     continue
                 if self.producer.get(t) not in members:
@@ -181,7 +183,7 @@ class Graph:
         members = set(nodes)
         ins, outs = self.boundary(members)
         node_protos = [self._node_proto[n] for n in self.order if n in members]
-        used = {t for n in node_protos for t in n.input if t}
+        used = {t for n in node_protos for t in (*n.input, *self.op(n.name).implicit_inputs) if t}
         inits = [self._initializer_proto[t] for t in sorted(used) if t in self._initializer_proto]
         value_info = [
             self._value_info(t)
@@ -269,11 +271,12 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
 
     producer: dict[str, str] = {}
     consumers: dict[str, list[str]] = {}
+    implicit = {node.name: outer_scope_inputs(node) for node in g.node}
     for node in g.node:
         for out in node.output:
             if out:
                 producer[out] = node.name
-        for inp in node.input:
+        for inp in (*node.input, *implicit[node.name]):
             if inp:
                 consumers.setdefault(inp, []).append(node.name)
 
@@ -281,7 +284,7 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
     outputs = {vi.name: tensors[vi.name] for vi in g.output if vi.name in tensors}
     _check_shapes(tensors, label)
 
-    constant_nodes = _constant_nodes(g, inputs, initializers, producer)
+    constant_nodes = _constant_nodes(g, inputs, initializers, producer, implicit)
     param_owner = _parameter_owners(g, tensors, initializers, constant_nodes, consumers)
 
     dag = nx.DiGraph()
@@ -314,10 +317,11 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
                 bytes_moved=cost.bytes_moved,
                 params=params,
                 param_bytes=param_bytes,
+                implicit_inputs=implicit[node.name],
             ),
         )
     for node in g.node:
-        for t in node.input:
+        for t in (*node.input, *implicit[node.name]):
             src = producer.get(t)
             if src is None:
                 continue
@@ -349,13 +353,15 @@ def _constant_nodes(
     inputs: Mapping[str, TensorInfo],
     initializers: Mapping[str, TensorInfo],
     producer: Mapping[str, str],
+    implicit: Mapping[str, tuple[str, ...]],
 ) -> set[str]:
     """Operators that read no activation: they compute constants (Constant, ConstantOfShape, …)."""
     constant: set[str] = set()
     for node in g.node:
-        if any(t in inputs for t in node.input):
+        reads = (*node.input, *implicit[node.name])
+        if any(t in inputs for t in reads):
             continue
-        if all(not t or t in initializers or producer.get(t) in constant for t in node.input):
+        if all(not t or t in initializers or producer.get(t) in constant for t in reads):
             constant.add(node.name)
     return constant
 

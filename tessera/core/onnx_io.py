@@ -3,7 +3,7 @@
 The named steps, each usable alone (TVM-pass style, IR in, IR out):
 
 ``read_model`` (bytes → ModelProto) → ``hoist_initializer_inputs`` → ``sort_nodes`` (structure checks:
-dangling inputs, cycles) → ``name_nodes`` → ``lower_ir_version`` → ``check_model`` → ``bind_input_shapes``
+dangling inputs, cycles) → ``name_nodes`` → ``lower_ir_version`` → ``bind_input_shapes`` → ``check_model``
 → ``infer_shapes``. :func:`prepare_model` runs them in that order.
 """
 
@@ -88,12 +88,20 @@ def _load_present_external_data(model: onnx.ModelProto, base_dir: Path, label: s
         if not external_data_helper.uses_external_data(tensor):
             continue
         entries = {e.key: e.value for e in tensor.external_data}
-        location = base_dir / entries.get("location", "")
+        relative = entries.get("location", "")
+        # ONNX requires a location inside the model's folder; refuse others before touching them.
+        if os.path.isabs(relative) or ".." in relative.replace("\\", "/").split("/"):
+            raise InputError(
+                f"external data of {tensor.name!r} has location {relative!r}, outside the model's folder "
+                "(ONNX requires a relative path without '..')",
+                source=label,
+            )
+        location = base_dir / relative
         if not location.is_file():
             continue  # lazily generated or missing weights: shapes still plan, execution will say
         try:
             external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
-        except (OSError, ValueError) as exc:
+        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
             raise InputError(f"external data of {tensor.name!r} unreadable: {exc}", source=label) from None
         tensor.data_location = onnx.TensorProto.DEFAULT
         del tensor.external_data[:]
@@ -138,7 +146,7 @@ def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
     deps = nx.DiGraph()
     deps.add_nodes_from(range(len(graph.node)))
     for i, node in enumerate(graph.node):
-        for name in node.input:
+        for name in (*node.input, *outer_scope_inputs(node)):
             if not name or name in available:
                 continue
             if name not in producer:
@@ -165,6 +173,32 @@ def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
         del graph.node[:]
         graph.node.extend(sorted_nodes)
     return model
+
+
+def outer_scope_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
+    """Tensors of the enclosing graph that ``node``'s subgraphs (If branches, Loop and Scan bodies)
+    read without them being ``node``'s inputs: ONNX lets a subgraph name any outer tensor, so they
+    are dependencies as real as the listed inputs."""
+    names: list[str] = []
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            names.extend(_free_tensors(attr.g))
+        elif attr.type == onnx.AttributeProto.GRAPHS:
+            for g in attr.graphs:
+                names.extend(_free_tensors(g))
+    explicit = set(node.input)
+    return tuple(dict.fromkeys(n for n in names if n not in explicit))
+
+
+def _free_tensors(graph: onnx.GraphProto) -> list[str]:
+    """Tensors a (sub)graph reads that it does not define itself."""
+    defined = {vi.name for vi in graph.input} | {t.name for t in graph.initializer}
+    defined |= {t.values.name for t in graph.sparse_initializer}
+    free: list[str] = []
+    for node in graph.node:
+        free.extend(t for t in (*node.input, *outer_scope_inputs(node)) if t and t not in defined)
+        defined.update(node.output)
+    return free
 
 
 def _node_label(node: onnx.NodeProto, index: int) -> str:
@@ -271,6 +305,14 @@ def check_model(model: onnx.ModelProto, *, label: str) -> None:
                 "schema (a custom or unknown op): tessera cannot infer its shapes or cost it",
                 source=label,
             )
+    for vi in model.graph.output:
+        if vi.type.HasField("tensor_type") and not vi.type.tensor_type.HasField("shape"):
+            # The checker's own message ("Field 'shape' of 'type' is required") names no tensor.
+            raise InputError(
+                f"graph output {vi.name!r} declares no shape (ONNX requires one; unknown sizes may be "
+                "symbolic dims)",
+                source=label,
+            )
     try:
         onnx.checker.check_model(model)
     except onnx.checker.ValidationError as exc:
@@ -316,10 +358,11 @@ def bind_input_shapes(
 ) -> dict[str, int]:
     """Make every graph input's shape concrete.
 
-    ``shapes`` gives whole shapes by input name; a symbolic or unknown dimension left after that is
-    bound to ``default_dim`` (1: one sample, the unit every planner scales from). Returns the
-    symbolic dimensions that were bound by default, ``{"input:axis (param)": value}``, so callers
-    can tell the user.
+    ``shapes`` gives whole shapes by input name; a symbolic dimension it binds (``N`` = 4) is bound
+    so in every input that names it; a symbolic or unknown dimension left after that is bound to
+    ``default_dim`` (1: one sample, the unit every planner scales from). Returns the symbolic
+    dimensions that were bound by default, ``{"input:axis (param)": value}``, so callers can tell
+    the user.
     """
     inputs = {vi.name: vi for vi in model.graph.input}
     for name in shapes:
@@ -328,6 +371,20 @@ def bind_input_shapes(
                 f"--input-shape names {name!r}, which is not a graph input (inputs: {', '.join(inputs)})",
                 source=label,
             )
+    # Symbolic dims the given shapes bind: one value per name, applied to every input that uses it.
+    bound: dict[str, tuple[int, str]] = {}
+    for name, want in shapes.items():
+        tensor_type = inputs[name].type.tensor_type
+        for dim, value in zip(tensor_type.shape.dim, want, strict=False):
+            if not dim.dim_param:
+                continue
+            first = bound.setdefault(dim.dim_param, (value, name))
+            if first[0] != value:
+                raise InputError(
+                    f"--input-shape binds dimension {dim.dim_param!r} to {first[0]} ({first[1]}) and "
+                    f"{value} ({name})",
+                    source=label,
+                )
     defaulted: dict[str, int] = {}
     for name, vi in inputs.items():
         tensor_type = vi.type.tensor_type
@@ -366,9 +423,11 @@ def bind_input_shapes(
                     source=label,
                 )
             param = dim.dim_param or "?"
-            defaulted[f"{name}:{axis} ({param})"] = default_dim
+            value = bound[param][0] if param in bound else default_dim
+            if param not in bound:
+                defaulted[f"{name}:{axis} ({param})"] = default_dim
             dim.Clear()
-            dim.dim_value = default_dim
+            dim.dim_value = value
     return defaulted
 
 
@@ -395,6 +454,7 @@ def prepare_model(
     model = sort_nodes(model, label=label)
     model = name_nodes(model)
     model = lower_ir_version(model, label=label)
-    check_model(model, label=label)
+    # Shapes first: the checker refuses a graph input without a shape, which --input-shape gives.
     defaulted = bind_input_shapes(model, input_shapes or {}, label=label)
+    check_model(model, label=label)
     return infer_shapes(model, label=label), defaulted

@@ -26,7 +26,7 @@ from typing import Any
 
 from tessera.backends.measure import Measurer, time_runs
 from tessera.backends.registry import BackendRegistry, default_registry
-from tessera.core.errors import InputError
+from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
 from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan
 from tessera.executor.composite import (
@@ -85,25 +85,35 @@ class PlacementResult:
     report: dict[str, Any]
 
 
+def runs_on(backend_device: str, device: str) -> bool:
+    """Whether a backend's device (``"cpu: Intel …"``, ``"cuda:0 …"``) is of kind ``device``
+    (``cpu``, ``cuda``; ``gpu`` names ``cuda``)."""
+    kind = backend_device.split(":")[0].strip()
+    return kind == device or (device == "gpu" and kind == "cuda")
+
+
 def resolve_backends(registry: BackendRegistry, device: str, wanted: Sequence[str] | None) -> list[str]:
-    """The backends to place on: ``wanted`` (each must exist and be available) or every available
-    backend whose device is ``device``. Raises :class:`InputError` naming what is missing."""
+    """The backends to place on: ``wanted`` (each must exist, be available and run on ``device``) or
+    every available backend whose device is ``device``. Raises :class:`InputError` naming what is
+    missing."""
     if wanted:
         out = []
         for name in wanted:
-            backend = registry.backend(name)  # unknown name: InputError listing the registered ones
-            ok, reason = backend.available()
+            # unknown name: InputError listing the registered ones
+            ok, reason = registry.entry(name).available()
             if not ok:
                 raise InputError(f"backend {name!r} is unavailable: {reason}")
+            where = registry.backend(name).device
+            if not runs_on(where, device):
+                raise InputError(f"backend {name!r} runs on {where}, not on the requested --device {device}")
             out.append(name)
         return list(dict.fromkeys(out))
     out, why = [], []
     for entry in registry.entries():
         if entry.factory is None:
             continue
-        backend = entry.backend()
-        ok, reason = backend.available()
-        if ok and backend.device.split(":")[0].strip() == device:
+        ok, reason = entry.available()
+        if ok and runs_on(entry.backend().device, device):
             out.append(entry.name)
         elif not ok:
             why.append(f"{entry.name}: {reason}")
@@ -128,6 +138,7 @@ def plan_placement(
     if options.search not in ("op", "graph"):
         raise InputError(f"search must be 'op' or 'graph', not {options.search!r}")
     backends = resolve_backends(registry, options.device, options.backends)
+    feeds, reference = reference_run(graph, options.seed)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     support = SupportTable(registry)
@@ -155,8 +166,6 @@ def plan_placement(
     costs.known = memo.costs()
     costs.screen(candidates)
     epsilon = ContextSwitch(registry, measurer)
-    feeds = random_feeds(graph, options.seed)
-    reference = reference_outputs(graph, feeds)
     compiled: CompileCache = {}
     # Backends are trusted by the DP, not by the plan: a group whose outputs differ from onnxruntime's
     # on the same inputs is banned and the DP runs again (costs are cached, so this is cheap).
@@ -231,6 +240,13 @@ def plan_placement(
     contenders = {b: t for b, t in singles.items() if b not in wrong_whole}
     best_single = min(contenders, key=lambda b: (contenders[b], b)) if contenders else None
     latency = measured["placement"]
+    if not math.isfinite(latency) and best_single is None:
+        # A plan without a measured latency would be meaningless: the run failed, not the model.
+        raise LaunchError(
+            "nothing could be measured: the placed model and every single backend failed to run "
+            "(the warnings above say why)",
+            source=graph.source,
+        )
     if best_single is not None and singles[best_single] < latency:
         chosen_groups = [(best_single, whole, "whole model")]
         chosen = f"single backend: {best_single}"
@@ -300,6 +316,33 @@ def plan_placement(
     )
     report = {"timings": timings, "op_level_groups": len(op_groups)}
     return PlacementResult(plan, chosen_groups, measured, report)
+
+
+def reference_run(graph: Graph, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Seeded inputs and onnxruntime's outputs of the whole model, which every placement is checked
+    against. A model that cannot give them (no operators, lazy placeholder weights, a model onnxruntime
+    cannot load or run) is refused here, before any measuring, as an :class:`InputError`."""
+    from tessera.models.weights import is_lazy
+
+    if not graph.order:
+        raise InputError("the model has no operators: nothing to place", source=graph.source)
+    if is_lazy(graph.model):
+        raise InputError(
+            "the model's weights are lazy placeholders (a paper-size zoo build): materialize them first "
+            "(tessera.models.materialize)",
+            source=graph.source,
+        )
+    try:
+        feeds = random_feeds(graph, seed)
+        return feeds, reference_outputs(graph, feeds)
+    except Exception as exc:  # noqa: BLE001 - ORT's and numpy's many refusals of a model
+        why = " ".join(str(exc).split())
+        why = why if len(why) <= 300 else why[:300] + "…"
+        raise InputError(
+            f"unsupported model: onnxruntime, the reference every placement is checked against, cannot "
+            f"run it ({type(exc).__name__}: {why})",
+            source=graph.source,
+        ) from None
 
 
 def find_candidates(
