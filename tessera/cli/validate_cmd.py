@@ -6,6 +6,7 @@ import click
 
 from tessera.cli.options import check_plan_llm_config, json_option, load_plan_model, plan_model_option
 from tessera.cli.render import emit_json
+from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
 from tessera.planners.gpp import checks as _gpp_checks  # noqa: F401 - registers C1–C5 + memory checks
 
@@ -17,8 +18,19 @@ from tessera.planners.gpp import checks as _gpp_checks  # noqa: F401 - registers
 def validate(plan_path: str, model: str | None, as_json: bool) -> None:
     """Check PLAN against its schema and against its model (sha256, nodes, coverage, constraints).
 
-    Exit code 0 when valid, 2 with a one-line reason when not.
+    Exit code 0 when valid, 2 with a one-line reason when not (with --json, also the verdict on
+    stdout: valid false and every problem found).
     """
+    try:
+        _validate(plan_path, model, as_json)
+    except InputError as exc:
+        if as_json:
+            problems = getattr(exc, "problems", None) or [exc.message]
+            emit_json({"valid": False, "plan": plan_path, "problems": problems})
+        raise
+
+
+def _validate(plan_path: str, model: str | None, as_json: bool) -> None:
     plan = load_plan(plan_path)
     if plan.model is None:  # a cp plan made from an LLM config (--llm), not from an ONNX model
         check_plan_llm_config(plan, plan_path, must_exist=True)

@@ -13,10 +13,11 @@ knowledge (GraphPipe's C1–C5, memory) are added by the planners through ``PLAN
 from __future__ import annotations
 
 import json
+import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 import networkx as nx
 from pydantic import (
@@ -25,6 +26,7 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     ValidationError,
     model_validator,
@@ -35,10 +37,15 @@ from tessera.core.errors import InputError
 from tessera.core.files import write_output
 
 SCHEMA_VERSION = 1
+# What a cp plan may say (tessera.planners.cp: the dtypes a decoder is served in, --context's range).
+LLM_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
+MAX_CONTEXT = 1024 * 2**20
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # strict: a plan is written by tessera, so "64", 64.0 or true where an integer belongs is a
+    # hand edit gone wrong, not something to coerce.
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class ModelRef(_Strict):
@@ -67,6 +74,37 @@ class _PlanBase(_Strict):
     cluster: dict[str, Any] | None = None
     predicted: dict[str, Any] = Field(default_factory=dict)
 
+    # The headline prediction of each kind, which launch reports measurements against.
+    _HEADLINE: ClassVar[str] = ""
+
+    @model_validator(mode="after")
+    def _predictions_are_quantities(self) -> _PlanBase:
+        """Every number under ``predicted`` is finite and not negative (times, rates, bytes, counts,
+        fractions), and the kind's headline prediction, where the plan has one, is such a number."""
+        headline = self.predicted.get(self._HEADLINE)
+        if self._HEADLINE and headline is not None and not _is_number(headline):
+            raise ValueError(f"predicted.{self._HEADLINE} must be a number, got {headline!r}")
+        for where, value in _numbers(self.predicted, "predicted"):
+            if not math.isfinite(value) or value < 0:
+                raise ValueError(f"{where} is {value}: predictions are finite and not negative")
+        return self
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _numbers(value: Any, where: str) -> Iterator[tuple[str, float]]:
+    """The numbers nested in a JSON value, with their paths."""
+    if _is_number(value):
+        yield where, float(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _numbers(v, f"{where}.{k}")
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            yield from _numbers(v, f"{where}[{i}]")
+
 
 # -- placement (tessera place) -----------------------------------------------------------------
 
@@ -82,9 +120,19 @@ class PlacementGroup(_Strict):
 class PlacementPlan(_PlanBase):
     kind: Literal["placement"] = "placement"
     device: str = "cpu"
-    groups: list[PlacementGroup]
+    groups: list[PlacementGroup] = Field(min_length=1)
     measured: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, Any] = Field(default_factory=dict)  # how the placement was searched (settings, counts)
+
+    _HEADLINE: ClassVar[str] = "latency_s"
+
+    @model_validator(mode="after")
+    def _group_ids(self) -> PlacementPlan:
+        ids = [g.id for g in self.groups]
+        if len(set(ids)) != len(ids):
+            dup = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"group id {dup} is used twice")
+        return self
 
 
 # -- graph pipeline parallel training (tessera plan --kind gpp) --------------------------------
@@ -94,7 +142,7 @@ class StageSchedule(_Strict):
     kind: Literal["1f1b", "kfkb", "greedy", "gpipe"]
     k: PositiveInt = 1
     # Ordered passes in PyTorch's pipelining vocabulary: "F3" (forward of micro-batch 3), "B3".
-    actions: list[Annotated[str, Field(pattern=r"^[FB]\d+$")]]
+    actions: list[Annotated[str, Field(pattern=r"^[FB](0|[1-9]\d{0,8})$")]]
 
 
 class StageMemory(_Strict):
@@ -127,12 +175,25 @@ class StageEdge(_Strict):
     bytes: NonNegativeInt
 
 
+class TrainingSetup(_Strict):
+    """What a pipeline plan's memory was counted for (thesis Eq. 3.2; :mod:`tessera.core.cost`):
+    the precision (``mixed``: fp16 weights and activations; ``fp32``), the bytes each parameter
+    costs with its gradient and optimizer state (Adam: 16), and activation recomputation."""
+
+    precision: Literal["mixed", "fp32"] = "mixed"
+    bytes_per_param: PositiveFloat = 16.0
+    recompute: bool = False
+
+
 class GppPlan(_PlanBase):
     kind: Literal["gpp", "spp"] = "gpp"
     mini_batch_size: PositiveInt
     stages: list[Stage] = Field(min_length=1)
     edges: list[StageEdge] = Field(default_factory=list)
     baseline: dict[str, Any] | None = None
+    training: TrainingSetup = Field(default_factory=TrainingSetup)
+
+    _HEADLINE: ClassVar[str] = "iteration_time_s"
 
     @model_validator(mode="after")
     def _stage_graph_indexes(self) -> GppPlan:
@@ -183,6 +244,34 @@ class CpPlan(_PlanBase):
     kv_shards: list[KvShard] = Field(default_factory=list)
     collectives: list[dict[str, Any]] = Field(default_factory=list)
     alternatives: list[dict[str, Any]] = Field(default_factory=list)
+
+    _HEADLINE: ClassVar[str] = "tokens_per_s"
+
+    @model_validator(mode="after")
+    def _llm_and_workload_are_usable(self) -> CpPlan:
+        """What the executor builds from: the decoder's sizes (positive integers, kv_heads
+        dividing heads), the batch, a context within the planner's range and the KV block."""
+        for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
+            value = self.llm.get(key)
+            if type(value) is not int or value < 1:
+                raise ValueError(f"llm.{key} must be a positive integer, got {value!r}")
+        if self.llm["heads"] % self.llm["kv_heads"]:
+            raise ValueError(f"llm.kv_heads {self.llm['kv_heads']} must divide llm.heads {self.llm['heads']}")
+        if self.llm.get("dtype") not in LLM_DTYPES:
+            raise ValueError(
+                f"llm.dtype must be one of {', '.join(LLM_DTYPES)}, got {self.llm.get('dtype')!r}"
+            )
+        batch = self.workload.get("batch")
+        if type(batch) is not int or batch < 1:
+            raise ValueError(f"workload.batch must be a positive integer, got {batch!r}")
+        context = self.workload.get("context")
+        if type(context) is int and context > MAX_CONTEXT:
+            raise ValueError(f"workload.context {context} is beyond the planner's {MAX_CONTEXT} tokens")
+        cost = self.predicted.get("cost_model")
+        block = cost.get("kv_block", 1) if isinstance(cost, dict) else 1  # absent: the default
+        if type(block) is not int or block < 1:
+            raise ValueError(f"predicted.cost_model.kv_block must be a positive integer, got {block!r}")
+        return self
 
     @model_validator(mode="after")
     def _has_a_source(self) -> CpPlan:
@@ -247,7 +336,7 @@ def parse_plan(data: dict[str, Any], *, label: str) -> Plan:
     if not isinstance(data, dict):
         raise InputError("a plan must be a JSON object", source=label)
     version = data.get("schema_version")
-    if version != SCHEMA_VERSION:
+    if type(version) is not int or version != SCHEMA_VERSION:
         raise InputError(
             f"schema_version {version!r} is not supported (this tessera reads version {SCHEMA_VERSION})",
             source=label,
@@ -272,7 +361,7 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read plan: {exc}", source=label) from None
     try:
-        data = json.loads(text)
+        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise InputError(
             f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", source=label
@@ -280,6 +369,11 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except (RecursionError, ValueError) as exc:  # nested too deep; an integer of 4300+ digits
         raise InputError(f"not a plausible plan: {exc}", source=label) from None
     return parse_plan(data, label=label)
+
+
+def _no_constant(name: str) -> Any:
+    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (Python's reader takes them)."""
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -305,6 +399,10 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
             f"the model is {graph.sha256[:12]}…"
         )
         return problems
+    if plan.model.num_nodes != graph.num_nodes:
+        problems.append(
+            f"model.num_nodes is {plan.model.num_nodes}; the model has {graph.num_nodes} operators"
+        )
     known = set(graph.dag.nodes)
     groups: list[list[str]] = []
     if isinstance(plan, PlacementPlan):
@@ -380,6 +478,10 @@ def cp_plan_problems(plan: CpPlan) -> list[str]:
         except Exception as exc:  # noqa: BLE001 - reported as a problem
             return [f"cluster: {' '.join(str(exc).split())}"]
         problems += [f"device {d!r} is not in the plan's cluster" for d in devices if d not in known]
+        if plan.degree > len(known):
+            problems.append(
+                f"degree {plan.degree} is more than the {len(known)} device(s) of the plan's cluster"
+            )
     memory = plan.predicted.get("memory_per_device") or {}
     total, capacity = memory.get("total"), memory.get("capacity")
     if isinstance(total, int | float) and isinstance(capacity, int | float) and total > capacity:
@@ -390,4 +492,6 @@ def cp_plan_problems(plan: CpPlan) -> list[str]:
 def problems_error(problems: list[str], source: str) -> InputError:
     """One line for a plan's problems: the first, and how many more."""
     more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
-    return InputError(f"{problems[0]}{more}", source=source)
+    error = InputError(f"{problems[0]}{more}", source=source)
+    error.problems = list(problems)  # every one, for validate --json
+    return error

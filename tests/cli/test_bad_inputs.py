@@ -231,6 +231,67 @@ HAND_EDITS = {
         _edited(lambda p: p.update(cluster=None)),
         "cluster: the plan records no cluster, so C3 and device memory cannot be checked",
     ),
+    # Values a hand edit gets wrong: not coerced, refused.
+    "micro-batch as a string": (
+        _edited(lambda p: p["stages"][0].update(micro_batch_size="8")),
+        "field stages.0.micro_batch_size: Input should be a valid integer",
+    ),
+    "schema version true": (_edited(lambda p: p.update(schema_version=True)), "schema_version True"),
+    "action F00": (
+        _edited(lambda p: p["stages"][0]["schedule"]["actions"].__setitem__(0, "F00")),
+        "field stages.0.schedule.actions.0: String should match pattern",
+    ),
+    "a micro-batch that does not exist": (
+        _edited(lambda p: p["stages"][0]["schedule"]["actions"].__setitem__(1, "F99999")),
+        "F99999: there are 2 micro-batches (0..1)",
+    ),
+    "NaN prediction": (
+        _edited(lambda p: p["predicted"].update(iteration_time_s=float("nan"))),
+        "NaN is not a JSON value",
+    ),
+    "negative prediction": (
+        _edited(lambda p: p["predicted"].update(iteration_time_s=-1.0)),
+        "predicted.iteration_time_s is -1.0: predictions are finite and not negative",
+    ),
+    # Plans whose numbers are not their model's: validate counts again.
+    "node count": (
+        _edited(lambda p: p["model"].update(num_nodes=5)),
+        "model.num_nodes is 5; the model has 81",
+    ),
+    "memory zeroed": (
+        _edited(
+            lambda p: p["stages"][0].update(
+                memory={"weights": 0, "optimizer": 0, "activations": 0, "peak": 0}
+            )
+        ),
+        "memory: stage 0 records 0 bytes; its operators need 117760 (11968 weights, 83776 gradients",
+    ),
+    "micro-batches a million times larger, memory unchanged": (
+        _edited(
+            lambda p: [
+                p.update(mini_batch_size=16 * 10**6),
+                *(st.update(micro_batch_size=8 * 10**6) for st in p["stages"]),
+            ]
+        ),
+        "memory: stage 0: its operators need 22016095744 (",
+    ),
+    "a gpipe label on 1f1b passes": (
+        _edited(lambda p: p["stages"][1]["schedule"].update(kind="gpipe")),
+        "stage 1: its actions are not a gpipe schedule with 1 in flight",
+    ),
+    "k on a 1f1b schedule": (
+        _edited(lambda p: p["stages"][0]["schedule"].update(k=7)),
+        "stage 0: schedule k 7 is kFkB's; a 1f1b schedule has k 1",
+    ),
+    "an edge twice": (_edited(lambda p: p["edges"].append(p["edges"][0])), "edge 0->1 is listed twice"),
+    "an edge with a tensor that does not cross": (
+        _edited(lambda p: p["edges"][0]["tensors"][0].update(name="bogus")),
+        "edge 0->1 names 'bogus', which does not flow from stage 0 to 1",
+    ),
+    "edge bytes not its tensors'": (
+        _edited(lambda p: p["edges"][0].update(bytes=1)),
+        "edge 0->1: bytes 1 is not the sum of its tensors' bytes",
+    ),
     "nested too deep": (lambda p: "[" * 100_000 + "]" * 100_000, "not a plausible plan"),
     "a 5000-digit number": (lambda p: '{"schema_version": ' + "9" * 5000 + "}", "not a plausible plan"),
 }

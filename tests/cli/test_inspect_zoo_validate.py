@@ -11,7 +11,7 @@ from onnx_builders import ONNX_LIGHT_MODELS
 
 from tessera import __version__
 from tessera.core.graph import load_graph
-from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, write_plan
+from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, dump_plan, write_plan
 from tessera.models import ZOO, build, parameter_count
 
 
@@ -127,6 +127,28 @@ def test_validate_finds_unknown_duplicated_and_missing_nodes(tmp_path, mmt_path)
     result = run_cli("validate", str(plan_path))
     assert result.code == 2
     assert "unknown node 'ghost'" in result.err and "(and 2 more)" in result.err
+
+
+@pytest.mark.parametrize(
+    ("edit", "fragment"),
+    [
+        # An empty plan crashed validate and launch with KeyError (exit 1).
+        (lambda p: p.update(groups=[]), "field groups: List should have at least 1 item"),
+        (lambda p: p["groups"].append({**p["groups"][0], "nodes": ["x"]}), "group id 0 is used twice"),
+        (lambda p: p.update(predicted={"latency_s": "fast"}), "predicted.latency_s must be a number"),
+        (lambda p: p.update(predicted={"latency_s": -1.0}), "predicted.latency_s is -1.0"),
+    ],
+)
+def test_validate_refuses_hand_edited_placements(tmp_path, mmt_path, edit, fragment):
+    data = json.loads(dump_plan(placement_for(mmt_path)))
+    edit(data)
+    plan_path = tmp_path / "bad.json"
+    plan_path.write_text(json.dumps(data))
+    result = run_cli("validate", str(plan_path))
+    lines = result.err.strip().splitlines()
+    assert result.code == 2 and len(lines) == 1 and fragment in lines[0] and str(plan_path) in lines[0], (
+        result.err
+    )
 
 
 def test_validate_refuses_placements_that_cannot_run(tmp_path, mmt_path):

@@ -146,6 +146,34 @@ CP_HAND_EDITS = {
         lambda p: p["predicted"]["memory_per_device"].update(total=10**12),
         "predicted memory per device 1000000000000 bytes exceeds its capacity",
     ),
+    # Each of these passed validate, then crashed launch with exit 1 (or decoded nonsense).
+    "no batch": (lambda p: p["workload"].update(batch=0), "workload.batch must be a positive integer, got 0"),
+    "heads missing": (lambda p: p["llm"].pop("heads"), "llm.heads must be a positive integer, got None"),
+    "hidden a string": (lambda p: p["llm"].update(hidden="abc"), "llm.hidden must be a positive integer"),
+    "kv_heads not dividing heads": (
+        lambda p: p["llm"].update(kv_heads=p["llm"]["heads"] - 1),
+        "must divide llm.heads",
+    ),
+    "kv block null": (
+        lambda p: p["predicted"]["cost_model"].update(kv_block=None),
+        "predicted.cost_model.kv_block must be a positive integer, got None",
+    ),
+    "tokens per second a string": (
+        lambda p: p["predicted"].update(tokens_per_s="fast"),
+        "predicted.tokens_per_s must be a number, got 'fast'",
+    ),
+    "negative tokens per second": (
+        lambda p: p["predicted"].update(tokens_per_s=-5),
+        "predicted.tokens_per_s is -5.0: predictions are finite and not negative",
+    ),
+    "a context of 2**40 tokens": (
+        lambda p: [p["workload"].update(context=2**40), p.update(kv_shards=[])],
+        "workload.context 1099511627776 is beyond the planner's 1073741824 tokens",
+    ),
+    "degree beyond the cluster": (
+        lambda p: [p.update(degree=64, kv_shards=[]), p["workload"].pop("devices")],
+        "degree 64 is more than the",
+    ),
     "tp shards that split the context": (
         lambda p: [
             p.update(strategy="tp"),

@@ -22,9 +22,11 @@ from tessera.core.plans import (
     StageEdge,
     StageMemory,
     StageSchedule,
+    TrainingSetup,
     write_plan,
 )
 from tessera.core.specs import ClusterSpec
+from tessera.planners.gpp.checks import counted_memory
 
 StageSpec = tuple[Sequence[str], Sequence[str], int]  # nodes, devices, micro-batch size
 
@@ -87,7 +89,7 @@ def make_plan(
                 micro_batch_size=b,
                 schedule=StageSchedule(kind=schedule, actions=actions),
                 in_flight=in_flight(actions),
-                memory=StageMemory(weights=0, optimizer=0, activations=0, peak=0),
+                memory=StageMemory(weights=0, optimizer=0, activations=0, peak=0),  # counted below
                 predicted={"busy_s": predicted_iteration_s / 2, "peak_memory_bytes": 1e6},
             )
         )
@@ -97,6 +99,17 @@ def make_plan(
         )
         for (s, d), t in sorted(tensors.items())
     ]
+    # Eq. 3.2 as validate counts it, so the hand-built plan records its true memory.
+    device_type = ClusterSpec.from_json_dict(cluster).devices()[0].type
+    for i, st in enumerate(built):
+        mem = counted_memory(st, graph, device_type, TrainingSetup())
+        built[i] = st.model_copy(
+            update={
+                "memory": StageMemory(
+                    weights=mem.weights, optimizer=mem.optimizer, activations=mem.activations, peak=mem.peak
+                )
+            }
+        )
     return GppPlan(
         kind=kind,
         model=ModelRef.of(graph),

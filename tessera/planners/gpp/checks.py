@@ -13,7 +13,15 @@ module is imported (``tessera.planners.gpp`` imports it), so ``tessera validate`
 - C5: the schedules respect the dependencies across stages — checked by simulating the plan with
   unit times: a schedule that violates C5 deadlocks;
 - memory: the peak is weights + optimizer + activations, within the device memory, and the
-  in-flight count matches the schedule's.
+  in-flight count matches the schedule's; the memory is counted again from the model (Eq. 3.2:
+  the stage's parameters at the plan's ``training`` bytes per parameter, the activations its
+  operators save, times the samples a replica holds, times the in-flight count), and a plan that
+  records less, or needs more than its devices have, is invalid;
+- what the executor needs: a stage's devices all of one type, at least one sample per replica
+  per micro-batch, each stage's schedule the one its kind generates (``1f1b``, ``kfkb`` with
+  its ``k``, ``gpipe``; ``greedy`` may be any order C4 and C5 allow), edges that carry exactly
+  the tensors crossing between their stages (an ``spp`` plan also orders each stage after the
+  previous one, a chain), no edge twice.
 """
 
 from __future__ import annotations
@@ -22,9 +30,14 @@ from typing import Any
 
 import networkx as nx
 
+from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.plans import PLAN_CHECKS
-from tessera.planners.gpp.schedule import check_schedule, in_flight_of
+from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
+from tessera.planners.gpp.schedule import check_schedule, gpipe, in_flight_of, k_f_k_b, one_f_one_b
 from tessera.planners.sim import SimEdge, SimStage, simulate
+
+# Recounted memory may differ from the planner's by float rounding (sums in another order).
+_MEMORY_SLACK = 64
 
 
 def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
@@ -77,7 +90,15 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
             )
             continue
         m = plan.mini_batch_size // st.micro_batch_size
-        problems.extend(f"C4: stage {st.id}: {p}" for p in check_schedule(st.schedule.actions, m))
+        c4 = check_schedule(st.schedule.actions, m)
+        problems.extend(f"C4: stage {st.id}: {p}" for p in c4)
+        if not c4:
+            problems.extend(_schedule_kind_problems(st, m))
+        if st.micro_batch_size < len(st.devices):
+            problems.append(
+                f"stage {st.id}: micro-batch {st.micro_batch_size} is smaller than its "
+                f"{len(st.devices)} data-parallel replicas (a replica needs a sample)"
+            )
         if st.in_flight != in_flight_of(st.schedule.actions):
             problems.append(
                 f"stage {st.id}: in_flight {st.in_flight} but its schedule keeps "
@@ -91,6 +112,7 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
             limit = min(memories)
             if mem.peak > limit:
                 problems.append(f"memory: stage {st.id} needs {mem.peak} bytes, its devices have {limit}")
+    problems.extend(_edge_problems(plan, graph, stage_of))
     if not any(p.startswith(("C1", "C4")) for p in problems):
         sim_stages = [
             SimStage(st.id, st.micro_batch_size, 1.0, 2.0, tuple(st.schedule.actions)) for st in plan.stages
@@ -100,9 +122,117 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
             simulate(sim_stages, sim_edges, plan.mini_batch_size)
         except ValueError as exc:
             problems.append(f"C5: {exc}")
+    if known is not None and not any(p.startswith(("C1", "C3")) for p in problems):
+        problems.extend(_memory_problems(plan, graph, known))
     return problems
 
 
 for _kind in ("gpp", "spp"):
     if check_gpp_plan not in PLAN_CHECKS.setdefault(_kind, []):
         PLAN_CHECKS[_kind].append(check_gpp_plan)
+
+
+def _schedule_kind_problems(st: Any, m: int) -> list[str]:
+    """A stage's actions must be what its schedule kind generates for its in-flight count."""
+    kind, k = st.schedule.kind, st.schedule.k
+    if kind != "kfkb" and k != 1:
+        return [f"stage {st.id}: schedule k {k} is kFkB's; a {kind} schedule has k 1"]
+    expected = {
+        "1f1b": lambda: one_f_one_b(m, st.in_flight),
+        "kfkb": lambda: k_f_k_b(m, k, st.in_flight),
+        "gpipe": lambda: gpipe(m),
+    }.get(kind)
+    if expected is not None and list(st.schedule.actions) != expected():
+        return [f"stage {st.id}: its actions are not a {kind} schedule with {st.in_flight} in flight"]
+    return []
+
+
+def _edge_problems(plan: Any, graph: Any, stage_of: dict[str, int]) -> list[str]:
+    """Edges carry exactly the tensors that cross between their stages; an spp plan is a chain."""
+    problems: list[str] = []
+    crossing: dict[tuple[int, int], set[str]] = {}
+    for u, v, data in graph.dag.edges(data=True):
+        su, sv = stage_of.get(u), stage_of.get(v)
+        if su is not None and sv is not None and su != sv:
+            crossing.setdefault((su, sv), set()).update(t.name for t in data["tensors"])
+    seen: set[tuple[int, int]] = set()
+    for e in plan.edges:
+        pair = (e.src, e.dst)
+        if pair in seen:
+            problems.append(f"edge {e.src}->{e.dst} is listed twice")
+            continue
+        seen.add(pair)
+        names = [t.name for t in e.tensors]
+        if e.bytes != sum(t.bytes for t in e.tensors):
+            problems.append(f"edge {e.src}->{e.dst}: bytes {e.bytes} is not the sum of its tensors' bytes")
+        want = crossing.get(pair, set())
+        if set(names) != want or len(names) != len(set(names)):
+            if not names and not want and plan.kind == "spp" and e.dst == e.src + 1:
+                continue  # a sequential pipeline's order: stage i+1 after stage i
+            extra = sorted(set(names) - want)
+            missing = sorted(want - set(names))
+            what = f"names {extra[0]!r}, which does not flow from stage {e.src} to {e.dst}" if extra else ""
+            what = what or (f"lacks {missing[0]!r}" if missing else "lists a tensor twice")
+            problems.append(f"edge {e.src}->{e.dst} {what}")
+    if plan.kind == "spp":
+        chain = {(i, i + 1) for i in range(len(plan.stages) - 1)}
+        if seen != chain:
+            odd = sorted(seen ^ chain)[0]
+            problems.append(
+                f"spp: a sequential plan's stages form the chain 0->1->…->{len(plan.stages) - 1}; "
+                f"edge {odd[0]}->{odd[1]} {'breaks' if odd in seen else 'is missing from'} it"
+            )
+    return problems
+
+
+def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str]:
+    """Eq. 3.2 counted again from the model for every stage (see the module docstring)."""
+    problems: list[str] = []
+    training = plan.training
+    for st in plan.stages:
+        types = {devices[d].type_name for d in st.devices}
+        if len(types) > 1:
+            problems.append(
+                f"stage {st.id}: devices of types {', '.join(sorted(types))} (one type per stage)"
+            )
+            continue
+        need = counted_memory(st, graph, devices[st.devices[0]].type, training)
+        capacity = min(devices[d].type.memory for d in st.devices)
+        samples = per_device_samples(st.micro_batch_size, len(st.devices))
+        counted = (
+            f"its operators need {need.peak} ({need.weights} weights, {need.optimizer} gradients and "
+            f"optimizer state, {need.activations} activations of {st.in_flight} micro-batch(es) of "
+            f"{samples} sample(s))"
+        )
+        if need.peak > capacity + _MEMORY_SLACK:
+            problems.append(f"memory: stage {st.id}: {counted}; its devices have {capacity}")
+        elif st.memory.peak + _MEMORY_SLACK < need.peak:
+            problems.append(f"memory: stage {st.id} records {st.memory.peak} bytes; {counted}")
+    return problems
+
+
+def counted_memory(st: Any, graph: Any, device_type: Any, training: Any) -> StageMemoryEstimate:
+    """Eq. 3.2 for one device of plan stage ``st``, counted from ``graph`` on ``device_type`` for
+    ``training`` (a :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's
+    memory against."""
+    cost = CostModel.for_device(device_type, training.precision, training.bytes_per_param)
+    ops = [graph.op(n) for n in st.nodes if n in graph.dag]
+    inside = set(st.nodes)
+    entering = {
+        t.name: t.nbytes
+        for u, v, data in graph.dag.edges(data=True)
+        if v in inside and u not in inside and u not in graph.constant_nodes
+        for t in data["tensors"]
+    }
+    return stage_memory(
+        weights=sum(cost.weight_bytes(op) for op in ops),
+        optimizer=sum(cost.optimizer_bytes(op) for op in ops),
+        activation_per_sample=sum(
+            cost.activation_bytes(graph, op.name) for op in ops if op.name not in graph.constant_nodes
+        ),
+        input_per_sample=sum(cost.wire_bytes(b) for b in entering.values()),
+        micro_batch=st.micro_batch_size,
+        devices=len(st.devices),
+        in_flight=st.in_flight,
+        recompute=training.recompute,
+    )

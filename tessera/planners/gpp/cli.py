@@ -26,6 +26,7 @@ from tessera.core.plans import (
     StageEdge,
     StageMemory,
     StageSchedule,
+    TrainingSetup,
     dump_plan,
     write_plan,
 )
@@ -90,7 +91,7 @@ def _build(
     spp_sim = simulate_pipeline(spp) if spp is not None else None
     if kind == "spp":
         assert spp is not None and spp_sim is not None
-        plan = _to_plan(graph, cluster, spp, spp_sim, None, "sequential")
+        plan = _to_plan(graph, cluster, spp, spp_sim, None, "sequential", _training(options, cost))
         plan.predicted.update(sequential_record(spp))  # which sequential planner, and the other's result
         return plan, spp, spp_sim
     try:
@@ -125,7 +126,14 @@ def _build(
             }
         else:
             base = {"kind": "spp", "infeasible": spp_error or "no plan"}
-    return _to_plan(graph, cluster, pipe, sim, base, structure), pipe, sim
+    return _to_plan(graph, cluster, pipe, sim, base, structure, _training(options, cost)), pipe, sim
+
+
+def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
+    """What the plan's memory was counted for, so validate can count it again."""
+    return TrainingSetup(
+        precision=options.precision, bytes_per_param=cost.memory.bytes_per_param, recompute=options.recompute
+    )
 
 
 def _relabel(pipe: Pipeline) -> Pipeline:
@@ -139,6 +147,7 @@ def _to_plan(
     sim: SimResult,
     base: dict[str, Any] | None,
     structure: str = "sequential",
+    training: TrainingSetup | None = None,
 ) -> GppPlan:
     stages = []
     for st in pipe.stages:
@@ -182,6 +191,7 @@ def _to_plan(
         stages=stages,
         edges=edges,
         baseline=base,
+        training=training or TrainingSetup(),
         predicted={
             "iteration_time_s": _r(sim.iteration_time),
             "throughput_samples_per_s": _r(sim.throughput),

@@ -128,6 +128,9 @@ def check_schedule(actions: Sequence[str], num_micro_batches: int) -> list[str]:
         except ValueError as exc:
             problems.append(str(exc))
             continue
+        if mb >= num_micro_batches:
+            problems.append(f"{a}: there are {num_micro_batches} micro-batches (0..{num_micro_batches - 1})")
+            continue
         if kind == "F":
             fw.append(mb)
             done_fw.add(mb)

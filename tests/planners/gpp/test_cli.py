@@ -253,3 +253,27 @@ def test_a_memory_limit_above_the_device_memory_is_refused(graph) -> None:
     with pytest.raises(InputError, match=r"--memory-limit 1\.0 TiB is more than a v100-16g's 15\.8 GiB"):
         run_gpp_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="1TiB")
     run_gpp_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="15GiB")  # below it: plans
+
+
+def test_validate_refuses_what_the_executor_cannot_run() -> None:
+    # Both passed validate; launch then refused the first with exit 4, and ran the second as a
+    # graph of stages under the label of a sequential plan.
+    from executor.plans import make_plan
+    from planners.gpp.gpp_graphs import n_shaped
+
+    g = n_shaped()
+    tiny = make_plan(g, [(list(g.order), ["a", "b"], 1)], mini_batch=2)
+    problems = check_plan_against_model(tiny, g)
+    assert problems == [
+        "stage 0: micro-batch 1 is smaller than its 2 data-parallel replicas (a replica needs a sample)"
+    ]
+    branches = [["a", "c"], ["b"], ["d_add", "d"]]  # stages 0 and 1 both feed stage 2
+    graph_as_spp = make_plan(g, [(nodes, [f"c{i}"], 2) for i, nodes in enumerate(branches)], 4, kind="spp")
+    problems = check_plan_against_model(graph_as_spp, g)
+    assert any(p.startswith("spp: a sequential plan's stages form the chain 0->1->…->2") for p in problems)
+    assert (
+        check_plan_against_model(
+            make_plan(g, [(nodes, [f"c{i}"], 2) for i, nodes in enumerate(branches)], 4), g
+        )
+        == []
+    )
