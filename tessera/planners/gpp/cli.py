@@ -374,10 +374,21 @@ def write_gantt(sim: SimResult, pipe: Pipeline, path: str | os.PathLike[str]) ->
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    n = len(pipe.stages)
+    # A fixed hash salt: matplotlib's SVG ids are otherwise random, and the same plan must draw
+    # the same bytes.
+    with matplotlib.rc_context({"svg.hashsalt": "tessera", "svg.fonttype": "none"}):
+        fig, ax = plt.subplots(figsize=(12, 0.5 * n + 1.5))
+        data = _draw_gantt(fig, ax, sim, pipe, Path(path).suffix.lstrip(".").lower() or "svg")
+    return write_output(path, data)
+
+
+def _draw_gantt(fig: Any, ax: Any, sim: SimResult, pipe: Pipeline, fmt: str) -> bytes:
+    import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
     n = len(pipe.stages)
-    fig, ax = plt.subplots(figsize=(12, 0.5 * n + 1.5))
     try:
         for e in sim.events:
             comm = e.kind.startswith("send")
@@ -388,7 +399,7 @@ def write_gantt(sim: SimResult, pipe: Pipeline, path: str | os.PathLike[str]) ->
         ax.set_yticklabels([f"stage {s.id} ({len(s.devices)} dev)" for s in pipe.stages])
         ax.invert_yaxis()
         ax.set_xlabel("time (ms)")
-        ax.set_title(f"{pipe.kind.upper()}: one iteration, {sim.iteration_time * 1e3:.2f} ms")
+        ax.set_title(f"{pipe.kind.upper()}: one iteration, {sim.iteration_time * 1e3:.2f} ms", loc="left")
         ax.legend(
             handles=[
                 Patch(color=_COLOURS["F"], label="forward"),
@@ -396,12 +407,16 @@ def write_gantt(sim: SimResult, pipe: Pipeline, path: str | os.PathLike[str]) ->
                 Patch(color=_COLOURS["send_F"], label="communication"),
                 Patch(color=_COLOURS["allreduce"], label="all-reduce"),
             ],
-            loc="upper right",
+            # Above the axes, right of the title: inside them it covered the first stage's bars.
+            loc="lower right",
+            bbox_to_anchor=(1.0, 1.0),
+            ncol=4,
             fontsize="small",
+            frameon=False,
         )
         buf = io.BytesIO()
-        fmt = Path(path).suffix.lstrip(".").lower() or "svg"
-        fig.savefig(buf, format=fmt, metadata={"Date": None} if fmt == "svg" else None)
+        metadata = {"svg": {"Date": None}, "pdf": {"CreationDate": None}}.get(fmt)
+        fig.savefig(buf, format=fmt, metadata=metadata, bbox_inches="tight")
     finally:
         plt.close(fig)
-    return write_output(path, buf.getvalue())
+    return buf.getvalue()

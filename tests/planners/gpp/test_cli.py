@@ -277,3 +277,13 @@ def test_validate_refuses_what_the_executor_cannot_run() -> None:
         )
         == []
     )
+
+
+def test_gantt_is_the_same_bytes_for_the_same_plan(tmp_path, graph) -> None:
+    # matplotlib names SVG elements with random ids unless salted: two runs drew different files.
+    cluster = load_cluster("graphpipe-v100")
+    for name in ("a.svg", "b.svg"):
+        run_gpp_plan(graph, cluster, mini_batch=32, devices=4, gantt=tmp_path / name, no_baseline=True)
+    first = (tmp_path / "a.svg").read_bytes()
+    assert first == (tmp_path / "b.svg").read_bytes()
+    assert b"forward" in first and b"stage 0" in first  # text kept as text (svg.fonttype none)
