@@ -132,7 +132,7 @@ def _parse(
     else:
         number = float(value)
     if math.isnan(number) or math.isinf(number):
-        raise UnitError(field, f"expected a finite {expected}; got {_show(value)}")
+        raise UnitError(field, f"not finite: expected {expected}; got {_show(value)}")
     if number < 0:
         raise UnitError(field, f"must not be negative: expected {expected}; got {_show(value)}")
     if number == 0 and not allow_zero:
