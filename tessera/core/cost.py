@@ -105,7 +105,10 @@ class CostModel:
         if bytes_per_param is not None:
             extra = bytes_per_param - memory.weight_bytes_per_param - memory.gradient_bytes_per_param
             if extra < 0:
-                raise ValueError(f"bytes_per_param {bytes_per_param} is below weights + gradients")
+                raise ValueError(
+                    f"{bytes_per_param:g} bytes per parameter is below what its weight and gradient take "
+                    f"({memory.weight_bytes_per_param + memory.gradient_bytes_per_param:g} at {precision} precision)"
+                )
             memory = TrainingMemory(
                 memory.weight_bytes_per_param, memory.gradient_bytes_per_param, extra, memory.activation_scale
             )

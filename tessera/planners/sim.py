@@ -275,11 +275,13 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
     from tessera.core.cost import per_device_samples
 
     stages = []
+    recompute = bool(getattr(pipeline, "recompute", False))
     for st in pipeline.stages:  # type: ignore[attr-defined]
         s = per_device_samples(st.micro_batch_size, len(st.devices))
-        per_mb = s * (
-            st.input_per_sample if getattr(pipeline, "recompute", False) else st.activation_per_sample
-        )
+        # Recomputation keeps each in-flight micro-batch's inputs, plus the full activations of
+        # the one being recomputed (Eq. 3.2 with recomputation: tessera.planners.gpp.memory).
+        per_mb = s * (st.input_per_sample if recompute else st.activation_per_sample)
+        static = st.weights + st.optimizer + (s * st.activation_per_sample if recompute else 0.0)
         stages.append(
             SimStage(
                 id=st.id,
@@ -289,7 +291,7 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
                 actions=tuple(st.schedule),
                 devices=len(st.devices),
                 allreduce_time=st.allreduce_time,
-                static_memory=st.weights + st.optimizer,
+                static_memory=static,
                 activation_bytes=per_mb,
                 allreduce_nics=st.allreduce_nics,
             )

@@ -67,7 +67,10 @@ def build_gpp_plan(
     if kind not in ("gpp", "spp"):
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
     device = planned_device_type(cluster, options.num_devices)
-    cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
+    try:
+        cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
+    except ValueError as exc:  # bytes per parameter below what weights and gradients take
+        raise InputError(f"--bytes-per-param: {exc}") from None
     plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost)
     if measured is not None:
         plan.predicted["cost_model"] = measured.to_json()
@@ -224,11 +227,15 @@ def run_gpp_plan(
     profile: bool = False,
     cache: str | os.PathLike[str] | None = None,
     k: int = 2,
+    recompute: bool = False,
+    bytes_per_param: float | None = None,
 ) -> GppPlan:
     """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
 
     ``profile``: measure operator times on this machine first (:mod:`tessera.planners.gpp.profile`),
     cached in the profile cache at ``cache`` (default: the one ``tessera place`` uses).
+    ``recompute``: every stage recomputes its activations in the backward; ``bytes_per_param``:
+    weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision).
     """
     if cache is not None and not profile:
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
@@ -255,6 +262,8 @@ def run_gpp_plan(
         memory_limit=limit,
         schedule=schedule,  # type: ignore[arg-type]
         k=k if schedule == "kfkb" else 1,
+        recompute=recompute,
+        bytes_per_param=bytes_per_param,
     )
     measured = profile_costs(graph, cluster, cache, devices) if profile else None
     plan, pipe, sim = build_gpp_plan(

@@ -177,6 +177,9 @@ class Pipeline:
     num_units: int
     memory_limit: float
     probes: int = 0
+    # Activation recomputation on every stage: a stage keeps only its inputs per micro-batch in
+    # flight and runs its forward again in the backward (in its backward time).
+    recompute: bool = False
 
     @property
     def pipeline_depth(self) -> int:
@@ -832,6 +835,7 @@ def materialize(
         search_time_s=0.0,
         num_units=tree.num_units,
         memory_limit=limit,
+        recompute=opts.recompute,
     )
     warm_up = _uniform(pipe, slack) if slack and opts.searched_schedule == "1f1b" else {}
     return scheduled(pipe, warm_up, opts.recompute)
