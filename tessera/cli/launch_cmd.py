@@ -19,6 +19,7 @@ from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, load_plan
 from tessera.executor.launcher import LaunchOptions
+from tessera.planners.cp.workload import MAX_TOKENS
 
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
 _KIND_OPTIONS: dict[str, frozenset[str]] = {
@@ -108,10 +109,10 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
 )
 @click.option(
     "--new-tokens",
-    type=click.IntRange(min=2),
+    type=click.IntRange(min=2, max=MAX_TOKENS),
     default=8,
     show_default=True,
-    help="[cp] Tokens generated per request (the first by the prefill, then decode steps).",
+    help="[cp] Tokens generated per request (the first by the prefill, then decode steps); 2..1024M.",
 )
 @click.option(
     "--prompt-lens",
@@ -277,15 +278,21 @@ def _launch_cp(
     model_path = None
     if plan.model is not None:
         model_path = load_plan_model(plan, plan_path, model).source
+    elif model is not None:
+        raise click.UsageError(
+            "--model does not apply to a plan made from --llm (it runs seeded random weights)"
+        )
     elif plan.llm_config is not None:
         check_plan_llm_config(plan, plan_path, must_exist=False)
     lens = None
-    if prompt_lens:
+    if prompt_lens is not None:
         try:
             lens = tuple(int(p) for p in prompt_lens.split(",") if p.strip())
         except ValueError:
-            raise InputError(f"--prompt-lens {prompt_lens!r}: expected integers such as 64,17,1") from None
-    options = DecodeOptions(new_tokens=new_tokens, prompt_lens=lens or None, seed=seed, attention=attention)
+            lens = ()
+        if not lens:
+            raise InputError(f"--prompt-lens {prompt_lens!r}: expected integers such as 64,17,1")
+    options = DecodeOptions(new_tokens=new_tokens, prompt_lens=lens, seed=seed, attention=attention)
     run = run_cp_plan(plan, model_path, options, launch_options, plan_path=plan_path)
     if as_json:
         emit_json(run.to_json())

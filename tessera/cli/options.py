@@ -86,7 +86,7 @@ def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> Non
         raise problems_error(problems, plan_path)
     ref = plan.llm_config
     try:
-        _, source = load_llm_config(ref.path)
+        config, source = load_llm_config(ref.path)
     except InputError as exc:
         if not must_exist:
             return
@@ -98,6 +98,14 @@ def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> Non
             f"LLM config changed: the plan was made for sha256 {ref.sha256[:12]}…, {ref.path} is {source.sha256[:12]}…",
             source=plan_path,
         )
+    # The workers build the model the plan's own llm block describes: it must be the config's
+    # (the dtype may differ: plan --dtype serves the config in another type).
+    for key, value in config.to_json().items():
+        if key != "dtype" and plan.llm.get(key) != value:
+            raise InputError(
+                f"llm.{key} is {plan.llm.get(key)!r} but the LLM config {ref.path} gives {value!r}",
+                source=plan_path,
+            )
 
 
 def json_option(f: F) -> F:

@@ -12,7 +12,7 @@ checks that no option of another kind was given, and calls it. The planning itse
 ``--kind cp`` (cache-parallel decoding, thesis ch. 4)::
 
     tessera plan --kind cp --llm llama-7b --cluster a5000-4x --batch 32 --context 32K -o plan.json
-    tessera plan gpt.onnx --kind cp --cluster h200 --batch 8 --context 4K --json
+    tessera plan gpt.onnx --kind cp --cluster h200 --batch 8 --context 512 --output-len 256 --json
     tessera plan --kind cp --llm llama-7b --cluster a5000-4x --batch 32 --layers 1 \\
         --sweep-context 1K,10K,100K --plot sweep.svg
 """
@@ -76,7 +76,7 @@ def run_cp(
     from tessera.planners.cp.llm import LlmSource, load_llm_config
     from tessera.planners.cp.plan import plan_cp, sweep_to_json
     from tessera.planners.cp.plan import sweep_context as sweep
-    from tessera.planners.cp.recognize import recognize_llm
+    from tessera.planners.cp.recognize import position_limit, recognize_llm
     from tessera.planners.cp.workload import (
         Workload,
         parse_output_lengths,
@@ -89,6 +89,8 @@ def run_cp(
         raise click.UsageError(
             "--kind cp takes either MODEL (an ONNX decoder) or --llm CONFIG, not both or neither"
         )
+    if llm is not None and input_shapes:
+        raise click.UsageError("--input-shape binds MODEL's inputs: it does not apply to --llm")
     if batch is None:
         raise click.UsageError("--kind cp needs --batch")
     if context is None and sweep_context is None:
@@ -114,9 +116,21 @@ def run_cp(
     if layers is not None and not 1 <= layers <= config.layers:
         raise InputError(f"--layers: must be in 1..{config.layers} (the model's layers); got {layers}")
     output_lengths = parse_output_lengths(output_len)
-    contexts = parse_token_counts(sweep_context, option="--sweep-context") if sweep_context else []
+    contexts = (
+        parse_token_counts(sweep_context, option="--sweep-context") if sweep_context is not None else []
+    )
     base_context = parse_token_count(context, option="--context") if context is not None else contexts[0]
     workload = Workload(batch, base_context, output_lengths)
+    if model is not None and (limit := position_limit(graph, config.hidden)) is not None:
+        # A request feeds back all but its last generated token: context + output - 1 positions.
+        longest = max([base_context, *contexts]) + output_lengths.max - 1
+        if longest > limit:
+            raise InputError(
+                f"context {max([base_context, *contexts])} plus output lengths up to {output_lengths.max} "
+                f"needs {longest} positions, but the model's position table has {limit}: give a shorter "
+                "--context or --output-len",
+                source=graph.source,
+            )
 
     plan = None
     if context is not None:
@@ -249,10 +263,10 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         memory_limit: str | None,
         gantt: str | None,
         pytorch_csv: str | None,
-        no_baseline: bool,
         k: int,
         profile: bool,
         cache_path: str | None,
+        no_baseline: bool = False,
     ) -> None:
         """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
         from tessera.planners.gpp.cli import run_gpp_plan
@@ -292,7 +306,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
 KINDS: dict[str, PlanKind] = {
     "cp": PlanKind(run_cp, _CP_OPTIONS),
     "gpp": PlanKind(_pipeline_runner("gpp"), _GPP_OPTIONS),
-    "spp": PlanKind(_pipeline_runner("spp"), _GPP_OPTIONS),
+    "spp": PlanKind(_pipeline_runner("spp"), _GPP_OPTIONS - {"no_baseline"}),  # spp is the baseline
 }
 
 
@@ -356,7 +370,12 @@ KINDS: dict[str, PlanKind] = {
     help="[gpp/spp] Micro-batch schedule of every stage; auto: the 1F1B search's plans, "
     "rescheduled by Algorithm 4 (greedy) where that is faster, the fastest kept.",
 )
-@click.option("--k", type=click.IntRange(min=1), default=2, show_default=True, help="[gpp/spp] k of kFkB.")
+@click.option(
+    "--k",
+    type=click.IntRange(min=1),
+    default=2,
+    help="[gpp/spp] k of kFkB (--schedule kfkb only; default 2).",
+)
 @click.option("--memory-limit", metavar="BYTES", help="[gpp/spp] Per-device memory cap, e.g. 8GiB.")
 @click.option(
     "--gantt",

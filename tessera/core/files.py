@@ -116,6 +116,11 @@ def read_npz(path: str | os.PathLike[str], what: str = "data") -> dict[str, Any]
     import numpy as np
 
     try:
+        with open(path, "rb") as fh:
+            head = fh.read(6)
+        if head and not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
+            # np.load reads anything else as a pickle and refuses it as "pickled data".
+            raise ValueError("not an .npz archive (a zip of named .npy arrays)")
         loaded = np.load(path)
         if not isinstance(loaded, np.lib.npyio.NpzFile):
             raise ValueError(

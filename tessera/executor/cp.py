@@ -69,7 +69,15 @@ from torch import Tensor
 from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan
 from tessera.executor.gpp import WATCHDOG_FACTOR, _memory_status, _test_fault, _Watchdog
-from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, worker_setup
+from tessera.executor.launcher import (
+    LaunchOptions,
+    available_memory_bytes,
+    choose_backend,
+    launch_workers,
+    local_ranks,
+    worker_setup,
+)
+from tessera.planners.cp.workload import MAX_TOKENS
 
 __all__ = [
     "CpRun",
@@ -563,17 +571,30 @@ class KvLayout:
 
     def owners(self, length: int) -> np.ndarray:
         """The owning rank of positions ``0..length-1``."""
-        while len(self._owner) < length:
-            p = len(self._owner)
-            if p % self.block and p > 0:  # finish the partial block its last position is in
-                rank = int(self._owner[p - 1])
+        p = len(self._owner)
+        if p >= length:
+            return self._owner[:length]
+        chunks, rank = [self._owner], int(self._owner[-1]) if p else 0
+        while p < length:  # one concatenation at the end: linear in length, not quadratic
+            if p % self.block:  # finish the partial block its last position is in
                 n = self.block - p % self.block
             else:
                 rank = int(np.argmin(self._held))  # first minimum: the lower rank on ties
                 n = self.block
-            self._owner = np.concatenate([self._owner, np.full(n, rank, dtype=np.int64)])
+            chunks.append(np.full(n, rank, dtype=np.int64))
             self._held[rank] += n
+            p += n
+        self._owner = np.concatenate(chunks)
         return self._owner[:length]
+
+    def most_held(self, rank: int, length: int) -> int:
+        """An upper bound on the positions ``rank`` holds of a request of ``length`` positions,
+        without dealing the blocks out: past the plan's context a rank takes a block only while it
+        holds the fewest, so it ends at most one block above the even share (or its own shard)."""
+        start, stop = self.shards[rank]
+        if length <= self.context:
+            return max(0, min(stop, length) - start)
+        return max(stop - start, -(-length // self.world_size)) + self.block
 
 
 def request_slices(batch: int, world: int) -> list[tuple[int, int]]:
@@ -903,26 +924,32 @@ def _devices(plan: CpPlan) -> list[str]:
     return devices
 
 
-def check_cp_plan(plan: CpPlan, options: DecodeOptions) -> list[int]:
-    """Refuse what the executor cannot run (InputError, exit 2); return the prompt lengths."""
+def check_cp_plan(plan: CpPlan, options: DecodeOptions, source: str | None = None) -> list[int]:
+    """Refuse what the executor cannot run (InputError, exit 2; a problem of the plan names
+    ``source``, the plan's file); return the prompt lengths."""
     if plan.strategy not in SUPPORTED_STRATEGIES:
         raise InputError(
             f"strategy {plan.strategy!r} cannot be launched; the executor runs "
-            f"{', '.join(SUPPORTED_STRATEGIES)} plans"
+            f"{', '.join(SUPPORTED_STRATEGIES)} plans",
+            source=source,
         )
     n = plan.degree
     if len(_devices(plan)) != n:
-        raise InputError(f"the plan has degree {n} but {len(_devices(plan))} devices")
+        raise InputError(f"the plan has degree {n} but {len(_devices(plan))} devices", source=source)
     if plan.strategy == "cp" and len(plan.kv_shards) != n:
-        raise InputError(f"a cp plan of degree {n} needs {n} kv_shards; it has {len(plan.kv_shards)}")
+        raise InputError(
+            f"a cp plan of degree {n} needs {n} kv_shards; it has {len(plan.kv_shards)}", source=source
+        )
     _, _, heads, kv_heads, _, _, _ = _llm_ints(plan.llm)
     if plan.strategy == "tp" and (heads % n or kv_heads % n):
         raise InputError(
-            f"tp over {n} ranks needs heads ({heads}) and kv_heads ({kv_heads}) divisible by {n}"
+            f"tp over {n} ranks needs heads ({heads}) and kv_heads ({kv_heads}) divisible by {n}",
+            source=source,
         )
-    if options.new_tokens < 2:
+    if not 2 <= options.new_tokens <= MAX_TOKENS:
         raise InputError(
-            f"--new-tokens {options.new_tokens}: at least 2 (one prefill token, one decode step)"
+            f"--new-tokens {options.new_tokens}: must be in 2..{MAX_TOKENS} "
+            "(one prefill token, at least one decode step)"
         )
     if options.attention not in ("torch", "triton"):
         raise InputError(f"--attention {options.attention!r}: expected torch or triton")
@@ -939,9 +966,103 @@ def check_cp_plan(plan: CpPlan, options: DecodeOptions) -> list[int]:
     given = options.prompt_lens or (context,)
     if any(p < 1 for p in given):
         raise InputError(f"--prompt-lens {list(given)}: every prompt needs at least 1 token")
+    if any(p + options.new_tokens - 1 > MAX_TOKENS for p in given):
+        raise InputError(
+            f"--prompt-lens {max(given)} with --new-tokens {options.new_tokens}: a request may hold at "
+            f"most {MAX_TOKENS} positions (1024M)"
+        )
     if plan.strategy == "dp" and batch < n:
-        raise InputError(f"dp over {n} ranks needs at least {n} requests (batch {batch})")
+        raise InputError(f"dp over {n} ranks needs at least {n} requests (batch {batch})", source=source)
     return [int(given[b % len(given)]) for b in range(batch)]
+
+
+WORKER_BASE_BYTES = 256 * 2**20
+"""A worker's memory before it builds anything (interpreter, torch, gloo): a tiny plan's ranks
+measure about 350 MiB of peak RSS, part of it shared libraries."""
+
+
+def _weight_elements(llm: dict[str, Any], positions: int | None) -> int:
+    """Elements of the tensors :func:`onnx_decoder_weights` / :func:`random_decoder_weights` build
+    (fp32 whatever the plan's dtype; a tied LM head is a copy of its own)."""
+    layers, hidden, heads, kv_heads, head_dim, ffn, vocab = _llm_ints(llm)
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    ffn_matrices = 3 if llm.get("gated_ffn") else 2
+    layer = (
+        4 * hidden  # ln1, ln2
+        + (hidden + 1) * q_dim
+        + 2 * (hidden + 1) * kv_dim
+        + q_dim * hidden
+        + hidden
+        + ffn_matrices * hidden * ffn
+        + (ffn_matrices - 1) * ffn
+        + hidden
+    )
+    return layers * layer + 2 * vocab * hidden + 2 * hidden + (positions or 0) * hidden
+
+
+def host_memory_need(
+    plan: CpPlan,
+    prompt_lens: Sequence[int],
+    new_tokens: int,
+    ranks: Sequence[int],
+    *,
+    layout: KvLayout | None,
+    positions: int | None,
+    onnx: bool,
+    on_gpu: bool,
+) -> dict[str, int]:
+    """Bytes the workers of ``ranks`` will allocate on this host, by what for (an upper estimate,
+    computed from the plan without building anything): ``weights`` as built (fp32; an ONNX model's
+    file is held while its tensors are made; a TP rank cuts its share from the full weights),
+    ``kv_cache`` (:class:`DecodeWorker`'s buffers), ``prefill`` (one request's causal attention
+    scores ``heads × S × S``, three live at once, its prompt's K/V and FFN activations),
+    ``layout`` (each request's position owners) and ``workers`` (:data:`WORKER_BASE_BYTES` each).
+    On a GPU the KV cache and the prefill live on the device, not here."""
+    layers, hidden, heads, kv_heads, head_dim, ffn, _ = _llm_ints(plan.llm)
+    n = plan.degree
+    weights = 4 * _weight_elements(plan.llm, positions)
+    built = 2 * weights if onnx else weights
+    hq, hkv = heads, kv_heads
+    if plan.strategy == "tp":
+        built = max(built, weights + weights // n)
+        hq, hkv = heads // n, kv_heads // n
+    total = [p + new_tokens - 1 for p in prompt_lens]
+    slices = request_slices(len(total), plan.degree)
+    need = {"weights": 0, "kv_cache": 0, "prefill": 0, "layout": 0, "workers": 0}
+    for rank in ranks:
+        cached = range(*slices[rank]) if plan.strategy == "dp" else range(len(total))
+        if layout is not None:
+            cap = max((layout.most_held(rank, total[b]) for b in cached), default=0)
+        else:
+            cap = max((total[b] for b in cached), default=0)
+        s = max((prompt_lens[b] for b in cached), default=0)
+        need["weights"] += built
+        need["layout"] += 8 * sum(total[b] for b in cached)
+        need["workers"] += WORKER_BASE_BYTES
+        if not on_gpu:
+            need["kv_cache"] += 2 * layers * len(cached) * hkv * max(cap, 1) * head_dim * 4
+            scores = 3 * hq * s * s  # q·kᵀ, masked, softmax: [heads, S, S] each
+            kv_and_ffn = 4 * layers * hkv * s * head_dim + 2 * s * max(ffn, hidden, hq * head_dim)
+            need["prefill"] += 4 * (scores + kv_and_ffn) + s * s  # and the [S, S] causal mask
+    return need
+
+
+def check_host_memory(need: dict[str, int], plan_path: str) -> None:
+    """Refuse (InputError, exit 2) a launch whose workers would allocate more than this host has
+    available: better than the OOM killer stopping a worker (or the machine) half-way."""
+    from tessera.core.units import format_bytes
+
+    available = available_memory_bytes()
+    total = sum(need.values())
+    if available is None or total <= available:
+        return
+    parts = ", ".join(f"{what.replace('_', ' ')} {format_bytes(n)}" for what, n in need.items() if n)
+    raise InputError(
+        f"the workers on this host would need about {format_bytes(total)} of memory ({parts}) but "
+        f"{format_bytes(available)} is available; give a smaller model, shorter --prompt-lens or "
+        "fewer --new-tokens, or run the plan over more nodes",
+        source=plan_path,
+    )
 
 
 def run_cp_plan(
@@ -956,13 +1077,14 @@ def run_cp_plan(
     report measured tokens/s and per-token latency against the plan's prediction. Raises InputError
     (exit 2) for a plan or model the executor cannot run, LaunchError (exit 4) when a worker fails."""
     launch = launch or LaunchOptions()
-    prompt_lens = check_cp_plan(plan, options)
+    prompt_lens = check_cp_plan(plan, options, plan_path)
     if plan.model is not None:
         if model_path is None:
             raise InputError("the plan names an ONNX model; give its path", source=plan_path)
         model_path = str(Path(model_path).resolve())
         weights = onnx_decoder_weights(model_path, plan.llm)  # refuse an unmappable model before starting
         vocab, max_positions, source = weights.vocab, weights.max_positions, weights.source
+        del weights  # the workers build their own: do not hold a copy while they run
     else:
         model_path = None
         vocab, max_positions = int(plan.llm["vocab"]), None
@@ -971,14 +1093,30 @@ def run_cp_plan(
     if max_positions is not None and longest > max_positions:
         raise InputError(
             f"the longest request needs {longest} positions (prompt {max(prompt_lens)} + "
-            f"{options.new_tokens - 1} decode steps) but the model's position table has {max_positions}"
+            f"{options.new_tokens - 1} decode steps) but the model's position table has {max_positions}",
+            source=plan_path,
         )
     backend = choose_backend(plan.cluster, _devices(plan))
     devices = _devices(plan)
     block = int((plan.predicted.get("cost_model") or {}).get("kv_block", DEFAULT_KV_BLOCK))
     shards = [(s.start, s.stop) for s in plan.kv_shards]
+    layout = None
     if plan.strategy == "cp":
-        KvLayout(shards, block)  # validates
+        try:
+            layout = KvLayout(shards, block)  # validates
+        except InputError as exc:
+            raise InputError(exc.message, source=plan_path) from None
+    need = host_memory_need(
+        plan,
+        prompt_lens,
+        options.new_tokens,
+        local_ranks(launch, plan.degree),
+        layout=layout,
+        positions=max_positions,
+        onnx=plan.model is not None,
+        on_gpu=backend == "nccl",
+    )
+    check_host_memory(need, plan_path)
     spec = CpWorkerSpec(
         strategy=plan.strategy,
         world_size=plan.degree,

@@ -58,6 +58,7 @@ import onnx
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.files import read_npz
@@ -153,7 +154,14 @@ def _load_npz(path: str, graph: Graph, mini_batch: int) -> dict[str, np.ndarray]
         if name.startswith("target:"):
             if name[7:] not in graph.outputs:
                 raise InputError(f"{name!r} names no model output", source=path)
-            out[name] = array.astype(graph.outputs[name[7:]].dtype)
+            info = graph.outputs[name[7:]]
+            if info.shape is not None and tuple(array.shape[1:]) != tuple(info.shape[1:]):
+                raise InputError(
+                    f"array {name!r} has sample shape {list(array.shape[1:])}, the model's output "
+                    f"{name[7:]!r} has {list(info.shape[1:])}",
+                    source=path,
+                )
+            out[name] = array.astype(info.dtype)
         elif name in graph.inputs:
             info = graph.inputs[name]
             if info.shape is not None and tuple(array.shape[1:]) != tuple(info.shape[1:]):
@@ -506,6 +514,9 @@ class StageWorker:
         sub = graph.extract(self.stage.nodes, name=f"stage{self.stage_id}")
         self.module: OnnxModule = to_torch(sub, label=f"stage {self.stage_id}").to(device)
         self.params = [p for _, p in self.module.onnx_parameters()]
+        # Activation recomputation (the plan's training.recompute): the forward keeps only its
+        # inputs and outputs, and the backward runs it again (torch.utils.checkpoint).
+        self.recompute = plan.training.recompute
         self.opt = torch.optim.SGD(self.params, lr=spec.options.lr) if self.params else None
         self.data = TrainingData(graph, routing.mini_batch, spec.options.seed, spec.options.data)
         self.graph_inputs = set(graph.inputs)
@@ -581,7 +592,12 @@ class StageWorker:
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            outputs = self.module.run(feeds)
+            if self.recompute:
+                # early_stop off: torch ends a recomputation early by raising through the
+                # module, whose per-operator error reports would catch it.
+                outputs = checkpoint(self.module.run, feeds, use_reentrant=False, early_stop=False)
+            else:
+                outputs = self.module.run(feeds)
         loss = None
         for o in self.routing.loss_outputs[self.stage_id]:
             target = targets.get(o)

@@ -216,7 +216,11 @@ def _env(name: str, value: str) -> Iterator[None]:
 def _quiet_agent() -> Iterator[None]:
     """The elastic agent logs every failure at ERROR with a banner; tessera reports it in one line.
     Its logs stay visible with ``-v`` (the root logger at INFO or below)."""
-    loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    # torch sets levels on some of its module loggers (the agent's "Received 15 death signal" is one):
+    # quieting the parents is not enough.
+    prefixes = ("torch.distributed.elastic", "torch.multiprocessing")
+    names = [n for n in list(logging.Logger.manager.loggerDict) if n.startswith(prefixes)]
+    loggers = [logging.getLogger(n) for n in dict.fromkeys([*prefixes, *names])]
     old = [lg.level for lg in loggers]
     if logging.getLogger().getEffectiveLevel() > logging.INFO:
         for lg in loggers:
@@ -226,6 +230,38 @@ def _quiet_agent() -> Iterator[None]:
     finally:
         for lg, level in zip(loggers, old, strict=True):
             lg.setLevel(level)
+
+
+def available_memory_bytes() -> int | None:
+    """Memory this host can still give its processes without swapping or the OOM killer: the
+    kernel's ``MemAvailable`` (``/proc/meminfo``), capped by a cgroup v2 limit's headroom; free
+    pages (``os.sysconf``) where there is no ``/proc``; None when neither can be read."""
+    found: list[int] = []
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append(int(line.split()[1]) * 1024)
+                    break
+    with contextlib.suppress(OSError, ValueError):
+        with open("/sys/fs/cgroup/memory.max", encoding="ascii") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current", encoding="ascii") as f:
+            current = int(f.read().strip())
+        if limit != "max":
+            found.append(max(0, int(limit) - current))
+    if not found:
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            found.append(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    return min(found) if found else None
+
+
+def local_ranks(options: LaunchOptions, world_size: int) -> range:
+    """The global ranks that run on this node (the torchrun layout: ``nproc_per_node`` consecutive
+    ranks per node); :func:`resolve` checks that the numbers agree."""
+    nproc = options.nproc_per_node or max(1, world_size // max(options.nnodes, 1))
+    first = options.node_rank * nproc
+    return range(min(first, world_size), min(first + nproc, world_size))
 
 
 def choose_backend(cluster: dict[str, Any] | None, device_ids: Iterable[str]) -> str:

@@ -136,6 +136,8 @@ NOT_AN_NPZ = {
         "Object arrays cannot be loaded when allow_pickle=False",
     ),
     "missing": (lambda p: None, "No such file or directory"),
+    # np.load reads any other bytes as a pickle: it said "pickled (object) data".
+    "a text file": (lambda p: p.write_text("x,y\n1,2\n"), "not an .npz archive (a zip of named .npy arrays)"),
 }
 
 

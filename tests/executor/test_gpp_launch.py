@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from executor.plans import candle_dag, make_plan, save_model
 
+from tessera.core.plans import TrainingSetup
 from tessera.executor.gpp import TrainOptions, run_gpp_plan, train_reference
 from tessera.executor.launcher import LaunchOptions
 from tessera.models import build
@@ -54,3 +55,26 @@ def test_chain_with_a_batchless_tensor_and_mixed_micro_batches(tmp_path: Path) -
     graph = save_model(build("gpt", "tiny", 0), path)
     plan = make_plan(graph, [(graph.order[:2], ["d0"], 2), (graph.order[2:], ["d1"], 4)], 8)
     _check_exact(plan, graph, path, TrainOptions(steps=3, lr=0.05, seed=2))
+
+
+def test_recomputed_activations_train_exactly_and_keep_less(tmp_path: Path) -> None:
+    """A plan that recomputes activations (training.recompute): each rank's forward keeps only its
+    inputs and outputs and runs again in the backward (torch.utils.checkpoint); the losses and
+    weights are single-process training's, and every stage keeps fewer activation bytes."""
+    path = tmp_path / "candle.onnx"
+    graph = save_model(build("candle_uno", "tiny", 0), path)
+    a, b, c = candle_dag(graph)
+    plan = make_plan(graph, [(a, ["d0"], 2), (b, ["d1"], 4), (c, ["d2"], 2)], 8)
+    again = plan.model_copy(update={"training": TrainingSetup(recompute=True)})
+    options = TrainOptions(steps=2, lr=0.05, seed=3)
+    runs = [
+        run_gpp_plan(p, graph, str(path), options, LaunchOptions(timeout_s=60), return_weights=True)
+        for p in (plan, again)
+    ]
+    ref = train_reference(graph, options.steps, plan.mini_batch_size, seed=options.seed, lr=options.lr)
+    for run in runs:
+        np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
+        for name, want in ref.weights.items():
+            np.testing.assert_allclose(run.weights[name], want, rtol=RTOL, atol=ATOL, err_msg=name)
+    kept = [[st["peak_activation_bytes"] for st in run.to_json()["stages"]] for run in runs]
+    assert all(r < n for r, n in zip(kept[1], kept[0], strict=True)), kept

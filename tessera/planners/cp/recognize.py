@@ -33,7 +33,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph, OpNode
 from tessera.planners.cp.llm import LlmConfig
 
-__all__ = ["AttentionBlock", "recognize_llm"]
+__all__ = ["AttentionBlock", "position_limit", "recognize_llm"]
 
 # Ops that only move or re-lay-out a projection's output on its way to Q·Kᵀ or ·V.
 _LAYOUT_OPS = frozenset(
@@ -288,6 +288,24 @@ class _Matcher:
         if embedding is not None:
             return embedding[1], True
         return None, False
+
+
+def position_limit(graph: Graph, hidden: int) -> int | None:
+    """Rows of the model's learned position table: the positions a request may hold (prompt and
+    generated tokens fed back). The table is a ``Gather`` from an initializer ``[P, hidden]`` other
+    than the token embedding (the one indexed by a graph input, as :meth:`_Matcher.vocab` finds
+    it); None when there is none (rotary or sinusoidal positions have no table to run past)."""
+    tables: list[tuple[str, int, bool]] = []  # (table, rows, indexed by a graph input)
+    for op in graph.ops():
+        if op.op_type != "Gather" or len(op.inputs) < 2:
+            continue
+        info = graph.initializers.get(op.inputs[0])
+        if info is None or info.shape is None or len(info.shape) != 2 or info.shape[1] != hidden:
+            continue
+        tables.append((op.inputs[0], int(info.shape[0]), op.inputs[1] in graph.inputs))
+    token = next((table for table, _, from_input in tables if from_input), None)
+    rows = [n for table, n, _ in tables if table != token]
+    return min(rows) if rows else None
 
 
 def _is_scalar(m: _Matcher, tensor: str) -> bool:
