@@ -245,6 +245,8 @@ _GPP_OPTIONS = frozenset(
         "k",
         "profile",
         "cache_path",
+        "recompute",
+        "bytes_per_param",
     }
 )
 
@@ -266,6 +268,8 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         k: int,
         profile: bool,
         cache_path: str | None,
+        recompute: bool,
+        bytes_per_param: float | None,
         no_baseline: bool = False,
     ) -> None:
         """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
@@ -298,6 +302,8 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
             profile=profile,
             cache=cache_path,
             k=k,
+            recompute=recompute,
+            bytes_per_param=bytes_per_param,
         )
 
     return run
@@ -389,6 +395,19 @@ KINDS: dict[str, PlanKind] = {
     "stage r; chain plans only: exit 2 for a graph of stages, after -o is written).",
 )
 @click.option("--no-baseline", is_flag=True, help="[gpp] Skip predicting the sequential baseline.")
+@click.option(
+    "--recompute",
+    is_flag=True,
+    help="[gpp/spp] Recompute activations in the backward pass (every stage keeps only its inputs "
+    "per micro-batch in flight); launch runs it with torch.utils.checkpoint.",
+)
+@click.option(
+    "--bytes-per-param",
+    type=click.FloatRange(min=0, min_open=True, max=1024),
+    default=None,
+    help="[gpp/spp] Training memory per parameter: weights + gradients + optimizer state "
+    "[default: 16, Adam in mixed precision: 2 + 2 + 12].",
+)
 @click.option(
     "--profile",
     is_flag=True,

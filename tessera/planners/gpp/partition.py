@@ -596,6 +596,8 @@ def no_plan_error(
     a plan needs (:func:`least_memory`) and the fastest plan's."""
     need = least_memory(peak_of, limit) if peak_of is not None else None
     more = f"; the smallest plan found needs {_gib(need)} per device" if need is not None else ""
+    if not options.recompute:
+        more += " (--recompute keeps fewer activations)"
     return InfeasibleError(
         f"no {kind.upper()} plan of {graph.num_nodes} operators on {num} device(s) fits "
         f"{_gib(limit)} per device at mini-batch {options.mini_batch}{more}"

@@ -287,3 +287,23 @@ def test_gantt_is_the_same_bytes_for_the_same_plan(tmp_path, graph) -> None:
     first = (tmp_path / "a.svg").read_bytes()
     assert first == (tmp_path / "b.svg").read_bytes()
     assert b"forward" in first and b"stage 0" in first  # text kept as text (svg.fonttype none)
+
+
+def test_recompute_and_bytes_per_param_from_the_command_line(tmp_path) -> None:
+    model = tmp_path / "gpt.onnx"
+    model.write_bytes(build("gpt", "tiny").SerializeToString())
+    args = ["plan", str(model), "--cluster", "graphpipe-v100", "--mini-batch", "8", "--devices", "4"]
+    tight = [*args, "--memory-limit", "200KiB", "--no-baseline"]
+    refused = run_cli(*tight)
+    assert refused.code == 3 and "--recompute keeps fewer activations" in refused.err
+    out = tmp_path / "plan.json"
+    assert run_cli(*tight, "--recompute", "-o", str(out)).code == 0
+    plan = load_plan(out)
+    assert plan.training.recompute and max(st.memory.peak for st in plan.stages) <= 200 * 1024
+    assert run_cli("validate", str(out)).code == 0
+    lean = tmp_path / "lean.json"
+    assert run_cli(*args, "--bytes-per-param", "8", "--no-baseline", "-o", str(lean)).code == 0
+    assert load_plan(lean).training.bytes_per_param == 8.0
+    assert all(st.memory.optimizer == 3 * st.memory.weights for st in load_plan(lean).stages)  # 2 + 6
+    low = run_cli(*args, "--bytes-per-param", "3")
+    assert low.code == 2 and "below what its weight and gradient take (4 at mixed precision)" in low.err
