@@ -56,6 +56,8 @@ def plan_model_path(plan_path: str, recorded: str, given: str | None) -> str:
     for candidate in candidates:
         if candidate.is_file():
             return str(candidate)
+    if given:
+        raise InputError("no such model file (given as --model)", source=given)
     raise InputError(
         f"the model {str(candidates[0])!r} the plan names does not exist (give --model)", source=plan_path
     )
@@ -68,7 +70,14 @@ def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
 
     model_path = plan_model_path(plan_path, plan.model.path, given)
     shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
-    graph = load_model_option(model_path, shapes)
+    try:
+        graph = load_model_option(model_path, shapes)
+    except InputError as exc:
+        if not shapes or "--input-shape" not in exc.message:
+            raise
+        # The shapes are the plan's, not an option the user gave.
+        message = exc.message.replace("--input-shape", f"model.input_shapes (for {model_path})")
+        raise InputError(message, source=plan_path) from None
     problems = check_plan_against_model(plan, graph)
     if problems:
         raise problems_error(problems, plan_path)

@@ -186,6 +186,19 @@ def test_validate_names_a_missing_model(tmp_path, mmt_path):
     mmt_path.unlink()
     result = run_cli("validate", str(plan_path))
     assert result.code == 2 and "does not exist" in result.err
+    # A --model that is not there is named as such (it said "… the plan names … (give --model)").
+    given = run_cli("validate", str(plan_path), "--model", str(tmp_path / "nope.onnx"))
+    assert given.code == 2 and given.err.strip().endswith("nope.onnx: no such model file (given as --model)")
+
+
+def test_a_plan_s_bad_input_shapes_are_named_as_the_plan_s(tmp_path, mmt_path):
+    data = json.loads(dump_plan(placement_for(mmt_path)))
+    data["model"]["input_shapes"] = {"nosuch": [1, 2]}
+    plan_path = tmp_path / "plan.json"
+    plan_path.write_text(json.dumps(data))
+    result = run_cli("validate", str(plan_path))
+    assert result.code == 2 and f"{plan_path}: model.input_shapes (for " in result.err
+    assert "names 'nosuch', which is not a graph input" in result.err and "--input-shape" not in result.err
 
 
 def test_plans_are_written_byte_identically(tmp_path, mmt_path):
