@@ -37,9 +37,10 @@ from tessera.core.errors import InputError
 from tessera.core.files import write_output
 
 SCHEMA_VERSION = 1
-# What a cp plan may say (tessera.planners.cp: the dtypes a decoder is served in, --context's range).
+# What a cp plan may say: the dtypes a decoder is served in (tessera.planners.cp.llm.DTYPE_BYTES)
+# and the largest context, 1024M tokens (the cp planner's token counts: tessera.planners.cp.workload).
 LLM_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
-MAX_CONTEXT = 1024 * 2**20
+MAX_CONTEXT = 2**30
 
 
 class _Strict(BaseModel):

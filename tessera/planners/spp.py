@@ -8,8 +8,8 @@
   schedules, and on a chain GPP and SPP find equally fast plans. The stages run in order (stage i+1
   after stage i, zero-byte ordering edges where no tensor flows), as a sequential pipeline does
   (thesis §3.2); the DP charges each stage the bytes crossing its left cut. For search time on
-  70–80-unit chains it tries, per data-parallel degree, the 4 longest first stages that lead to a
-  plan (within the bottleneck bound and memory, the rest fitting too), not every split. On a multi-branch model the same chain DP also runs guided by the series-parallel
+  70–80-unit chains it tries the 4 longest feasible first stages per data-parallel degree, not
+  every split — and every split when that finds no plan within the memory limit. On a multi-branch model the same chain DP also runs guided by the series-parallel
   tree (kind ``spp`` on the unlinearized tree: the same contiguous stages of the same unit order,
   proposed per branch, its ranking treating branches as concurrent); the simulator times both
   proposals as the sequential pipelines they are and the faster is the plan. The DP's proposals

@@ -91,8 +91,7 @@ class StageDP:
         self.chain = chain  # sequential pipeline: a stage receives everything crossing its left cut
         self.exposed = exposed  # share of a stage's transfers on its 1F1B cycle (not overlapped)
         # Series split points tried per first-stage degree: every one (None), or only the
-        # ``window`` longest first stages that lead to a plan (the SPP baseline on long chains,
-        # for time).
+        # ``window`` longest feasible first stages (the SPP baseline on long chains, for time).
         self.window = window
         self.step = opts.k if opts.schedule == "kfkb" else 1
         if opts.schedule == "gpipe":
@@ -262,23 +261,16 @@ class StageDP:
         for d1 in self.degrees:
             if d1 >= d:
                 break
-            tried = 0
-            for k in range(self._max_end(ends, lo, i, last - 1, d1), i - 1, -1):
+            k_hi = self._max_end(ends, lo, i, last - 1, d1)
+            k_lo = i if self.window is None else max(i, k_hi - self.window + 1)
+            for k in range(k_hi, k_lo - 1, -1):
                 if self.too_much_work(ends[k], ext, d - d1):
                     break
                 first = self.base(lo, ends[k], d1)
                 if first is None:
-                    continue  # over memory: a shorter first stage may fit
-                plans = [
-                    e for e in (seq(first, r) for r in self.series(node, k + 1, d - d1, ext)) if e[2] >= 0
-                ]
-                cands.extend(plans)
-                # A split counts towards the window only with a plan: under a tight memory
-                # limit the longest first stages may leave a rest that fits nowhere, or hold
-                # too few micro-batches for the stages after them.
-                tried += bool(plans)
-                if tried == self.window:
-                    break
+                    continue
+                for rest in self.series(node, k + 1, d - d1, ext):
+                    cands.append(seq(first, rest))
         head = ch[i]
         if head.kind != "leaf":
             # Child i as its own sub-problem; a parallel child may absorb children i+1..j-1 into

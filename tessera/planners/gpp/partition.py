@@ -402,13 +402,16 @@ def partition(
     kind: Literal["gpp", "spp"] = "gpp",
     cost: CostModel | None = None,
     explain: bool = True,
+    window: int | None = _SPP_WINDOW,
 ) -> Pipeline:
     """GraphPipe's stage partitioner (thesis §3.5, Algorithm 2); see the module docstring.
 
     Returns the best :class:`Pipeline` over the micro-batch candidates, with per-stage schedules
     and memory. Raises :class:`InfeasibleError` when no plan fits the memory limit (the message
-    names the least per-device memory a plan needs, :func:`_memory_needed`, unless ``explain`` is
-    false) and :class:`InputError` for bad options.
+    names the least per-device memory of the plans it finds, :func:`no_plan_error`, unless
+    ``explain`` is false) and :class:`InputError` for bad options. ``window`` (``kind="spp"``
+    only): split points tried per stage, :class:`~.dp.StageDP`'s (all of them when that finds
+    no plan).
     """
     started = time.perf_counter()
     num, limit, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
@@ -444,7 +447,7 @@ def partition(
                 num,
                 chain=kind == "spp",
                 exposed=exposed,
-                window=_SPP_WINDOW if kind == "spp" else None,
+                window=window if kind == "spp" else None,
             )
             # The exposed-transfer run only proposes alternatives: a coarser bisection will do.
             # With transfers hidden, a plan whose bottleneck TPS exceeds cap cannot beat the best
@@ -495,6 +498,13 @@ def partition(
         best, best_rank = fastest_tuned(timed, options.recompute)
     if best is not None and best_rank is not None and options.schedule == "auto":
         best = fastest_rescheduled(best, best_rank[0], timed, options.recompute)
+    if best is None and kind == "spp" and window is not None:
+        # The SPP DP tries a few split points per stage (for time on long chains): under a tight
+        # memory limit the longest first stages can leave no plan where shorter ones fit. Every
+        # split point is tried before the limit is called infeasible.
+        return partition(
+            graph, cluster, options, tree=tree, kind=kind, cost=cost, explain=explain, window=None
+        )
     if best is None:
         raise no_plan_error(
             graph,

@@ -148,3 +148,11 @@ def test_workload_batch_is_bounded() -> None:
             Workload(bad, 1024)
     with pytest.raises(InputError, match="--context"):
         Workload(1, MAX_TOKENS + 1)
+
+
+def test_the_plan_schema_takes_every_dtype_and_context_the_planner_makes() -> None:
+    from tessera.core.plans import LLM_DTYPES, MAX_CONTEXT
+    from tessera.planners.cp.llm import DTYPE_BYTES
+    from tessera.planners.cp.workload import MAX_TOKENS
+
+    assert tuple(DTYPE_BYTES) == LLM_DTYPES and MAX_TOKENS == MAX_CONTEXT
