@@ -78,6 +78,7 @@ def run_cp(
     from tessera.planners.cp.plan import sweep_context as sweep
     from tessera.planners.cp.recognize import position_limit, recognize_llm
     from tessera.planners.cp.workload import (
+        MAX_TOKENS,
         Workload,
         parse_output_lengths,
         parse_token_count,
@@ -121,16 +122,16 @@ def run_cp(
     )
     base_context = parse_token_count(context, option="--context") if context is not None else contexts[0]
     workload = Workload(batch, base_context, output_lengths)
-    if model is not None and (limit := position_limit(graph, config.hidden)) is not None:
-        # A request feeds back all but its last generated token: context + output - 1 positions.
-        longest = max([base_context, *contexts]) + output_lengths.max - 1
-        if longest > limit:
-            raise InputError(
-                f"context {max([base_context, *contexts])} plus output lengths up to {output_lengths.max} "
-                f"needs {longest} positions, but the model's position table has {limit}: give a shorter "
-                "--context or --output-len",
-                source=graph.source,
-            )
+    # A request feeds back all but its last generated token: context + output - 1 positions.
+    longest = max([base_context, *contexts]) + output_lengths.max - 1
+    needs = f"context {max([base_context, *contexts])} plus output lengths up to {output_lengths.max} needs {longest} positions"
+    if model is not None and (limit := position_limit(graph, config.hidden)) is not None and longest > limit:
+        raise InputError(
+            f"{needs}, but the model's position table has {limit}: give a shorter --context or --output-len",
+            source=graph.source,
+        )
+    if longest > MAX_TOKENS:  # what launch can decode (and what a plan's context may be)
+        raise InputError(f"{needs}; a request may hold at most {MAX_TOKENS} (1024M)")
 
     plan = None
     if context is not None:

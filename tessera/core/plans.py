@@ -26,7 +26,6 @@ from pydantic import (
     Field,
     NonNegativeFloat,
     NonNegativeInt,
-    PositiveFloat,
     PositiveInt,
     ValidationError,
     model_validator,
@@ -182,7 +181,7 @@ class TrainingSetup(_Strict):
     costs with its gradient and optimizer state (Adam: 16), and activation recomputation."""
 
     precision: Literal["mixed", "fp32"] = "mixed"
-    bytes_per_param: PositiveFloat = 16.0
+    bytes_per_param: Annotated[float, Field(gt=0, le=1024)] = 16.0  # plan --bytes-per-param's range
     recompute: bool = False
 
 

@@ -67,3 +67,11 @@ def test_options_that_would_be_ignored_are_usage_errors(tmp_path: Path, args: li
     res = run_cli("plan", *source, "--cluster", "local-cpu-split", *args)
     assert res.code == 2, res.err
     assert flag in res.err and "Traceback" not in res.err and len(res.err.strip().splitlines()) == 1
+
+
+def test_a_request_longer_than_launch_can_decode_is_refused() -> None:
+    # plan wrote it (context 1024M, outputs of 2 tokens: 1024M + 1 positions); launch then refused.
+    result = run_cli("plan", "--kind", "cp", "--llm", "gpt2", "--cluster", "h200", "--batch", "1",
+                     "--context", "1024M", "--output-len", "2")  # fmt: skip
+    assert result.code == 2
+    assert "needs 1073741825 positions; a request may hold at most 1073741824 (1024M)" in result.err

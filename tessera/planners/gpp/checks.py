@@ -175,12 +175,15 @@ def _edge_problems(plan: Any, graph: Any, stage_of: dict[str, int]) -> list[str]
             what = what or (f"lacks {missing[0]!r}" if missing else "lists a tensor twice")
             problems.append(f"edge {e.src}->{e.dst} {what}")
     if plan.kind == "spp":
-        chain = {(i, i + 1) for i in range(len(plan.stages) - 1)}
-        if seen != chain:
-            odd = sorted(seen ^ chain)[0]
+        # A sequential pipeline runs its stages in order: every stage after the one before it
+        # (the edge i->i+1), and tensors only go forward (a skip edge 0->2 carries a residual).
+        missing = sorted({(i, i + 1) for i in range(len(plan.stages) - 1)} - seen)
+        backward = sorted(e for e in seen if e[0] > e[1])
+        if missing or backward:
+            src, dst = (missing or backward)[0]
             problems.append(
-                f"spp: a sequential plan's stages form the chain 0->1->…->{len(plan.stages) - 1}; "
-                f"edge {odd[0]}->{odd[1]} {'breaks' if odd in seen else 'is missing from'} it"
+                f"spp: a sequential plan runs its stages 0->1->…->{len(plan.stages) - 1} in order; "
+                f"edge {src}->{dst} {'is missing' if missing else 'goes backward'}"
             )
     return problems
 
@@ -196,7 +199,10 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
                 f"stage {st.id}: devices of types {', '.join(sorted(types))} (one type per stage)"
             )
             continue
-        need = counted_memory(st, graph, devices[st.devices[0]].type, training)
+        try:
+            need = counted_memory(st, graph, devices[st.devices[0]].type, training)
+        except ValueError as exc:  # bytes per parameter below weights + gradients
+            return [f"training.bytes_per_param: {exc}"]
         capacity = min(devices[d].type.memory for d in st.devices)
         samples = per_device_samples(st.micro_batch_size, len(st.devices))
         counted = (

@@ -249,6 +249,8 @@ def run_gpp_plan(
         )
     except UnitError as err:
         raise InputError(str(err)) from None
+    if bytes_per_param is not None and not 0 < bytes_per_param <= 1024:  # NaN included
+        raise InputError(f"--bytes-per-param {bytes_per_param}: expected a number of bytes in (0, 1024]")
     device_type = planned_device_type(cluster, devices)
     if limit is not None and limit > device_type.memory:
         raise InputError(

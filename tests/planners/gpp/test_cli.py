@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph
-from tessera.core.plans import check_plan_against_model, load_plan
+from tessera.core.plans import check_plan_against_model, dump_plan, load_plan, parse_plan
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.gpp.cli import build_gpp_plan, run_gpp_plan, write_pytorch_csv
@@ -270,7 +270,7 @@ def test_validate_refuses_what_the_executor_cannot_run() -> None:
     branches = [["a", "c"], ["b"], ["d_add", "d"]]  # stages 0 and 1 both feed stage 2
     graph_as_spp = make_plan(g, [(nodes, [f"c{i}"], 2) for i, nodes in enumerate(branches)], 4, kind="spp")
     problems = check_plan_against_model(graph_as_spp, g)
-    assert any(p.startswith("spp: a sequential plan's stages form the chain 0->1->…->2") for p in problems)
+    assert "spp: a sequential plan runs its stages 0->1->…->2 in order; edge 0->1 is missing" in problems
     assert (
         check_plan_against_model(
             make_plan(g, [(nodes, [f"c{i}"], 2) for i, nodes in enumerate(branches)], 4), g
@@ -307,3 +307,45 @@ def test_recompute_and_bytes_per_param_from_the_command_line(tmp_path) -> None:
     assert all(st.memory.optimizer == 3 * st.memory.weights for st in load_plan(lean).stages)  # 2 + 6
     low = run_cli(*args, "--bytes-per-param", "3")
     assert low.code == 2 and "below what its weight and gradient take (4 at mixed precision)" in low.err
+
+
+def test_sequential_plans_with_skip_edges_are_valid() -> None:
+    # A residual crossing two stages makes an edge 0->2 next to the chain 0->1->2: the first
+    # chain check refused every such spp plan that plan itself wrote.
+    g = load_graph(build("gpt", "tiny"))
+    plan, _, _ = build_gpp_plan(g, load_cluster("dgx-a100"), PartitionOptions(mini_batch=16), kind="spp")
+    edges = {(e.src, e.dst) for e in plan.edges}
+    assert any(dst > src + 1 for src, dst in edges)
+    assert check_plan_against_model(plan, g) == []
+
+
+@pytest.mark.parametrize(
+    ("training", "fragment"),
+    [
+        ({"bytes_per_param": 2.0}, "training.bytes_per_param: 2 bytes per parameter is below"),
+        ({"precision": "fp32", "bytes_per_param": 4.0}, "(8 at fp32 precision)"),
+        (
+            {"bytes_per_param": 1e308},
+            "field training.bytes_per_param: Input should be less than or equal to 1024",
+        ),
+    ],
+)
+def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment) -> None:
+    # Each was an internal error (ValueError, OverflowError) in validate.
+    plan, _, _ = build_gpp_plan(
+        graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=2)
+    )
+    data = json.loads(dump_plan(plan))
+    data["training"].update(training)
+    try:
+        problems = check_plan_against_model(parse_plan(data, label="plan.json"), graph)
+    except InputError as exc:  # the schema's bound
+        problems = [exc.message]
+    assert any(fragment in p for p in problems), problems
+
+
+def test_bytes_per_param_nan_is_bad_input(graph) -> None:
+    with pytest.raises(InputError, match=r"--bytes-per-param nan: expected a number of bytes in \(0, 1024\]"):
+        run_gpp_plan(
+            graph, load_cluster("graphpipe-v100"), mini_batch=32, devices=2, bytes_per_param=float("nan")
+        )
