@@ -38,6 +38,7 @@ times, so the same plan, byte for byte).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -156,6 +157,17 @@ class CostModel:
             if t and info is not None and t not in graph.initializers:
                 total += info.nbytes
         return total * self.memory.activation_scale
+
+    def memory_of(self, graph: Graph, nodes: Iterable[str]) -> tuple[float, float, float]:
+        """Eq. 3.2's parts for operators ``nodes`` on one replica: weight bytes, gradient +
+        optimizer-state bytes, and the activation bytes per sample they save (operators that
+        compute constants save none)."""
+        ops = [graph.op(n) for n in nodes]
+        return (
+            sum(self.weight_bytes(op) for op in ops),
+            sum(self.optimizer_bytes(op) for op in ops),
+            sum(self.activation_bytes(graph, op.name) for op in ops if op.name not in graph.constant_nodes),
+        )
 
     def weight_bytes(self, op: OpNode) -> float:
         return op.params * self.memory.weight_bytes_per_param

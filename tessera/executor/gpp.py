@@ -154,23 +154,17 @@ def _load_npz(path: str, graph: Graph, mini_batch: int) -> dict[str, np.ndarray]
         if name.startswith("target:"):
             if name[7:] not in graph.outputs:
                 raise InputError(f"{name!r} names no model output", source=path)
-            info = graph.outputs[name[7:]]
-            if info.shape is not None and tuple(array.shape[1:]) != tuple(info.shape[1:]):
-                raise InputError(
-                    f"array {name!r} has sample shape {list(array.shape[1:])}, the model's output "
-                    f"{name[7:]!r} has {list(info.shape[1:])}",
-                    source=path,
-                )
-            out[name] = array.astype(info.dtype)
+            info, wants = graph.outputs[name[7:]], f"the model's output {name[7:]!r} has"
         elif name in graph.inputs:
-            info = graph.inputs[name]
-            if info.shape is not None and tuple(array.shape[1:]) != tuple(info.shape[1:]):
-                raise InputError(
-                    f"array {name!r} has sample shape {list(array.shape[1:])}, the model wants "
-                    f"{list(info.shape[1:])}",
-                    source=path,
-                )
-            out[name] = array.astype(info.dtype)
+            info, wants = graph.inputs[name], "the model wants"
+        else:
+            continue
+        if info.shape is not None and tuple(array.shape[1:]) != tuple(info.shape[1:]):
+            raise InputError(
+                f"array {name!r} has sample shape {list(array.shape[1:])}, {wants} {list(info.shape[1:])}",
+                source=path,
+            )
+        out[name] = array.astype(info.dtype)
     return out
 
 

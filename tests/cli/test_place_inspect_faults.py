@@ -57,8 +57,8 @@ def _place(*args: str, cache: Path) -> object:
 # -- 1: external data outside the model's folder ------------------------------------------------
 
 
-@pytest.mark.parametrize("location", ["/etc/hostname", "../../etc/passwd", "sub/../../x.bin"])
-def test_external_data_outside_the_model_folder_is_bad_input(tmp_path: Path, location: str) -> None:
+def _external_weight_model(path: Path, location: str) -> Path:
+    """``y = x @ w`` with ``w`` stored as external data at ``location``."""
     w = numpy_helper.from_array(np.ones((2, 2), np.float32), "w")
     w.data_location = TensorProto.EXTERNAL
     w.ClearField("raw_data")
@@ -66,8 +66,13 @@ def test_external_data_outside_the_model_folder_is_bad_input(tmp_path: Path, loc
     model = _model(
         [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [_f("x", [2, 2])], [_f("y", [2, 2])], [w]
     )
-    path = tmp_path / "ext.onnx"
     path.write_bytes(model.SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize("location", ["/etc/hostname", "../../etc/passwd", "sub/../../x.bin"])
+def test_external_data_outside_the_model_folder_is_bad_input(tmp_path: Path, location: str) -> None:
+    path = _external_weight_model(tmp_path / "ext.onnx", location)
     result = run_cli("inspect", str(path))
     assert result.code == 2, result.err
     assert str(path) in result.err and "'w'" in result.err and "outside the model's folder" in result.err
@@ -219,15 +224,7 @@ def test_backend_whose_available_raises_is_listed_unavailable() -> None:
 def test_lazy_zoo_model_is_refused_before_measuring(tmp_path: Path) -> None:
     from tessera.models.weights import LAZY_LOCATION
 
-    w = numpy_helper.from_array(np.ones((2, 2), np.float32), "w")
-    w.data_location = TensorProto.EXTERNAL
-    w.ClearField("raw_data")
-    w.external_data.add(key="location", value=LAZY_LOCATION)
-    model = _model(
-        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], [_f("x", [2, 2])], [_f("y", [2, 2])], [w]
-    )
-    path = tmp_path / "lazy.onnx"
-    path.write_bytes(model.SerializeToString())
+    path = _external_weight_model(tmp_path / "lazy.onnx", LAZY_LOCATION)
     cache = tmp_path / "c.sqlite"
     result = _place(str(path), cache=cache)
     assert result.code == 2, result.err

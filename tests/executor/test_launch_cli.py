@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import numpy as np
 import pytest
 from cli_runner import run_cli
 from executor.plans import chain_halves, make_plan, save_model, write
+from executor.processes import interrupt_launch, still_running
 
 from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, write_plan
 from tessera.executor.gpp import FAULT_ENV, train_reference
@@ -109,54 +108,13 @@ def test_bad_launch_options_are_input_errors(chain_plan) -> None:
     assert res.code == 2 and "--master-port is required" in res.err
 
 
-def _children_of(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid and fields[0] != "Z":
-                out.append(int(entry.name))
-    return out
-
-
 @pytest.mark.slow
 def test_ctrl_c_stops_every_worker(chain_plan) -> None:
     _, plan_path = chain_plan
-    env = {**os.environ, FAULT_ENV: "1:0:hang"}  # test-only: rank 1 hangs, so the run cannot end by itself
-    env.pop("TESSERA_DEBUG", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tessera", "launch", str(plan_path), "--timeout", "60"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        workers: list[int] = []
-        while len(workers) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            workers = [p for p in _children_of(proc.pid) if "spawn_main" in _cmdline(p)]
-        assert len(workers) == 2, "the workers did not start"
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
+    code, err, workers = interrupt_launch([str(plan_path), "--timeout", "60"], signal.SIGINT)
+    assert code == 130, err
     time.sleep(0.5)
-    assert [p for p in workers if Path(f"/proc/{p}").exists() and "spawn_main" in _cmdline(p)] == []
-
-
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return ""
+    assert still_running(workers) == []
 
 
 def test_options_of_another_plan_kind_are_refused_not_ignored(chain_plan) -> None:

@@ -8,10 +8,7 @@ Workers must not start in these tests: ``launch_workers`` is replaced by a funct
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -19,13 +16,13 @@ import numpy as np
 import pytest
 from cli_runner import run_cli
 from executor.plans import chain_halves, make_plan, save_model, write
+from executor.processes import interrupt_launch
 
 import tessera.executor.cp as cp_executor
 import tessera.executor.gpp as gpp_executor
 from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
 from tessera.executor.cp import DecodeOptions, KvLayout, check_cp_plan
-from tessera.executor.gpp import FAULT_ENV
 from tessera.models import build
 
 TINY_LLM = """\
@@ -218,37 +215,10 @@ def test_options_that_would_be_ignored_are_refused(tiny_plan: Path, args: list[s
     assert res.code == 2 and args[0] in res.err and "Traceback" not in res.err
 
 
-def _workers_of(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (entry / "cmdline").read_bytes()
-        except (OSError, NotADirectoryError):
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmd:
-            found.append(int(entry.name))
-    return found
-
-
 @pytest.mark.slow
 def test_sigterm_prints_one_line_and_no_torch_warning(tiny_plan: Path) -> None:
-    env = {**os.environ, FAULT_ENV: "1:0:hang"}  # test-only: rank 1 hangs, so the run cannot end by itself
-    env.pop("TESSERA_DEBUG", None)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tessera", "launch", str(tiny_plan), "--prompt-lens", "16", "--timeout", "60"],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + 60
-        while len(_workers_of(proc.pid)) < 2 and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert len(_workers_of(proc.pid)) == 2, "the workers did not start"
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130, err
+    code, err, _ = interrupt_launch(
+        [str(tiny_plan), "--prompt-lens", "16", "--timeout", "60"], signal.SIGTERM
+    )
+    assert code == 130, err
     assert err.split() == ["tessera:", "aborted"], err  # not torch's "Received 15 death signal"

@@ -53,16 +53,16 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
         problems.append(f"C1: {len(missing)} node(s) in no stage, first {missing[0]!r}")
     quotient = nx.DiGraph()
     quotient.add_nodes_from(st.id for st in plan.stages)
-    needed: set[tuple[int, int]] = set()
-    for u, v in graph.dag.edges:
+    crossing: dict[tuple[int, int], set[str]] = {}  # tensors from stage to stage
+    for u, v, data in graph.dag.edges(data=True):
         su, sv = stage_of.get(u), stage_of.get(v)
         if su is not None and sv is not None and su != sv:
             quotient.add_edge(su, sv)
-            needed.add((su, sv))
+            crossing.setdefault((su, sv), set()).update(t.name for t in data["tensors"])
     if not nx.is_directed_acyclic_graph(quotient):
         problems.append("C1: a stage is not convex (the stages' quotient graph has a cycle)")
     declared = {(e.src, e.dst) for e in plan.edges}
-    for su, sv in sorted(needed - declared):
+    for su, sv in sorted(set(crossing) - declared):
         problems.append(f"C2: operators of stage {su} feed stage {sv} but the plan has no edge {su}->{sv}")
     owner: dict[str, int] = {}
     known = None
@@ -112,7 +112,7 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
             limit = min(memories)
             if mem.peak > limit:
                 problems.append(f"memory: stage {st.id} needs {mem.peak} bytes, its devices have {limit}")
-    problems.extend(_edge_problems(plan, graph, stage_of))
+    problems.extend(_edge_problems(plan, crossing))
     if not any(p.startswith(("C1", "C4")) for p in problems):
         sim_stages = [
             SimStage(st.id, st.micro_batch_size, 1.0, 2.0, tuple(st.schedule.actions)) for st in plan.stages
@@ -147,14 +147,10 @@ def _schedule_kind_problems(st: Any, m: int) -> list[str]:
     return []
 
 
-def _edge_problems(plan: Any, graph: Any, stage_of: dict[str, int]) -> list[str]:
-    """Edges carry exactly the tensors that cross between their stages; an spp plan is a chain."""
+def _edge_problems(plan: Any, crossing: dict[tuple[int, int], set[str]]) -> list[str]:
+    """Edges carry exactly the tensors that cross between their stages (``crossing``); an spp
+    plan runs its stages in order."""
     problems: list[str] = []
-    crossing: dict[tuple[int, int], set[str]] = {}
-    for u, v, data in graph.dag.edges(data=True):
-        su, sv = stage_of.get(u), stage_of.get(v)
-        if su is not None and sv is not None and su != sv:
-            crossing.setdefault((su, sv), set()).update(t.name for t in data["tensors"])
     seen: set[tuple[int, int]] = set()
     for e in plan.edges:
         pair = (e.src, e.dst)
@@ -222,20 +218,19 @@ def counted_memory(st: Any, graph: Any, device_type: Any, training: Any) -> Stag
     ``training`` (a :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's
     memory against."""
     cost = CostModel.for_device(device_type, training.precision, training.bytes_per_param)
-    ops = [graph.op(n) for n in st.nodes if n in graph.dag]
-    inside = set(st.nodes)
-    entering = {
-        t.name: t.nbytes
-        for u, v, data in graph.dag.edges(data=True)
-        if v in inside and u not in inside and u not in graph.constant_nodes
-        for t in data["tensors"]
-    }
+    nodes = [n for n in st.nodes if n in graph.dag]
+    inside = set(nodes)
+    weights, optimizer, activations = cost.memory_of(graph, nodes)
+    entering: dict[str, int] = {}  # what a recomputing stage keeps: the tensors coming in
+    if training.recompute:
+        for v in inside:
+            for u, _, data in graph.dag.in_edges(v, data=True):
+                if u not in inside and u not in graph.constant_nodes:
+                    entering.update((t.name, t.nbytes) for t in data["tensors"])
     return stage_memory(
-        weights=sum(cost.weight_bytes(op) for op in ops),
-        optimizer=sum(cost.optimizer_bytes(op) for op in ops),
-        activation_per_sample=sum(
-            cost.activation_bytes(graph, op.name) for op in ops if op.name not in graph.constant_nodes
-        ),
+        weights=weights,
+        optimizer=optimizer,
+        activation_per_sample=activations,
         input_per_sample=sum(cost.wire_bytes(b) for b in entering.values()),
         micro_batch=st.micro_batch_size,
         devices=len(st.devices),

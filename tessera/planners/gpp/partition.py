@@ -303,12 +303,13 @@ class _PerUnit:
             )
             for u in units
         ]
+        memory = np.array([cost.memory_of(graph, u) for u in units]).reshape(len(units), 3)
         return cls(
             ops=activation_ops,
-            weights=np.array([sum(cost.weight_bytes(graph.op(o)) for o in u) for u in units]),
-            optimizer=np.array([sum(cost.optimizer_bytes(graph.op(o)) for o in u) for u in units]),
+            weights=memory[:, 0],
+            optimizer=memory[:, 1],
             grads=np.array([sum(cost.gradient_bytes(graph.op(o)) for o in u) for u in units]),
-            act=np.array([sum(cost.activation_bytes(graph, o) for o in u) for u in activation_ops]),
+            act=memory[:, 2],
             keys=keys,
         )
 
