@@ -269,7 +269,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         k: int,
         profile: bool,
         cache_path: str | None,
-        recompute: bool,
+        recompute: str,
         bytes_per_param: float | None,
         no_baseline: bool = False,
     ) -> None:
@@ -398,9 +398,15 @@ KINDS: dict[str, PlanKind] = {
 @click.option("--no-baseline", is_flag=True, help="[gpp] Skip predicting the sequential baseline.")
 @click.option(
     "--recompute",
-    is_flag=True,
-    help="[gpp/spp] Recompute activations in the backward pass (every stage keeps only its inputs "
-    "per micro-batch in flight); launch runs it with torch.utils.checkpoint.",
+    type=click.Choice(["never", "auto", "all"]),
+    is_flag=False,
+    flag_value="all",
+    default="never",
+    show_default=True,
+    help="[gpp/spp] Recompute activations in the backward pass: a recomputing stage keeps only its "
+    "inputs per micro-batch in flight and runs its forward again. auto: on the stages the search "
+    "finds need the memory; all (also --recompute alone): on every stage. launch runs it with "
+    "torch.utils.checkpoint.",
 )
 @click.option(
     "--bytes-per-param",

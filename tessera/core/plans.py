@@ -160,6 +160,9 @@ class Stage(_Strict):
     schedule: StageSchedule
     in_flight: PositiveInt
     memory: StageMemory
+    # Activation recomputation: the stage keeps only its inputs per micro-batch in flight and runs
+    # its forward again in the backward (launch: torch.utils.checkpoint).
+    recompute: bool = False
     predicted: dict[str, float] = Field(default_factory=dict)
 
 
@@ -178,11 +181,13 @@ class StageEdge(_Strict):
 class TrainingSetup(_Strict):
     """What a pipeline plan's memory was counted for (thesis Eq. 3.2; :mod:`tessera.core.cost`):
     the precision (``mixed``: fp16 weights and activations; ``fp32``), the bytes each parameter
-    costs with its gradient and optimizer state (Adam: 16), and activation recomputation."""
+    costs with its gradient and optimizer state (Adam: 16), and the activation recomputation the
+    planner was allowed (``never``, ``all`` stages, or ``auto``: stages chosen by the search; which
+    stages recompute is each stage's ``recompute``)."""
 
     precision: Literal["mixed", "fp32"] = "mixed"
     bytes_per_param: Annotated[float, Field(gt=0, le=1024)] = 16.0  # plan --bytes-per-param's range
-    recompute: bool = False
+    recompute: Literal["never", "auto", "all"] = "never"
 
 
 class GppPlan(_PlanBase):
@@ -194,6 +199,20 @@ class GppPlan(_PlanBase):
     training: TrainingSetup = Field(default_factory=TrainingSetup)
 
     _HEADLINE: ClassVar[str] = "iteration_time_s"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _recompute_of_older_plans(cls, data: Any) -> Any:
+        """Plans written before recomputation was chosen per stage have ``training.recompute`` a
+        boolean (every stage or none) and no stage ``recompute``: read them as ``all`` / ``never``."""
+        training = data.get("training") if isinstance(data, dict) else None
+        if not isinstance(training, dict) or type(training.get("recompute")) is not bool:
+            return data
+        every = training["recompute"]
+        stages = data.get("stages")
+        if isinstance(stages, list):
+            stages = [{"recompute": every, **st} if isinstance(st, dict) else st for st in stages]
+        return {**data, "training": {**training, "recompute": "all" if every else "never"}, "stages": stages}
 
     @model_validator(mode="after")
     def _stage_graph_indexes(self) -> GppPlan:

@@ -508,9 +508,9 @@ class StageWorker:
         sub = graph.extract(self.stage.nodes, name=f"stage{self.stage_id}")
         self.module: OnnxModule = to_torch(sub, label=f"stage {self.stage_id}").to(device)
         self.params = [p for _, p in self.module.onnx_parameters()]
-        # Activation recomputation (the plan's training.recompute): the forward keeps only its
-        # inputs and outputs, and the backward runs it again (torch.utils.checkpoint).
-        self.recompute = plan.training.recompute
+        # Activation recomputation (the stage's recompute): the forward keeps only its inputs and
+        # outputs, and the backward runs it again (torch.utils.checkpoint).
+        self.recompute = self.stage.recompute
         self.opt = torch.optim.SGD(self.params, lr=spec.options.lr) if self.params else None
         self.data = TrainingData(graph, routing.mini_batch, spec.options.seed, spec.options.data)
         self.graph_inputs = set(graph.inputs)
@@ -926,6 +926,7 @@ def _report(
                 "devices": st.devices,
                 "ranks": sorted(r["rank"] for r in mine),
                 "micro_batch_size": st.micro_batch_size,
+                "recompute": st.recompute,
                 "busy_s": busy,
                 "predicted_busy_s": p_busy,
                 "busy_ratio": busy / p_busy if p_busy else None,

@@ -33,7 +33,8 @@ micro-batch candidates and schedules as the PipeDream-style planner, and returns
   where ``need(S, s)`` is the smallest data-parallel degree (a power of two, at most the
   micro-batch) at which stage ``S`` has TPS ≤ ``t`` and fits the memory limit holding
   ``min(m, k·(s + 1))`` micro-batches in flight (1F1B: one more than the stages after it; kFkB:
-  ``k`` times that; GPipe: all ``m``). Level ``s`` only reads level ``s + 1``, so a level is one
+  ``k`` times that; GPipe: all ``m``) — with ``recompute="auto"``, keeping its activations where
+  that fits, else recomputing them. Level ``s`` only reads level ``s + 1``, so a level is one
   vectorized min-plus product over all pairs (levels: up to one per device). ``t`` is bisected to
   a relative precision ``epsilon`` per micro-batch size, then a few looser bounds are probed
   (shallower plans); transfers are charged as the PipeDream-style DP charges them (a stage
@@ -66,6 +67,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec, Link
 from tessera.core.units import format_bytes
+from tessera.planners.gpp.dp import RECOMPUTE_VARIANTS
 from tessera.planners.gpp.partition import (
     WARM_UP_SLACKS,
     PartitionOptions,
@@ -228,11 +230,11 @@ def plan_piper(
         for _, _, p in pool
     ]
     if options.searched_schedule == "1f1b":
-        best, rank = fastest_tuned(timed, options.recompute)
+        best, rank = fastest_tuned(timed)
     else:
         rank, best = min(timed, key=lambda rp: rp[0])
     if options.schedule == "auto":
-        best = fastest_rescheduled(best, rank[0], timed, options.recompute)
+        best = fastest_rescheduled(best, rank[0], timed)
     best.search_time_s = time.perf_counter() - started
     return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
 
@@ -421,28 +423,31 @@ class _IdealDP:
         self.lat, self.links = lattice, links
         self.b, self.B, self.num = b, opts.mini_batch, num
         self.m = m = opts.mini_batch // b
-        self.recompute = opts.recompute
         step = opts.k if opts.schedule == "kfkb" else 1
         if opts.schedule == "gpipe":
             step = m
         self.levels = min(num, lattice.tree.num_units)  # stages after an ideal: 0 .. levels − 1
-        self.degrees = [1 << p for p in range(32) if (1 << p) <= min(b, num)]
-        self.codes = np.array([d * _STAGE + 1 for d in self.degrees], dtype=np.int32)
-        n_pairs, n_deg = lattice.pairs, len(self.degrees)
-        self.tps = np.empty((n_deg, n_pairs))
-        self.smax = np.empty((n_deg, n_pairs), dtype=np.int16)
+        # A stage's options, the "degrees" ``k`` below: (data-parallel degree, recompute),
+        # degree-major, so their device counts (codes) never decrease and a degree's variant that
+        # keeps its activations comes first: a stage recomputes only where that is not feasible.
+        degrees = [1 << p for p in range(32) if (1 << p) <= min(b, num)]
+        self.rows = [(d, r) for d in degrees for r in RECOMPUTE_VARIANTS[opts.recompute]]
+        self.codes = np.array([d * _STAGE + 1 for d, _ in self.rows], dtype=np.int32)
+        n_pairs, n_rows = lattice.pairs, len(self.rows)
+        self.tps = np.empty((n_rows, n_pairs))
+        self.smax = np.empty((n_rows, n_pairs), dtype=np.int16)
         top = self.levels - 1
         static = lattice.weights + lattice.optimizer
-        for k, d in enumerate(self.degrees):
+        for k, (d, recompute) in enumerate(self.rows):
             s = per_device_samples(b, d)
             fw, bw = lattice.times(s)
-            compute = fw + bw + (fw if opts.recompute else 0.0)
+            compute = fw + bw + (fw if recompute else 0.0)
             self.tps[k] = compute / b + _allreduce(lattice.grads, d, links.within(d)) / self.B
             if math.isinf(limit):
                 self.smax[k] = top
                 continue
             free = limit - static
-            if opts.recompute:
+            if recompute:
                 free = free - s * lattice.act
                 per = s * lattice.stage_input()
             else:
@@ -513,9 +518,9 @@ class _IdealDP:
         flows = assign @ lat.flow @ assign.T  # wire bytes per sample, stage i → stage j
         cycles, allreduces = [], []
         for (_, k), units in zip(plan, assign, strict=True):
-            d = self.degrees[k]
+            d, recompute = self.rows[k]
             fw, bw = lat.unit_times(per_device_samples(b, d))
-            cycles.append(float(units @ (fw + bw + (fw if self.recompute else 0.0))))
+            cycles.append(float(units @ (fw + bw + (fw if recompute else 0.0))))
             allreduces.append(allreduce_time(float(units @ lat.unit_grads), d, self.links.within(d)))
         p2p = self.links.p2p
         longest: list[float] = []
@@ -544,7 +549,7 @@ class _IdealDP:
         deg: list[np.ndarray] = []
         val: list[np.ndarray] = []
         reach = np.full(lat.pairs, -1, dtype=np.int16)
-        for k in range(len(self.degrees)):
+        for k in range(len(self.rows)):
             now = np.where(tps[k] <= t, self.smax[k], reach)
             rise = np.flatnonzero(now > reach)
             idx.append(rise)
@@ -598,13 +603,14 @@ class _IdealDP:
         plan.reverse()
         return tuple(plan)
 
-    def stages(self, plan: tuple[tuple[int, int], ...]) -> list[tuple[list[int], int]]:
-        """A plan's stages as (units in depth-first order, devices)."""
+    def stages(self, plan: tuple[tuple[int, int], ...]) -> list[tuple[list[int], int, bool]]:
+        """A plan's stages as (units in depth-first order, devices, recompute)."""
         lat = self.lat
         out = []
         for p, k in plan:
             diff = lat.masks[int(lat.hi[p])] & ~lat.masks[int(lat.lo[p])]
-            out.append(([u for u in range(lat.tree.num_units) if diff >> u & 1], self.degrees[k]))
+            units = [u for u in range(lat.tree.num_units) if diff >> u & 1]
+            out.append((units, *self.rows[k]))
         return out
 
 
@@ -614,7 +620,7 @@ def _to_pipeline(
     costs: UnitCosts,
     opts: PartitionOptions,
     b: int,
-    stages: list[tuple[list[int], int]],
+    stages: list[tuple[list[int], int, bool]],
     num: int,
     limit: float,
     slack: int = 0,
@@ -623,12 +629,12 @@ def _to_pipeline(
     stage (a topological order, since every prefix of stages is an ideal), so that every stage is
     a contiguous range of that order; ``None`` when a stage exceeds the memory limit with its exact
     in-flight count. ``costs``: the units' costs in the tree's own order."""
-    order = [u for units, _ in stages for u in units]
+    order = [u for units, _, _ in stages for u in units]
     reordered = costs.tree.chained(order)
     plan: tuple | None = None
     end = len(order)
-    for units, d in reversed(stages):
-        span = ("S", end - len(units), end, d)
+    for units, d, recompute in reversed(stages):
+        span = ("S", end - len(units), end, d, int(recompute))
         plan = span if plan is None else ("+", span, plan)
         end -= len(units)
     assert plan is not None

@@ -275,9 +275,9 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
     from tessera.core.cost import per_device_samples
 
     stages = []
-    recompute = bool(getattr(pipeline, "recompute", False))
     for st in pipeline.stages:  # type: ignore[attr-defined]
         s = per_device_samples(st.micro_batch_size, len(st.devices))
+        recompute = st.recompute
         # Recomputation keeps each in-flight micro-batch's inputs, plus the full activations of
         # the one being recomputed (Eq. 3.2 with recomputation: tessera.planners.gpp.memory).
         per_mb = s * (st.input_per_sample if recompute else st.activation_per_sample)

@@ -107,17 +107,33 @@ def test_cross_branch_stage_beats_pipedream() -> None:
     assert record["piper"]["throughput_samples_per_s"] > record["pipedream_throughput_samples_per_s"]
 
 
-@pytest.mark.parametrize("devices", [1, 2, 3, 4])
-@pytest.mark.parametrize("limit", [2**22, 1_054_576])  # loose; weights + a few micro-batches
-def test_dp_finds_the_smallest_bottleneck(devices: int, limit: int) -> None:
-    """Against brute force over every chain of ideals and every data-parallel degree, memory
-    (in-flight micro-batches: one per stage from this one on) included."""
-    g = diamond()
+# (diamond's width and narrow, mini-batch, micro-batch, memory limit)
+_LOOSE = ((256, 64), 64, 4, 2**22)
+_WEIGHTS_BIND = ((256, 64), 64, 4, 1_054_576)  # weights + a few micro-batches
+# Activations bind: on 4 devices no plan keeps every stage's activations (see below).
+_ACTIVATIONS_BIND = [((64, 16), 256, 64, 80_000), ((64, 16), 256, 32, 72_000)]
+
+
+def _ideal_dp(case: tuple, devices: int, recompute: str) -> tuple[_Lattice, _IdealDP]:
+    (width, narrow), mini_batch, b, limit = case
+    g = diamond(width, narrow)
     cluster = compute_bound(4)
-    opts = PartitionOptions(mini_batch=64, num_devices=devices, memory_limit=limit)
+    opts = PartitionOptions(
+        mini_batch=mini_batch, num_devices=devices, memory_limit=limit, recompute=recompute
+    )
     cost = CostModel.for_device(cluster.devices()[0].type)
     lattice = _Lattice(g, build_tree(g, cost, 128), cost)
-    dp = _IdealDP(lattice, StageLinks(cluster, devices), opts, 4, limit, devices)
+    return lattice, _IdealDP(lattice, StageLinks(cluster, devices), opts, b, limit, devices)
+
+
+@pytest.mark.parametrize("recompute", ["never", "auto"])
+@pytest.mark.parametrize("devices", [1, 2, 3, 4])
+@pytest.mark.parametrize("case", [_LOOSE, _WEIGHTS_BIND, *_ACTIVATIONS_BIND])
+def test_dp_finds_the_smallest_bottleneck(devices: int, case: tuple, recompute: str) -> None:
+    """Against brute force over every chain of ideals, every data-parallel degree and (``auto``)
+    whether each stage recomputes, memory (in-flight micro-batches: one per stage from this one
+    on) included."""
+    lattice, dp = _ideal_dp(case, devices, recompute)
     pair = {(int(lo), int(hi)): p for p, (lo, hi) in enumerate(zip(lattice.lo, lattice.hi, strict=True))}
 
     def chains(ideal: int):
@@ -132,9 +148,9 @@ def test_dp_finds_the_smallest_bottleneck(devices: int, limit: int) -> None:
     best = np.inf
     for stages in chains(lattice.n - 1):
         n = len(stages)
-        for ks in itertools.product(range(len(dp.degrees)), repeat=n):
+        for ks in itertools.product(range(len(dp.rows)), repeat=n):
             plan = list(zip(stages, ks, strict=True))
-            if sum(dp.degrees[k] for k in ks) > devices:
+            if sum(dp.rows[k][0] for k in ks) > devices:
                 continue
             if any(dp.smax[k, p] < n - 1 - i for i, (p, k) in enumerate(plan)):  # Eq. 3.2
                 continue
@@ -145,8 +161,22 @@ def test_dp_finds_the_smallest_bottleneck(devices: int, limit: int) -> None:
         return
     assert min(max(dp.tps[k, p] for p, k in plan) for plan in plans) == pytest.approx(best, rel=1e-5)
     for plan in plans:
-        assert sum(dp.degrees[k] for _, k in plan) <= devices
+        assert sum(dp.rows[k][0] for _, k in plan) <= devices
         assert all(dp.smax[k, p] >= len(plan) - 1 - i for i, (p, k) in enumerate(plan))
+
+
+@pytest.mark.parametrize("case", _ACTIVATIONS_BIND)
+def test_auto_recomputes_where_keeping_activations_has_no_plan(case: tuple) -> None:
+    """The cases above where recomputation matters: keeping activations, no plan fits; with
+    ``auto`` one does, and only some of its stages recompute (the last keeps one micro-batch in
+    flight: recomputing there would only cost)."""
+    assert _ideal_dp(case, 4, "never")[1].search(0.0, 1e-6) == []
+    _, dp = _ideal_dp(case, 4, "auto")
+    plans = dp.search(0.0, 1e-6)
+    assert plans
+    for plan in plans:
+        flags = [dp.rows[k][1] for _, k in plan]
+        assert any(flags) and not all(flags) and not flags[-1]
 
 
 @pytest.mark.parametrize("name", ["gpt", "mmt"])

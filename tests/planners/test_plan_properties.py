@@ -3,6 +3,8 @@ specs always give plans that validate (C1–C5, memory, coverage), and the simul
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -78,18 +80,31 @@ def random_clusters(draw):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(model=random_mlp_dags(), cluster=random_clusters(), mini_batch=st.sampled_from([8, 32, 64]))
-def test_plans_always_validate_and_simulations_are_consistent(model, cluster, mini_batch):
+@given(
+    model=random_mlp_dags(),
+    cluster=random_clusters(),
+    mini_batch=st.sampled_from([8, 32, 64]),
+    # Limits at which a block's weights (16 KiB with Adam) and its activations both count.
+    memory_limit=st.sampled_from([None, 48 * 1024, 96 * 1024, 192 * 1024]),
+    recompute=st.sampled_from(["never", "auto", "all"]),
+)
+def test_plans_always_validate_and_simulations_are_consistent(
+    model, cluster, mini_batch, memory_limit, recompute
+):
     graph = load_graph(model)
+    opts = PartitionOptions(mini_batch=mini_batch, memory_limit=memory_limit, recompute=recompute)
     try:
-        plan, _pipe, sim = build_gpp_plan(graph, cluster, PartitionOptions(mini_batch=mini_batch))
+        plan, _pipe, sim = build_gpp_plan(graph, cluster, opts)
     except InfeasibleError as exc:
         assert "\n" not in exc.message
         return
     assert check_plan_against_model(plan, graph) == []
+    assert all(st.memory.peak <= (memory_limit or math.inf) for st in plan.stages)
+    if recompute != "auto":
+        assert {st.recompute for st in plan.stages} == {recompute == "all"}
     # The sequential plan too (its stages in order, residuals as forward skip edges).
     try:
-        sequential, _, _ = build_gpp_plan(graph, cluster, PartitionOptions(mini_batch=mini_batch), kind="spp")
+        sequential, _, _ = build_gpp_plan(graph, cluster, opts, kind="spp")
     except InfeasibleError:  # a graph of stages may fit where a chain does not
         pass
     else:

@@ -188,6 +188,13 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
     """Eq. 3.2 counted again from the model for every stage (see the module docstring)."""
     problems: list[str] = []
     training = plan.training
+    # Which stages recompute is the planner's choice within what it was allowed.
+    wrong = [st.id for st in plan.stages if st.recompute != (training.recompute == "all")]
+    if training.recompute != "auto" and wrong:
+        problems.append(
+            f"memory: stage {wrong[0]} {'keeps' if training.recompute == 'all' else 'recomputes'} its "
+            f"activations, but training.recompute is {training.recompute!r}"
+        )
     for st in plan.stages:
         types = {devices[d].type_name for d in st.devices}
         if len(types) > 1:
@@ -214,15 +221,15 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
 
 
 def counted_memory(st: Any, graph: Any, device_type: Any, training: Any) -> StageMemoryEstimate:
-    """Eq. 3.2 for one device of plan stage ``st``, counted from ``graph`` on ``device_type`` for
-    ``training`` (a :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's
-    memory against."""
+    """Eq. 3.2 for one device of plan stage ``st`` (recomputing its activations where ``st.recompute``),
+    counted from ``graph`` on ``device_type`` for ``training`` (a
+    :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's memory against."""
     cost = CostModel.for_device(device_type, training.precision, training.bytes_per_param)
     nodes = [n for n in st.nodes if n in graph.dag]
     inside = set(nodes)
     weights, optimizer, activations = cost.memory_of(graph, nodes)
     entering: dict[str, int] = {}  # what a recomputing stage keeps: the tensors coming in
-    if training.recompute:
+    if st.recompute:
         for v in inside:
             for u, _, data in graph.dag.in_edges(v, data=True):
                 if u not in inside and u not in graph.constant_nodes:
@@ -235,5 +242,5 @@ def counted_memory(st: Any, graph: Any, device_type: Any, training: Any) -> Stag
         micro_batch=st.micro_batch_size,
         devices=len(st.devices),
         in_flight=st.in_flight,
-        recompute=training.recompute,
+        recompute=st.recompute,
     )

@@ -167,6 +167,7 @@ def _to_plan(
                 memory=StageMemory(
                     weights=mem.weights, optimizer=mem.optimizer, activations=mem.activations, peak=mem.peak
                 ),
+                recompute=st.recompute,
                 predicted={
                     "forward_time_s": _r(st.forward_time),
                     "backward_time_s": _r(st.backward_time),
@@ -227,20 +228,23 @@ def run_gpp_plan(
     profile: bool = False,
     cache: str | os.PathLike[str] | None = None,
     k: int = 2,
-    recompute: bool = False,
+    recompute: str = "never",
     bytes_per_param: float | None = None,
 ) -> GppPlan:
     """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
 
     ``profile``: measure operator times on this machine first (:mod:`tessera.planners.gpp.profile`),
     cached in the profile cache at ``cache`` (default: the one ``tessera place`` uses).
-    ``recompute``: every stage recomputes its activations in the backward; ``bytes_per_param``:
+    ``recompute``: activation recomputation in the backward on no stage (``never``), every stage
+    (``all``), or the stages that need the memory (``auto``, chosen by the search); ``bytes_per_param``:
     weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision).
     """
     if cache is not None and not profile:
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
     if schedule not in ("1f1b", "kfkb", "greedy", "gpipe", "auto"):
         raise InputError(f"--schedule {schedule!r}: expected 1f1b, kfkb, greedy, gpipe or auto")
+    if recompute not in ("never", "auto", "all"):
+        raise InputError(f"--recompute {recompute!r}: expected never, auto or all")
     try:
         limit = (
             None
@@ -332,13 +336,21 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
         f"{plan.kind.upper()} plan: {len(plan.stages)} stage(s), depth {p['pipeline_depth']}, "
         f"mini-batch {plan.mini_batch_size}, micro-batch {p['micro_batch_size']}, "
         f"schedule {pipe.schedule_kind}, {pipe.num_units} units, search {pipe.search_time_s:.2f}s",
-        f"{'stage':>5} {'ops':>5} {'devices':>7} {'in-flight':>9} {'fw+bw/mb':>10} {'memory':>10}  first op",
     ]
+    # The recompute column where the planner was allowed to recompute (fw+bw includes it).
+    recompute = plan.training.recompute != "never"
+    lines.append(
+        f"{'stage':>5} {'ops':>5} {'devices':>7} {'in-flight':>9} {'fw+bw/mb':>10} {'memory':>10}"
+        + (f" {'recompute':>9}" if recompute else "")
+        + "  first op"
+    )
     for st in plan.stages:
         t = st.predicted["forward_time_s"] + st.predicted["backward_time_s"]
         lines.append(
             f"{st.id:>5} {len(st.nodes):>5} {len(st.devices):>7} {st.in_flight:>9} "
-            f"{t * 1e3:>8.2f}ms {format_bytes(st.memory.peak):>10}  {st.nodes[0]}"
+            f"{t * 1e3:>8.2f}ms {format_bytes(st.memory.peak):>10}"
+            + (f" {'yes' if st.recompute else 'no':>9}" if recompute else "")
+            + f"  {st.nodes[0]}"
         )
     lines.append(
         f"predicted: iteration {p['iteration_time_s'] * 1e3:.2f} ms, "

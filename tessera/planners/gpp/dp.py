@@ -9,7 +9,8 @@ Regions are the nodes of the series-parallel tree (:mod:`.sp`) and suffixes of t
 
 - **base case** (line 25): the region is one stage, data parallel over ``d'`` devices, ``d'`` a
   power of two (thesis §3.5: "we consider powers of 2") with at least one sample per device and
-  per micro-batch (``d' ≤ b``) — a replica without a sample cannot use its device;
+  per micro-batch (``d' ≤ b``) — a replica without a sample cannot use its device; with
+  ``recompute="auto"`` also the stage recomputing its activations (:meth:`StageDP.base_entries`);
 - **series** (lines 30–37): every split point: a first stage over children ``[i, j)`` on ``d'``
   devices, or child ``i`` solved recursively on any ``d1`` devices, then the rest on the
   remaining devices;
@@ -61,8 +62,12 @@ FRONT = 3  # Pareto entries kept per DP state
 GROUP_CHAIN = 3  # branch groups pipelined in series hold at most this many branches
 JOIN_FRACTION = 0.25  # a tail joins its neighbour's stage when it costs at most this share of t_max
 
-# (latency, depth, slack, tps, sink latency, plan)
+# (latency, depth, slack, tps, sink latency, plan); a plan's stages are ("S", lo, hi, d, r), r = 1
+# where the stage recomputes its activations in the backward.
 Entry = tuple[float, int, int, float, float, tuple]
+# Per PartitionOptions.recompute: whether a stage may keep its activations (False) or recompute
+# them (True), in the order the DP prefers them.
+RECOMPUTE_VARIANTS: dict[str, tuple[bool, ...]] = {"never": (False,), "all": (True,), "auto": (False, True)}
 
 
 class StageDP:
@@ -96,10 +101,11 @@ class StageDP:
         self.step = opts.k if opts.schedule == "kfkb" else 1
         if opts.schedule == "gpipe":
             self.step = self.m
+        self.variants = RECOMPUTE_VARIANTS[opts.recompute]
         self.degrees = [1 << p for p in range(32) if (1 << p) <= min(b, num_devices)]
         fw, bw = costs.times(b)
         self.work = [(f + g) / b for f, g in zip(fw, bw, strict=True)]  # prefix sums, per sample
-        self._stage_cache: dict[tuple[int, int, int], tuple[float, int, float]] = {}
+        self._stage_cache: dict[tuple[int, int, int, bool], tuple[float, int, float]] = {}
         self._memo: dict[Hashable, tuple[float, float, int, list[Entry]]] = {}
         self._sig: dict[int, int] = {}
         self._sig_ids: dict[Hashable, int] = {}
@@ -124,9 +130,12 @@ class StageDP:
 
     # -- one stage -------------------------------------------------------------------------------
 
-    def stage(self, lo: int, hi: int, d: int) -> tuple[float, int, float]:
-        """(TPS, most in-flight micro-batches that fit memory, latency) of units [lo, hi) on d devices."""
-        key = (lo, hi, d)
+    def stage(self, lo: int, hi: int, d: int, recompute: bool | None = None) -> tuple[float, int, float]:
+        """(TPS, most in-flight micro-batches that fit memory, latency) of units [lo, hi) on d devices,
+        recomputing its activations or not (default: the cheaper of the allowed variants)."""
+        if recompute is None:
+            recompute = self.variants[0]
+        key = (lo, hi, d, recompute)
         got = self._stage_cache.get(key)
         if got is not None:
             return got
@@ -134,7 +143,7 @@ class StageDP:
         s = per_device_samples(self.b, d)
         fw, bw = c.times(s)
         compute = (fw[hi] - fw[lo]) + (bw[hi] - bw[lo])
-        if self.opts.recompute:
+        if recompute:
             compute += fw[hi] - fw[lo]
         ar = allreduce_time(c.grads[hi] - c.grads[lo], d, self.links.within(d))
         tps = compute / self.b + ar / self.B
@@ -160,15 +169,15 @@ class StageDP:
             input_per_sample=c.enter(lo, hi),
             micro_batch=self.b,
             devices=d,
-            recompute=self.opts.recompute,
+            recompute=recompute,
         )
         got = (tps, cap, latency)
         self._stage_cache[key] = got
         return got
 
-    def base(self, lo: int, hi: int, d: int) -> Entry | None:
+    def base(self, lo: int, hi: int, d: int, recompute: bool) -> Entry | None:
         """The region [lo, hi) as one stage on ``d`` devices (Algorithm 2, line 25), if feasible."""
-        tps, cap, latency = self.stage(lo, hi, d)
+        tps, cap, latency = self.stage(lo, hi, d, recompute)
         if tps > self.t_max:
             return None
         if cap >= self.m:
@@ -177,7 +186,24 @@ class StageDP:
             slack = cap // self.step - 1
             if cap < min(self.step, self.m) or slack < 0:
                 return None
-        return (latency, 1, slack, tps, latency, ("S", lo, hi, d))
+        return (latency, 1, slack, tps, latency, ("S", lo, hi, d, int(recompute)))
+
+    def base_entries(self, lo: int, hi: int, d: int) -> list[Entry]:
+        """The region [lo, hi) as one stage on ``d`` devices, in each allowed recompute variant
+        that is of use: recomputing costs a forward, so (``auto``) the stage recomputes only where
+        keeping its activations does not fit, or fits fewer stages after it (its slack) than
+        recomputing does. Without memory pressure this is one entry, as with ``never``."""
+        out: list[Entry] = []
+        for recompute in self.variants:
+            e = self.base(lo, hi, d, recompute)
+            if e is None:
+                continue
+            if out and e[2] <= out[-1][2]:
+                continue  # no more room for the stages after it: only slower
+            out.append(e)
+            if e[2] == INF_SLACK:
+                break
+        return out
 
     def bases(self, lo: int, hi: int, d: int) -> list[Entry]:
         """One stage over [lo, hi) at every useful data-parallel degree up to ``d``."""
@@ -185,9 +211,7 @@ class StageDP:
         for dd in self.degrees:
             if dd > d:
                 break
-            e = self.base(lo, hi, dd)
-            if e is not None:
-                out.append(e)
+            out.extend(self.base_entries(lo, hi, dd))
         return out
 
     def too_much_work(self, lo: int, hi: int, d: int) -> bool:
@@ -266,11 +290,9 @@ class StageDP:
             for k in range(k_hi, k_lo - 1, -1):
                 if self.too_much_work(ends[k], ext, d - d1):
                     break
-                first = self.base(lo, ends[k], d1)
-                if first is None:
-                    continue
-                for rest in self.series(node, k + 1, d - d1, ext):
-                    cands.append(seq(first, rest))
+                for first in self.base_entries(lo, ends[k], d1):
+                    for rest in self.series(node, k + 1, d - d1, ext):
+                        cands.append(seq(first, rest))
         head = ch[i]
         if head.kind != "leaf":
             # Child i as its own sub-problem; a parallel child may absorb children i+1..j-1 into
@@ -378,11 +400,9 @@ class StageDP:
             for k in range(k_hi, i, -1):
                 if self.too_much_work(ends[k], ext, d - d1):
                     break
-                group = self.base(lo, ends[k], d1)
-                if group is None:
-                    continue
-                for rest in self.parallel(node, k + 1, d - d1, ext):
-                    cands.append(combine(group, rest))
+                for group in self.base_entries(lo, ends[k], d1):
+                    for rest in self.parallel(node, k + 1, d - d1, ext):
+                        cands.append(combine(group, rest))
         return self._store(key, node, pareto(cands))
 
 
@@ -424,14 +444,14 @@ def pareto(cands: list[Entry]) -> list[Entry]:
     return out
 
 
-def stages_of(plan: tuple) -> list[tuple[int, int, int]]:
-    """The stages (lo, hi, devices) of a DP plan, in unit order."""
-    out: list[tuple[int, int, int]] = []
+def stages_of(plan: tuple) -> list[tuple[int, int, int, bool]]:
+    """The stages (lo, hi, devices, recompute) of a DP plan, in unit order."""
+    out: list[tuple[int, int, int, bool]] = []
     todo = [(plan, 0)]
     while todo:
         p, shift = todo.pop()
         if p[0] == "S":
-            out.append((p[1] + shift, p[2] + shift, p[3]))
+            out.append((p[1] + shift, p[2] + shift, p[3], bool(p[4])))
         elif p[0] == "@":
             todo.append((p[2], shift + p[1]))
         else:

@@ -31,7 +31,11 @@ micro-batch sizes together for the fastest 1F1B iteration under the per-device m
   parallel groups aligned within a node, C3), schedules are generated per stage (C4: 1F1B, kFkB,
   GPipe, or Algorithm 4's greedy scheduler, :mod:`.greedy`) with in-flight counts recomputed
   exactly from the final stage graph (Table 3.2, reverse topological order, C5), and the memory
-  of every stage is re-checked against the limit with those counts.
+  of every stage is re-checked against the limit with those counts;
+- activation recomputation (``recompute``): on no stage, on every stage, or ``auto`` — chosen per
+  stage by the DP, where keeping the stage's activations does not fit memory (or leaves room for
+  fewer stages after it); a recomputing stage keeps only its inputs per micro-batch in flight and
+  runs its forward again in its backward.
 
 A plan may leave devices idle: a stage gets devices only where they make it faster (one sample per
 replica at least, all-reduce included).
@@ -96,6 +100,9 @@ ScheduleKind = Literal["1f1b", "kfkb", "greedy", "gpipe"]
 # What a planner is asked for: a schedule kind, or ``auto`` — the search as for 1F1B, then its
 # candidates rescheduled by Algorithm 4 where that simulates faster (:func:`fastest_rescheduled`).
 ScheduleChoice = Literal["1f1b", "kfkb", "greedy", "gpipe", "auto"]
+# Activation recomputation: on no stage, on every stage, or (``auto``) on the stages the search
+# finds it pays on — where keeping the activations does not fit memory (:class:`~.dp.StageDP`).
+RecomputeChoice = Literal["never", "auto", "all"]
 
 
 @dataclass(frozen=True)
@@ -107,7 +114,7 @@ class PartitionOptions:
     k: int = 1  # kFkB's k
     micro_batch_sizes: tuple[int, ...] | None = None  # default: powers of two dividing mini_batch
     max_micro_batches: int = 256
-    recompute: bool = False
+    recompute: RecomputeChoice = "never"
     max_units: int = 128
     epsilon: float = 0.01
     precision: Literal["mixed", "fp32"] = "mixed"
@@ -139,6 +146,9 @@ class PipelineStage:
     # The network interfaces the stage's gradient all-reduce crosses (:func:`ring_nics`); none
     # inside a node or when the cluster names no shared interfaces.
     allreduce_nics: tuple[str, ...] = ()
+    # Activation recomputation: the stage keeps only its inputs per micro-batch in flight and runs
+    # its forward again in the backward (counted in ``backward_time``).
+    recompute: bool = False
 
     @property
     def time_per_sample(self) -> float:
@@ -177,9 +187,6 @@ class Pipeline:
     num_units: int
     memory_limit: float
     probes: int = 0
-    # Activation recomputation on every stage: a stage keeps only its inputs per micro-batch in
-    # flight and runs its forward again in the backward (in its backward time).
-    recompute: bool = False
 
     @property
     def pipeline_depth(self) -> int:
@@ -471,7 +478,7 @@ def partition(
                 if first is None:
                     continue  # more warm-up only needs more memory
                 for slack in WARM_UP_SLACKS if options.searched_schedule == "1f1b" else (0,):
-                    pipe = first if not slack else scheduled(first, _uniform(first, slack), options.recompute)
+                    pipe = first if not slack else scheduled(first, _uniform(first, slack))
                     if pipe is None:
                         break
                     if not exposed:
@@ -496,9 +503,9 @@ def partition(
                 if len(seen) == _PER_MICRO_BATCH:
                     break
     if timed and options.searched_schedule == "1f1b":
-        best, best_rank = fastest_tuned(timed, options.recompute)
+        best, best_rank = fastest_tuned(timed)
     if best is not None and best_rank is not None and options.schedule == "auto":
-        best = fastest_rescheduled(best, best_rank[0], timed, options.recompute)
+        best = fastest_rescheduled(best, best_rank[0], timed)
     if best is None and kind == "spp" and window is not None:
         # The SPP DP tries a few split points per stage (for time on long chains): under a tight
         # memory limit the longest first stages can leave no plan where shorter ones fit. Every
@@ -607,8 +614,8 @@ def no_plan_error(
     a plan needs (:func:`least_memory`) and the fastest plan's."""
     need = least_memory(peak_of, limit) if peak_of is not None else None
     more = f"; the smallest plan found needs {_gib(need)} per device" if need is not None else ""
-    if not options.recompute:
-        more += " (--recompute keeps fewer activations)"
+    if options.recompute == "never":
+        more += " (--recompute auto recomputes activations where a stage needs the memory)"
     return InfeasibleError(
         f"no {kind.upper()} plan of {graph.num_nodes} operators on {num} device(s) fits "
         f"{_gib(limit)} per device at mini-batch {options.mini_batch}{more}"
@@ -787,15 +794,15 @@ def materialize(
     stages: list[PipelineStage] = []
     unit_stage: dict[int, int] = {}
     m = opts.mini_batch // b
-    ranks = _assign_ranks([d for _, _, d in spans])
-    for sid, (lo, hi, d) in enumerate(spans):
+    ranks = _assign_ranks([d for _, _, d, _ in spans])
+    for sid, (lo, hi, d, recompute) in enumerate(spans):
         group = [devices[r] for r in ranks[sid]]
         ids = [dev.id for dev in group]
         s = per_device_samples(b, d)
         fw, bw = costs.times(s)
         f = fw[hi] - fw[lo]
         g = bw[hi] - bw[lo]
-        if opts.recompute:
+        if recompute:
             g += f
         grads = costs.grads[hi] - costs.grads[lo]
         link = ring_link(cluster, group)
@@ -818,6 +825,7 @@ def materialize(
                 input_per_sample=costs.enter(lo, hi),
                 units=(lo, hi),
                 allreduce_nics=ring_nics(cluster, group),
+                recompute=recompute,
             )
         )
         for u in range(lo, hi):
@@ -848,13 +856,12 @@ def materialize(
         search_time_s=0.0,
         num_units=tree.num_units,
         memory_limit=limit,
-        recompute=opts.recompute,
     )
     warm_up = _uniform(pipe, slack) if slack and opts.searched_schedule == "1f1b" else {}
-    return scheduled(pipe, warm_up, opts.recompute)
+    return scheduled(pipe, warm_up)
 
 
-def scheduled(pipe: Pipeline, extra: Mapping[int, int], recompute: bool = False) -> Pipeline | None:
+def scheduled(pipe: Pipeline, extra: Mapping[int, int]) -> Pipeline | None:
     """``pipe`` with every stage's in-flight count, schedule and memory (a copy; ``None`` when a
     stage exceeds ``pipe.memory_limit``).
 
@@ -904,7 +911,7 @@ def scheduled(pipe: Pipeline, extra: Mapping[int, int], recompute: bool = False)
             micro_batch=b,
             devices=len(st.devices),
             in_flight=st.in_flight,
-            recompute=recompute,
+            recompute=st.recompute,
         )
         if st.memory.peak > pipe.memory_limit:
             return None
@@ -915,7 +922,7 @@ def _uniform(pipe: Pipeline, slack: int) -> dict[int, int]:
     return {st.id: slack for st in pipe.stages}
 
 
-def fastest_tuned(timed: list[tuple[tuple, Pipeline]], recompute: bool = False) -> tuple[Pipeline, tuple]:
+def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]:
     """The fastest plan after :func:`tune_warm_up` of the :data:`_TUNED` fastest distinct stage
     graphs of ``timed`` (each from its fastest uniform warm-up), with its rank.
 
@@ -930,7 +937,7 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]], recompute: bool = False) 
         if key in seen:
             continue
         seen.add(key)
-        tuned, t = tune_warm_up(pipe, recompute)
+        tuned, t = tune_warm_up(pipe)
         mine = (t, rank[1], rank[2], sum(st.in_flight for st in tuned.stages), key)
         if out is None or mine < out[0]:
             out = (mine, tuned)
@@ -941,7 +948,7 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]], recompute: bool = False) 
     return out[1], out[0]
 
 
-def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, float]:
+def tune_warm_up(pipe: Pipeline) -> tuple[Pipeline, float]:
     """A 1F1B pipeline with each stage's warm-up tuned on the simulator, and its iteration time.
 
     Algorithm 4's idea (a stage runs ahead as far as it helps, no further) at the grain of the
@@ -975,7 +982,7 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
                 return best, best_time
             budget -= 1
             trial = {**current, st.id: extra}
-            cand = scheduled(pipe, trial, recompute)
+            cand = scheduled(pipe, trial)
             if cand is None:
                 if extra > current[st.id]:
                     break  # more warm-up only needs more memory
@@ -986,9 +993,7 @@ def tune_warm_up(pipe: Pipeline, recompute: bool = False) -> tuple[Pipeline, flo
     return best, best_time
 
 
-def fastest_rescheduled(
-    best: Pipeline, best_time: float, timed: list[tuple[tuple, Pipeline]], recompute: bool = False
-) -> Pipeline:
+def fastest_rescheduled(best: Pipeline, best_time: float, timed: list[tuple[tuple, Pipeline]]) -> Pipeline:
     """``--schedule auto``: the fastest of ``best`` (the 1F1B search's plan, simulated at
     ``best_time``) and the candidates of ``timed`` rescheduled by Algorithm 4 (:mod:`.greedy`:
     every stage as early as its successors allow, with the fewest micro-batches in flight that
@@ -1018,7 +1023,7 @@ def fastest_rescheduled(
         if tasks > budget or busiest >= best_time:
             continue
         budget -= tasks
-        greedy = scheduled(dataclasses.replace(pipe, schedule_kind="greedy"), {}, recompute)
+        greedy = scheduled(dataclasses.replace(pipe, schedule_kind="greedy"), {})
         if greedy is None:
             continue
         t = simulate_pipeline(greedy, trace=False).iteration_time

@@ -295,12 +295,27 @@ def test_recompute_and_bytes_per_param_from_the_command_line(tmp_path) -> None:
     args = ["plan", str(model), "--cluster", "graphpipe-v100", "--mini-batch", "8", "--devices", "4"]
     tight = [*args, "--memory-limit", "200KiB", "--no-baseline"]
     refused = run_cli(*tight)
-    assert refused.code == 3 and "--recompute keeps fewer activations" in refused.err
+    assert refused.code == 3 and "(--recompute auto recomputes activations where a stage needs" in refused.err
     out = tmp_path / "plan.json"
-    assert run_cli(*tight, "--recompute", "-o", str(out)).code == 0
+    assert run_cli(*tight, "--recompute", "-o", str(out)).code == 0  # alone: every stage
     plan = load_plan(out)
-    assert plan.training.recompute and max(st.memory.peak for st in plan.stages) <= 200 * 1024
+    assert plan.training.recompute == "all" and all(st.recompute for st in plan.stages)
+    assert max(st.memory.peak for st in plan.stages) <= 200 * 1024
     assert run_cli("validate", str(out)).code == 0
+    assert run_cli(*tight, "--recompute", "auto", "-o", str(out)).code == 0
+    plan = load_plan(out)
+    assert plan.training.recompute == "auto" and 0 < sum(st.recompute for st in plan.stages) < len(
+        plan.stages
+    )
+    assert run_cli("validate", str(out)).code == 0
+    shown = run_cli(*tight, "--recompute", "auto").out.splitlines()
+    assert "recompute" in shown[1].split()  # the column, only where recomputation was allowed
+    assert [line.split()[7] for line in shown[2:-1]] == [
+        "yes" if st.recompute else "no" for st in plan.stages
+    ]
+    assert "recompute" not in run_cli(*args, "--no-baseline").out
+    wrong = run_cli(*tight, "--recompute", "some")
+    assert wrong.code == 2 and "'some' is not one of 'never', 'auto', 'all'" in wrong.err
     lean = tmp_path / "lean.json"
     assert run_cli(*args, "--bytes-per-param", "8", "--no-baseline", "-o", str(lean)).code == 0
     assert load_plan(lean).training.bytes_per_param == 8.0
@@ -328,6 +343,8 @@ def test_sequential_plans_with_skip_edges_are_valid() -> None:
             {"bytes_per_param": 1e308},
             "field training.bytes_per_param: Input should be less than or equal to 1024",
         ),
+        ({"recompute": "all"}, "memory: stage 0 keeps its activations, but training.recompute is 'all'"),
+        ({"recompute": "sometimes"}, "field training.recompute: Input should be 'never', 'auto' or 'all'"),
     ],
 )
 def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment) -> None:
@@ -342,6 +359,39 @@ def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment)
     except InputError as exc:  # the schema's bound
         problems = [exc.message]
     assert any(fragment in p for p in problems), problems
+
+
+def test_a_stage_recomputing_against_the_plan_s_setting_is_reported(graph) -> None:
+    plan, _, _ = build_gpp_plan(
+        graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=2)
+    )
+    data = json.loads(dump_plan(plan))
+    data["stages"][-1]["recompute"] = True
+    problems = check_plan_against_model(parse_plan(data, label="plan.json"), graph)
+    assert any(
+        f"memory: stage {len(plan.stages) - 1} recomputes its activations, but training.recompute is 'never'"
+        in p
+        for p in problems
+    ), problems
+    data["training"]["recompute"] = "auto"  # the planner's choice: any stage may
+    assert check_plan_against_model(parse_plan(data, label="plan.json"), graph) == []
+
+
+@pytest.mark.parametrize("every", [True, False])
+def test_plans_with_the_older_boolean_recompute_read_as_all_or_never(graph, every) -> None:
+    # Before recomputation was chosen per stage, training.recompute was a boolean for every stage.
+    plan, _, _ = build_gpp_plan(
+        graph,
+        load_cluster("graphpipe-v100"),
+        PartitionOptions(mini_batch=32, num_devices=2, recompute="all" if every else "never"),
+    )
+    data = json.loads(dump_plan(plan))
+    data["training"]["recompute"] = every
+    for st in data["stages"]:
+        del st["recompute"]
+    older = parse_plan(data, label="plan.json")
+    assert older == plan
+    assert check_plan_against_model(older, graph) == []
 
 
 def test_bytes_per_param_nan_is_bad_input(graph) -> None:

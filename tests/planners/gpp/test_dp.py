@@ -14,7 +14,9 @@ from tessera.planners.gpp.partition import PartitionOptions, StageLinks, UnitCos
 
 def _optimum(dp: StageDP, n: int, num: int) -> float:
     """Brute force: the smallest bottleneck TPS over every split of units [0, n) into contiguous
-    stages with power-of-two device counts summing to at most ``num``."""
+    stages with power-of-two device counts summing to at most ``num`` and, for each stage, each
+    recompute variant the DP may choose, where every stage fits memory with 1F1B's in-flight
+    count (one micro-batch more than the stages after it, at most all of them)."""
     best = math.inf
     for k in range(1, min(n, num) + 1):
         for cuts in itertools.combinations(range(1, n), k - 1):
@@ -23,35 +25,65 @@ def _optimum(dp: StageDP, n: int, num: int) -> float:
             for degrees in itertools.product(dp.degrees, repeat=k):
                 if sum(degrees) > num:
                     continue
-                tps = max(dp.stage(lo, hi, d)[0] for (lo, hi), d in zip(spans, degrees, strict=True))
-                best = min(best, tps)
+                for flags in itertools.product(dp.variants, repeat=k):
+                    stages = [
+                        dp.stage(lo, hi, d, r) for (lo, hi), d, r in zip(spans, degrees, flags, strict=True)
+                    ]
+                    if all(cap >= min(dp.m, k - i) for i, (_, cap, _) in enumerate(stages)):
+                        best = min(best, max(tps for tps, _, _ in stages))
     return best
 
 
-@pytest.mark.parametrize("num", [2, 3, 4])
-def test_series_dp_finds_the_optimal_split(num: int) -> None:
-    g = chain(6, width=384)
+# (layers' width, micro-batch, memory limit): no limit, and limits at which activations bind (a
+# chain of 64-wide layers at 64 samples per micro-batch): only recomputing plans fit 200 kB on 3
+# devices and 260 kB on 2.
+_UNLIMITED = (384, 8, math.inf)
+_ACTIVATIONS_BIND = [(64, 64, 200_000), (64, 64, 260_000)]
+
+
+def _series_dp(case: tuple, num: int, recompute: str) -> StageDP:
+    width, b, limit = case
+    g = chain(6, width=width)
     cluster = load_cluster("graphpipe-v100")
     cost = CostModel.for_device(cluster.devices()[0].type)
     tree = build_tree(g, cost, 6)
     costs = UnitCosts(g, tree, cost)
-    opts = PartitionOptions(mini_batch=64, num_devices=num, memory_limit=math.inf)
-    dp = StageDP(tree, costs, StageLinks(cluster, num), opts, 8, math.inf, num)
-    best = _optimum(dp, costs.n, num)
+    opts = PartitionOptions(mini_batch=8 * b, num_devices=num, memory_limit=limit, recompute=recompute)
+    return StageDP(tree, costs, StageLinks(cluster, num), opts, b, limit, num)
+
+
+@pytest.mark.parametrize("recompute", ["never", "auto", "all"])
+@pytest.mark.parametrize("case", [_UNLIMITED, *_ACTIVATIONS_BIND])
+@pytest.mark.parametrize("num", [2, 3, 4])
+def test_series_dp_finds_the_optimal_split(num: int, case: tuple, recompute: str) -> None:
+    dp = _series_dp(case, num, recompute)
+    best = _optimum(dp, dp.costs.n, num)
+    if best == math.inf:
+        assert not dp.run(1e9)
+        return
     assert dp.run(best * (1 + 1e-9))  # the optimum is feasible
     assert not dp.run(best * (1 - 1e-6))  # and nothing beats it
     front = dp.run(best * (1 + 1e-9))
-    assert max(dp.stage(lo, hi, d)[0] for lo, hi, d in stages_of(front[0][5])) <= best * (1 + 1e-9)
-    used = sum(d for _, _, d in stages_of(front[0][5]))
-    assert used <= num
+    stages = stages_of(front[0][5])
+    assert max(dp.stage(lo, hi, d, r)[0] for lo, hi, d, r in stages) <= best * (1 + 1e-9)
+    assert sum(d for _, _, d, _ in stages) <= num
+    assert {r for *_, r in stages} <= set(dp.variants)
+
+
+@pytest.mark.parametrize(("case", "num"), [(_ACTIVATIONS_BIND[0], 3), (_ACTIVATIONS_BIND[1], 2)])
+def test_auto_recomputes_on_some_stages_where_keeping_activations_has_no_plan(case: tuple, num: int) -> None:
+    assert not _series_dp(case, num, "never").run(1e9)
+    dp = _series_dp(case, num, "auto")
+    flags = [r for *_, r in stages_of(dp.run(1e9)[0][5])]
+    assert any(flags) and not flags[-1]  # the last stage keeps one micro-batch: recomputing only costs
 
 
 def test_entries_compose_as_in_table_3_2() -> None:
-    a = (2.0, 1, 5, 0.1, 2.0, ("S", 0, 1, 1))
-    b = (3.0, 2, 4, 0.2, 1.0, ("S", 1, 2, 1))
+    a = (2.0, 1, 5, 0.1, 2.0, ("S", 0, 1, 1, 0))
+    b = (3.0, 2, 4, 0.2, 1.0, ("S", 1, 2, 1, 0))
     # In series, the first stage gets the rest's depth in flight: its slack drops by 2.
     assert seq(a, b)[:5] == (5.0, 3, 3, 0.2, 1.0)
     # Branches joining the sink stage of another: one more level behind them.
     assert par_join(a, b)[:5] == (3.0, 2, 4, 0.2, 1.0)
-    worse = (4.0, 3, 2, 0.1, 0.0, ("S", 0, 1, 1))
+    worse = (4.0, 3, 2, 0.1, 0.0, ("S", 0, 1, 1, 0))
     assert pareto([worse, a]) == [a]

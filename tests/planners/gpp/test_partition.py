@@ -160,16 +160,44 @@ def test_kfkb_and_gpipe_schedules(v100) -> None:
 def test_recomputation_fits_a_limit_that_stored_activations_do_not(v100) -> None:
     # Tiny GPT on 4 devices needs about 232 KiB per device storing activations; recomputing them
     # (a stage keeps its inputs per micro-batch in flight, plus one micro-batch's activations)
-    # fits 200 KiB. The plan records it, validate counts its memory so, and the simulator agrees.
+    # fits 200 KiB. The plan records it per stage, validate counts its memory so, and the
+    # simulator agrees.
     g = load_graph(build("gpt", "tiny"))
     opts = PartitionOptions(mini_batch=8, num_devices=4, memory_limit=200 * 1024)
-    with pytest.raises(InfeasibleError):
+    with pytest.raises(InfeasibleError, match="--recompute auto"):
         build_gpp_plan(g, v100, opts, baseline=False)
-    plan, pipe, sim = build_gpp_plan(g, v100, dataclasses.replace(opts, recompute=True), baseline=False)
-    assert plan.training.recompute and pipe.recompute
-    assert check_plan_against_model(plan, g) == []
-    for st in plan.stages:
-        assert st.memory.peak <= 200 * 1024
-        assert sim.peak_memory[st.id] == pytest.approx(st.memory.peak, abs=16)
-    stored = plan.model_copy(update={"training": plan.training.model_copy(update={"recompute": False})})
+    plans = {}
+    for recompute in ("all", "auto"):
+        plan, pipe, sim = build_gpp_plan(
+            g, v100, dataclasses.replace(opts, recompute=recompute), baseline=False
+        )
+        assert plan.training.recompute == recompute
+        assert [st.recompute for st in plan.stages] == [st.recompute for st in pipe.stages]
+        assert check_plan_against_model(plan, g) == []
+        for st in plan.stages:
+            assert st.memory.peak <= 200 * 1024
+            assert sim.peak_memory[st.id] == pytest.approx(st.memory.peak, abs=16)
+        plans[recompute] = plan, sim
+    every, every_sim = plans["all"]
+    assert all(st.recompute for st in every.stages)
+    # auto recomputes where it must: not on the last stage (one micro-batch in flight), and the
+    # forward it saves there makes the plan faster than recomputing everywhere.
+    chosen, chosen_sim = plans["auto"]
+    assert any(st.recompute for st in chosen.stages) and not chosen.stages[-1].recompute
+    assert chosen_sim.throughput > 1.1 * every_sim.throughput
+    stored = every.model_copy(
+        update={
+            "stages": [st.model_copy(update={"recompute": False}) for st in every.stages],
+            "training": every.training.model_copy(update={"recompute": "never"}),
+        }
+    )
     assert any("memory: stage" in p for p in check_plan_against_model(stored, g))  # counted storing: too big
+
+
+def test_without_memory_pressure_auto_recomputation_changes_nothing(v100) -> None:
+    g = load_graph(build("gpt", "tiny"))
+    opts = PartitionOptions(mini_batch=8, num_devices=4)
+    never, _, _ = build_gpp_plan(g, v100, opts, baseline=False)
+    auto, _, _ = build_gpp_plan(g, v100, dataclasses.replace(opts, recompute="auto"), baseline=False)
+    assert not any(st.recompute for st in auto.stages)
+    assert dump_plan(auto) == dump_plan(never).replace('"recompute": "never"', '"recompute": "auto"')
