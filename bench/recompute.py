@@ -85,7 +85,7 @@ def main() -> None:
         "`--recompute never` (keep every stage's activations), `all` (recompute on every stage) and",
         "`auto` (the search chooses per stage). Cells: samples/s (recomputing stages / stages);",
         "`—`: no plan fits. *auto/best other*: auto's throughput over the faster of never and all.",
-        "Search: auto's search time on this machine (2 cores). *least*: the least limit under which",
+        "Search: auto's search time on this machine (2 cores; three searches). *least*: the least limit under which",
         "the search finds a plan that keeps every activation (bisected to 0.5 %; that plan's peak).",
         "",
         "| model | devices | mini-batch | limit | never | all | auto | auto/best other | auto peak | search auto s |",

@@ -42,6 +42,25 @@ from tessera.core.specs import load_cluster
 __all__ = ["KINDS", "PlanKind", "plan"]
 
 
+class RecomputeChoice(click.Choice):
+    """``--recompute``'s value, which is optional (``--recompute`` alone is ``all``): click then
+    takes the next word as the value, so ``--recompute MODEL`` names the model as the mode."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if (
+            isinstance(value, str)
+            and value not in self.choices
+            and (value.endswith(".onnx") or os.path.exists(value))
+        ):
+            self.fail(
+                f"{value!r} is not one of {', '.join(map(repr, self.choices))}; it looks like the model: "
+                "write --recompute after MODEL, or give its value (--recompute all)",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
 @dataclass(frozen=True)
 class PlanKind:
     """A plan kind: the function that makes and prints it, and the kind-specific options it reads."""
@@ -398,7 +417,7 @@ KINDS: dict[str, PlanKind] = {
 @click.option("--no-baseline", is_flag=True, help="[gpp] Skip predicting the sequential baseline.")
 @click.option(
     "--recompute",
-    type=click.Choice(["never", "auto", "all"]),
+    type=RecomputeChoice(["never", "auto", "all"]),
     is_flag=False,
     flag_value="all",
     default="never",

@@ -56,6 +56,7 @@ to 10) in about 0.1 s. DLRM stays intractable (its eight branches: 1e10 ideals).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
@@ -74,6 +75,7 @@ from tessera.planners.gpp.partition import (
     Pipeline,
     StageLinks,
     UnitCosts,
+    fastest_recompute_mode,
     fastest_rescheduled,
     fastest_tuned,
     materialize,
@@ -155,8 +157,35 @@ def plan_piper(
     Returns a :class:`PiperResult`: its ``pipeline`` (kind ``spp``) is ``None`` when the unit DAG
     has more than ``limit`` ideals even after coarsening (``reason`` ``"intractable: N ideals"``)
     or when no plan fits the memory limit. ``cost``: the cost model (default: the roofline).
-    Raises :class:`InputError` for bad options.
+    ``recompute="auto"``: the fastest of the three modes' plans, as the partitioner picks
+    (:func:`~tessera.planners.gpp.partition.fastest_recompute_mode`). Raises :class:`InputError`
+    for bad options.
     """
+    if options.recompute != "auto":
+        return _plan_piper(graph, cluster, options, tree, limit, coarsen, cost)
+    started = time.perf_counter()
+    results: list[PiperResult] = []
+
+    def search(opts: PartitionOptions) -> Pipeline | None:
+        results.append(_plan_piper(graph, cluster, opts, tree, limit, coarsen, cost))
+        return results[-1].pipeline
+
+    best = fastest_recompute_mode(search, options)
+    # The result of the fastest plan; without one, the per-stage search's (its reason).
+    chosen = next((r for r in results if best is not None and r.pipeline is best), results[1])
+    return dataclasses.replace(chosen, search_time_s=time.perf_counter() - started)
+
+
+def _plan_piper(
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    tree: SPTree | None,
+    limit: int,
+    coarsen: bool,
+    cost: CostModel | None,
+) -> PiperResult:
+    """:func:`plan_piper` for one recompute mode (``auto``: the per-stage choice of the DP)."""
     started = time.perf_counter()
     num, limit_bytes, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     requested, requested_ideals = tree.num_units, piper_ideals(tree)

@@ -34,8 +34,9 @@ micro-batch sizes together for the fastest 1F1B iteration under the per-device m
   of every stage is re-checked against the limit with those counts;
 - activation recomputation (``recompute``): on no stage, on every stage, or ``auto`` — chosen per
   stage by the DP, where keeping the stage's activations does not fit memory (or leaves room for
-  fewer stages after it); a recomputing stage keeps only its inputs per micro-batch in flight and
-  runs its forward again in its backward.
+  fewer stages after it), and that plan compared on the simulator with the plans of the other two
+  (:func:`fastest_recompute_mode`); a recomputing stage keeps only its inputs per micro-batch in
+  flight and runs its forward again in its backward.
 
 A plan may leave devices idle: a stage gets devices only where they make it faster (one sample per
 replica at least, all-reduce included).
@@ -103,6 +104,7 @@ ScheduleChoice = Literal["1f1b", "kfkb", "greedy", "gpipe", "auto"]
 # Activation recomputation: on no stage, on every stage, or (``auto``) on the stages the search
 # finds it pays on — where keeping the activations does not fit memory (:class:`~.dp.StageDP`).
 RecomputeChoice = Literal["never", "auto", "all"]
+_AUTO_MODES: tuple[RecomputeChoice, ...] = ("never", "auto", "all")  # fastest_recompute_mode's order
 
 
 @dataclass(frozen=True)
@@ -419,8 +421,60 @@ def partition(
     names the least per-device memory of the plans it finds, :func:`no_plan_error`, unless
     ``explain`` is false) and :class:`InputError` for bad options. ``window`` (``kind="spp"``
     only): split points tried per stage, :class:`~.dp.StageDP`'s (all of them when that finds
-    no plan).
+    no plan). ``recompute="auto"``: :func:`fastest_recompute_mode`.
     """
+    if options.recompute != "auto":
+        return _partition(graph, cluster, options, tree, kind, cost, explain, window)
+    started = time.perf_counter()
+
+    def search(opts: PartitionOptions) -> Pipeline | None:
+        try:
+            return _partition(graph, cluster, opts, tree, kind, cost, False, window)
+        except InfeasibleError:
+            return None
+
+    best = fastest_recompute_mode(search, options)
+    if best is None:
+        num, limit, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
+        peak_of = _least_peak(graph, cluster, options, tree, kind, cost) if explain else None
+        raise no_plan_error(graph, options, num, limit, kind, peak_of)
+    best.search_time_s = time.perf_counter() - started
+    return best
+
+
+def fastest_recompute_mode(
+    search: Callable[[PartitionOptions], Pipeline | None], options: PartitionOptions
+) -> Pipeline | None:
+    """``recompute="auto"``: the fastest simulated of the plans ``search`` finds recomputing on no
+    stage, on the stages the DP chooses, and on every stage (ties in that order; ``None`` when it
+    finds none). The per-stage DP alone does not dominate the other two: it ranks stages by
+    their bottleneck time under 1F1B's in-flight counts, so its bisection can settle on a plan
+    that recomputes where a plan keeping its activations simulates faster, and a schedule that
+    keeps more micro-batches in flight than 1F1B (greedy) can leave only plans that recompute
+    everywhere. About three searches' time."""
+    best: Pipeline | None = None
+    best_time = math.inf
+    for mode in _AUTO_MODES:
+        pipe = search(dataclasses.replace(options, recompute=mode))
+        if pipe is None:
+            continue
+        t = simulate_pipeline(pipe, trace=False).iteration_time
+        if t < best_time:
+            best, best_time = pipe, t
+    return best
+
+
+def _partition(
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    tree: SPTree | None,
+    kind: Literal["gpp", "spp"],
+    cost: CostModel | None,
+    explain: bool,
+    window: int | None,
+) -> Pipeline:
+    """:func:`partition` for one recompute mode (``auto``: the per-stage choice of the DP)."""
     started = time.perf_counter()
     num, limit, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     costs = UnitCosts(graph, tree, cost)
@@ -510,9 +564,7 @@ def partition(
         # The SPP DP tries a few split points per stage (for time on long chains): under a tight
         # memory limit the longest first stages can leave no plan where shorter ones fit. Every
         # split point is tried before the limit is called infeasible.
-        return partition(
-            graph, cluster, options, tree=tree, kind=kind, cost=cost, explain=explain, window=None
-        )
+        return _partition(graph, cluster, options, tree, kind, cost, explain, None)
     if best is None:
         raise no_plan_error(
             graph,
@@ -611,9 +663,20 @@ def no_plan_error(
 ) -> InfeasibleError:
     """The error of a memory limit no plan fits; with ``peak_of`` (a planner: the largest stage
     peak of its plan under a limit, ``None`` when none fits) it names the least per-device memory
-    a plan needs (:func:`least_memory`) and the fastest plan's."""
-    need = least_memory(peak_of, limit) if peak_of is not None else None
-    more = f"; the smallest plan found needs {_gib(need)} per device" if need is not None else ""
+    a plan needs (:func:`least_memory`).
+
+    The search is not monotone in the limit (it optimizes time; its pruning, warm-up and greedy
+    schedules depend on the limit): a plan found under a looser limit may need less than this
+    one. The message then says under which limit the search finds it."""
+    got = least_memory(peak_of, limit) if peak_of is not None else None
+    more = ""
+    if got is not None:
+        need, found = got
+        if need > limit:
+            more = f"; the smallest plan found needs {_gib(need)} per device"
+        else:
+            where = "without --memory-limit" if math.isinf(found) else f"under --memory-limit {_gib(found)}"
+            more = f"; a plan needing {_gib(need)} per device is found only {where}"
     if options.recompute == "never":
         more += " (--recompute auto recomputes activations where a stage needs the memory)"
     return InfeasibleError(
@@ -622,16 +685,18 @@ def no_plan_error(
     )
 
 
-def least_memory(peak_of: Callable[[float], float | None], limit: float) -> float | None:
-    """The least per-device memory of the plans ``peak_of`` finds (see :func:`no_plan_error`), or
-    ``None`` when it finds none at any limit: a bisection on the limit between ``limit`` (no plan
-    fits) and the peak of the plan without a limit, each probe that finds a plan lowering the
-    bracket to that plan's peak — at most :data:`_NEED_PROBES` probes, to within
-    :data:`_NEED_PRECISION` of the least the planner finds (it optimizes time: a limit is known to
-    fit only where it finds a plan, and what it returns is such a plan's peak)."""
+def least_memory(peak_of: Callable[[float], float | None], limit: float) -> tuple[float, float] | None:
+    """The least per-device memory of the plans ``peak_of`` finds (see :func:`no_plan_error`) and
+    the limit it found that plan under (``inf``: none), or ``None`` when it finds none at any
+    limit: a bisection on the limit between ``limit`` (no plan fits) and the peak of the plan
+    without a limit, each probe that finds a plan lowering the bracket to that plan's peak — at
+    most :data:`_NEED_PROBES` probes, to within :data:`_NEED_PRECISION` of the least the planner
+    finds (it optimizes time: a limit is known to fit only where it finds a plan, and what it
+    returns is such a plan's peak)."""
     hi = peak_of(math.inf)
     if hi is None:
         return None
+    found = math.inf
     lo = limit
     for _ in range(_NEED_PROBES):
         if hi <= lo * (1 + _NEED_PRECISION):
@@ -641,8 +706,8 @@ def least_memory(peak_of: Callable[[float], float | None], limit: float) -> floa
         if got is None:
             lo = mid
         else:
-            hi = got
-    return hi
+            hi, found = got, mid
+    return hi, found
 
 
 def _least_peak(
@@ -651,9 +716,10 @@ def _least_peak(
     """:func:`partition`'s plans as a ``peak_of`` for :func:`no_plan_error`."""
 
     def peak_of(cap: float) -> float | None:
+        # One search per probe, recompute="auto" included (its per-stage DP, not the three).
         probe = dataclasses.replace(options, memory_limit=cap)
         try:
-            pipe = partition(graph, cluster, probe, tree=tree, kind=kind, cost=cost, explain=False)  # type: ignore[arg-type]
+            pipe = _partition(graph, cluster, probe, tree, kind, cost, False, _SPP_WINDOW)  # type: ignore[arg-type]
         except InfeasibleError:
             return None
         return peak_memory(pipe)

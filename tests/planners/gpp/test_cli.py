@@ -314,6 +314,8 @@ def test_recompute_and_bytes_per_param_from_the_command_line(tmp_path) -> None:
         "yes" if st.recompute else "no" for st in plan.stages
     ]
     assert "recompute" not in run_cli(*args, "--no-baseline").out
+    swallowed = run_cli("plan", "--recompute", str(model), "--cluster", "graphpipe-v100", "--mini-batch", "8")
+    assert swallowed.code == 2 and "it looks like the model: write --recompute after MODEL" in swallowed.err
     wrong = run_cli(*tight, "--recompute", "some")
     assert wrong.code == 2 and "'some' is not one of 'never', 'auto', 'all'" in wrong.err
     lean = tmp_path / "lean.json"
@@ -363,18 +365,25 @@ def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment)
 
 def test_a_stage_recomputing_against_the_plan_s_setting_is_reported(graph) -> None:
     plan, _, _ = build_gpp_plan(
-        graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=2)
+        graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=4)
     )
     data = json.loads(dump_plan(plan))
     data["stages"][-1]["recompute"] = True
     problems = check_plan_against_model(parse_plan(data, label="plan.json"), graph)
-    assert any(
-        f"memory: stage {len(plan.stages) - 1} recomputes its activations, but training.recompute is 'never'"
-        in p
-        for p in problems
+    last = len(plan.stages) - 1
+    assert f"memory: stage {last} recomputes its activations, but training.recompute is 'never'" in problems
+    for st in data["stages"]:
+        st["recompute"] = True
+    del data["training"]
+    problems = check_plan_against_model(parse_plan(data, label="plan.json"), graph)
+    ids = ", ".join(str(i) for i in range(last + 1))
+    assert (
+        f"memory: stages {ids} recompute their activations, but training.recompute is 'never' "
+        "(its default: the plan does not say)" in problems
     ), problems
-    data["training"]["recompute"] = "auto"  # the planner's choice: any stage may
-    assert check_plan_against_model(parse_plan(data, label="plan.json"), graph) == []
+    data["training"] = {"recompute": "auto"}  # the planner's choice: any stage may
+    problems = check_plan_against_model(parse_plan(data, label="plan.json"), graph)
+    assert not any("training.recompute" in p for p in problems), problems
 
 
 @pytest.mark.parametrize("every", [True, False])
