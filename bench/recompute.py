@@ -20,8 +20,8 @@ from tessera.core.files import write_atomic
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.gpp.cli import build_gpp_plan
-from tessera.planners.gpp.partition import PartitionOptions
+from tessera.planners.gpp.partition import PartitionOptions, partition, peak_memory
+from tessera.planners.sim import simulate_pipeline
 
 # (model, devices, mini-batch): GPT-2 and BERT at 32 samples, ResNeXt-50 at 64; the multi-branch
 # models at thesis §3.10.3's mini-batch for 8 devices.
@@ -40,17 +40,19 @@ GIB = 2**30
 
 
 def plan_row(graph, cluster, devices: int, mini_batch: int, limit: float | None, mode: str) -> dict:
+    """The GPP plan ``tessera plan --no-baseline`` makes, without the exit-3 message's own search
+    for the least memory (``explain``): the rows and the bisection only need to know there is none."""
     opts = PartitionOptions(mini_batch=mini_batch, num_devices=devices, memory_limit=limit, recompute=mode)
     started = time.perf_counter()
     try:
-        plan, pipe, sim = build_gpp_plan(graph, cluster, opts, baseline=False)
+        pipe = partition(graph, cluster, opts, explain=False)
     except InfeasibleError:
         return {"throughput": None, "search": time.perf_counter() - started}
     return {
-        "throughput": sim.throughput,
-        "recomputing": sum(st.recompute for st in plan.stages),
-        "stages": len(plan.stages),
-        "peak": max(st.memory.peak for st in plan.stages),
+        "throughput": simulate_pipeline(pipe, trace=False).throughput,
+        "recomputing": sum(st.recompute for st in pipe.stages),
+        "stages": len(pipe.stages),
+        "peak": peak_memory(pipe),
         "search": pipe.search_time_s,
     }
 

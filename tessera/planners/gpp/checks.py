@@ -192,11 +192,11 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
     wrong = [str(st.id) for st in plan.stages if st.recompute != (training.recompute == "all")]
     if training.recompute != "auto" and wrong:
         given = "training" in plan.model_fields_set and "recompute" in training.model_fields_set
+        verb = "keep" if training.recompute == "all" else "recompute"
+        who = f"stages {', '.join(wrong)} {verb} their" if len(wrong) > 1 else f"stage {wrong[0]} {verb}s its"
         problems.append(
-            f"memory: stage{'s' if len(wrong) > 1 else ''} {', '.join(wrong)} "
-            f"{'keep' if training.recompute == 'all' else 'recompute'}{'' if len(wrong) > 1 else 's'} "
-            f"{'their' if len(wrong) > 1 else 'its'} activations, but training.recompute is "
-            f"{training.recompute!r}{'' if given else ' (its default: the plan does not say)'}"
+            f"memory: {who} activations, but training.recompute is {training.recompute!r}"
+            + ("" if given else " (its default: the plan does not say)")
         )
     for st in plan.stages:
         types = {devices[d].type_name for d in st.devices}
