@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +37,8 @@ def model_options(f: F) -> F:
     return wrapper
 
 
-def load_model_option(model: str, input_shapes: tuple[str, ...]) -> Graph:
-    return load_graph(model, input_shapes=parse_input_shapes(input_shapes))
+def load_model_option(model: str, input_shapes: tuple[str, ...], rewrites: Sequence[str] = ()) -> Graph:
+    return load_graph(model, input_shapes=parse_input_shapes(input_shapes), rewrites=rewrites)
 
 
 def plan_model_option(f: F) -> F:
@@ -71,7 +71,7 @@ def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
     model_path = plan_model_path(plan_path, plan.model.path, given)
     shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
     try:
-        graph = load_model_option(model_path, shapes)
+        graph = load_model_option(model_path, shapes, plan.model.rewrites)
     except InputError as exc:
         if not shapes or "--input-shape" not in exc.message:
             raise

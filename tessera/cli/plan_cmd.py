@@ -37,6 +37,7 @@ from tessera.cli.options import (
 )
 from tessera.cli.render import console, emit_json, human_bytes
 from tessera.core.plans import ModelRef, dump_plan, write_plan
+from tessera.core.rewrite import REWRITES
 from tessera.core.specs import load_cluster
 
 __all__ = ["KINDS", "PlanKind", "plan"]
@@ -266,6 +267,7 @@ _GPP_OPTIONS = frozenset(
         "profile",
         "cache_path",
         "recompute",
+        "rewrites",
         "bytes_per_param",
     }
 )
@@ -290,6 +292,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         cache_path: str | None,
         recompute: str,
         bytes_per_param: float | None,
+        rewrites: tuple[str, ...],
         no_baseline: bool = False,
     ) -> None:
         """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
@@ -307,7 +310,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
             {"model": model, "cluster spec": cluster if os.path.isfile(cluster) else None},
         )
         run_gpp_plan(
-            load_model_option(model, input_shapes),
+            load_model_option(model, input_shapes, rewrites),
             spec,
             kind=kind,
             mini_batch=mini_batch,
@@ -426,6 +429,16 @@ KINDS: dict[str, PlanKind] = {
     "inputs per micro-batch in flight and runs its forward again. auto: on the stages the search "
     "finds need the memory; all (also --recompute alone): on every stage. launch runs it with "
     "torch.utils.checkpoint.",
+)
+@click.option(
+    "--rewrite",
+    "rewrites",
+    type=click.Choice(sorted(REWRITES)),
+    multiple=True,
+    help="[gpp/spp] Plan on the model rewritten (repeatable; recorded in the plan, which validate "
+    "and launch apply too). concat-matmul: a fully connected layer over a Concat becomes one product "
+    "per concatenated input and a Sum, so its parts run inside the branches (exact up to summation "
+    "order; the trained weights are the parts).",
 )
 @click.option(
     "--bytes-per-param",

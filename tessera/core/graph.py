@@ -16,7 +16,7 @@ import hashlib
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -29,7 +29,8 @@ from onnx import helper, numpy_helper
 
 from tessera.core.errors import InputError
 from tessera.core.flops import OpCost, op_cost
-from tessera.core.onnx_io import Shape, outer_scope_inputs, prepare_model, read_bytes
+from tessera.core.onnx_io import Shape, infer_shapes, outer_scope_inputs, prepare_model, read_bytes
+from tessera.core.rewrite import apply_rewrites
 
 
 @dataclass(frozen=True)
@@ -91,6 +92,7 @@ class Graph:
     source_sha256: str = ""
     input_shapes: dict[str, Shape] = field(default_factory=dict)  # as given (--input-shape)
     defaulted_dims: dict[str, int] = field(default_factory=dict)
+    rewrites: tuple[str, ...] = ()  # graph rewrites applied after loading (tessera.core.rewrite)
 
     # -- views ---------------------------------------------------------------------------------
 
@@ -224,8 +226,12 @@ def load_graph(
     *,
     input_shapes: Mapping[str, Shape] | None = None,
     label: str | None = None,
+    rewrites: Sequence[str] = (),
 ) -> Graph:
     """Load an ONNX model (path, bytes or ModelProto) into a :class:`Graph`.
+
+    ``rewrites`` names graph rewrites (:mod:`tessera.core.rewrite`) applied after loading; the
+    graph's ``sha256`` stays the given model's.
 
     Raises :class:`~tessera.core.errors.InputError` with a one-line message for anything a user can
     get wrong: unreadable or non-ONNX files, cycles, dangling inputs, checker failures, shapes.
@@ -239,9 +245,12 @@ def load_graph(
         source = read_bytes(source)
     digest = hashlib.sha256(source).hexdigest()
     model, defaulted = prepare_model(source, input_shapes=input_shapes, label=label, base_dir=base_dir)
+    if rewrites:
+        model = infer_shapes(apply_rewrites(model, rewrites, label=label), label=label)
     graph = build_graph(model, label=label, defaulted_dims=defaulted)
     graph.source_sha256 = digest
     graph.input_shapes = dict(input_shapes or {})
+    graph.rewrites = tuple(rewrites)
     return graph
 
 

@@ -1,8 +1,9 @@
 """Plan schemas: the three plan kinds of DESIGN.md as typed, versioned documents.
 
 Every plan has ``schema_version``, ``kind`` (``placement`` | ``gpp`` | ``cp``), ``tool_version``,
-``model`` {``path``, ``sha256``, ``num_nodes``}, ``cluster`` (the resolved spec, or null for a
-placement on the local machine), ``predicted`` {…} and the kind's own body. Plans are deterministic:
+``model`` {``path``, ``sha256``, ``num_nodes``, ``input_shapes``, ``rewrites``}, ``cluster`` (the
+resolved spec, or null for a placement on the local machine), ``predicted`` {…} and the kind's own
+body. Plans are deterministic:
 :func:`dump_plan` writes the same bytes for the same plan (fixed field order, no timestamps).
 
 :func:`load_plan` reads and validates a plan file; :func:`check_plan_against_model` checks it
@@ -28,6 +29,7 @@ from pydantic import (
     NonNegativeInt,
     PositiveInt,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -55,6 +57,19 @@ class ModelRef(_Strict):
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
     num_nodes: NonNegativeInt
     input_shapes: dict[str, list[PositiveInt]] = Field(default_factory=dict)
+    # Graph rewrites (tessera.core.rewrite) the plan was made on: validate and launch apply them to
+    # the model file before they read the plan's node names.
+    rewrites: list[str] = Field(default_factory=list)
+
+    @field_validator("rewrites")
+    @classmethod
+    def _known_rewrites(cls, names: list[str]) -> list[str]:
+        from tessera.core.rewrite import REWRITES
+
+        unknown = [n for n in names if n not in REWRITES]
+        if unknown:
+            raise ValueError(f"unknown graph rewrite {unknown[0]!r} (known: {', '.join(sorted(REWRITES))})")
+        return names
 
     @classmethod
     def of(cls, graph: Any) -> ModelRef:
@@ -64,6 +79,7 @@ class ModelRef(_Strict):
             sha256=graph.sha256,
             num_nodes=graph.num_nodes,
             input_shapes={k: list(v) for k, v in sorted(graph.input_shapes.items())},
+            rewrites=list(getattr(graph, "rewrites", ())),
         )
 
 

@@ -312,7 +312,7 @@ def tensor_layouts(graph: Graph, model_path: str | bytes | onnx.ModelProto) -> d
         raise LaunchError(f"the model's inputs disagree on the batch size (axis 0): {sorted(batch)}")
     b1 = batch.pop()
     doubled = {n: (2 * b1, *info.shape[1:]) for n, info in graph.inputs.items() if info.shape}
-    graph2 = load_graph(model_path, input_shapes=doubled)
+    graph2 = load_graph(model_path, input_shapes=doubled, rewrites=graph.rewrites)
     layouts: dict[str, Layout] = {}
     for name, info in graph.tensors.items():
         other = graph2.tensors.get(name)
@@ -500,7 +500,9 @@ class StageWorker:
         self.stage = next(st for st in plan.stages if st.id == self.stage_id)
         self.actions = [(a[0], int(a[1:])) for a in self.stage.schedule.actions]
         self.rss_base = _memory_status("VmRSS")
-        graph = load_graph(spec.model_path, input_shapes=spec.input_shapes or None)
+        graph = load_graph(
+            spec.model_path, input_shapes=spec.input_shapes or None, rewrites=plan.model.rewrites
+        )
         if graph.sha256 != plan.model.sha256:
             raise LaunchError(
                 f"rank {rank}: the model changed since the plan was made", source=spec.model_path

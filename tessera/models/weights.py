@@ -15,6 +15,9 @@ key                 value
 ``tessera.init``    ``normal``, ``ones`` or ``zeros``
 ``tessera.std``     the standard deviation of ``normal`` (``repr`` of a float)
 ``tessera.seed``    the model seed
+``tessera.slice``   only on a slice of a parameter (a graph rewrite's part, see
+                    :mod:`tessera.core.rewrite`): ``name;d0,d1;axis;start;stop``, the
+                    parameter it was cut from, that parameter's dims, and the range
 ==================  ===============================================================
 
 The leading ``#`` is ONNX's marker for a location that is not a file: ``onnx.checker.check_model``
@@ -39,6 +42,7 @@ LAZY_LOCATION = "#tessera-lazy"
 _INIT_KEY = "tessera.init"
 _STD_KEY = "tessera.std"
 _SEED_KEY = "tessera.seed"
+_SLICE_KEY = "tessera.slice"
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,23 @@ def lazy_tensor(name: str, shape: tuple[int, ...], init: Init, seed: int) -> Ten
     return tensor
 
 
+def lazy_slice(tensor: TensorProto, name: str, axis: int, start: int, stop: int) -> TensorProto:
+    """Rows (``axis`` 0) or columns (``axis`` 1) ``start:stop`` of the lazy 2-D parameter
+    ``tensor``, named ``name``: :func:`materialize` gives it exactly the values of that range of
+    ``tensor`` materialized."""
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    if _SLICE_KEY in entries:
+        raise ValueError(f"{tensor.name} is a slice already")
+    dims = [int(d) for d in tensor.dims]
+    part = TensorProto()
+    part.CopyFrom(tensor)
+    part.name = name
+    part.dims[axis] = stop - start
+    origin = ",".join(map(str, dims))
+    part.external_data.add(key=_SLICE_KEY, value=f"{tensor.name};{origin};{axis};{start};{stop}")
+    return part
+
+
 def is_lazy_tensor(tensor: TensorProto) -> bool:
     return tensor.data_location == TensorProto.EXTERNAL and any(
         entry.key == "location" and entry.value == LAZY_LOCATION for entry in tensor.external_data
@@ -108,7 +129,15 @@ def materialize(model: onnx.ModelProto) -> onnx.ModelProto:
             continue
         entries = {entry.key: entry.value for entry in tensor.external_data}
         init = Init(entries[_INIT_KEY], float(entries[_STD_KEY]))  # type: ignore[arg-type]
-        values = generate(tensor.name, tuple(tensor.dims), init, int(entries[_SEED_KEY]))
+        name, dims = tensor.name, tuple(tensor.dims)
+        cut = entries.get(_SLICE_KEY)
+        if cut is not None:
+            name, origin, axis, start, stop = cut.split(";")
+            dims = tuple(int(d) for d in origin.split(","))
+        values = generate(name, dims, init, int(entries[_SEED_KEY]))
+        if cut is not None:
+            span = slice(int(start), int(stop))
+            values = np.ascontiguousarray(values[span] if axis == "0" else values[:, span])
         del tensor.external_data[:]
         tensor.ClearField("data_location")
         tensor.raw_data = values.tobytes()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from executor.plans import candle_dag, make_plan, save_model
 
+from tessera.core.graph import load_graph
 from tessera.core.plans import TrainingSetup
 from tessera.executor.gpp import TrainOptions, run_gpp_plan, train_reference
 from tessera.executor.launcher import LaunchOptions
@@ -22,7 +23,7 @@ pytestmark = pytest.mark.slow
 RTOL, ATOL = 1e-5, 1e-6
 
 
-def _check_exact(plan, graph, path: Path, options: TrainOptions) -> None:
+def _check_exact(plan, graph, path: Path, options: TrainOptions):
     run = run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=60), return_weights=True)
     ref = train_reference(graph, options.steps, plan.mini_batch_size, seed=options.seed, lr=options.lr)
     np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
@@ -36,6 +37,7 @@ def _check_exact(plan, graph, path: Path, options: TrainOptions) -> None:
     for st in report["stages"]:
         assert st["busy_s"] > 0 and st["peak_rss_bytes"] > 0 and st["busy_ratio"] > 0
     assert report["ratio"]["iteration_time"] > 0
+    return run
 
 
 def test_multi_branch_dag_with_data_parallel_merge_and_mixed_micro_batches(tmp_path: Path) -> None:
@@ -85,3 +87,26 @@ def test_recomputed_activations_train_exactly_and_keep_less(tmp_path: Path) -> N
     assert [st["recompute"] for st in runs[1].to_json()["stages"]] == [True, False, True]
     kept = [[st["peak_activation_bytes"] for st in run.to_json()["stages"]] for run in runs]
     assert kept[1][0] < kept[0][0] and kept[1][2] < kept[0][2] and kept[1][1] == kept[0][1], kept
+
+
+def test_a_plan_on_the_rewritten_model_trains_the_model_it_was_rewritten_from(tmp_path: Path) -> None:
+    """``--rewrite concat-matmul``: the merge layer's per-branch parts run on the branches' stages
+    (two gloo ranks), the Sum and the top MLP on a third. The workers rewrite the model file as the
+    plan records; losses are single-process training's of the original model, and each part's
+    trained weight is its columns of the original layer's trained weight."""
+    path = tmp_path / "candle.onnx"
+    save_model(build("candle_uno", "tiny", 0), path)
+    graph = load_graph(path, rewrites=["concat-matmul"])
+    parts = [n for n in graph.order if "/part" in n]
+    a = [n for n in graph.order if n.startswith(("branch0/", "branch1/", "branch2/", "branch3/"))] + parts[:4]
+    b = [n for n in graph.order if n.startswith(("branch4/", "branch5/", "branch6/"))] + parts[4:]
+    rest = [n for n in graph.order if n not in set(a) | set(b)]
+    plan = make_plan(graph, [(a, ["d0"], 2), (b, ["d1"], 4), (rest, ["d2"], 2)], 8)
+    assert plan.model.rewrites == ["concat-matmul"]
+    options = TrainOptions(steps=3, lr=0.05, seed=1)
+    run = _check_exact(plan, graph, path, options)
+    original = train_reference(load_graph(path), options.steps, 8, seed=options.seed, lr=options.lr)
+    np.testing.assert_allclose(run.losses, original.losses, rtol=RTOL)
+    weight = "top/layer0/fc/weight"
+    cut = np.concatenate([run.weights[f"{weight}/part{i}"] for i in range(7)], axis=1)
+    np.testing.assert_allclose(cut, original.weights[weight], rtol=RTOL, atol=ATOL)

@@ -30,6 +30,7 @@ from tessera.core.plans import (
     dump_plan,
     write_plan,
 )
+from tessera.core.rewrite import applicable
 from tessera.core.specs import ClusterSpec
 from tessera.core.units import UnitError, format_bytes, parse_bytes
 from tessera.planners.gpp.partition import (
@@ -285,6 +286,12 @@ def run_gpp_plan(
         click.echo(dump_plan(plan), nl=False)
     else:
         click.echo(summary(plan, pipe))
+        if not graph.rewrites:
+            for name, replaced in applicable(graph.model).items():
+                shown = ", ".join(replaced[:4]) + (
+                    f" and {len(replaced) - 4} more" if len(replaced) > 4 else ""
+                )
+                click.echo(f"hint: --rewrite {name} would replace {shown}; plan with it to compare", err=True)
     return plan
 
 
@@ -335,7 +342,8 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
     lines = [
         f"{plan.kind.upper()} plan: {len(plan.stages)} stage(s), depth {p['pipeline_depth']}, "
         f"mini-batch {plan.mini_batch_size}, micro-batch {p['micro_batch_size']}, "
-        f"schedule {pipe.schedule_kind}, {pipe.num_units} units, search {pipe.search_time_s:.2f}s",
+        f"schedule {pipe.schedule_kind}, {pipe.num_units} units, search {pipe.search_time_s:.2f}s"
+        + (f", model rewritten ({', '.join(plan.model.rewrites)})" if plan.model.rewrites else ""),
     ]
     # The recompute column where the planner was allowed to recompute (fw+bw includes it).
     recompute = plan.training.recompute != "never"

@@ -408,3 +408,33 @@ def test_bytes_per_param_nan_is_bad_input(graph) -> None:
         run_gpp_plan(
             graph, load_cluster("graphpipe-v100"), mini_batch=32, devices=2, bytes_per_param=float("nan")
         )
+
+
+def test_rewrite_is_recorded_in_the_plan_validated_and_refused_when_it_is_edited_away(
+    tmp_path, model_file
+) -> None:
+    out = tmp_path / "plan.json"
+    args = ["plan", str(model_file), "--cluster", "graphpipe-v100", "--mini-batch", "64", "--devices", "4"]
+    ran = run_cli(*args, "--rewrite", "concat-matmul", "-o", str(out))
+    assert ran.code == 0 and "model rewritten (concat-matmul)" in ran.out.splitlines()[0]
+    plan = load_plan(out)
+    assert plan.model.rewrites == ["concat-matmul"]
+    named = {n for st in plan.stages for n in st.nodes}
+    assert {f"top/layer0/fc/gemm/part{i}" for i in range(7)} <= named and "merge/concat" not in named
+    assert run_cli("validate", str(out)).code == 0
+    data = json.loads(out.read_text())
+    data["model"]["rewrites"] = []
+    out.write_text(json.dumps(data))
+    edited = run_cli("validate", str(out))
+    assert edited.code == 2 and "model.num_nodes is 72; the model has 66 operators" in edited.err
+    data["model"]["rewrites"] = ["fuse-all"]
+    out.write_text(json.dumps(data))
+    unknown = run_cli("validate", str(out))
+    assert unknown.code == 2 and "unknown graph rewrite 'fuse-all' (known: concat-matmul)" in unknown.err
+    assert len(unknown.err.strip().splitlines()) == 1
+    bad = run_cli(*args, "--rewrite", "fuse-all")
+    assert bad.code == 2 and "'fuse-all' is not 'concat-matmul'" in bad.err, bad.err
+    as_given = run_cli(*args, "--no-baseline")
+    assert "model rewritten" not in as_given.out
+    hint = "hint: --rewrite concat-matmul would replace merge/concat, top/layer0/fc/gemm; plan with it"
+    assert hint in as_given.err and "hint" not in ran.err
