@@ -433,12 +433,13 @@ KINDS: dict[str, PlanKind] = {
 @click.option(
     "--rewrite",
     "rewrites",
-    type=click.Choice(sorted(REWRITES)),
+    type=click.Choice(list(REWRITES)),
     multiple=True,
     help="[gpp/spp] Plan on the model rewritten (repeatable; recorded in the plan, which validate "
-    "and launch apply too). concat-matmul: a fully connected layer over a Concat becomes one product "
-    "per concatenated input and a Sum, so its parts run inside the branches (exact up to summation "
-    "order; the trained weights are the parts).",
+    "and launch apply too). reduce-concat: a reduction over other axes than a Concat's moves above it, "
+    "one per input. concat-matmul: a fully connected layer over a Concat becomes one product per "
+    "concatenated input and a Sum, so its parts run inside the branches (exact up to summation order; "
+    "the trained weights are the parts).",
 )
 @click.option(
     "--bytes-per-param",

@@ -29,8 +29,8 @@ from onnx import helper, numpy_helper
 
 from tessera.core.errors import InputError
 from tessera.core.flops import OpCost, op_cost
-from tessera.core.onnx_io import Shape, infer_shapes, outer_scope_inputs, prepare_model, read_bytes
-from tessera.core.rewrite import apply_rewrites
+from tessera.core.onnx_io import Shape, outer_scope_inputs, prepare_model, read_bytes
+from tessera.core.rewrite import REWRITES, apply_rewrites
 
 
 @dataclass(frozen=True)
@@ -246,11 +246,11 @@ def load_graph(
     digest = hashlib.sha256(source).hexdigest()
     model, defaulted = prepare_model(source, input_shapes=input_shapes, label=label, base_dir=base_dir)
     if rewrites:
-        model = infer_shapes(apply_rewrites(model, rewrites, label=label), label=label)
+        model = apply_rewrites(model, rewrites, label=label)
     graph = build_graph(model, label=label, defaulted_dims=defaulted)
     graph.source_sha256 = digest
     graph.input_shapes = dict(input_shapes or {})
-    graph.rewrites = tuple(rewrites)
+    graph.rewrites = tuple(name for name in REWRITES if name in rewrites)  # in the order applied
     return graph
 
 

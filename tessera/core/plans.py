@@ -68,7 +68,7 @@ class ModelRef(_Strict):
 
         unknown = [n for n in names if n not in REWRITES]
         if unknown:
-            raise ValueError(f"unknown graph rewrite {unknown[0]!r} (known: {', '.join(sorted(REWRITES))})")
+            raise ValueError(f"unknown graph rewrite {unknown[0]!r} (known: {', '.join(REWRITES)})")
         return names
 
     @classmethod
@@ -416,7 +416,8 @@ def _first_error(exc: ValidationError) -> str:
     first = errors[0]
     where = ".".join(str(p) for p in first["loc"]) or "plan"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"field {where}: {first['msg']}{more}"
+    message = str(first["msg"]).removeprefix("Value error, ")  # pydantic's prefix says nothing
+    return f"field {where}: {message}{more}"
 
 
 def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:

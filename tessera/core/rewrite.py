@@ -4,9 +4,19 @@ A plan that was made on a rewritten graph records the rewrites' names (``model.r
 ``validate`` and ``launch`` apply the same rewrites to the model file before they read the plan:
 the file on disk is never changed, and the rewrite is a pure, deterministic function of it.
 
+They are applied in the order of :data:`REWRITES`, whatever order they are asked for in:
+
+``reduce-concat``
+    A reduction over axes other than a ``Concat``'s axis moves above it: one reduction per
+    concatenated input, concatenated after (TASO's "concat and pooling" commutativity,
+    thesis-jia-taso-flexflow.txt Table 2.2, for ``ReduceMean``/``Sum``/``Max``/``Min``). MMT's
+    merge pools each branch's ``[batch, seq, hidden]`` over ``seq`` after concatenating them; the
+    branches then pool before they send, and ``concat-matmul`` can split the head. Exact.
+
 ``concat-matmul``
     TASO's substitution of a matrix product over a concatenation (thesis-jia-taso-flexflow.txt,
-    Ch. 2; ``matmul(concat(x1, x2), W) = matmul(x1, W1) + matmul(x2, W2)``): a fully connected
+    Table 2.2, "concat and matrix mul.": ``matmul(concat(1, x, z), concat(0, y, w)) =
+    ewadd(matmul(x, y), matmul(z, w))``): a fully connected
     layer (``Gemm``, or ``MatMul`` by a 2-D weight) whose input is a ``Concat`` along the
     contracted axis becomes one product per concatenated input, by the matching rows of the
     weight, and a ``Sum`` of the products and the bias. The multi-branch models' merge layer
@@ -25,6 +35,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.errors import InputError
+from tessera.core.onnx_io import infer_shapes
 from tessera.models.weights import is_lazy_tensor, lazy_slice
 
 
@@ -48,6 +59,23 @@ def _static_shapes(model: onnx.ModelProto) -> dict[str, tuple[int, ...] | None]:
     return shapes
 
 
+class _Index:
+    """What a rewrite looks up while it matches: shapes, producers, reader counts, graph outputs,
+    initializers, and every name in use (new names must not collide)."""
+
+    def __init__(self, model: onnx.ModelProto) -> None:
+        g = model.graph
+        self.shapes = _static_shapes(model)
+        self.producer = {out: node for node in g.node for out in node.output}
+        self.readers: dict[str, int] = {}
+        for node in g.node:
+            for name in node.input:
+                self.readers[name] = self.readers.get(name, 0) + 1
+        self.outputs = {o.name for o in g.output}
+        self.weights = {t.name: t for t in g.initializer}
+        self.taken = {n.name for n in g.node} | {t for n in g.node for t in n.output} | set(self.weights)
+
+
 def _slice_weight(weight: TensorProto, name: str, axis: int, start: int, stop: int) -> TensorProto:
     """Rows (``axis`` 0) or columns (``axis`` 1) ``start:stop`` of a 2-D initializer, named ``name``."""
     if is_lazy_tensor(weight):
@@ -66,15 +94,8 @@ def concat_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
     tensor, so every consumer reads the same tensor as before.
     """
     g = model.graph
-    shapes = _static_shapes(model)
-    producer = {out: node for node in g.node for out in node.output}
-    readers: dict[str, int] = {}
-    for node in g.node:
-        for name in node.input:
-            readers[name] = readers.get(name, 0) + 1
-    outputs = {o.name for o in g.output}
-    weights = {t.name: t for t in g.initializer}
-    taken = {n.name for n in g.node} | {t for n in g.node for t in n.output} | set(weights)
+    ix = _Index(model)
+    shapes, producer, readers, weights, taken = ix.shapes, ix.producer, ix.readers, ix.weights, ix.taken
 
     replaced: dict[str, list[onnx.NodeProto]] = {}  # layer name -> its parts and sum
     dropped: set[str] = set()  # concat nodes and weights that the parts replace
@@ -92,7 +113,7 @@ def concat_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
         weight = weights.get(w)
         if concat is None or concat.op_type != "Concat" or weight is None or len(weight.dims) != 2:
             continue
-        if readers.get(x) != 1 or readers.get(w) != 1 or x in outputs or len(concat.input) < 2:
+        if readers.get(x) != 1 or readers.get(w) != 1 or x in ix.outputs or len(concat.input) < 2:
             continue
         x_shape = shapes.get(x)
         parts_shapes = [shapes.get(p) for p in concat.input]
@@ -126,46 +147,123 @@ def concat_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
         dropped |= {concat.name, w}
         taken |= set(new)
 
+    return _replace(model, replaced, dropped, new_weights)
+
+
+def _replace(
+    model: onnx.ModelProto,
+    replaced: dict[str, list[onnx.NodeProto]],
+    dropped: set[str],
+    new_weights: Sequence[TensorProto] = (),
+) -> onnx.ModelProto:
+    """``model`` with each node of ``replaced`` replaced by its list of nodes, in place, and the
+    nodes and initializers named in ``dropped`` removed; ``new_weights`` appended."""
     if not replaced:
-        return model
+        return model  # the same object: nothing matched
+    g = model.graph
     result = onnx.ModelProto()
     result.CopyFrom(model)
-    kept = [n for n in g.node if n.name not in dropped]
     del result.graph.node[:]
-    for node in kept:
-        result.graph.node.extend(replaced.get(node.name, [node]))
+    for node in g.node:
+        if node.name not in dropped:
+            result.graph.node.extend(replaced.get(node.name, [node]))
     kept_weights = [t for t in g.initializer if t.name not in dropped]
     del result.graph.initializer[:]
     result.graph.initializer.extend([*kept_weights, *new_weights])
-    # The removed concatenations' outputs leave the value infos; shape inference adds the parts'.
+    # The removed nodes' outputs leave the value infos; shape inference adds the new ones'.
     gone = {x for n in g.node if n.name in dropped for x in n.output}
-    infos = [vi for vi in g.value_info if vi.name not in gone]
     del result.graph.value_info[:]
-    result.graph.value_info.extend(infos)
+    result.graph.value_info.extend(vi for vi in g.value_info if vi.name not in gone)
     return result
 
 
-REWRITES: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {"concat-matmul": concat_matmul}
-"""Every rewrite a plan may name, by name."""
+_REDUCTIONS = ("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin")
 
 
-def applicable(model: onnx.ModelProto) -> dict[str, list[str]]:
-    """The operators of the prepared ``model`` each rewrite would replace (rewrites that change it)."""
-    changed = {}
+def reduce_concat(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Move every reduction over axes other than its input ``Concat``'s above the ``Concat`` (see
+    the module docstring). Each input gets a reduction ``{reduction}/part{i}`` with the same
+    attributes (and axes input); ``{reduction}/concat`` concatenates them into the reduction's
+    output tensor."""
+    g = model.graph
+    ix = _Index(model)
+    shapes, producer, readers, weights, taken = ix.shapes, ix.producer, ix.readers, ix.weights, ix.taken
+
+    replaced: dict[str, list[onnx.NodeProto]] = {}
+    dropped: set[str] = set()
+    for node in g.node:
+        if node.op_type not in _REDUCTIONS or not node.input:
+            continue
+        x = node.input[0]
+        concat = producer.get(x)
+        shape = shapes.get(x)
+        if concat is None or concat.op_type != "Concat" or shape is None:
+            continue
+        if readers.get(x) != 1 or x in ix.outputs:
+            continue
+        attrs = _attrs(node)
+        if len(node.input) > 1 and node.input[1]:  # axes as an input (ReduceSum, opset 13+)
+            axes_tensor = weights.get(node.input[1])
+            if axes_tensor is None:
+                continue
+            axes = [int(a) for a in numpy_helper.to_array(axes_tensor).reshape(-1)]
+        else:
+            axes = [int(a) for a in attrs.get("axes", [])]  # type: ignore[union-attr]
+        if not axes:  # every axis, the concatenated one too
+            continue
+        rank = len(shape)
+        axes = sorted({a % rank for a in axes})
+        axis = int(_attrs(concat)["axis"]) % rank  # type: ignore[call-overload]
+        if axis in axes:
+            continue
+        kept_axis = axis if attrs.get("keepdims", 1) else axis - sum(a < axis for a in axes)
+        names = [f"{node.name}/part{i}" for i in range(len(concat.input))]
+        new = [*names, f"{node.name}/concat"]
+        if any(n in taken for n in new):
+            continue
+        nodes = [
+            helper.make_node(node.op_type, [part, *node.input[1:]], [name], name=name, **attrs)
+            for part, name in zip(concat.input, names, strict=True)
+        ]
+        nodes.append(
+            helper.make_node("Concat", names, [node.output[0]], name=f"{node.name}/concat", axis=kept_axis)
+        )
+        replaced[node.name] = nodes
+        dropped.add(concat.name)
+        taken |= set(new)
+    return _replace(model, replaced, dropped)
+
+
+REWRITES: dict[str, Callable[[onnx.ModelProto], onnx.ModelProto]] = {
+    "reduce-concat": reduce_concat,
+    "concat-matmul": concat_matmul,
+}
+"""Every rewrite a plan may name, in the order they are applied."""
+
+
+def applicable(model: onnx.ModelProto, *, label: str) -> tuple[list[str], list[str]]:
+    """The rewrites that change the prepared ``model``, each applied after the ones before it
+    (``concat-matmul`` may match only once ``reduce-concat`` has run), and the operators of
+    ``model`` they replace together."""
+    names = []
+    rewritten = model
     for name, rewrite in REWRITES.items():
-        kept = {n.name for n in rewrite(model).graph.node}
-        replaced = [n.name for n in model.graph.node if n.name not in kept]
-        if replaced:
-            changed[name] = replaced
-    return changed
+        after = rewrite(rewritten)
+        if after is not rewritten:
+            names.append(name)
+            rewritten = infer_shapes(after, label=label)
+    kept = {n.name for n in rewritten.graph.node}
+    return names, [n.name for n in model.graph.node if n.name not in kept]
 
 
 def apply_rewrites(model: onnx.ModelProto, names: Sequence[str], *, label: str) -> onnx.ModelProto:
-    """``model`` with the rewrites ``names`` applied in order; an InputError names an unknown one."""
-    for name in names:
-        rewrite = REWRITES.get(name)
-        if rewrite is None:
-            known = ", ".join(sorted(REWRITES))
-            raise InputError(f"unknown graph rewrite {name!r} (known: {known})", source=label)
-        model = rewrite(model)
+    """``model`` with the rewrites ``names`` applied in :data:`REWRITES` order; an InputError names
+    an unknown one."""
+    unknown = [n for n in names if n not in REWRITES]
+    if unknown:
+        known = ", ".join(REWRITES)
+        raise InputError(f"unknown graph rewrite {unknown[0]!r} (known: {known})", source=label)
+    for name, rewrite in REWRITES.items():
+        if name in names:
+            model = infer_shapes(rewrite(model), label=label)  # the next rewrite matches on shapes
     return model

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tessera.core.errors import InputError
 from tessera.core.graph import load_graph
 from tessera.core.onnx_io import prepare_model
-from tessera.core.rewrite import apply_rewrites, concat_matmul
+from tessera.core.rewrite import applicable, apply_rewrites, concat_matmul
 from tessera.models import build, materialize
 
 
@@ -121,5 +121,57 @@ def test_concat_matmul_leaves_layers_it_cannot_split_exactly(kwargs: dict) -> No
 
 
 def test_an_unknown_rewrite_is_an_input_error_naming_the_known_ones() -> None:
-    with pytest.raises(InputError, match=r"unknown graph rewrite 'fuse-all' \(known: concat-matmul\)"):
+    with pytest.raises(
+        InputError, match=r"unknown graph rewrite 'fuse-all' \(known: reduce-concat, concat-matmul\)"
+    ):
         apply_rewrites(build("candle_uno", "tiny"), ["fuse-all"], label="m.onnx")
+
+
+def test_reduce_concat_pools_the_branches_before_they_merge_and_lets_concat_matmul_split_the_head() -> None:
+    model = build("mmt", "tiny")
+    shapes = {n: (3, *i.shape[1:]) for n, i in load_graph(model).inputs.items()}
+    before = load_graph(model, input_shapes=shapes)
+    pooled = load_graph(model, input_shapes=shapes, rewrites=["reduce-concat"])
+    both = load_graph(model, input_shapes=shapes, rewrites=["concat-matmul", "reduce-concat"])
+    assert both.rewrites == ("reduce-concat", "concat-matmul")  # applied in REWRITES order
+    branches = len(before.op("merge/concat").inputs)
+    assert [n for n in pooled.order if n.startswith("merge/")] == [
+        *(f"merge/pool/part{i}" for i in range(branches)),
+        "merge/pool/concat",
+    ]
+    assert pooled.tensors["merge/pool/part0"].shape == (
+        3,
+        before.tensors["merge/concat"].shape[-1] // branches,
+    )
+    assert "merge/pool/concat" not in both.order and "head/gemm/sum" in both.order
+    assert applicable(before.model, label="mmt") == (
+        ["reduce-concat", "concat-matmul"],
+        ["merge/concat", "merge/pool", "head/gemm"],
+    )
+    feeds = _feeds(before)
+    want = _run(before.model, feeds)
+    np.testing.assert_array_equal(_run(pooled.model, feeds)[0], want[0])  # the same sums, per slice
+    np.testing.assert_allclose(_run(both.model, feeds)[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_reduce_concat_leaves_a_reduction_over_the_concatenated_axis() -> None:
+    nodes = [
+        helper.make_node("Concat", ["x0", "x1"], ["cat"], name="cat", axis=1),
+        helper.make_node("ReduceMean", ["cat"], ["m"], name="mean", axes=[0, 1], keepdims=0),
+        helper.make_node("ReduceMax", ["cat2"], ["n"], name="max", axes=[0], keepdims=1),
+        helper.make_node("Concat", ["x0", "x1"], ["cat2"], name="cat2", axis=-1),
+    ]
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [nodes[0], nodes[1], nodes[3], nodes[2]],
+        "r",
+        [vi("x0", TensorProto.FLOAT, [2, 3]), vi("x1", TensorProto.FLOAT, [2, 5])],
+        [vi("m", TensorProto.FLOAT, []), vi("n", TensorProto.FLOAT, [1, 8])],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    rewritten = load_graph(model, rewrites=["reduce-concat"])
+    assert "cat" in rewritten.order and "mean" in rewritten.order  # over the concatenated axis: kept
+    assert "cat2" not in rewritten.order and rewritten.op("max/concat").attributes["axis"] == 1
+    feeds = {"x0": np.arange(6, dtype=np.float32).reshape(2, 3), "x1": -np.ones((2, 5), np.float32)}
+    for got, want in zip(_run(rewritten.model, feeds), _run(model, feeds), strict=True):
+        np.testing.assert_array_equal(got, want)

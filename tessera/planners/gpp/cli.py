@@ -286,12 +286,11 @@ def run_gpp_plan(
         click.echo(dump_plan(plan), nl=False)
     else:
         click.echo(summary(plan, pipe))
-        if not graph.rewrites:
-            for name, replaced in applicable(graph.model).items():
-                shown = ", ".join(replaced[:4]) + (
-                    f" and {len(replaced) - 4} more" if len(replaced) > 4 else ""
-                )
-                click.echo(f"hint: --rewrite {name} would replace {shown}; plan with it to compare", err=True)
+        names, replaced = applicable(graph.model, label=graph.source) if not graph.rewrites else ([], [])
+        if names:
+            shown = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more" if len(replaced) > 4 else "")
+            flags = " ".join(f"--rewrite {n}" for n in names)
+            click.echo(f"hint: {flags} would replace {shown}; plan with it to compare", err=True)
     return plan
 
 
