@@ -143,23 +143,39 @@ class ProfileCache:
                 if existed:
                     raise
                 raise InputError(f"cannot create the profile cache: {exc}", source=self.path) from None
-            try:
-                conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
-                conn.execute("PRAGMA journal_mode = WAL")
-                conn.execute("PRAGMA synchronous = NORMAL")
-                check = conn.execute("PRAGMA quick_check").fetchone()
-                if not check or check[0] != "ok":
-                    raise sqlite3.DatabaseError(f"quick_check: {check[0] if check else 'no answer'}")
-                conn.executescript(_SCHEMA)
-                conn.execute(
-                    "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
-                    (str(SCHEMA_VERSION),),
-                )
-            except BaseException:
-                conn.close()
-                raise
+            # SQLite answers "database is locked" at once, without waiting out the busy timeout,
+            # when connections race to switch a new file to WAL or to create the schema (a lock
+            # upgrade it cannot wait for): retry the set-up until the timeout instead.
+            deadline = time.monotonic() + BUSY_TIMEOUT_S
+            while True:
+                try:
+                    self._set_up(conn)
+                    break
+                except sqlite3.OperationalError as exc:
+                    if "locked" in str(exc) and time.monotonic() < deadline:
+                        time.sleep(0.01)
+                        continue
+                    conn.close()
+                    raise
+                except BaseException:
+                    conn.close()
+                    raise
             self._conn = conn
         return self._conn
+
+    @staticmethod
+    def _set_up(conn: sqlite3.Connection) -> None:
+        conn.execute(f"PRAGMA busy_timeout = {int(BUSY_TIMEOUT_S * 1000)}")
+        conn.execute("PRAGMA journal_mode = WAL")
+        conn.execute("PRAGMA synchronous = NORMAL")
+        check = conn.execute("PRAGMA quick_check").fetchone()
+        if not check or check[0] != "ok":
+            raise sqlite3.DatabaseError(f"quick_check: {check[0] if check else 'no answer'}")
+        conn.executescript(_SCHEMA)
+        conn.execute(
+            "INSERT OR IGNORE INTO meta (key, value) VALUES ('schema_version', ?)",
+            (str(SCHEMA_VERSION),),
+        )
 
     def _not_a_cache(self) -> str | None:
         """Why the file at the cache path is not a cache to move aside, or ``None`` if it is one."""

@@ -175,3 +175,32 @@ def test_reduce_concat_leaves_a_reduction_over_the_concatenated_axis() -> None:
     feeds = {"x0": np.arange(6, dtype=np.float32).reshape(2, 3), "x1": -np.ones((2, 5), np.float32)}
     for got, want in zip(_run(rewritten.model, feeds), _run(model, feeds), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def test_concat_matmul_splits_a_matmul_by_rows_of_its_weight() -> None:
+    """MatMul over a rank-3 concatenation along the last axis (the weight is [in, out]: rows)."""
+    rng = np.random.default_rng(2)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4)).astype(np.float32), "W")
+    vi = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [
+            helper.make_node("Concat", ["x0", "x1"], ["cat"], name="cat", axis=-1),
+            helper.make_node("MatMul", ["cat", "W"], ["y"], name="mm"),
+        ],
+        "mm",
+        [vi("x0", TensorProto.FLOAT, [2, 3, 6]), vi("x1", TensorProto.FLOAT, [2, 3, 2])],
+        [vi("y", TensorProto.FLOAT, [2, 3, 4])],
+        initializer=[w],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    rewritten = load_graph(model, rewrites=["concat-matmul"])
+    assert list(rewritten.order) == ["mm/part0", "mm/part1", "mm/sum"]
+    assert rewritten.initializers["W/part0"].shape == (6, 4) and rewritten.initializers["W/part1"].shape == (
+        2,
+        4,
+    )
+    feeds = {
+        "x0": rng.standard_normal((2, 3, 6)).astype(np.float32),
+        "x1": rng.standard_normal((2, 3, 2)).astype(np.float32),
+    }
+    np.testing.assert_allclose(_run(rewritten.model, feeds)[0], _run(model, feeds)[0], rtol=1e-5, atol=1e-6)

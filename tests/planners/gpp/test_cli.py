@@ -417,6 +417,8 @@ def test_rewrite_is_recorded_in_the_plan_validated_and_refused_when_it_is_edited
     args = ["plan", str(model_file), "--cluster", "graphpipe-v100", "--mini-batch", "64", "--devices", "4"]
     ran = run_cli(*args, "--rewrite", "concat-matmul", "-o", str(out))
     assert ran.code == 0 and "model rewritten (concat-matmul)" in ran.out.splitlines()[0]
+    again = run_cli(*args, "--rewrite", "concat-matmul", "--rewrite", "concat-matmul", "--json")
+    assert again.out == out.read_text()  # deterministic; a rewrite given twice is applied once
     plan = load_plan(out)
     assert plan.model.rewrites == ["concat-matmul"]
     named = {n for st in plan.stages for n in st.nodes}
