@@ -100,8 +100,12 @@ def concat_matmul(model: onnx.ModelProto) -> onnx.ModelProto:
     replaced: dict[str, list[onnx.NodeProto]] = {}  # layer name -> its parts and sum
     dropped: set[str] = set()  # concat nodes and weights that the parts replace
     new_weights: list[TensorProto] = []
+    # A part is a Gemm without a bias: its C input is optional from opset 11.
+    opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
     for node in g.node:
         if node.op_type not in ("Gemm", "MatMul") or len(node.input) < 2:
+            continue
+        if node.op_type == "Gemm" and opset < 11:
             continue
         attrs = _attrs(node)
         if node.op_type == "Gemm" and (

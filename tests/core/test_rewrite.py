@@ -69,7 +69,9 @@ def test_concat_matmul_on_lazy_weights_materializes_to_the_eager_rewrite() -> No
         np.testing.assert_array_equal(filled[name], values, err_msg=name)
 
 
-def _fc_over_concat(*, shared_weight: bool = False, concat_read_twice: bool = False, axis: int = 1):
+def _fc_over_concat(
+    *, shared_weight: bool = False, concat_read_twice: bool = False, axis: int = 1, opset: int = 17
+):
     """x0 [2,3], x1 [2,5] -> Concat(axis 1) -> Gemm(W [4,8], transB=1, b) -> y; along axis 0,
     x1 is [2,3] and W [4,3]."""
     rng = np.random.default_rng(1)
@@ -97,7 +99,7 @@ def _fc_over_concat(*, shared_weight: bool = False, concat_read_twice: bool = Fa
         outputs,
         initializer=[w, b],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)], ir_version=8)
 
 
 def test_concat_matmul_splits_by_the_concatenated_widths() -> None:
@@ -112,8 +114,8 @@ def test_concat_matmul_splits_by_the_concatenated_widths() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"shared_weight": True}, {"concat_read_twice": True}, {"axis": 0}],
-    ids=["weight read twice", "concat read twice", "concat along the batch"],
+    [{"shared_weight": True}, {"concat_read_twice": True}, {"axis": 0}, {"opset": 9}],
+    ids=["weight read twice", "concat read twice", "concat along the batch", "Gemm needs C before opset 11"],
 )
 def test_concat_matmul_leaves_layers_it_cannot_split_exactly(kwargs: dict) -> None:
     graph = load_graph(_fc_over_concat(**kwargs), rewrites=["concat-matmul"])
