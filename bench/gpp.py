@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tessera.core.cost import CostModel
 from tessera.core.files import write_atomic
-from tessera.core.graph import load_graph
+from tessera.core.graph import Graph, load_graph
 from tessera.core.rewrite import REWRITES
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
@@ -48,6 +48,30 @@ def cluster_with(devices: int, nics: str | None = None) -> ClusterSpec:
     return ClusterSpec.from_json_dict(data)
 
 
+def gpp_vs_sequential(graph: Graph, cluster: ClusterSpec, opts: PartitionOptions, *, timed: bool) -> dict:
+    """``tessera plan --kind gpp``'s plan and the sequential baseline it records (the faster of
+    the PipeDream- and Piper-style plans): throughputs, the baseline's planner, the GPP plan's
+    structure, depth and schedule, and, when ``timed``, the GPP search alone (``partition`` on a
+    series-parallel tree built beforehand, as the first table times it)."""
+    row: dict = {}
+    if timed:
+        tree = build_tree(graph, CostModel.for_device(cluster.devices()[0].type), opts.max_units)
+        t0 = time.perf_counter()
+        partition(graph, cluster, opts, tree=tree)
+        row["t_gpp"] = time.perf_counter() - t0
+    plan, pipe, sim = build_gpp_plan(graph, cluster, opts)
+    base = plan.baseline or {}
+    row.update(
+        gpp=sim.throughput,
+        seq=base["throughput_samples_per_s"],
+        method="Piper" if base["method"].startswith("Piper") else "PipeDream",
+        structure=plan.predicted["structure"],
+        depth=pipe.pipeline_depth,
+        schedule=pipe.schedule_kind,
+    )
+    return row
+
+
 def nic_rows(counts: list[int], own: list[dict], nics: str) -> list[dict]:
     """GPP and its sequential baseline (the faster of the PipeDream- and Piper-style plans, as
     the plan records it) with network interfaces (``links.nics``: ``per-node``, the node's one
@@ -59,26 +83,14 @@ def nic_rows(counts: list[int], own: list[dict], nics: str) -> list[dict]:
         for d in (c for c in counts if c in SHARED_COUNTS):
             cluster = cluster_with(d, nics)
             opts = PartitionOptions(mini_batch=sizes[d], num_devices=d)
-            plan, pipe, sim = build_gpp_plan(graph, cluster, opts)
-            base = plan.baseline or {}
-            seq = base["throughput_samples_per_s"]
-            method = "Piper" if base["method"].startswith("Piper") else "PipeDream"
-            before = next(r for r in own if r["model"] == name and r["devices"] == d)
-            rows.append(
-                {
-                    "model": name,
-                    "devices": d,
-                    "gpp": sim.throughput,
-                    "seq": seq,
-                    "method": method,
-                    "own": before,
-                    "depth": pipe.pipeline_depth,
-                    "structure": plan.predicted["structure"],
-                }
+            row = gpp_vs_sequential(graph, cluster, opts, timed=False)
+            row.update(
+                model=name, devices=d, own=next(r for r in own if r["model"] == name and r["devices"] == d)
             )
+            rows.append(row)
             print(
-                f"{name:10} {d:>2} {nics} NICs: gpp {sim.throughput:10.1f} best sequential {seq:10.1f} "
-                f"({method}) x{sim.throughput / seq:.2f}",
+                f"{name:10} {d:>2} {nics} NICs: gpp {row['gpp']:10.1f} best sequential {row['seq']:10.1f} "
+                f"({row['method']}) x{row['gpp'] / row['seq']:.2f}",
                 flush=True,
             )
     return rows
@@ -259,28 +271,14 @@ def auto_rows(counts: list[int], own: list[dict]) -> list[dict]:
         for d in counts:
             cluster = cluster_with(d)
             opts = PartitionOptions(mini_batch=sizes[d], num_devices=d, schedule="auto")
-            cost = CostModel.for_device(cluster.devices()[0].type)
-            tree = build_tree(graph, cost, opts.max_units)
-            t0 = time.perf_counter()
-            partition(graph, cluster, opts, tree=tree)
-            t_gpp = time.perf_counter() - t0
-            plan, pipe, sim = build_gpp_plan(graph, cluster, opts)
-            base = plan.baseline or {}
-            row = {
-                "model": name,
-                "devices": d,
-                "gpp": sim.throughput,
-                "seq": base["throughput_samples_per_s"],
-                "method": "Piper" if base["method"].startswith("Piper") else "PipeDream",
-                "schedule": pipe.schedule_kind,
-                "structure": plan.predicted["structure"],
-                "own": next(r for r in own if r["model"] == name and r["devices"] == d),
-                "t_gpp": t_gpp,
-            }
+            row = gpp_vs_sequential(graph, cluster, opts, timed=True)
+            row.update(
+                model=name, devices=d, own=next(r for r in own if r["model"] == name and r["devices"] == d)
+            )
             rows.append(row)
             print(
                 f"{name:10} {d:>2} auto: gpp {row['gpp']:10.1f} ({row['schedule']}) best sequential "
-                f"{row['seq']:10.1f} x{row['gpp'] / row['seq']:.2f} search {t_gpp:.2f}s",
+                f"{row['seq']:10.1f} x{row['gpp'] / row['seq']:.2f} search {row['t_gpp']:.2f}s",
                 flush=True,
             )
     return rows
@@ -297,28 +295,18 @@ def rewrite_rows(counts: list[int], own: list[dict], auto: list[dict]) -> list[d
             for schedule, before in (("1f1b", own), ("auto", auto)):
                 cluster = cluster_with(d)
                 opts = PartitionOptions(mini_batch=MINI_BATCH[name][d], num_devices=d, schedule=schedule)
-                t0 = time.perf_counter()
-                partition(graph, cluster, opts)
-                t_gpp = time.perf_counter() - t0
-                plan, pipe, sim = build_gpp_plan(graph, cluster, opts)
-                base = plan.baseline or {}
-                row = {
-                    "model": name,
-                    "devices": d,
-                    "schedule": schedule if schedule == "auto" else "1F1B",
-                    "gpp": sim.throughput,
-                    "before": next(r for r in before if r["model"] == name and r["devices"] == d)["gpp"],
-                    "seq": base["throughput_samples_per_s"],
-                    "method": "Piper" if base["method"].startswith("Piper") else "PipeDream",
-                    "structure": plan.predicted["structure"],
-                    "depth": pipe.pipeline_depth,
-                    "t_gpp": t_gpp,
-                }
+                row = gpp_vs_sequential(graph, cluster, opts, timed=True)
+                row.update(
+                    model=name,
+                    devices=d,
+                    schedule=schedule if schedule == "auto" else "1F1B",
+                    before=next(r for r in before if r["model"] == name and r["devices"] == d)["gpp"],
+                )
                 rows.append(row)
                 print(
                     f"{name:10} {d:>2} rewritten {schedule}: gpp {row['gpp']:10.1f} "
                     f"(as given {row['before']:10.1f}) best sequential {row['seq']:10.1f} "
-                    f"x{row['gpp'] / row['seq']:.2f} search {t_gpp:.2f}s",
+                    f"x{row['gpp'] / row['seq']:.2f} search {row['t_gpp']:.2f}s",
                     flush=True,
                 )
     return rows

@@ -36,6 +36,7 @@ from pydantic import (
 from tessera import __version__
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
+from tessera.core.rewrite import unknown_rewrite
 
 SCHEMA_VERSION = 1
 # What a cp plan may say: the dtypes a decoder is served in (tessera.planners.cp.llm.DTYPE_BYTES)
@@ -64,11 +65,9 @@ class ModelRef(_Strict):
     @field_validator("rewrites")
     @classmethod
     def _known_rewrites(cls, names: list[str]) -> list[str]:
-        from tessera.core.rewrite import REWRITES
-
-        unknown = [n for n in names if n not in REWRITES]
-        if unknown:
-            raise ValueError(f"unknown graph rewrite {unknown[0]!r} (known: {', '.join(REWRITES)})")
+        why = unknown_rewrite(names)
+        if why is not None:
+            raise ValueError(why)
         return names
 
     @classmethod
@@ -79,7 +78,7 @@ class ModelRef(_Strict):
             sha256=graph.sha256,
             num_nodes=graph.num_nodes,
             input_shapes={k: list(v) for k, v in sorted(graph.input_shapes.items())},
-            rewrites=list(getattr(graph, "rewrites", ())),
+            rewrites=list(graph.rewrites),
         )
 
 

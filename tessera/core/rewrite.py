@@ -260,13 +260,18 @@ def applicable(model: onnx.ModelProto, *, label: str) -> tuple[list[str], list[s
     return names, [n.name for n in model.graph.node if n.name not in kept]
 
 
+def unknown_rewrite(names: Sequence[str]) -> str | None:
+    """Why ``names`` cannot be applied (the first name that is no rewrite), or ``None``."""
+    unknown = [n for n in names if n not in REWRITES]
+    return f"unknown graph rewrite {unknown[0]!r} (known: {', '.join(REWRITES)})" if unknown else None
+
+
 def apply_rewrites(model: onnx.ModelProto, names: Sequence[str], *, label: str) -> onnx.ModelProto:
     """``model`` with the rewrites ``names`` applied in :data:`REWRITES` order; an InputError names
     an unknown one."""
-    unknown = [n for n in names if n not in REWRITES]
-    if unknown:
-        known = ", ".join(REWRITES)
-        raise InputError(f"unknown graph rewrite {unknown[0]!r} (known: {known})", source=label)
+    why = unknown_rewrite(names)
+    if why is not None:
+        raise InputError(why, source=label)
     for name, rewrite in REWRITES.items():
         if name in names:
             model = infer_shapes(rewrite(model), label=label)  # the next rewrite matches on shapes
