@@ -100,10 +100,16 @@ def simulate(
 ) -> SimResult:
     """Simulate one iteration (see the module docstring); ``trace=False`` leaves ``events`` empty
     (faster, for searches). Raises ValueError on a deadlock."""
-    by_id = {s.id: s for s in stages}
     for s in stages:
         if mini_batch % s.micro_batch_size:
             raise ValueError(f"stage {s.id}: micro-batch {s.micro_batch_size} does not divide {mini_batch}")
+    if (
+        not trace
+        and not any(e.src_nics or e.dst_nics for e in edges)
+        and not any(s.allreduce_nics for s in stages)
+    ):
+        return _simulate_uncontended(stages, edges, mini_batch)
+    by_id = {s.id: s for s in stages}
     preds: dict[int, list[SimEdge]] = {s.id: [] for s in stages}
     succs: dict[int, list[SimEdge]] = {s.id: [] for s in stages}
     for e in edges:
@@ -241,8 +247,21 @@ def simulate(
             order += 1
         try_ready(sid)
     if remaining:
-        stuck = {sid: parsed[sid][pointer[sid]] for sid in pointer if pointer[sid] < len(parsed[sid])}
-        raise ValueError(f"the schedule deadlocks: waiting stages {stuck}")
+        raise _deadlock(
+            {sid: parsed[sid][pointer[sid]] for sid in pointer if pointer[sid] < len(parsed[sid])}
+        )
+    return _result(stages, mini_batch, device_free, allreduce_end, busy, peak_live, events)
+
+
+def _result(
+    stages: Sequence[SimStage],
+    mini_batch: int,
+    device_free: dict[int, float],
+    allreduce_end: dict[int, float],
+    busy: dict[int, float],
+    peak_live: dict[int, int],
+    events: list[Event],
+) -> SimResult:
     finish = max([0.0, *device_free.values(), *allreduce_end.values()])
     total_devices = sum(s.devices for s in stages)
     used = sum(busy[s.id] * s.devices for s in stages)
@@ -256,6 +275,119 @@ def simulate(
         busy=busy,
         events=events,
         last_end=dict(device_free),
+    )
+
+
+def _deadlock(stuck: dict[int, tuple[str, int]]) -> ValueError:
+    return ValueError(f"the schedule deadlocks: waiting stages {stuck}")
+
+
+def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int) -> SimResult:
+    """:func:`simulate` without a trace where no resource is shared: every link belongs to one
+    edge and direction (no ``links.nics``), and each stage is its own device. Then a FIFO link
+    serves its transfers in the order its sender issues them, and every task's start — the
+    latest of its device's previous end and its inputs' arrivals — does not depend on the order
+    tasks are processed in. So each stage runs its actions as far as its inputs allow, handing
+    the stages its transfers reach to a work list, with no event queue; the same arithmetic as
+    the event-ordered simulation, so the same times to the last bit (tested), several times
+    faster (the partitioner simulates thousands of candidate schedules)."""
+    n = len(stages)
+    at = {s.id: i for i, s in enumerate(stages)}
+    acts = [[_parsed(a) for a in s.actions] for s in stages]
+    size = [s.micro_batch_size for s in stages]
+    src = [at[e.src] for e in edges]
+    dst = [at[e.dst] for e in edges]
+    # Arrival times over edge j (src → dst): fwd[j][q], of src's activations of its micro-batch
+    # q at dst; bwd[j][q], of dst's gradients of its micro-batch q at src.
+    fwd: list[list[float | None]] = [[None] * (mini_batch // size[src[j]]) for j in range(len(edges))]
+    bwd: list[list[float | None]] = [[None] * (mini_batch // size[dst[j]]) for j in range(len(edges))]
+    free_f = [0.0] * len(edges)
+    free_b = [0.0] * len(edges)
+    into = [[j for j in range(len(edges)) if dst[j] == i] for i in range(n)]
+    out = [[j for j in range(len(edges)) if src[j] == i] for i in range(n)]
+    pointer = [0] * n
+    device_free = [0.0] * n
+    busy = [0.0] * n
+    live = [0] * n
+    peak = [0] * n
+    allreduce_end: dict[int, float] = {}
+    todo = list(range(n - 1, -1, -1))
+    while todo:
+        i = todo.pop()
+        s = stages[i]
+        b = size[i]
+        mine = acts[i]
+        p = pointer[i]
+        while p < len(mine):
+            kind, k = mine[p]
+            forward = kind == "F"
+            ready = device_free[i]
+            waiting = False
+            for j in into[i] if forward else out[i]:
+                got = fwd[j] if forward else bwd[j]
+                b_peer = size[src[j]] if forward else size[dst[j]]
+                if b_peer == b:
+                    t = got[k]
+                    if t is None:
+                        waiting = True
+                        break
+                    if t > ready:
+                        ready = t
+                    continue
+                for q in range(k * b // b_peer, ((k + 1) * b - 1) // b_peer + 1):
+                    t = got[q]
+                    if t is None:
+                        waiting = True
+                        break
+                    if t > ready:
+                        ready = t
+                if waiting:
+                    break
+            if waiting:
+                break
+            duration = s.forward_time if forward else s.backward_time
+            end = ready + duration
+            device_free[i] = end
+            busy[i] += duration
+            p += 1
+            if forward:
+                live[i] += 1
+                if live[i] > peak[i]:
+                    peak[i] = live[i]
+                for j in out[i]:
+                    took = edges[j].transfer_time(b)
+                    arrival = end
+                    if took > 0:
+                        arrival = max(end, free_f[j]) + took
+                        free_f[j] = arrival
+                    fwd[j][k] = arrival
+                    todo.append(dst[j])
+            else:
+                live[i] -= 1
+                for j in into[i]:
+                    took = edges[j].transfer_time(b)
+                    arrival = end
+                    if took > 0:
+                        arrival = max(end, free_b[j]) + took
+                        free_b[j] = arrival
+                    bwd[j][k] = arrival
+                    todo.append(src[j])
+            if p == len(mine) and s.allreduce_time > 0:
+                allreduce_end[s.id] = end + s.allreduce_time
+        pointer[i] = p
+    if any(pointer[i] < len(acts[i]) for i in range(n)):
+        raise _deadlock(
+            {s.id: acts[i][pointer[i]] for i, s in enumerate(stages) if pointer[i] < len(acts[i])}
+        )
+    ids = [s.id for s in stages]
+    return _result(
+        stages,
+        mini_batch,
+        dict(zip(ids, device_free, strict=True)),
+        allreduce_end,
+        dict(zip(ids, busy, strict=True)),
+        dict(zip(ids, peak, strict=True)),
+        [],
     )
 
 

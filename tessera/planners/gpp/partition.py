@@ -495,6 +495,8 @@ def _partition(
     for b in sorted(cands, key=lambda b: (lower[b], b)):
         if leader is not None and lower[b] >= leader.estimated_iteration_time:
             continue
+        if not _may_fit(costs, b, num, limit):
+            continue
         m = options.mini_batch // b
         for exposed in _EXPOSED:
             if exposed and not _transfers_matter(hidden, b, m, leader):
@@ -519,6 +521,10 @@ def _partition(
             cap = best_time / options.mini_batch
             entries, n_probes = _binary_search(dp, num, options.epsilon * (3 if exposed else 1), cap)
             probes += n_probes
+            if not entries:
+                # Exposing transfers only raises stage TPS (same memory, same bracket: the whole
+                # model as one stage receives nothing), so its DP finds nothing either.
+                break
             # 1F1B: (m − 1) micro-batches at the bottleneck stage's pace, plus one through the
             # longest path (its latency: the fill and drain).
             ranked = sorted(entries, key=lambda e: ((m - 1) * e[3] * b + e[0], e[3], e[1]))
@@ -748,6 +754,18 @@ def _transfers_matter(pool: list[tuple[float, Pipeline]], b: int, m: int, best: 
         > 1.05 * _estimate_iteration(p.stages, p.edges, b, m)
         for p in mine
     )
+
+
+def _may_fit(costs: UnitCosts, b: int, num: int, limit: float) -> bool:
+    """Whether ``num`` devices of ``limit`` bytes can hold some plan at micro-batch ``b``: every
+    stage keeps at least one micro-batch's activations (with recomputation too: the one being
+    recomputed), ``ceil(b / d)`` samples on each of its ``d`` replicas, and its parameters on each,
+    so over the stages at least the model's parameter state once plus ``b`` samples' activations.
+    A size beyond that (MMT at 32 devices: 549 GB for one micro-batch of 512 on 542 GB) is
+    skipped without a search that can only fail."""
+    n = costs.n
+    need = costs.weights[n] + costs.optimizer[n] + b * costs.act[n]
+    return need <= num * limit
 
 
 def _lower_bound(costs: UnitCosts, mini_batch: int, b: int, num: int) -> float:

@@ -7,9 +7,11 @@ import pytest
 from planners.gpp.gpp_graphs import chain
 
 from tessera.core.cost import CostModel
+from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
+from tessera.models import build
 from tessera.planners.gpp.dp import StageDP, par_join, pareto, seq, stages_of
-from tessera.planners.gpp.partition import PartitionOptions, StageLinks, UnitCosts, build_tree
+from tessera.planners.gpp.partition import PartitionOptions, StageLinks, UnitCosts, _may_fit, build_tree
 
 
 def _optimum(dp: StageDP, n: int, num: int) -> float:
@@ -87,3 +89,65 @@ def test_entries_compose_as_in_table_3_2() -> None:
     assert par_join(a, b)[:5] == (3.0, 2, 4, 0.2, 1.0)
     worse = (4.0, 3, 2, 0.1, 0.0, ("S", 0, 1, 1, 0))
     assert pareto([worse, a]) == [a]
+
+
+@pytest.mark.parametrize("recompute", ["never", "auto", "all"])
+@pytest.mark.parametrize("name", ["mmt", "candle_uno", "dlrm"])
+@pytest.mark.parametrize(("b", "num"), [(4, 2), (8, 4), (16, 3)])
+def test_micro_batch_sizes_ruled_out_by_memory_have_no_plan(
+    name: str, b: int, num: int, recompute: str
+) -> None:
+    """The partitioner skips a micro-batch size at which the devices together cannot hold the
+    parameter state once plus one micro-batch's activations (partition._may_fit). Just below
+    that limit the DP finds no plan at any bottleneck; at twice it, it does (the bound is not
+    loose enough to skip sizes that have plans by much)."""
+    g = load_graph(build(name, "tiny"))
+    cluster = load_cluster("graphpipe-v100")
+    cost = CostModel.for_device(cluster.devices()[0].type)
+    tree = build_tree(g, cost, 32)
+    costs = UnitCosts(g, tree, cost)
+    n = costs.n
+    need = costs.weights[n] + costs.optimizer[n] + b * costs.act[n]
+
+    def dp(limit: float) -> StageDP:
+        opts = PartitionOptions(mini_batch=4 * b, num_devices=num, memory_limit=limit, recompute=recompute)
+        return StageDP(tree, costs, StageLinks(cluster, num), opts, b, limit, num)
+
+    below = need / num * (1 - 1e-9)
+    assert not _may_fit(costs, b, num, below)
+    assert dp(below).run(1e30) == []
+    assert _may_fit(costs, b, num, 2 * need / num)
+    assert dp(2 * need / num).run(1e30) != []
+
+
+def test_mmt_at_32_devices_skips_only_the_micro_batch_that_cannot_fit() -> None:
+    # One micro-batch of 512 needs 549 GB of activations and state; 32 V100s hold 542 GB.
+    g = load_graph(build("mmt", "paper"))
+    cluster = load_cluster("graphpipe-v100")
+    cost = CostModel.for_device(cluster.devices()[0].type)
+    costs = UnitCosts(g, build_tree(g, cost, 128), cost)
+    limit = cluster.devices()[0].type.memory
+    assert [b for b in (64, 128, 256, 512) if _may_fit(costs, b, 32, limit)] == [64, 128, 256]
+
+
+@pytest.mark.parametrize("name", ["mmt", "candle_uno", "dlrm"])
+def test_exposed_transfers_find_nothing_where_hidden_ones_find_nothing(name: str) -> None:
+    """The partitioner skips the exposed-transfer DP at a micro-batch size where the hidden-transfer
+    DP found nothing: exposing transfers only raises stages' TPS, so at no bottleneck does the
+    exposed run find a plan where the hidden run finds none."""
+    g = load_graph(build(name, "tiny"))
+    cluster = load_cluster("graphpipe-v100")
+    cost = CostModel.for_device(cluster.devices()[0].type)
+    tree = build_tree(g, cost, 32)
+    costs = UnitCosts(g, tree, cost)
+    opts = PartitionOptions(mini_batch=64, num_devices=4)
+    runs = [
+        StageDP(tree, costs, StageLinks(cluster, 4), opts, 16, math.inf, 4, exposed=x) for x in (0.0, 1.0)
+    ]
+    top = runs[0].stage(0, costs.n, 1)[0]
+    outcomes = set()
+    for t in (top * f / 100 for f in range(1, 101)):
+        hidden, exposed = (bool(dp.run(t)) for dp in runs)
+        assert hidden or not exposed
+        outcomes.add((hidden, exposed))
+    assert {(False, False), (True, True)} <= outcomes  # the sweep spans infeasible and feasible
