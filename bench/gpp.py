@@ -218,7 +218,7 @@ def main() -> None:
         "",
         "Own links, as in the first table; every planner (GPP, PipeDream- and Piper-style) searches",
         "as for 1F1B, then reschedules the candidates of that search by Algorithm 4 (the greedy",
-        "scheduler, thesis §3.10.1), best first, within a budget of about 1 s, and keeps the",
+        "scheduler, thesis §3.10.1), best first, within a budget of simulated passes (0.2–0.25 s here), and keeps the",
         "fastest plan that fits memory. *schedule*: what the GPP plan runs; *best sequential*: the",
         "faster sequential plan, also rescheduled where that helps. GPP search: `partition` with",
         "`auto`, on this machine.",

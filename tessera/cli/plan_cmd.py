@@ -310,7 +310,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
             {"model": model, "cluster spec": cluster if os.path.isfile(cluster) else None},
         )
         run_gpp_plan(
-            load_model_option(model, input_shapes, rewrites),
+            load_model_option(model, input_shapes, list(REWRITES) if "all" in rewrites else rewrites),
             spec,
             kind=kind,
             mini_batch=mini_batch,
@@ -433,10 +433,11 @@ KINDS: dict[str, PlanKind] = {
 @click.option(
     "--rewrite",
     "rewrites",
-    type=click.Choice(list(REWRITES)),
+    type=click.Choice([*REWRITES, "all"]),
     multiple=True,
     help="[gpp/spp] Plan on the model rewritten (repeatable; recorded in the plan, which validate "
-    "and launch apply too). reduce-concat: a reduction over other axes than a Concat's moves above it, "
+    "and launch apply too; all: every rewrite). reduce-concat: a reduction over other axes than a "
+    "Concat's moves above it, "
     "one per input. concat-matmul: a fully connected layer over a Concat becomes one product per "
     "concatenated input and a Sum, so its parts run inside the branches (exact up to summation order; "
     "the trained weights are the parts).",

@@ -78,12 +78,13 @@ _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, 
 WARM_UP_SLACKS = (0, 1, 2)
 # The fastest few candidates (distinct stage graphs) get per-stage warm-up tuning (:func:`tune_warm_up`).
 _TUNED = 3
-# Simulated passes (forwards and backwards of all stages) one warm-up tuning may spend: about 0.3 s
-# of simulation; stages nearest the sinks are tuned first.
+# Simulated passes (forwards and backwards of all stages) one warm-up tuning may spend: about 0.1 s
+# of simulation (1.4 M passes/s untraced on this machine); stages nearest the sinks are tuned first.
 _TUNE_TASKS = 150_000
 # Algorithm 4's budget under ``--schedule auto``, for all the candidates it reschedules together:
 # one costs about 4·m²·S² simulated passes for m micro-batches and S stages (2m trial simulations
-# per stage, each of up to 2m·S passes); this many take about 1 s on this machine.
+# per stage, each of up to 2m·S passes); spending all of it takes 0.2–0.25 s on this machine. Three
+# times the budget (and twice the tuned candidates) changed no plan of bench/gpp.py's models.
 _GREEDY_TASKS = 1_500_000
 # Bottleneck bounds probed beyond the bisection's minimum, as multiples of it.
 _LOOSER = (1.25, 1.6, 2.5)

@@ -436,7 +436,10 @@ def test_rewrite_is_recorded_in_the_plan_validated_and_refused_when_it_is_edited
     assert unknown.code == 2 and why in unknown.err
     assert len(unknown.err.strip().splitlines()) == 1
     bad = run_cli(*args, "--rewrite", "fuse-all")
-    assert bad.code == 2 and "'fuse-all' is not one of 'reduce-concat', 'concat-matmul'" in bad.err
+    assert bad.code == 2 and "'fuse-all' is not one of 'reduce-concat', 'concat-matmul', 'all'" in bad.err
+    every = run_cli(*args, "--rewrite", "all", "--json")
+    assert json.loads(every.out)["model"]["rewrites"] == ["reduce-concat", "concat-matmul"]
+    assert json.loads(every.out)["stages"] == json.loads(again.out)["stages"]  # reduce-concat: no match
     as_given = run_cli(*args, "--no-baseline")
     assert "model rewritten" not in as_given.out
     hint = "hint: --rewrite concat-matmul would replace merge/concat, top/layer0/fc/gemm; plan with it"
