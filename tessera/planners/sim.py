@@ -295,16 +295,20 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
     at = {s.id: i for i, s in enumerate(stages)}
     acts = [[_parsed(a) for a in s.actions] for s in stages]
     size = [s.micro_batch_size for s in stages]
-    src = [at[e.src] for e in edges]
-    dst = [at[e.dst] for e in edges]
-    # Arrival times over edge j (src → dst): fwd[j][q], of src's activations of its micro-batch
-    # q at dst; bwd[j][q], of dst's gradients of its micro-batch q at src.
-    fwd: list[list[float | None]] = [[None] * (mini_batch // size[src[j]]) for j in range(len(edges))]
-    bwd: list[list[float | None]] = [[None] * (mini_batch // size[dst[j]]) for j in range(len(edges))]
-    free_f = [0.0] * len(edges)
-    free_b = [0.0] * len(edges)
-    into = [[j for j in range(len(edges)) if dst[j] == i] for i in range(n)]
-    out = [[j for j in range(len(edges)) if src[j] == i] for i in range(n)]
+    # Per edge j (src → dst) and direction: arrival times at the receiver by the sender's
+    # micro-batch (activations of src's micro-batch q at dst; gradients of dst's at src), and the
+    # time the link is next free. A stage's inputs: (arrivals, the sender's micro-batch size); its
+    # outputs: (arrivals, link, transfer time of one of its micro-batches, receiver).
+    inputs: list[tuple[list, list]] = [([], []) for _ in range(n)]  # forward's, backward's
+    outputs: list[tuple[list, list]] = [([], []) for _ in range(n)]
+    for e in edges:
+        i, j = at[e.src], at[e.dst]
+        fwd: list[float | None] = [None] * (mini_batch // size[i])
+        bwd: list[float | None] = [None] * (mini_batch // size[j])
+        inputs[j][0].append((fwd, size[i]))
+        inputs[i][1].append((bwd, size[j]))
+        outputs[i][0].append((fwd, [0.0], e.transfer_time(size[i]), j))
+        outputs[j][1].append((bwd, [0.0], e.transfer_time(size[j]), i))
     pointer = [0] * n
     device_free = [0.0] * n
     busy = [0.0] * n
@@ -318,63 +322,53 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
         b = size[i]
         mine = acts[i]
         p = pointer[i]
+        ready = device_free[i]
         while p < len(mine):
             kind, k = mine[p]
-            forward = kind == "F"
-            ready = device_free[i]
+            direction = 0 if kind == "F" else 1
+            start = ready
             waiting = False
-            for j in into[i] if forward else out[i]:
-                got = fwd[j] if forward else bwd[j]
-                b_peer = size[src[j]] if forward else size[dst[j]]
+            for got, b_peer in inputs[i][direction]:
                 if b_peer == b:
                     t = got[k]
                     if t is None:
                         waiting = True
                         break
-                    if t > ready:
-                        ready = t
+                    if t > start:
+                        start = t
                     continue
                 for q in range(k * b // b_peer, ((k + 1) * b - 1) // b_peer + 1):
                     t = got[q]
                     if t is None:
                         waiting = True
                         break
-                    if t > ready:
-                        ready = t
+                    if t > start:
+                        start = t
                 if waiting:
                     break
             if waiting:
                 break
-            duration = s.forward_time if forward else s.backward_time
-            end = ready + duration
-            device_free[i] = end
+            duration = s.backward_time if direction else s.forward_time
+            ready = start + duration
             busy[i] += duration
             p += 1
-            if forward:
+            if direction:
+                live[i] -= 1
+            else:
                 live[i] += 1
                 if live[i] > peak[i]:
                     peak[i] = live[i]
-                for j in out[i]:
-                    took = edges[j].transfer_time(b)
-                    arrival = end
-                    if took > 0:
-                        arrival = max(end, free_f[j]) + took
-                        free_f[j] = arrival
-                    fwd[j][k] = arrival
-                    todo.append(dst[j])
-            else:
-                live[i] -= 1
-                for j in into[i]:
-                    took = edges[j].transfer_time(b)
-                    arrival = end
-                    if took > 0:
-                        arrival = max(end, free_b[j]) + took
-                        free_b[j] = arrival
-                    bwd[j][k] = arrival
-                    todo.append(src[j])
+            for got, link, took, receiver in outputs[i][direction]:
+                arrival = ready
+                if took > 0:
+                    arrival = max(ready, link[0]) + took
+                    link[0] = arrival
+                got[k] = arrival
+                todo.append(receiver)
             if p == len(mine) and s.allreduce_time > 0:
-                allreduce_end[s.id] = end + s.allreduce_time
+                allreduce_end[s.id] = ready + s.allreduce_time
         pointer[i] = p
+        device_free[i] = ready
     if any(pointer[i] < len(acts[i]) for i in range(n)):
         raise _deadlock(
             {s.id: acts[i][pointer[i]] for i, s in enumerate(stages) if pointer[i] < len(acts[i])}
