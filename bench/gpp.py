@@ -235,7 +235,7 @@ def main() -> None:
     rewritten = rewrite_rows(counts, rows, auto)
     lines += [
         "",
-        "## With `--rewrite reduce-concat --rewrite concat-matmul`",
+        "## With `--rewrite all` (reduce-concat, concat-matmul)",
         "",
         "Every planner on the model rewritten by two of TASO's substitutions (`tessera.core.rewrite`;",
         "thesis-jia-taso-flexflow Table 2.2). *concat-matmul*: the layer that reads the concatenated",
