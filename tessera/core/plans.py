@@ -13,6 +13,7 @@ knowledge (GraphPipe's C1–C5, memory) are added by the planners through ``PLAN
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -36,7 +37,7 @@ from pydantic import (
 from tessera import __version__
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
-from tessera.core.rewrite import unknown_rewrite
+from tessera.core.rewrite import REWRITES, apply_rewrites, unknown_rewrite
 
 SCHEMA_VERSION = 1
 # What a cp plan may say: the dtypes a decoder is served in (tessera.planners.cp.llm.DTYPE_BYTES)
@@ -434,16 +435,23 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
             f"the model is {graph.sha256[:12]}…"
         )
         return problems
-    if plan.model.num_nodes != graph.num_nodes:
-        problems.append(
-            f"model.num_nodes is {plan.model.num_nodes}; the model has {graph.num_nodes} operators"
-        )
     known = set(graph.dag.nodes)
     groups: list[list[str]] = []
     if isinstance(plan, PlacementPlan):
         groups = [g.nodes for g in plan.groups]
     elif isinstance(plan, GppPlan):
         groups = [s.nodes for s in plan.stages]
+    if plan.model.num_nodes != graph.num_nodes:
+        missing = _missing_rewrites(plan.model.num_nodes, {n for nodes in groups for n in nodes}, graph)
+        if missing:
+            listed = ", ".join(plan.model.rewrites) or "none"
+            return [
+                f"the plan names the operators of the model rewritten by {', '.join(missing)}, which "
+                f"model.rewrites ({listed}) does not list: add it there, or plan again"
+            ]
+        problems.append(
+            f"model.num_nodes is {plan.model.num_nodes}; the model has {graph.num_nodes} operators"
+        )
     if groups:
         seen: dict[str, int] = {}
         for i, nodes in enumerate(groups):
@@ -474,6 +482,22 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
     for check in PLAN_CHECKS.get(plan.kind, []):
         problems.extend(check(plan, graph))
     return problems
+
+
+def _missing_rewrites(num_nodes: int, named: set[str], graph: Any) -> list[str]:
+    """The rewrites (:data:`REWRITES`) not applied to ``graph`` whose application, after those
+    that are, gives a model of ``num_nodes`` operators that has every operator in ``named`` —
+    a plan whose ``model.rewrites`` lost a name; empty when none does."""
+    names = list(REWRITES)
+    after = max((names.index(n) + 1 for n in graph.rewrites), default=0)
+    later = names[after:]
+    for size in range(1, len(later) + 1):
+        for subset in itertools.combinations(later, size):
+            model = apply_rewrites(graph.model, subset, label=graph.source)
+            ops = {n.name for n in model.graph.node}
+            if len(ops) == num_nodes and named <= ops:
+                return list(subset)
+    return []
 
 
 def _placement_problems(plan: PlacementPlan, graph: Any) -> list[str]:

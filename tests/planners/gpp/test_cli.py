@@ -428,7 +428,16 @@ def test_rewrite_is_recorded_in_the_plan_validated_and_refused_when_it_is_edited
     data["model"]["rewrites"] = []
     out.write_text(json.dumps(data))
     edited = run_cli("validate", str(out))
-    assert edited.code == 2 and "model.num_nodes is 72; the model has 66 operators" in edited.err
+    why = (
+        "the plan names the operators of the model rewritten by concat-matmul, which model.rewrites "
+        "(none) does not list: add it there, or plan again"
+    )
+    assert edited.code == 2 and why in edited.err
+    data["model"]["rewrites"] = ["concat-matmul"]
+    data["model"]["num_nodes"] = 71
+    out.write_text(json.dumps(data))
+    count = run_cli("validate", str(out))  # the rewrite listed, the count edited: no rewrite to name
+    assert count.code == 2 and "model.num_nodes is 71; the model has 72 operators" in count.err
     data["model"]["rewrites"] = ["fuse-all"]
     out.write_text(json.dumps(data))
     unknown = run_cli("validate", str(out))
