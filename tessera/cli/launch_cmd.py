@@ -230,9 +230,10 @@ def _summary(report: dict[str, Any]) -> str:
     for s in report["steps"]:
         busy = "  ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in s["busy_s"].items())
         lines.append(f"{s['step']:>4} {s['loss']:>12.6g} {s['iteration_s'] * 1e3:>8.2f} ms  {busy}")
+    recomputes = any(st.get("recompute") for st in report["stages"])  # the column only where used
     lines.append(
         f"{'stage':>5} {'ranks':>7} {'busy':>10} {'predicted':>10} {'ratio':>7} {'peak mem':>10} "
-        f"{'predicted':>10} {'ratio':>8}"
+        f"{'predicted':>10} {'ratio':>8}" + (f" {'recompute':>9}" if recomputes else "")
     )
     for st in report["stages"]:
         p_busy = st["predicted_busy_s"]
@@ -241,6 +242,7 @@ def _summary(report: dict[str, Any]) -> str:
             f"{'-' if p_busy is None else f'{p_busy * 1e3:.2f} ms':>10} {_ratio(st['busy_ratio']):>7} "
             f"{human_bytes(st['peak_memory_bytes']):>10} {human_bytes(st['predicted_peak_memory_bytes']):>10} "
             f"{_ratio(st['memory_ratio']):>8}"
+            + (f" {'yes' if st.get('recompute') else 'no':>9}" if recomputes else "")
         )
     m, p, r = report["measured"], report["predicted"], report["ratio"]
     predicted = p.get("iteration_time_s")
@@ -255,7 +257,13 @@ def _summary(report: dict[str, Any]) -> str:
     )
     lines.append(
         "(busy: forward + backward compute, slowest replica, mean over steps after the first; "
-        "peak mem: weights + gradients + activations in flight, slowest replica; on GPU the allocator's peak)"
+        "peak mem: weights + gradients + activations in flight, slowest replica; on GPU the allocator's peak"
+        + (
+            "; recompute: the stage runs its forward again in the backward, keeping only its inputs"
+            if recomputes
+            else ""
+        )
+        + ")"
     )
     return "\n".join(lines)
 

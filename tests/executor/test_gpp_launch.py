@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from executor.plans import candle_dag, make_plan, save_model
 
+from tessera.cli.launch_cmd import _summary
 from tessera.core.graph import load_graph
 from tessera.core.plans import TrainingSetup
 from tessera.executor.gpp import TrainOptions, run_gpp_plan, train_reference
@@ -85,6 +86,11 @@ def test_recomputed_activations_train_exactly_and_keep_less(tmp_path: Path) -> N
         for name, want in ref.weights.items():
             np.testing.assert_allclose(run.weights[name], want, rtol=RTOL, atol=ATOL, err_msg=name)
     assert [st["recompute"] for st in runs[1].to_json()["stages"]] == [True, False, True]
+    text = _summary(runs[1].to_json()).splitlines()  # what launch prints without --json
+    header = next(i for i, line in enumerate(text) if line.lstrip().startswith("stage"))
+    assert text[header].endswith("recompute")
+    assert [line.split()[-1] for line in text[header + 1 : header + 4]] == ["yes", "no", "yes"]
+    assert "recompute" not in _summary(runs[0].to_json())  # no column where no stage recomputes
     kept = [[st["peak_activation_bytes"] for st in run.to_json()["stages"]] for run in runs]
     assert kept[1][0] < kept[0][0] and kept[1][2] < kept[0][2] and kept[1][1] == kept[0][1], kept
 
