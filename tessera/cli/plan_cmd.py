@@ -309,8 +309,12 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
             {"-o": output, "--gantt": gantt, "--pytorch-csv": pytorch_csv},
             {"model": model, "cluster spec": cluster if os.path.isfile(cluster) else None},
         )
+        if "auto" in rewrites and len(set(rewrites)) > 1:
+            raise click.UsageError("--rewrite auto chooses the rewrites itself: give it alone")
+        if "all" in rewrites:
+            rewrites = tuple(REWRITES)
         run_gpp_plan(
-            load_model_option(model, input_shapes, list(REWRITES) if "all" in rewrites else rewrites),
+            load_model_option(model, input_shapes, () if "auto" in rewrites else rewrites),
             spec,
             kind=kind,
             mini_batch=mini_batch,
@@ -327,6 +331,7 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
             k=k,
             recompute=recompute,
             bytes_per_param=bytes_per_param,
+            rewrite_auto="auto" in rewrites,
         )
 
     return run
@@ -433,10 +438,11 @@ KINDS: dict[str, PlanKind] = {
 @click.option(
     "--rewrite",
     "rewrites",
-    type=click.Choice([*REWRITES, "all"]),
+    type=click.Choice([*REWRITES, "all", "auto"]),
     multiple=True,
     help="[gpp/spp] Plan on the model rewritten (repeatable; recorded in the plan, which validate "
-    "and launch apply too; all: every rewrite). reduce-concat: a reduction over other axes than a "
+    "and launch apply too; all: every rewrite; auto: plan as given and with every rewrite that applies, "
+    "keep the faster, at twice the time). reduce-concat: a reduction over other axes than a "
     "Concat's moves above it, "
     "one per input. concat-matmul: a fully connected layer over a Concat becomes one product per "
     "concatenated input and a Sum, so its parts run inside the branches (exact up to summation order; "

@@ -254,6 +254,19 @@ def load_graph(
     return graph
 
 
+def rewritten(graph: Graph, rewrites: Sequence[str]) -> Graph:
+    """``graph`` (loaded without rewrites) with ``rewrites`` applied: what ``load_graph`` of the same
+    file with these ``rewrites`` gives, without reading and preparing the file again."""
+    if graph.rewrites:
+        raise ValueError(f"{graph.source}: already rewritten ({', '.join(graph.rewrites)})")
+    model = apply_rewrites(graph.model, rewrites, label=graph.source)
+    out = build_graph(model, label=graph.source, defaulted_dims=graph.defaulted_dims)
+    out.source_sha256 = graph.source_sha256
+    out.input_shapes = dict(graph.input_shapes)
+    out.rewrites = tuple(name for name in REWRITES if name in rewrites)
+    return out
+
+
 def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str, int] | None = None) -> Graph:
     """Build the DAG and per-node costs of an already prepared (named, shape-inferred) model."""
     g = model.graph

@@ -17,7 +17,7 @@ import click
 from tessera.core.cost import CostModel
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.files import write_output
-from tessera.core.graph import Graph
+from tessera.core.graph import Graph, rewritten
 from tessera.core.plans import (
     EdgeTensor,
     GppPlan,
@@ -231,6 +231,7 @@ def run_gpp_plan(
     k: int = 2,
     recompute: str = "never",
     bytes_per_param: float | None = None,
+    rewrite_auto: bool = False,
 ) -> GppPlan:
     """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
 
@@ -239,6 +240,10 @@ def run_gpp_plan(
     ``recompute``: activation recomputation in the backward on no stage (``never``), every stage
     (``all``), or the stages that need the memory (``auto``, chosen by the search); ``bytes_per_param``:
     weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision).
+    ``rewrite_auto`` (``--rewrite auto``): plan ``graph`` (loaded without rewrites) as given and
+    with every rewrite that changes it (:func:`tessera.core.rewrite.applicable`), and keep the
+    faster plan (the search, and the baseline, run twice). Otherwise, on a graph loaded without
+    rewrites, the text output hints at those that would apply.
     """
     if cache is not None and not profile:
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
@@ -272,10 +277,26 @@ def run_gpp_plan(
         recompute=recompute,
         bytes_per_param=bytes_per_param,
     )
-    measured = profile_costs(graph, cluster, cache, devices) if profile else None
-    plan, pipe, sim = build_gpp_plan(
-        graph, cluster, options, kind=kind, baseline=not no_baseline, measured=measured
-    )
+    candidates = [graph]
+    if rewrite_auto:
+        names, _ = applicable(graph.model, label=graph.source)
+        if names:
+            candidates.append(rewritten(graph, names))
+    results: list[tuple[GppPlan, Pipeline, SimResult]] = []
+    infeasible: InfeasibleError | None = None
+    for g in candidates:
+        measured = profile_costs(g, cluster, cache, devices) if profile else None
+        try:
+            results.append(
+                build_gpp_plan(g, cluster, options, kind=kind, baseline=not no_baseline, measured=measured)
+            )
+        except InfeasibleError as err:  # --rewrite auto: the other model may fit
+            infeasible = infeasible or err
+    if not results:
+        assert infeasible is not None
+        raise infeasible
+    # The fastest as simulated; a tie keeps the model as given (the first).
+    plan, pipe, sim = max(results, key=lambda r: (r[2].throughput, -results.index(r)))
     if output is not None:
         write_plan(plan, output)
     if gantt is not None:
@@ -286,12 +307,27 @@ def run_gpp_plan(
         click.echo(dump_plan(plan), nl=False)
     else:
         click.echo(summary(plan, pipe))
-        names, replaced = applicable(graph.model, label=graph.source) if not graph.rewrites else ([], [])
+        if len(candidates) > 1:
+            click.echo(_compared(results, [g.rewrites for g in candidates], plan))
+        names, replaced = (
+            applicable(graph.model, label=graph.source) if not (graph.rewrites or rewrite_auto) else ([], [])
+        )
         if names:
             shown = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more" if len(replaced) > 4 else "")
             flags = " ".join(f"--rewrite {n}" for n in names)
             click.echo(f"hint: {flags} would replace {shown}; plan with it to compare", err=True)
     return plan
+
+
+def _compared(
+    results: list[tuple[GppPlan, Pipeline, SimResult]], rewrites: list[tuple[str, ...]], kept: GppPlan
+) -> str:
+    """``--rewrite auto``'s line: each model's simulated throughput and the one kept."""
+    parts = []
+    for (plan, _, sim), names in zip(results, rewrites, strict=True):
+        label = f"rewritten ({', '.join(names)})" if names else "as given"
+        parts.append(f"{label} {sim.throughput:,.1f} samples/s" + (" (kept)" if plan is kept else ""))
+    return "rewrite auto: " + "; ".join(parts)
 
 
 def profile_costs(

@@ -8,9 +8,10 @@ import click
 import pytest
 from cli_runner import run_cli
 from click.testing import CliRunner
+from planners.gpp.gpp_graphs import chain
 
 from tessera.core.errors import InfeasibleError, InputError
-from tessera.core.graph import load_graph
+from tessera.core.graph import load_graph, rewritten
 from tessera.core.plans import check_plan_against_model, dump_plan, load_plan, parse_plan
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
@@ -453,3 +454,62 @@ def test_rewrite_is_recorded_in_the_plan_validated_and_refused_when_it_is_edited
     assert "model rewritten" not in as_given.out
     hint = "hint: --rewrite concat-matmul would replace merge/concat, top/layer0/fc/gemm; plan with it"
     assert hint in as_given.err and "hint" not in ran.err
+
+
+@pytest.mark.parametrize("devices", ["2", "8"])  # tiny CANDLE-Uno: as given kept at 2, rewritten at 8
+def test_rewrite_auto_keeps_the_faster_of_the_model_as_given_and_rewritten(
+    tmp_path, model_file, devices
+) -> None:
+    args = [
+        "plan",
+        str(model_file),
+        "--cluster",
+        "graphpipe-v100",
+        "--mini-batch",
+        "64",
+        "--devices",
+        devices,
+    ]
+    given = json.loads(run_cli(*args, "--json").out)
+    rewritten = json.loads(run_cli(*args, "--rewrite", "concat-matmul", "--json").out)  # what applies
+    speed = [p["predicted"]["throughput_samples_per_s"] for p in (given, rewritten)]
+    assert speed[0] != speed[1]  # a real choice
+    auto = run_cli(*args, "--rewrite", "auto", "--json")
+    assert auto.code == 0
+    assert json.loads(auto.out) == (rewritten if speed[1] > speed[0] else given)
+    text = run_cli(*args, "--rewrite", "auto")
+    line = next(x for x in text.out.splitlines() if x.startswith("rewrite auto: "))
+    kept = "rewritten (concat-matmul)" if speed[1] > speed[0] else "as given"
+    assert f"{kept} {max(speed):,.1f} samples/s (kept)" in line
+    assert f"{min(speed):,.1f} samples/s;" in line or line.endswith(f"{min(speed):,.1f} samples/s")
+    assert "hint" not in text.err  # auto already compared
+    tight = run_cli(*args, "--rewrite", "auto", "--memory-limit", "16KiB")
+    alone = run_cli(*args, "--memory-limit", "16KiB")
+    assert (
+        tight.code == alone.code == 3 and tight.err == alone.err
+    )  # neither fits: the model as given's error
+
+
+def test_rewrite_auto_stands_alone_and_changes_nothing_where_no_rewrite_applies(tmp_path) -> None:
+    chain_file = tmp_path / "chain.onnx"
+    chain_file.write_bytes(chain(6, width=64).model.SerializeToString())
+    args = ["plan", str(chain_file), "--cluster", "graphpipe-v100", "--mini-batch", "16", "--devices", "2"]
+    auto = run_cli(*args, "--rewrite", "auto")
+    assert auto.code == 0 and "rewrite auto" not in auto.out and "rewritten" not in auto.out
+    assert run_cli(*args, "--rewrite", "auto", "--json").out == run_cli(*args, "--json").out
+    mixed = run_cli(*args, "--rewrite", "auto", "--rewrite", "concat-matmul")
+    assert mixed.code == 2 and "--rewrite auto chooses the rewrites itself: give it alone" in mixed.err
+
+
+def test_rewritten_graph_is_the_one_load_graph_gives(model_file) -> None:
+    given = load_graph(model_file)
+    direct = load_graph(model_file, rewrites=["concat-matmul", "reduce-concat"])
+    derived = rewritten(given, ["concat-matmul", "reduce-concat"])
+    assert derived.rewrites == direct.rewrites == ("reduce-concat", "concat-matmul")
+    assert derived.order == direct.order and derived.sha256 == direct.sha256 == given.sha256
+    assert sorted(derived.dag.edges) == sorted(direct.dag.edges)
+    assert derived.model.SerializeToString(deterministic=True) == direct.model.SerializeToString(
+        deterministic=True
+    )
+    with pytest.raises(ValueError, match="already rewritten"):
+        rewritten(direct, ["concat-matmul"])
