@@ -109,6 +109,7 @@ def simulate(
         not trace
         and not any(e.src_nics or e.dst_nics for e in edges)
         and not any(s.allreduce_nics for s in stages)
+        and len({(e.src, e.dst) for e in edges}) == len(edges)  # a plan lists a stage pair once
     ):
         return _simulate_uncontended(stages, edges, mini_batch)
     by_id = {s.id: s for s in stages}
@@ -286,7 +287,8 @@ def _deadlock(stuck: dict[int, tuple[str, int]]) -> ValueError:
 
 def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int) -> SimResult:
     """:func:`simulate` without a trace where no resource is shared: every link belongs to one
-    edge and direction (no ``links.nics``), and each stage is its own device. Then a FIFO link
+    edge and direction (no ``links.nics``, each stage pair listed once), and each stage is its own
+    device. Then a FIFO link
     serves its transfers in the order its sender issues them, and every task's start — the
     latest of its device's previous end and its inputs' arrivals — does not depend on the order
     tasks are processed in. So each stage runs its actions as far as its inputs allow, handing

@@ -104,7 +104,7 @@ def _random_pipelines(draw):
         SimEdge(i, j, draw(st.sampled_from([0.0, 0.5, 2.0])), draw(st.sampled_from([1.0, 4.0])), draw(time))
         for i in range(n)
         for j in range(i + 1, n)
-        if draw(st.integers(0, 2)) == 0
+        for _ in range(draw(st.sampled_from([0, 0, 1, 2])))  # a pair listed twice: the event path
     ]
     return stages, edges, mini_batch
 

@@ -296,7 +296,7 @@ def run_gpp_plan(
         assert infeasible is not None
         raise infeasible
     # The fastest as simulated; a tie keeps the model as given (the first).
-    plan, pipe, sim = max(results, key=lambda r: (r[2].throughput, -results.index(r)))
+    plan, pipe, sim = results[max(range(len(results)), key=lambda i: (results[i][2].throughput, -i))]
     if output is not None:
         write_plan(plan, output)
     if gantt is not None:
