@@ -82,7 +82,7 @@ from tessera.planners.gpp.partition import (
     micro_batch_candidates,
     no_micro_batch,
     planning_inputs,
-    unit_flow,
+    unit_tensors,
 )
 from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, coarsen, number_units
 from tessera.planners.sim import simulate_pipeline
@@ -360,12 +360,23 @@ class _Lattice:
         self.optimizer = self._pair_sum(np.diff(c.optimizer))
         self.grads = self._pair_sum(np.diff(c.grads))
         self.act = self._pair_sum(np.diff(c.act))
-        # Wire bytes per sample crossing each ideal's cut (a sequential stage receives all of it).
-        self.flow = unit_flow(graph, tree, cost)
+        # The activations that cross units, each counted once per stage that reads it (a stage
+        # receives a tensor once however many of its units read it): made[t, u] = 1 where unit u
+        # makes tensor t, read[t, u] = 1 where u reads it; wire bytes per sample.
+        tensors = unit_tensors(graph, tree, cost)
+        self.made = np.zeros((len(tensors), u))
+        self.read = np.zeros((len(tensors), u))
+        for t, (p, readers, _) in enumerate(tensors):
+            self.made[t, p] = 1.0
+            self.read[t, list(readers)] = 1.0
+        self.tensor_bytes = np.array([w for _, _, w in tensors])
         self.unit_grads = np.diff(c.grads)
-        into = self.member @ self.flow
-        self.cut = (into * (1 - self.member)).sum(axis=1)
-        self._into = into
+        self._made_in = self.member @ self.made.T  # ideals × tensors: made inside the ideal
+        self._read_in = self.member @ self.read.T  # ideals × tensors: readers inside
+        # Wire bytes per sample crossing each ideal's cut (a sequential stage receives all of it):
+        # made inside, read by some unit outside.
+        outside = (self.read.sum(axis=1) - self._read_in) > 0
+        self.cut = (self._made_in * outside) @ self.tensor_bytes
         self._input: np.ndarray | None = None
 
     def _pair_sum(self, per_unit: np.ndarray) -> np.ndarray:
@@ -381,12 +392,19 @@ class _Lattice:
         """Wire bytes per sample entering every pair's stage ``I \\ I'`` from ``I'`` (recompute)."""
         if self._input is None:
             out = np.empty(self.pairs)
-            step = 1 << 16
+            step = max(1, (1 << 22) // max(1, len(self.tensor_bytes)))
             for a in range(0, self.pairs, step):
                 lo, hi = self.lo[a : a + step], self.hi[a : a + step]
-                out[a : a + step] = (self._into[lo] * (self.member[hi] - self.member[lo])).sum(axis=1)
+                # made in I', read by some unit of I \ I' (I' ⊂ I): each tensor once
+                enters = self._made_in[lo] * ((self._read_in[hi] - self._read_in[lo]) > 0)
+                out[a : a + step] = enters @ self.tensor_bytes
             self._input = out
         return self._input
+
+    def flows(self, assign: np.ndarray) -> np.ndarray:
+        """Wire bytes per sample from stage ``i`` to stage ``j`` (``assign``: stages × units, 1
+        where the stage has the unit): the tensors made in ``i`` and read in ``j``, each once."""
+        return ((assign @ self.made.T) * self.tensor_bytes) @ ((self.read @ assign.T) > 0)
 
     def unit_times(self, samples: int) -> tuple[np.ndarray, np.ndarray]:
         """Forward and backward time of every unit at ``samples`` samples."""
@@ -544,7 +562,7 @@ class _IdealDP:
         tensors flow between two stages), and the largest all-reduce."""
         lat, b = self.lat, self.b
         assign = np.stack([lat.member[lat.hi[p]] - lat.member[lat.lo[p]] for p, _ in plan])
-        flows = assign @ lat.flow @ assign.T  # wire bytes per sample, stage i → stage j
+        flows = lat.flows(assign)
         cycles, allreduces = [], []
         for (_, k), units in zip(plan, assign, strict=True):
             d, recompute = self.rows[k]

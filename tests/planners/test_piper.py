@@ -278,3 +278,50 @@ def test_reordered_unit_costs_equal_costs_computed_afresh(v100) -> None:
     for lo, hi in [(0, n), (3, n - 2), (n // 2, n // 2 + 5)]:
         assert permuted.enter(lo, hi) == fresh.enter(lo, hi)
         assert permuted.block_key(lo, hi)[1:] == fresh.block_key(lo, hi)[1:]
+
+
+def _tensors_read(graph: Graph, tree, cost: CostModel) -> dict[tuple[str, int], tuple[float, set[int]]]:
+    """Brute force: every activation crossing units, by (name, making unit): bytes, reading units."""
+    out: dict[tuple[str, int], tuple[float, set[int]]] = {}
+    for u, v, data in graph.dag.edges(data=True):
+        a, b = tree.unit_of[u], tree.unit_of[v]
+        if a != b and u not in graph.constant_nodes:
+            for t in data["tensors"]:
+                out.setdefault((t.name, a), (cost.wire_bytes(t.nbytes), set()))[1].add(b)
+    return out
+
+
+@pytest.mark.parametrize("name", ["mmt", "bert", "gpt"])
+def test_bytes_entering_a_stage_count_each_tensor_once(name: str) -> None:
+    """A stage receives a tensor once however many of its units read it (a transformer's residual
+    stream feeds the layer's norm and its residual add): the DP's bytes entering a unit range, and
+    Piper's bytes crossing an ideal's cut, entering a stage I \\ I' and flowing between two
+    stages, all equal a count over the model's tensors; counting per reading unit counts more."""
+    g = load_graph(build(name, "tiny"))
+    cost = CostModel.for_device(load_cluster("graphpipe-v100").devices()[0].type)
+    lattice = _Lattice(g, build_tree(g, cost, 16), cost)
+    tree, costs = lattice.tree, lattice.costs
+    made = [(p, w, readers) for (_, p), (w, readers) in _tensors_read(g, tree, cost).items()]
+    n = costs.n
+    overcounted = 0
+    for lo in range(n):
+        for hi in range(lo + 1, n + 1):
+            want = sum(w for p, w, readers in made if p < lo and any(lo <= r < hi for r in readers))
+            assert costs.enter(lo, hi) == want
+            overcounted += costs._pair[:lo, lo:hi].sum() > want  # per reading unit
+    assert overcounted  # the model has ranges where counting per reading unit double counts
+    members = [set(np.flatnonzero(row)) for row in lattice.member]
+    for i, ideal in enumerate(members):
+        assert lattice.cut[i] == sum(w for p, w, readers in made if p in ideal and not readers <= ideal)
+    inputs = lattice.stage_input()
+    for k in range(0, lattice.pairs, max(1, lattice.pairs // 200)):
+        before, stage = members[lattice.lo[k]], members[lattice.hi[k]] - members[lattice.lo[k]]
+        assert inputs[k] == sum(w for p, w, readers in made if p in before and readers & stage)
+    # Three stages: the first, middle and last thirds of the units.
+    thirds = [set(range(a, b)) for a, b in ((0, n // 3), (n // 3, 2 * n // 3), (2 * n // 3, n))]
+    assign = np.array([[1.0 if u in st else 0.0 for u in range(n)] for st in thirds])
+    flows = lattice.flows(assign)
+    for i, a in enumerate(thirds):
+        for j, b in enumerate(thirds):
+            if i != j:
+                assert flows[i, j] == sum(w for p, w, readers in made if p in a and readers & b)

@@ -222,11 +222,8 @@ class UnitCosts:
         flow = unit_flow(graph, tree, cost)
         pair = np.zeros((n + 1, n + 1))
         pair[:n, :n] = np.triu(flow + flow.T)
-        # enter(lo, hi) = Σ pair[u, v] for u < lo ≤ v < hi, via a 2-D cumulative sum.
-        cum = np.zeros((n + 1, n + 1))
-        cum[1:, 1:] = np.cumsum(np.cumsum(pair[:n, :n], axis=0), axis=1)
-        self._cum = cum
         self._pair = pair
+        self._enter = unit_entering(graph, tree, cost)
         self._unit_keys = per.keys
         self._times: dict[int, tuple[list[float], list[float]]] = {}
 
@@ -248,13 +245,12 @@ class UnitCosts:
         """Identity of the costs of units [lo, hi): equal keys give equal stage costs for every
         sub-range at the same offset (unit costs, internal edges, bytes entering from before)."""
         inner = self._pair[lo:hi, lo:hi]
-        entering = self._pair[:lo, lo:hi].sum(axis=0)
+        entering = self._enter[lo : hi + 1, lo : hi + 1]
         return (tuple(self._unit_keys[lo:hi]), inner.tobytes(), entering.tobytes())
 
     def enter(self, lo: int, hi: int) -> float:
-        """Wire bytes per sample entering units [lo, hi) from earlier units."""
-        c = self._cum
-        return float(c[lo, hi] - c[lo, lo])
+        """Wire bytes per sample entering units [lo, hi) from earlier units (each tensor once)."""
+        return float(self._enter[lo, hi])
 
 
 def unit_flow(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
@@ -271,6 +267,42 @@ def unit_flow(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
                 seen.add((t.name, v))
                 flow[u, v] += cost.wire_bytes(t.nbytes)
     return flow
+
+
+def unit_tensors(graph: Graph, tree: SPTree, cost: CostModel) -> list[tuple[int, tuple[int, ...], float]]:
+    """Every activation that crosses units: ``(the unit that makes it, the later units that read
+    it, its wire bytes per sample)``, in a fixed order (weights' producers excluded)."""
+    readers: dict[tuple[str, int], tuple[float, set[int]]] = {}
+    for u_name, v_name, data in graph.dag.edges(data=True):
+        u, v = tree.unit_of[u_name], tree.unit_of[v_name]
+        if u == v or u_name in graph.constant_nodes:
+            continue
+        for t in data["tensors"]:
+            readers.setdefault((t.name, u), (cost.wire_bytes(t.nbytes), set()))[1].add(v)
+    return [(p, tuple(sorted(units)), w) for (_, p), (w, units) in sorted(readers.items())]
+
+
+def unit_entering(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
+    """``E[lo, hi]``: wire bytes per sample of the tensors made before unit ``lo`` that units
+    [lo, hi) read, each tensor once however many of those units read it (a stage receives a
+    tensor once: MMT's residual stream feeds a layer's norm and its residual add).
+
+    A tensor made in unit ``p`` and read by units ``c_1 < … < c_k`` enters [lo, hi) when
+    ``p < lo`` and its first reader at or after ``lo`` is before ``hi``; for ``lo`` in
+    ``(c_{i-1}, c_i]`` (``c_0 = p``) that reader is ``c_i``. So the tensor adds its bytes to
+    column ``c_i + 1`` of rows ``c_{i-1} + 1 … c_i`` (a difference array down the rows), and a
+    running sum along each row counts it for every ``hi > c_i``. Exact in floating point for
+    the whole-byte sizes of real models."""
+    n = tree.num_units
+    diff = np.zeros((n + 2, n + 2))
+    for p, units, w in unit_tensors(graph, tree, cost):
+        prev = p
+        for c in (x for x in units if x > p):
+            diff[prev + 1, c + 1] += w
+            diff[c + 1, c + 1] -= w
+            prev = c
+    first = np.cumsum(diff, axis=0)  # first[lo, c + 1]: bytes whose first reader from lo is c
+    return np.cumsum(first, axis=1)[: n + 1, : n + 1]
 
 
 @dataclass(frozen=True, eq=False)

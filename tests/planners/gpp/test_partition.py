@@ -192,6 +192,16 @@ def test_recomputation_fits_a_limit_that_stored_activations_do_not(v100) -> None
         }
     )
     assert any("memory: stage" in p for p in check_plan_against_model(stored, g))  # counted storing: too big
+    # In the auto plan, a stage that keeps its activations edited to recompute them: it would fit,
+    # but the plan's record (and its predicted times) are of the stage keeping them.
+    last = chosen.stages[-1]
+    flipped = chosen.model_copy(
+        update={"stages": [*chosen.stages[:-1], last.model_copy(update={"recompute": True})]}
+    )
+    problems = check_plan_against_model(flipped, g)
+    assert len(problems) == 1 and problems[0].startswith(
+        f"memory: stage {last.id} records {last.memory.peak} bytes"
+    )
 
 
 def test_without_memory_pressure_auto_recomputation_changes_nothing(v100) -> None:
