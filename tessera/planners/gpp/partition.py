@@ -550,7 +550,9 @@ def _partition(
             # With transfers hidden, a plan whose bottleneck TPS exceeds cap cannot beat the best
             # simulated plan: its busiest device alone is loaded B · TPS. With transfers exposed,
             # such a plan is as slow where they are exposed, and where the simulator hides them it
-            # is a plan of the hidden-transfer run.
+            # is a plan of the hidden-transfer run (up to the fronts' truncation: a looser cap here
+            # found MMT at 8 devices a 7 % faster plan, but cost CANDLE-Uno at 16 3 % through the
+            # search's other heuristics, and doubled MMT's search time at 32).
             cap = best_time / options.mini_batch
             entries, n_probes = _binary_search(dp, num, options.epsilon * (3 if exposed else 1), cap)
             probes += n_probes
@@ -1050,7 +1052,7 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]
     out: tuple[tuple, Pipeline] | None = None
     seen: set[tuple] = set()
     for rank, pipe in timed:
-        key = rank[-1]
+        key = (rank[-1], pipe.micro_batch_size)  # one stage graph may win at another micro-batch size
         if key in seen:
             continue
         seen.add(key)
