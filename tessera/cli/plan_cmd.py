@@ -495,7 +495,7 @@ def plan(
         and ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT
     ]
     if foreign:
-        flag = "--" + foreign[0].replace("_", "-")
+        flag = next(p.opts[0] for p in ctx.command.params if p.name == foreign[0])  # as typed: --rewrite
         defaulted = ctx.get_parameter_source("kind") is click.core.ParameterSource.DEFAULT
         hint = (
             " (the default kind; decoding plans need --kind cp)"

@@ -224,6 +224,13 @@ def test_a_decoding_option_without_kind_says_kind_cp() -> None:
     assert "--llm does not apply to --kind gpp (the default kind; decoding plans need --kind cp)" in lines[0]
 
 
+def test_an_option_of_another_kind_is_named_as_typed() -> None:
+    # The option's parameter is "rewrites" (it repeats); the message names the flag, --rewrite.
+    args = ["plan", "--kind", "cp", "--llm", "gpt2", "--cluster", "h200", "--batch", "4", "--context", "1K"]
+    res = run_cli(*args, "--rewrite", "auto")
+    assert res.code == 2 and "--rewrite does not apply to --kind cp" in res.err, res.err
+
+
 @pytest.mark.parametrize("schedule", ["1f1b", "greedy", "gpipe", "auto"])
 def test_k_without_kfkb_is_a_usage_error(tmp_path, model_file, schedule) -> None:
     """``--k 4`` with another schedule was silently ignored: the user asked for kFkB's k."""
