@@ -485,18 +485,30 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
 
 
 def _missing_rewrites(num_nodes: int, named: set[str], graph: Any) -> list[str]:
-    """The rewrites (:data:`REWRITES`) not applied to ``graph`` whose application, after those
-    that are, gives a model of ``num_nodes`` operators that has every operator in ``named`` —
-    a plan whose ``model.rewrites`` lost a name; empty when none does."""
-    names = list(REWRITES)
-    after = max((names.index(n) + 1 for n in graph.rewrites), default=0)
-    later = names[after:]
-    for size in range(1, len(later) + 1):
-        for subset in itertools.combinations(later, size):
-            model = apply_rewrites(graph.model, subset, label=graph.source)
+    """The rewrites a plan's ``model.rewrites`` lost: the fewest rewrites (:data:`REWRITES`) not
+    applied to ``graph`` whose application together with those that are gives the model of
+    ``num_nodes`` operators with every operator in ``named``; empty when none does. A rewrite that
+    comes before an applied one needs the model before its rewrites: read from ``graph``'s file
+    again (none when the graph has no file)."""
+    applied = set(graph.rewrites)
+    base = graph.model
+    if applied:
+        if not os.path.isfile(graph.source):
+            return []
+        from tessera.core.graph import load_graph  # the plan schema does not need the IR
+
+        try:
+            base = load_graph(graph.source, input_shapes=graph.input_shapes).model
+        except InputError:
+            return []
+    others = [n for n in REWRITES if n not in applied]
+    for size in range(1, len(others) + 1):
+        for extra in itertools.combinations(others, size):
+            names = [n for n in REWRITES if n in applied or n in extra]
+            model = apply_rewrites(base, names, label=graph.source)
             ops = {n.name for n in model.graph.node}
             if len(ops) == num_nodes and named <= ops:
-                return list(subset)
+                return list(extra)
     return []
 
 

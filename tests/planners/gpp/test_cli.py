@@ -497,6 +497,22 @@ def test_rewrite_auto_keeps_the_faster_of_the_model_as_given_and_rewritten(
     )  # neither fits: the model as given's error
 
 
+def test_validate_names_a_rewrite_lost_before_one_kept(tmp_path) -> None:
+    """Tiny MMT planned with both rewrites; the plan's model.rewrites edited to the second only:
+    validate reads the model file again to name the first."""
+    model, out = tmp_path / "mmt.onnx", tmp_path / "plan.json"
+    model.write_bytes(build("mmt", "tiny").SerializeToString())
+    ran = run_cli("plan", str(model), "--cluster", "graphpipe-v100", "--mini-batch", "16", "--devices", "4",
+                  "--rewrite", "all", "-o", str(out))  # fmt: skip
+    assert ran.code == 0 and load_plan(out).model.rewrites == ["reduce-concat", "concat-matmul"]
+    data = json.loads(out.read_text())
+    data["model"]["rewrites"] = ["concat-matmul"]
+    out.write_text(json.dumps(data))
+    res = run_cli("validate", str(out))
+    why = "rewritten by reduce-concat, which model.rewrites (concat-matmul) does not list"
+    assert res.code == 2 and why in res.err, res.err
+
+
 def test_rewrite_auto_stands_alone_and_changes_nothing_where_no_rewrite_applies(tmp_path) -> None:
     chain_file = tmp_path / "chain.onnx"
     chain_file.write_bytes(chain(6, width=64).model.SerializeToString())
