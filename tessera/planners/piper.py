@@ -82,7 +82,6 @@ from tessera.planners.gpp.partition import (
     micro_batch_candidates,
     no_micro_batch,
     planning_inputs,
-    unit_tensors,
 )
 from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, coarsen, number_units
 from tessera.planners.sim import simulate_pipeline
@@ -363,7 +362,7 @@ class _Lattice:
         # The activations that cross units, each counted once per stage that reads it (a stage
         # receives a tensor once however many of its units read it): made[t, u] = 1 where unit u
         # makes tensor t, read[t, u] = 1 where u reads it; wire bytes per sample.
-        tensors = unit_tensors(graph, tree, cost)
+        tensors = c.tensors
         self.made = np.zeros((len(tensors), u))
         self.read = np.zeros((len(tensors), u))
         for t, (p, readers, _) in enumerate(tensors):

@@ -218,12 +218,15 @@ class UnitCosts:
         self.optimizer = _prefix(per.optimizer)
         self.grads = _prefix(per.grads)
         self.act = _prefix(per.act)
+        # The activations crossing units (one walk over the DAG's edges: the flows, the bytes
+        # entering unit ranges and Piper's cuts all derive from it).
+        self.tensors = unit_tensors(graph, tree, cost)
         # Wire bytes per sample between units u < v (depth-first order is topological).
-        flow = unit_flow(graph, tree, cost)
+        flow = unit_flow(self.tensors, n)
         pair = np.zeros((n + 1, n + 1))
         pair[:n, :n] = np.triu(flow + flow.T)
         self._pair = pair
-        self._enter = unit_entering(graph, tree, cost)
+        self._enter = unit_entering(self.tensors, n)
         self._unit_keys = per.keys
         self._times: dict[int, tuple[list[float], list[float]]] = {}
 
@@ -253,22 +256,6 @@ class UnitCosts:
         return float(self._enter[lo, hi])
 
 
-def unit_flow(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
-    """Wire bytes per sample from unit u to unit v, each tensor counted once per consuming unit."""
-    n = tree.num_units
-    flow = np.zeros((n, n))
-    seen: set[tuple[str, int]] = set()
-    for u_name, v_name, data in graph.dag.edges(data=True):
-        u, v = tree.unit_of[u_name], tree.unit_of[v_name]
-        if u == v or u_name in graph.constant_nodes:
-            continue
-        for t in data["tensors"]:
-            if (t.name, v) not in seen:
-                seen.add((t.name, v))
-                flow[u, v] += cost.wire_bytes(t.nbytes)
-    return flow
-
-
 def unit_tensors(graph: Graph, tree: SPTree, cost: CostModel) -> list[tuple[int, tuple[int, ...], float]]:
     """Every activation that crosses units: ``(the unit that makes it, the later units that read
     it, its wire bytes per sample)``, in a fixed order (weights' producers excluded)."""
@@ -282,7 +269,17 @@ def unit_tensors(graph: Graph, tree: SPTree, cost: CostModel) -> list[tuple[int,
     return [(p, tuple(sorted(units)), w) for (_, p), (w, units) in sorted(readers.items())]
 
 
-def unit_entering(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
+def unit_flow(tensors: list[tuple[int, tuple[int, ...], float]], n: int) -> np.ndarray:
+    """Wire bytes per sample from unit u to unit v of ``n`` (:func:`unit_tensors`), each tensor
+    counted once per reading unit."""
+    flow = np.zeros((n, n))
+    for p, readers, w in tensors:
+        for v in readers:
+            flow[p, v] += w
+    return flow
+
+
+def unit_entering(tensors: list[tuple[int, tuple[int, ...], float]], n: int) -> np.ndarray:
     """``E[lo, hi]``: wire bytes per sample of the tensors made before unit ``lo`` that units
     [lo, hi) read, each tensor once however many of those units read it (a stage receives a
     tensor once: MMT's residual stream feeds a layer's norm and its residual add).
@@ -293,9 +290,8 @@ def unit_entering(graph: Graph, tree: SPTree, cost: CostModel) -> np.ndarray:
     column ``c_i + 1`` of rows ``c_{i-1} + 1 … c_i`` (a difference array down the rows), and a
     running sum along each row counts it for every ``hi > c_i``. Exact in floating point for
     the whole-byte sizes of real models."""
-    n = tree.num_units
     diff = np.zeros((n + 2, n + 2))
-    for p, units, w in unit_tensors(graph, tree, cost):
+    for p, units, w in tensors:
         prev = p
         for c in (x for x in units if x > p):
             diff[prev + 1, c + 1] += w
@@ -1052,9 +1048,9 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]
     out: tuple[tuple, Pipeline] | None = None
     seen: set[tuple] = set()
     for rank, pipe in timed:
-        key = rank[
-            -1
-        ]  # (its micro-batch size too: neutral on the bench, but CANDLE-Uno rewritten at 4 lost 1.6 %)
+        # The stage graph alone (with its micro-batch size too: neutral on the bench, but
+        # CANDLE-Uno rewritten at 4 devices lost 1.6 %).
+        key = rank[-1]
         if key in seen:
             continue
         seen.add(key)
