@@ -69,26 +69,28 @@ def _auto_vs_1f1b(name: str, devices: int, mini_batch: int):
 
 
 def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster() -> None:
-    # CANDLE-Uno on 8 V100s: the 1F1B search's stage graph, rescheduled greedily, beats both the
-    # 1F1B plan (164.9k samples/s, which loses to the sequential plan's 167.4k) and the sequential
-    # plan: 175.5k. Same stages, devices and micro-batch size; only the order of passes differs.
-    g, out = _auto_vs_1f1b("candle_uno", 8, 8192)
-    (plan, pipe, sim), (_, _, sim_1f1b) = out["auto"], out["1f1b"]
+    # CANDLE-Uno on 16 V100s: a graph pipeline of the 1F1B search, rescheduled greedily (374.6k
+    # samples/s), beats both the 1F1B plan and the sequential plan, which here are one and the
+    # same (336.8k: the PipeDream-style plan simulates faster than the DP's graph pipelines).
+    g, out = _auto_vs_1f1b("candle_uno", 16, 16384)
+    (plan, pipe, sim), (plan_1f1b, _, sim_1f1b) = out["auto"], out["1f1b"]
     assert check_plan_against_model(plan, g) == []
-    assert plan.predicted["structure"] == "graph"
+    assert plan.predicted["structure"] == "graph" and plan_1f1b.predicted["structure"] == "sequential"
     assert {st.schedule.kind for st in plan.stages} == {"greedy"}
-    assert sim.throughput == pytest.approx(175477.8, rel=1e-4)
-    assert sim.throughput > sim_1f1b.throughput * 1.04
-    assert plan.baseline["throughput_samples_per_s"] == pytest.approx(167401.2, rel=1e-4)
+    assert sim.throughput == pytest.approx(374560.7, rel=1e-4)
+    assert sim_1f1b.throughput == pytest.approx(336814.5, rel=1e-4)
+    assert sim.throughput > sim_1f1b.throughput * 1.1
+    assert plan.baseline["throughput_samples_per_s"] == pytest.approx(336814.5, rel=1e-4)
     for st in plan.stages:
         assert check_schedule(st.schedule.actions, pipe.num_micro_batches) == []  # C4
         assert st.in_flight == in_flight_of(st.schedule.actions)
 
 
 def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
-    # CANDLE-Uno on 16 V100s: 1F1B's winning stage graph, rescheduled by Algorithm 4, reaches
-    # 326.8k samples/s; another candidate of the same search (sixth under 1F1B) reaches 374.6k
-    # rescheduled, as much as searching with Algorithm 4 inside (every candidate greedy).
+    # CANDLE-Uno on 16 V100s: 1F1B's winning graph pipeline reaches 326.8k samples/s with its
+    # warm-up tuned, and no more rescheduled by Algorithm 4; another candidate of the same search
+    # (sixth under 1F1B) reaches 374.6k rescheduled, as much as searching with Algorithm 4 inside
+    # (every candidate greedy).
     import dataclasses
 
     from tessera.planners.gpp.partition import partition, scheduled
@@ -107,7 +109,8 @@ def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
     assert winner_thr == pytest.approx(326844.9, rel=1e-4)
     assert thr["auto"] == pytest.approx(374560.7, rel=1e-4)
     assert thr["auto"] == pytest.approx(thr["greedy"], rel=1e-9)
-    assert thr["auto"] > winner_thr * 1.1 and thr["auto"] > thr["1f1b"] * 1.2
+    assert thr["1f1b"] == pytest.approx(winner_thr, rel=1e-9)
+    assert thr["auto"] > winner_thr * 1.1
     auto = pipes["auto"]
     assert auto.schedule_kind == "greedy"
     assert [st.units for st in auto.stages] != [st.units for st in pipes["1f1b"].stages]
@@ -116,10 +119,22 @@ def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
         assert st.memory.peak <= auto.memory_limit
 
 
-def test_auto_keeps_1f1b_where_algorithm_4_is_no_faster() -> None:
-    # DLRM on 8 V100s: single-device stages feeding one; greedy ties with the tuned 1F1B.
-    _, out = _auto_vs_1f1b("dlrm", 8, 512)
+@pytest.mark.parametrize(
+    ("name", "devices", "mini_batch", "throughput"),
+    [
+        # DLRM on 8 V100s: single-device stages feeding one; greedy ties with the tuned 1F1B.
+        ("dlrm", 8, 512, 49823.0),
+        # CANDLE-Uno on 8: with four of its branch stages 4–8 micro-batches further ahead than
+        # Table 3.2's counts, 1F1B reaches what Algorithm 4 makes of the same stages (a tie: 1F1B
+        # kept).
+        ("candle_uno", 8, 8192, 175477.8),
+    ],
+)
+def test_auto_keeps_1f1b_where_algorithm_4_is_no_faster(name, devices, mini_batch, throughput) -> None:
+    _, out = _auto_vs_1f1b(name, devices, mini_batch)
     assert out["auto"][0].model_dump() == out["1f1b"][0].model_dump()
+    assert out["auto"][2].throughput == pytest.approx(throughput, rel=1e-4)
+    assert out["auto"][0].predicted["structure"] == "graph"
 
 
 def test_auto_keeps_1f1b_where_algorithm_4_would_take_too_long(monkeypatch) -> None:
