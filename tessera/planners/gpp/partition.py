@@ -79,6 +79,8 @@ _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, 
 WARM_UP_SLACKS = (0, 1, 2)
 # The fastest few candidates (distinct stage graphs) get per-stage warm-up tuning (:func:`tune_warm_up`).
 _TUNED = 3
+# … after the fastest few more got the joint step alone (a few simulations each).
+_JOINT_TUNED = 8
 # Extra warm-up :func:`tune_warm_up` tries on all stages with successors at once (below the number
 # of micro-batches, then all of them), before it tunes stage by stage.
 _JOINT_EXTRAS = (3, 4, 6, 8, 12, 16, 24, 32)
@@ -1042,34 +1044,47 @@ def _uniform(pipe: Pipeline, slack: int) -> dict[int, int]:
 
 
 def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]:
-    """The fastest plan after :func:`tune_warm_up` of the :data:`_TUNED` fastest distinct stage
-    graphs of ``timed`` (each from its fastest uniform warm-up), with its rank.
+    """The fastest plan after warm-up tuning (:func:`tune_warm_up`), with its rank: the
+    :data:`_JOINT_TUNED` fastest distinct stage graphs of ``timed`` (each from its fastest uniform
+    warm-up) get the joint step, which costs a few simulations; the :data:`_TUNED` fastest of
+    those then get the stage-by-stage steps too.
 
     ``timed``: ``(rank, pipeline)`` pairs, rank ``(simulated time, bottleneck TPS, estimate,
     warm-up, stage graph key)``; ties go to the better balanced plan, the better estimate, fewer
     micro-batches in flight."""
-    timed = sorted(timed, key=lambda rp: rp[0])
-    out: tuple[tuple, Pipeline] | None = None
+    joint: list[tuple[tuple, Pipeline]] = []
     seen: set[tuple] = set()
-    for rank, pipe in timed:
+    for rank, pipe in sorted(timed, key=lambda rp: rp[0]):
+        # Each stage graph and micro-batch size once: the fastest warm-up of a larger micro-batch
+        # can be much more than the one it came with (fewer micro-batches to hide the fill).
+        if (rank[-1], pipe.micro_batch_size) in seen:
+            continue
+        seen.add((rank[-1], pipe.micro_batch_size))
+        tuned, t = tune_warm_up(pipe, per_stage=False)
+        joint.append(((t, rank[1], rank[2], sum(st.in_flight for st in tuned.stages), rank[-1]), tuned))
+        if len(seen) == _JOINT_TUNED:
+            break
+    if not joint:
+        raise ValueError("no candidate to tune")
+    out: tuple[tuple, Pipeline] | None = None
+    graphs: set[tuple] = set()
+    for rank, pipe in sorted(joint, key=lambda rp: rp[0]):
         # The stage graph alone (with its micro-batch size too: neutral on the bench, but
         # CANDLE-Uno rewritten at 4 devices lost 1.6 %).
-        key = rank[-1]
-        if key in seen:
+        if rank[-1] in graphs:
             continue
-        seen.add(key)
+        graphs.add(rank[-1])
         tuned, t = tune_warm_up(pipe)
-        mine = (t, rank[1], rank[2], sum(st.in_flight for st in tuned.stages), key)
+        mine = (t, *rank[1:3], sum(st.in_flight for st in tuned.stages), rank[-1])
         if out is None or mine < out[0]:
             out = (mine, tuned)
-        if len(seen) == _TUNED:
+        if len(graphs) == _TUNED:
             break
-    if out is None:
-        raise ValueError("no candidate to tune")
+    assert out is not None
     return out[1], out[0]
 
 
-def tune_warm_up(pipe: Pipeline) -> tuple[Pipeline, float]:
+def tune_warm_up(pipe: Pipeline, *, per_stage: bool = True) -> tuple[Pipeline, float]:
     """A 1F1B pipeline with each stage's warm-up tuned on the simulator, and its iteration time.
 
     Algorithm 4's idea (a stage runs ahead as far as it helps, no further) at the grain of the
@@ -1078,7 +1093,8 @@ def tune_warm_up(pipe: Pipeline) -> tuple[Pipeline, float]:
     trying 0, 1, 2, 4, … extra warm-up micro-batches (:func:`scheduled`) within memory; a count
     is kept when the simulated iteration is faster, ties going to fewer in flight. Start: the
     warm-up ``pipe`` has (its stages' extra over Table 3.2). At most :data:`_TUNE_TASKS`
-    simulated passes (long pipelines of many micro-batches stop early)."""
+    simulated passes (long pipelines of many micro-batches stop early). ``per_stage=False``:
+    the joint step alone."""
     current = {st.id: 0 for st in pipe.stages}
     base = scheduled(pipe, {})
     if base is not None:
@@ -1109,6 +1125,8 @@ def tune_warm_up(pipe: Pipeline) -> tuple[Pipeline, float]:
         t = simulate_pipeline(cand, trace=False).iteration_time
         if t < best_time:
             best, best_time, current = cand, t, trial
+    if not per_stage:
+        return best, best_time
     for st in reversed(pipe.stages):
         if st.id not in sources:
             continue

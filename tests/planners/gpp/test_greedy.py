@@ -70,16 +70,18 @@ def _auto_vs_1f1b(name: str, devices: int, mini_batch: int):
 
 def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster() -> None:
     # CANDLE-Uno on 16 V100s: a graph pipeline of the 1F1B search, rescheduled greedily (374.6k
-    # samples/s), beats both the 1F1B plan and the sequential plan, which here are one and the
-    # same (336.8k: the PipeDream-style plan simulates faster than the DP's graph pipelines).
+    # samples/s), beats the 1F1B plan (373.8k, its warm-up tuned) and the sequential plan (336.8k).
+    # Same kind of plan, only the order of passes differs: 1F1B with a tuned warm-up comes close to
+    # Algorithm 4 on most plans, and auto keeps whichever simulates faster.
     g, out = _auto_vs_1f1b("candle_uno", 16, 16384)
     (plan, pipe, sim), (plan_1f1b, _, sim_1f1b) = out["auto"], out["1f1b"]
     assert check_plan_against_model(plan, g) == []
-    assert plan.predicted["structure"] == "graph" and plan_1f1b.predicted["structure"] == "sequential"
+    assert plan.predicted["structure"] == "graph" == plan_1f1b.predicted["structure"]
     assert {st.schedule.kind for st in plan.stages} == {"greedy"}
-    assert sim.throughput == pytest.approx(374560.7, rel=1e-4)
-    assert sim_1f1b.throughput == pytest.approx(336814.5, rel=1e-4)
-    assert sim.throughput > sim_1f1b.throughput * 1.1
+    assert {st.schedule.kind for st in plan_1f1b.stages} == {"1f1b"}
+    assert sim.throughput == pytest.approx(374560.7, rel=1e-6)
+    assert sim_1f1b.throughput == pytest.approx(373798.6, rel=1e-6)
+    assert sim.throughput > sim_1f1b.throughput
     assert plan.baseline["throughput_samples_per_s"] == pytest.approx(336814.5, rel=1e-4)
     for st in plan.stages:
         assert check_schedule(st.schedule.actions, pipe.num_micro_batches) == []  # C4
@@ -87,10 +89,10 @@ def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster()
 
 
 def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
-    # CANDLE-Uno on 16 V100s: 1F1B's winning graph pipeline reaches 326.8k samples/s with its
-    # warm-up tuned, and no more rescheduled by Algorithm 4; another candidate of the same search
-    # (sixth under 1F1B) reaches 374.6k rescheduled, as much as searching with Algorithm 4 inside
-    # (every candidate greedy).
+    # CANDLE-Uno on 16 V100s: 1F1B's winning graph pipeline (373.8k samples/s, its warm-up tuned)
+    # reaches 361.2k rescheduled by Algorithm 4; another candidate of the same search, with
+    # another stage graph, reaches 374.6k rescheduled, as much as searching with Algorithm 4
+    # inside (every candidate greedy).
     import dataclasses
 
     from tessera.planners.gpp.partition import partition, scheduled
@@ -106,11 +108,11 @@ def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
     winner = scheduled(dataclasses.replace(pipes["1f1b"], schedule_kind="greedy"), {})
     assert winner is not None
     winner_thr = simulate_pipeline(winner, trace=False).throughput
-    assert winner_thr == pytest.approx(326844.9, rel=1e-4)
-    assert thr["auto"] == pytest.approx(374560.7, rel=1e-4)
+    assert winner_thr == pytest.approx(361229.7, rel=1e-6)
+    assert thr["1f1b"] == pytest.approx(373798.6, rel=1e-6)
+    assert thr["auto"] == pytest.approx(374560.7, rel=1e-6)
     assert thr["auto"] == pytest.approx(thr["greedy"], rel=1e-9)
-    assert thr["1f1b"] == pytest.approx(winner_thr, rel=1e-9)
-    assert thr["auto"] > winner_thr * 1.1
+    assert thr["auto"] > thr["1f1b"] > winner_thr
     auto = pipes["auto"]
     assert auto.schedule_kind == "greedy"
     assert [st.units for st in auto.stages] != [st.units for st in pipes["1f1b"].stages]

@@ -14,9 +14,9 @@ from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.gpp.partition import (
     PartitionOptions,
+    _uniform,
     build_tree,
     partition,
-    _uniform,
     scheduled,
     tune_warm_up,
 )
@@ -126,9 +126,8 @@ def test_branches_into_one_merge_are_tuned_together() -> None:
     data = load_cluster("graphpipe-v100").to_json_dict()
     data["nodes"] = [{**data["nodes"][0], "count": 8}]
     g = load_graph(build("candle_uno", "paper"), rewrites=["concat-matmul"])
-    pipe = partition(
-        g, ClusterSpec.from_json_dict(data), PartitionOptions(mini_batch=32768, micro_batch_sizes=(4096,))
-    )
+    cluster = ClusterSpec.from_json_dict(data)
+    pipe = partition(g, cluster, PartitionOptions(mini_batch=32768, micro_batch_sizes=(4096,)))
     succ = _successors(pipe)
     merge = [st.id for st in pipe.stages if not succ[st.id]]
     assert len(merge) == 1 and all(succ[st.id] == merge for st in pipe.stages if st.id != merge[0])
@@ -138,6 +137,13 @@ def test_branches_into_one_merge_are_tuned_together() -> None:
     tuned, t = tune_warm_up(start)
     assert t <= best_uniform < 0.7 * simulate_pipeline(start).iteration_time
     assert all(st.memory.peak <= tuned.memory_limit for st in tuned.stages)
+    # The whole search: the same stage graph at micro-batch 2048 ranks first before tuning, but
+    # each stage graph and micro-batch size gets the joint step, and 4096 wins once tuned.
+    best = partition(g, cluster, PartitionOptions(mini_batch=32768))
+    assert best.micro_batch_size == 4096 and [st.units for st in best.stages] == [
+        st.units for st in pipe.stages
+    ]
+    assert simulate_pipeline(best).iteration_time == pytest.approx(t, rel=1e-9)
 
 
 def test_spp_guided_proposals_are_sequential_and_no_slower(v100) -> None:
