@@ -77,10 +77,11 @@ _PER_MICRO_BATCH = 8  # distinct plans per micro-batch size and transfer model, 
 # 1F1B warm-up slack tried per candidate (:func:`materialize`): Table 3.2's minimum, and one or two more
 # micro-batches in flight on every stage with successors (hides transfers; costs memory).
 WARM_UP_SLACKS = (0, 1, 2)
-# The fastest few candidates (distinct stage graphs) get per-stage warm-up tuning (:func:`tune_warm_up`).
-_TUNED = 3
-# … after the fastest few more got the joint step alone (a few simulations each).
+# Warm-up tuning (:func:`fastest_tuned`): the joint step of :func:`tune_warm_up` (a few simulations)
+# on this many of the fastest candidates (distinct stage graph and micro-batch size), …
 _JOINT_TUNED = 8
+# … then its stage-by-stage steps on the fastest few of those (distinct stage graphs).
+_TUNED = 3
 # Extra warm-up :func:`tune_warm_up` tries on all stages with successors at once (below the number
 # of micro-batches, then all of them), before it tunes stage by stage.
 _JOINT_EXTRAS = (3, 4, 6, 8, 12, 16, 24, 32)
@@ -1045,9 +1046,9 @@ def _uniform(pipe: Pipeline, slack: int) -> dict[int, int]:
 
 def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]:
     """The fastest plan after warm-up tuning (:func:`tune_warm_up`), with its rank: the
-    :data:`_JOINT_TUNED` fastest distinct stage graphs of ``timed`` (each from its fastest uniform
-    warm-up) get the joint step, which costs a few simulations; the :data:`_TUNED` fastest of
-    those then get the stage-by-stage steps too.
+    :data:`_JOINT_TUNED` fastest candidates of ``timed``, each stage graph and micro-batch size
+    once (from its fastest uniform warm-up), get the joint step, which costs a few simulations;
+    then the :data:`_TUNED` fastest stage graphs of those get the stage-by-stage steps too.
 
     ``timed``: ``(rank, pipeline)`` pairs, rank ``(simulated time, bottleneck TPS, estimate,
     warm-up, stage graph key)``; ties go to the better balanced plan, the better estimate, fewer
@@ -1055,8 +1056,9 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]
     joint: list[tuple[tuple, Pipeline]] = []
     seen: set[tuple] = set()
     for rank, pipe in sorted(timed, key=lambda rp: rp[0]):
-        # Each stage graph and micro-batch size once: the fastest warm-up of a larger micro-batch
-        # can be much more than the one it came with (fewer micro-batches to hide the fill).
+        # Each stage graph and micro-batch size once: with its warm-up tuned, a stage graph at a
+        # larger micro-batch can overtake the smaller one that ranked first untuned (CANDLE-Uno
+        # rewritten at 32 devices: 4096 against 2048, 820.3k against 805.7k samples/s).
         if (rank[-1], pipe.micro_batch_size) in seen:
             continue
         seen.add((rank[-1], pipe.micro_batch_size))
@@ -1069,8 +1071,8 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]
     out: tuple[tuple, Pipeline] | None = None
     graphs: set[tuple] = set()
     for rank, pipe in sorted(joint, key=lambda rp: rp[0]):
-        # The stage graph alone (with its micro-batch size too: neutral on the bench, but
-        # CANDLE-Uno rewritten at 4 devices lost 1.6 %).
+        # Each stage graph once here (the slots keyed by micro-batch size too were neutral on the
+        # bench, but CANDLE-Uno rewritten at 4 devices lost 1.6 %).
         if rank[-1] in graphs:
             continue
         graphs.add(rank[-1])
@@ -1109,9 +1111,9 @@ def tune_warm_up(pipe: Pipeline, *, per_stage: bool = True) -> tuple[Pipeline, f
     # First every stage with successors together (the candidates come with 0–2 extra): where
     # several stages feed one (a graph pipeline's branches into their merge), one running ahead
     # gains nothing while the others hold the merge back, so the stage-by-stage steps below never
-    # find the warm-up they need together (CANDLE-Uno rewritten at 32 devices: seven branch stages
-    # into one, 8 more each, the 1F1B plan 1.05× faster). Extra m: every forward first (GPipe's
-    # order) on those stages.
+    # find the warm-up they need together (CANDLE-Uno rewritten at 32 devices, seven branch stages
+    # into one: 1F1B 769.5k → 820.3k samples/s, Algorithm 4's). Extra m: every forward first
+    # (GPipe's order) on those stages.
     for extra in [e for e in _JOINT_EXTRAS if e < m] + [m]:
         if budget <= 0:
             break

@@ -71,8 +71,8 @@ def _auto_vs_1f1b(name: str, devices: int, mini_batch: int):
 def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster() -> None:
     # CANDLE-Uno on 16 V100s: a graph pipeline of the 1F1B search, rescheduled greedily (374.6k
     # samples/s), beats the 1F1B plan (373.8k, its warm-up tuned) and the sequential plan (336.8k).
-    # Same kind of plan, only the order of passes differs: 1F1B with a tuned warm-up comes close to
-    # Algorithm 4 on most plans, and auto keeps whichever simulates faster.
+    # 1F1B with a tuned warm-up comes close to Algorithm 4 on most plans; auto keeps whichever
+    # simulates faster.
     g, out = _auto_vs_1f1b("candle_uno", 16, 16384)
     (plan, pipe, sim), (plan_1f1b, _, sim_1f1b) = out["auto"], out["1f1b"]
     assert check_plan_against_model(plan, g) == []
