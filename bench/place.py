@@ -24,12 +24,12 @@ from pathlib import Path
 
 import onnx
 
+from tessera.backends.composite import CompositeModel, latencies, random_feeds
 from tessera.backends.measure import Measurer
 from tessera.backends.profile_cache import ProfileCache
 from tessera.backends.registry import default_registry
 from tessera.core.files import write_atomic
 from tessera.core.graph import load_graph
-from tessera.executor.composite import CompositeModel, latencies, random_feeds
 from tessera.models import build
 from tessera.planners.placement import PlacementOptions, plan_placement
 

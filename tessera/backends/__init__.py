@@ -4,6 +4,7 @@ Importing this package is cheap: the runtimes (onnxruntime, openvino, tvm, tenso
 only by the backend modules that use them, when a backend is first asked to do something.
 """
 
+from tessera.backends import plan_check as plan_check  # registers the placement plan check
 from tessera.backends.base import Backend, BackendUnavailable, BuildError, Capability, Runnable
 from tessera.backends.patterns import find_matches, is_constant, is_convex, is_op, wildcard
 from tessera.backends.registry import BackendRegistry, Candidate, default_registry, register_backend

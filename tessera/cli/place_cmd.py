@@ -138,7 +138,7 @@ def place(
 
 
 def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
-    from tessera.executor.composite import CompositeModel, compare_outputs, random_feeds, reference_outputs
+    from tessera.backends.composite import CompositeModel, compare_outputs, random_feeds, reference_outputs
 
     feeds = random_feeds(graph, seed)
     model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
@@ -221,7 +221,7 @@ def launch_placement(
 ) -> None:
     """``tessera launch`` for a placement plan: build the composite model, check its outputs against
     onnxruntime, time it (``repeat`` interleaved rounds) and report measured against predicted."""
-    from tessera.executor.composite import (
+    from tessera.backends.composite import (
         CompositeModel,
         compare_outputs,
         latencies,

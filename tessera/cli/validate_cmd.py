@@ -8,7 +8,6 @@ from tessera.cli.options import check_plan_llm_config, json_option, load_plan_mo
 from tessera.cli.render import emit_json
 from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
-from tessera.planners.gpp import checks as _gpp_checks  # noqa: F401 - registers C1–C5 + memory checks
 
 
 @click.command()

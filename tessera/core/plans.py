@@ -8,7 +8,8 @@ body. Plans are deterministic:
 
 :func:`load_plan` reads and validates a plan file; :func:`check_plan_against_model` checks it
 against the model it names (sha256, node names, coverage). Structural checks that need a planner's
-knowledge (GraphPipe's C1–C5, memory) are added by the planners through ``PLAN_CHECKS``.
+knowledge (GraphPipe's C1–C5, memory; a placement's backends) are added by the planners and
+backends through ``PLAN_CHECKS``.
 """
 
 from __future__ import annotations
@@ -475,8 +476,6 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
             stage_dag.add_edge(e.src, e.dst)
         if not nx.is_directed_acyclic_graph(stage_dag):
             problems.append("stage graph has a cycle")
-    if isinstance(plan, PlacementPlan) and not problems:
-        problems.extend(_placement_problems(plan, graph))
     if isinstance(plan, CpPlan):
         problems.extend(cp_plan_problems(plan))
     for check in PLAN_CHECKS.get(plan.kind, []):
@@ -510,30 +509,6 @@ def _missing_rewrites(num_nodes: int, named: set[str], graph: Any) -> list[str]:
             if len(ops) == num_nodes and named <= ops:
                 return list(extra)
     return []
-
-
-def _placement_problems(plan: PlacementPlan, graph: Any) -> list[str]:
-    """A covering placement that still cannot run: a group on a backend no registry knows (one
-    not available on this machine is fine: the plan may be for another), or groups that feed each
-    other in a cycle (no order runs them)."""
-    from tessera.backends.registry import default_registry
-
-    problems = []
-    known = set(default_registry().names())
-    for g in plan.groups:
-        if g.backend not in known:
-            problems.append(
-                f"group {g.id}: backend {g.backend!r} is not a registered backend (known: {', '.join(sorted(known))})"
-            )
-    try:
-        cycle = nx.find_cycle(graph.quotient(g.nodes for g in plan.groups))
-    except nx.NetworkXNoCycle:
-        cycle = []
-    if cycle:
-        ids = [plan.groups[i].id for i, _ in cycle]
-        path = " -> ".join(map(str, ids)) + f" -> {ids[0]}"
-        problems.append(f"groups feed each other in a cycle ({path}): no order runs them")
-    return problems
 
 
 def cp_plan_problems(plan: CpPlan) -> list[str]:

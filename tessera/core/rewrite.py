@@ -36,7 +36,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.errors import InputError
 from tessera.core.onnx_io import infer_shapes
-from tessera.models.weights import is_lazy_tensor, lazy_slice
+from tessera.core.weights import is_lazy_tensor, lazy_slice
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, object]:

@@ -68,13 +68,16 @@ from torch import Tensor
 
 from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan
-from tessera.executor.gpp import WATCHDOG_FACTOR, _memory_status, _test_fault, _Watchdog
 from tessera.executor.launcher import (
+    WATCHDOG_FACTOR,
     LaunchOptions,
+    Watchdog,
     available_memory_bytes,
     choose_backend,
+    inject_test_fault,
     launch_workers,
     local_ranks,
+    memory_status,
     worker_setup,
 )
 from tessera.planners.cp.workload import MAX_TOKENS
@@ -324,7 +327,7 @@ def onnx_decoder_weights(model_path: str | os.PathLike[str], llm: dict[str, Any]
     import onnx
     from onnx import numpy_helper
 
-    from tessera.models.weights import is_lazy
+    from tessera.core.weights import is_lazy
 
     path = str(model_path)
     try:
@@ -809,7 +812,7 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
     join the process group, prefill, run ``new_tokens - 1`` decode steps; rank 0 returns every
     rank's report (gathered)."""
     rank, device = worker_setup(spec.world_size, spec.backend)
-    watchdog = _Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
+    watchdog = Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
     try:
         watchdog.arm("start-up")
         dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
@@ -823,7 +826,7 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
         dist.barrier()  # decode steps start together
         steps = []
         for k in range(spec.options.new_tokens - 1):
-            _test_fault(rank, k)
+            inject_test_fault(rank, k)
             watchdog.arm(f"decode step {k}")
             comm0 = worker.comm_s
             t0 = time.perf_counter()
@@ -844,7 +847,7 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
             },
             "kv_cache_bytes": worker.kv_cache_bytes,
             "weight_bytes": worker.weight_bytes,
-            "peak_rss_bytes": _memory_status("VmHWM"),
+            "peak_rss_bytes": memory_status("VmHWM"),
         }
         gathered: list[Any] | None = [None] * spec.world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)

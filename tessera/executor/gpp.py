@@ -42,10 +42,7 @@ that micro-batch's first sample.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
 import os
-import resource
-import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -60,17 +57,21 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from tessera.backends.torch_module import OnnxModule, check_supported, to_torch
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.files import read_npz
 from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import GppPlan
-from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, worker_setup
-from tessera.executor.torch_module import OnnxModule, check_supported, to_torch
-
-# Test-only fault injection: "RANK:STEP:KIND" makes that rank fail at the start of that step
-# (KIND: exit = os._exit(3), raise = an exception, hang = sleep until the timeouts act).
-FAULT_ENV = "TESSERA_TEST_FAULT"
-WATCHDOG_FACTOR = 1.5
+from tessera.executor.launcher import (
+    WATCHDOG_FACTOR,
+    LaunchOptions,
+    Watchdog,
+    choose_backend,
+    inject_test_fault,
+    launch_workers,
+    memory_status,
+    worker_setup,
+)
 
 # -- training semantics ------------------------------------------------------------------------
 
@@ -473,20 +474,6 @@ def _storages(tensors: Iterable[Tensor], into: dict[int, int], skip: set[int]) -
             into[st.data_ptr()] = st.nbytes()
 
 
-def _memory_status(field: str) -> int:
-    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in bytes, from /proc/self/status.
-
-    Not ``getrusage``'s ``ru_maxrss``: it survives ``exec``, so a spawned worker would report its
-    launcher's peak. Falls back to it where there is no /proc."""
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 class StageWorker:
     """One rank: one replica of one stage, interpreting the stage's schedule every step."""
 
@@ -499,7 +486,7 @@ class StageWorker:
         self.stage_id, self.replica = next(k for k, r in routing.ranks.items() if r == rank)
         self.stage = next(st for st in plan.stages if st.id == self.stage_id)
         self.actions = [(a[0], int(a[1:])) for a in self.stage.schedule.actions]
-        self.rss_base = _memory_status("VmRSS")
+        self.rss_base = memory_status("VmRSS")
         graph = load_graph(
             spec.model_path, input_shapes=spec.input_shapes or None, rewrites=plan.model.rewrites
         )
@@ -667,7 +654,7 @@ class StageWorker:
     # -- one training step --
 
     def step(self, step: int) -> dict[str, float]:
-        _test_fault(self.rank, step)
+        inject_test_fault(self.rank, step)
         start = time.perf_counter()
         self.busy = self.wait = self.loss_sum = 0.0
         self.saved: dict[int, _Saved] = {}
@@ -707,52 +694,6 @@ class StageWorker:
         }
 
 
-def _test_fault(rank: int, step: int) -> None:
-    """Test-only fault injection (see :data:`FAULT_ENV`); does nothing unless the variable is set."""
-    spec = os.environ.get(FAULT_ENV)
-    if not spec:
-        return
-    r, s, kind = spec.split(":")
-    if int(r) != rank or int(s) != step:
-        return
-    if kind == "exit":
-        os._exit(3)
-    if kind == "raise":
-        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
-    if kind == "hang":
-        time.sleep(10**6)
-
-
-class _Watchdog:
-    """Ends this worker when a step (or the start-up) runs past the timeout: the hang is recorded
-    in the elastic error file (so the launcher names this rank and why) and the process exits."""
-
-    def __init__(self, timeout_s: float, rank: int) -> None:
-        self.timeout_s = timeout_s
-        self.rank = rank
-        self._timer: threading.Timer | None = None
-
-    def arm(self, what: str) -> None:
-        self.disarm()
-        self._timer = threading.Timer(self.timeout_s, self._fire, args=(what,))
-        self._timer.daemon = True
-        self._timer.start()
-
-    def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def _fire(self, what: str) -> None:
-        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
-
-        faulthandler.dump_traceback(all_threads=True)
-        error = TimeoutError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s (hung)")
-        with contextlib.suppress(Exception):
-            ErrorHandler().record_exception(error)
-        os._exit(1)
-
-
 def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
     """The entry point of every rank (started by :func:`tessera.executor.launcher.launch_workers`):
     join the process group, build the stage replica, train ``spec.options.steps`` steps, and return
@@ -761,7 +702,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
     stage, replica = next(k for k, r in spec.routing.ranks.items() if r == rank)
     # Collectives and receives give up after timeout_s with a descriptive error; the watchdog is the
     # backstop for a rank stuck elsewhere (a hung kernel), a little later so it does not pre-empt them.
-    watchdog = _Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
+    watchdog = Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
     try:
         watchdog.arm("start-up")
         dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
@@ -777,7 +718,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             "replica": replica,
             "device": spec.routing.devices[rank],
             "steps": steps,
-            "peak_rss_bytes": _memory_status("VmHWM"),
+            "peak_rss_bytes": memory_status("VmHWM"),
             "weight_bytes": worker.weight_bytes,
             "gradient_bytes": worker.weight_bytes,
             "peak_activation_bytes": worker.peak_activation_bytes,

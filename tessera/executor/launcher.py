@@ -19,13 +19,18 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import faulthandler
 import logging
 import os
 import re
+import resource
 import socket
+import threading
+import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from tessera.core.errors import InputError, LaunchError
@@ -294,3 +299,70 @@ def worker_setup(world_size: int, backend: str) -> tuple[int, Any]:
     device = torch.device("cuda", local_rank)
     torch.cuda.set_device(device)
     return rank, device
+
+
+# Test-only fault injection: "RANK:STEP:KIND" makes that rank fail at the start of that step
+# (KIND: exit = os._exit(3), raise = an exception, hang = sleep until the timeouts act).
+FAULT_ENV = "TESSERA_TEST_FAULT"
+# A worker's watchdog fires at this multiple of --timeout (the launcher's own wait comes first).
+WATCHDOG_FACTOR = 1.5
+
+
+def memory_status(field: str) -> int:
+    """``VmRSS`` (now) or ``VmHWM`` (peak) of this process in bytes, from /proc/self/status.
+
+    Not ``getrusage``'s ``ru_maxrss``: it survives ``exec``, so a spawned worker would report its
+    launcher's peak. Falls back to it where there is no /proc."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def inject_test_fault(rank: int, step: int) -> None:
+    """Test-only fault injection (see :data:`FAULT_ENV`); does nothing unless the variable is set."""
+    spec = os.environ.get(FAULT_ENV)
+    if not spec:
+        return
+    r, s, kind = spec.split(":")
+    if int(r) != rank or int(s) != step:
+        return
+    if kind == "exit":
+        os._exit(3)
+    if kind == "raise":
+        raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
+    if kind == "hang":
+        time.sleep(10**6)
+
+
+class Watchdog:
+    """Ends this worker when a step (or the start-up) runs past the timeout: the hang is recorded
+    in the elastic error file (so the launcher names this rank and why) and the process exits."""
+
+    def __init__(self, timeout_s: float, rank: int) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._timer: threading.Timer | None = None
+
+    def arm(self, what: str) -> None:
+        self.disarm()
+        self._timer = threading.Timer(self.timeout_s, self._fire, args=(what,))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def disarm(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _fire(self, what: str) -> None:
+        from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+        faulthandler.dump_traceback(all_threads=True)
+        error = TimeoutError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s (hung)")
+        with contextlib.suppress(Exception):
+            ErrorHandler().record_exception(error)
+        os._exit(1)

@@ -10,7 +10,7 @@ and a symbolic first dimension ``batch``, every other dimension concrete; every 
 readable, scoped name (``branch2/layer1/attn/qk_matmul``); ``metadata_props`` record the model's
 config as ``tessera.<field>`` and its parameter count as ``tessera.parameters``.
 
-Paper-size models are *lazy* (:mod:`tessera.models.weights`): their parameters are external-data
+Paper-size models are *lazy* (:mod:`tessera.core.weights`): their parameters are external-data
 initializers with real dims and dtype whose location is ``#tessera-lazy``, so they build in well
 under a second, save to a few hundred KB, check and shape-infer. :func:`materialize` fills in the
 real weights when one must run::
@@ -31,8 +31,8 @@ from typing import Any
 import onnx
 
 from tessera.core.errors import InputError
+from tessera.core.weights import LAZY_LOCATION, is_lazy, materialize
 from tessera.models import bert, candle_uno, dlrm, gpt, mmt, resnext
-from tessera.models.weights import LAZY_LOCATION, is_lazy, materialize
 
 __all__ = ["LAZY_LOCATION", "SIZES", "ZOO", "ModelSpec", "build", "is_lazy", "materialize", "parameter_count"]
 

@@ -19,8 +19,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from tessera.core.weights import Init
 from tessera.models.layers import BATCH, GraphBuilder, gemm, layer_norm, transformer_layer
-from tessera.models.weights import Init
 
 
 @dataclass(frozen=True)

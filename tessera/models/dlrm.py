@@ -24,8 +24,8 @@ from dataclasses import dataclass
 import onnx
 from onnx import TensorProto
 
+from tessera.core.weights import Init
 from tessera.models.layers import BATCH, GraphBuilder, gemm, mlp, shape_const
-from tessera.models.weights import Init
 
 
 @dataclass(frozen=True)

@@ -29,8 +29,8 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
+from tessera.core.weights import Init
 from tessera.models.layers import BATCH, GraphBuilder, layer_norm, transformer_layer
-from tessera.models.weights import Init
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera import __version__
-from tessera.models.weights import ONES, ZEROS, Init, generate, lazy_tensor
+from tessera.core.weights import ONES, ZEROS, Init, generate, lazy_tensor
 
 OPSET = 17
 IR_VERSION = 8

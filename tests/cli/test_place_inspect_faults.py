@@ -14,11 +14,11 @@ from cli_runner import run_cli
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera.backends.base import Backend, Capability
+from tessera.backends.composite import CompositeModel, compare_outputs, random_feeds, reference_outputs
 from tessera.backends.profile_cache import ProfileCache
 from tessera.backends.registry import BackendRegistry
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import load_graph
-from tessera.executor.composite import CompositeModel, compare_outputs, random_feeds, reference_outputs
 from tessera.planners.placement import PlacementOptions, plan_placement
 from tessera.planners.placement.plan import resolve_backends
 
@@ -222,7 +222,7 @@ def test_backend_whose_available_raises_is_listed_unavailable() -> None:
 
 
 def test_lazy_zoo_model_is_refused_before_measuring(tmp_path: Path) -> None:
-    from tessera.models.weights import LAZY_LOCATION
+    from tessera.core.weights import LAZY_LOCATION
 
     path = _external_weight_model(tmp_path / "lazy.onnx", LAZY_LOCATION)
     cache = tmp_path / "c.sqlite"

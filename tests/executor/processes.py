@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from tessera.executor.gpp import FAULT_ENV
+from tessera.executor.launcher import FAULT_ENV
 
 
 def workers_of(pid: int) -> list[int]:

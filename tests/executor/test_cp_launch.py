@@ -35,8 +35,7 @@ from tessera.executor.cp import (
     reference_decode,
     run_cp_plan,
 )
-from tessera.executor.gpp import FAULT_ENV
-from tessera.executor.launcher import LaunchOptions
+from tessera.executor.launcher import FAULT_ENV, LaunchOptions
 from tessera.models import build
 
 FOUR_CPUS = """\

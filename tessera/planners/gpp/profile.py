@@ -5,7 +5,7 @@ of a graph that reads activations, and returns :class:`MeasuredCosts`, the opera
 :class:`~tessera.core.cost.CostModel` takes instead of the roofline's (``CostModel.for_device(..., measured=...)``). The method:
 
 - **one operator at a time, through torch autograd**: the operator's ONNX node becomes a one-node
-  :class:`~tessera.executor.torch_module.OnnxModule` (the executor's converter); its activation
+  :class:`~tessera.backends.torch_module.OnnxModule` (the executor's converter); its activation
   inputs are random tensors of the IR's shapes with the batch dimension (dim 0, the zoo's symbolic
   ``batch``, 1 in the IR) multiplied by the sample count; its weights (float initializers of rank
   ≥ 1 of an operator with parameters, BatchNormalization statistics excepted) are random leaves that
@@ -384,7 +384,7 @@ class _Profiler:
 
     def _signature(self, op: OpNode) -> str:
         """A digest of everything the operator's time depends on (not names, not weight values)."""
-        from tessera.executor.torch_module import OPS
+        from tessera.backends.torch_module import OPS
 
         if op.domain not in ("", "ai.onnx") or op.op_type not in OPS:
             raise _Unsupported("no torch converter for this operator")
@@ -408,7 +408,7 @@ class _Profiler:
 
     def _role(self, op: OpNode, position: int, tensor: str) -> str:
         """``act`` (an activation: scaled by the samples), ``weight`` (a trained leaf) or ``const``."""
-        from tessera.executor.torch_module import _FROZEN_INPUTS
+        from tessera.backends.torch_module import FROZEN_INPUTS
 
         g = self.graph
         if tensor not in g.initializers and g.producer.get(tensor) not in g.constant_nodes:
@@ -420,7 +420,7 @@ class _Profiler:
             and floating
             and info is not None
             and info.shape
-            and (op.op_type, position) not in _FROZEN_INPUTS
+            and (op.op_type, position) not in FROZEN_INPUTS
         ):
             return "weight"
         return "const"
@@ -448,7 +448,7 @@ class _Profiler:
         import networkx as nx
         import torch
 
-        from tessera.executor.torch_module import to_torch
+        from tessera.backends.torch_module import to_torch
 
         g = self.graph
         producer = g.producer[tensor]
@@ -466,7 +466,7 @@ class _Profiler:
         """Forward and backward seconds of every timed run of ``op`` at ``samples``."""
         import torch
 
-        from tessera.executor.torch_module import to_torch
+        from tessera.backends.torch_module import to_torch
 
         node = self._nodes[op.name]
         names = list(dict.fromkeys(t for t in node.input if t))

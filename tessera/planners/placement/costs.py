@@ -6,7 +6,7 @@ at several places — are measured once: :func:`structure_key` is a name-free ke
 the profile cache's canonical hash, computed from the graph IR without extracting a sub-model.
 
 With several backends, onnxruntime candidates are measured as the composite model builds them
-(:class:`~tessera.executor.composite.ComposedOnnxRuntime`: no spinning, one thread for small groups;
+(:class:`~tessera.backends.composite.ComposedOnnxRuntime`: no spinning, one thread for small groups;
 cached under ``onnxruntime+composite``): a session that does not spin pays its threads' wake-up on
 every call (measured: +50-100 µs per group of light_inception_v1), which a spinning session measured
 alone hides and which the composite model pays once per group. Every candidate's ``M(P(g))`` thus
@@ -21,7 +21,7 @@ such a gap on CPU, and untuned TVM kernels take seconds to build). Set it to ``N
 to 64 MiB and interpolated linearly in between, so a graph's many tensor sizes cost a handful of
 measurements. It is measured on what the composite model runs (:func:`measure_switch`): a group on
 ``src`` doing ~0.1 ms of work then a group on ``dst``, built as
-:class:`~tessera.executor.composite.CompositeModel` builds them (no spinning, one thread for small
+:class:`~tessera.backends.composite.CompositeModel` builds them (no spinning, one thread for small
 groups) and run through it, minus each group's time alone — so ε is everything a boundary between two
 backends adds to the groups' own measured calls ``M(g)`` (each of which already includes its backend's
 per-call cost): waking the other runtime's threads, which sleep while a real group runs, handing the
@@ -100,7 +100,7 @@ class CandidateCosts:
     def __post_init__(self) -> None:
         self._measured_as: dict[str, object] = {}
         if self.composed:
-            from tessera.executor.composite import ComposedOnnxRuntime
+            from tessera.backends.composite import ComposedOnnxRuntime
 
             self._measured_as["onnxruntime"] = ComposedOnnxRuntime(self.registry.backend("onnxruntime"))
         self._index = {n: i for i, n in enumerate(self.graph.order)}
@@ -204,8 +204,8 @@ def measure_switch(registry: BackendRegistry, src: str, dst: str, nbytes: int, *
     alone (called back to back, as ``M(P(g))`` is measured). See the module docstring."""
     import numpy as np
 
+    from tessera.backends.composite import CompositeModel
     from tessera.backends.measure import time_runs
-    from tessera.executor.composite import CompositeModel
 
     graph = _switch_graph(nbytes)
     rng = np.random.default_rng(seed)

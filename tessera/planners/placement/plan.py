@@ -5,7 +5,7 @@ regions up to the whole model) → measured costs and ε, as the composite model
 (:mod:`.costs`) → op-level DP (:mod:`.dp`, Algorithm 1) → optionally the graph-level evolutionary
 search (:mod:`.evolution`, §4.3) → end-to-end measurement of the chosen placement against every
 available backend running the whole model, in the same process, interleaved
-(:func:`tessera.executor.composite.latencies`).
+(:func:`tessera.backends.composite.latencies`).
 
 The last step also decides: a placement never ships slower than the best single backend. When one
 backend running the whole model is measured faster than the searched placement, the plan is that
@@ -24,12 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from tessera.backends.measure import Measurer, time_runs
-from tessera.backends.registry import BackendRegistry, default_registry
-from tessera.core.errors import InputError, LaunchError
-from tessera.core.graph import Graph
-from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan
-from tessera.executor.composite import (
+from tessera.backends.composite import (
     VERIFY_ATOL,
     VERIFY_RTOL,
     CompileCache,
@@ -39,6 +34,11 @@ from tessera.executor.composite import (
     random_feeds,
     reference_outputs,
 )
+from tessera.backends.measure import Measurer, time_runs
+from tessera.backends.registry import BackendRegistry, default_registry
+from tessera.core.errors import InputError, LaunchError
+from tessera.core.graph import Graph
+from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan
 from tessera.planners.placement.candidates import (
     PlacementCandidate,
     SupportTable,
@@ -322,7 +322,7 @@ def reference_run(graph: Graph, seed: int) -> tuple[dict[str, Any], dict[str, An
     """Seeded inputs and onnxruntime's outputs of the whole model, which every placement is checked
     against. A model that cannot give them (no operators, lazy placeholder weights, a model onnxruntime
     cannot load or run) is refused here, before any measuring, as an :class:`InputError`."""
-    from tessera.models.weights import is_lazy
+    from tessera.core.weights import is_lazy
 
     if not graph.order:
         raise InputError("the model has no operators: nothing to place", source=graph.source)

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import math
 
-from tessera.backends.registry import default_registry
-from tessera.core.graph import load_graph
-from tessera.executor.composite import (
+from tessera.backends.composite import (
     ComposedOnnxRuntime,
     composite_variant,
     model_written_bytes,
     written_bytes,
 )
+from tessera.backends.registry import default_registry
+from tessera.core.graph import load_graph
 from tessera.models import build
 from tessera.planners.placement.costs import measure_switch
 

@@ -10,10 +10,10 @@ import pytest
 from backends.conftest import hand_graph
 from onnx_builders import ONNX_LIGHT_MODELS
 
+from tessera.backends.composite import group_order
 from tessera.backends.patterns import is_convex
 from tessera.backends.registry import default_registry
 from tessera.core.graph import load_graph
-from tessera.executor.composite import group_order
 from tessera.models import build
 from tessera.planners.placement.candidates import (
     PlacementCandidate,

@@ -7,9 +7,9 @@ import itertools
 import pytest
 from backends.conftest import hand_graph
 
+from tessera.backends.composite import group_order
 from tessera.backends.patterns import is_convex
 from tessera.core.graph import load_graph
-from tessera.executor.composite import group_order
 from tessera.models import build
 from tessera.planners.placement.evolution import (
     EvolutionOptions,

@@ -42,7 +42,7 @@ OPS: dict[str, OpFn] = {}
 """op_type → function(inputs, attributes) → output tensor (or tuple of outputs)."""
 
 # Node inputs (op_type, position) that are statistics, not weights: never trained.
-_FROZEN_INPUTS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
+FROZEN_INPUTS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
 
 
 def op(*names: str) -> Callable[[OpFn], OpFn]:
@@ -67,7 +67,7 @@ def check_supported(model: onnx.ModelProto, label: str) -> None:
     if missing:
         raise InputError(
             f"operator(s) {', '.join(missing)} not supported by the torch executor "
-            "(tessera.executor.torch_module.OPS)",
+            "(tessera.backends.torch_module.OPS)",
             source=label,
         )
 
@@ -88,7 +88,7 @@ class OnnxModule(nn.Module):
         self.input_names: tuple[str, ...] = tuple(vi.name for vi in g.input if vi.name not in inits)
         self.output_names: tuple[str, ...] = tuple(vi.name for vi in g.output)
         check_supported(model, label)
-        frozen = {n.input[i] for n in g.node for i in range(len(n.input)) if (n.op_type, i) in _FROZEN_INPUTS}
+        frozen = {n.input[i] for n in g.node for i in range(len(n.input)) if (n.op_type, i) in FROZEN_INPUTS}
         self.params = nn.ParameterDict()
         self.onnx_names: dict[str, str] = {}  # sanitized parameter or buffer name → initializer name
         self._init_keys: dict[str, tuple[str, str]] = {}  # initializer → ("param"|"buffer", key)

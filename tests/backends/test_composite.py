@@ -12,9 +12,7 @@ import numpy as np
 import pytest
 from onnx_builders import ONNX_LIGHT_MODELS
 
-from tessera.core.errors import LaunchError
-from tessera.core.graph import load_graph
-from tessera.executor.composite import (
+from tessera.backends.composite import (
     CompositeModel,
     compare_outputs,
     latencies,
@@ -22,6 +20,8 @@ from tessera.executor.composite import (
     ranking_is_clear,
     reference_outputs,
 )
+from tessera.core.errors import LaunchError
+from tessera.core.graph import load_graph
 from tessera.models import build
 from tessera.planners.placement.candidates import owned_constants
 from tessera.planners.placement.dp import frontier_order
@@ -109,7 +109,7 @@ def test_compare_outputs_reports_differences() -> None:
 
 
 def test_onnxruntime_groups_next_to_another_backend_do_not_spin_and_small_ones_use_one_thread() -> None:
-    from tessera.executor.composite import ONE_THREAD, composite_variant, written_bytes
+    from tessera.backends.composite import ONE_THREAD, composite_variant, written_bytes
 
     graph = load_graph(build("resnext", "tiny"))
     nodes = graph.order[:3]
