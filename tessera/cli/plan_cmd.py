@@ -38,6 +38,7 @@ from tessera.cli.options import (
 from tessera.cli.render import console, emit_json, human_bytes
 from tessera.core.plans import ModelRef, dump_plan, write_plan
 from tessera.core.rewrite import REWRITES
+from tessera.core.schedule import SCHEDULE_CHOICES
 from tessera.core.specs import load_cluster
 
 __all__ = ["KINDS", "PlanKind", "plan"]
@@ -398,7 +399,7 @@ KINDS: dict[str, PlanKind] = {
 @click.option("--devices", type=click.IntRange(min=1), help="[gpp/spp] Use this many devices (default: all).")
 @click.option(
     "--schedule",
-    type=click.Choice(["1f1b", "kfkb", "greedy", "gpipe", "auto"]),
+    type=click.Choice(SCHEDULE_CHOICES),
     default="1f1b",
     show_default=True,
     help="[gpp/spp] Micro-batch schedule of every stage; auto: the 1F1B search's plans, "

@@ -39,6 +39,7 @@ from tessera import __version__
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
 from tessera.core.rewrite import REWRITES, apply_rewrites, unknown_rewrite
+from tessera.core.schedule import ScheduleKind
 
 SCHEMA_VERSION = 1
 # What a cp plan may say: the dtypes a decoder is served in (tessera.planners.cp.llm.DTYPE_BYTES)
@@ -156,7 +157,7 @@ class PlacementPlan(_PlanBase):
 
 
 class StageSchedule(_Strict):
-    kind: Literal["1f1b", "kfkb", "greedy", "gpipe"]
+    kind: ScheduleKind
     k: PositiveInt = 1
     # Ordered passes in PyTorch's pipelining vocabulary: "F3" (forward of micro-batch 3), "B3".
     actions: list[Annotated[str, Field(pattern=r"^[FB](0|[1-9]\d{0,8})$")]]

@@ -37,6 +37,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.core.schedule import Action
+
 _SEND, _ALLREDUCE = -1, -2  # heap entries that are not a stage's F/B task
 
 
@@ -390,13 +392,9 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
 
 @functools.lru_cache(maxsize=65536)
 def _parsed(action: str) -> tuple[str, int]:
-    """``(kind, micro-batch)`` of a schedule action (searches simulate the same few thousand).
-
-    Imported here: :mod:`tessera.planners.gpp`'s package imports this module (its plan checks
-    simulate), so a module-level import would be circular when this module is imported first."""
-    from tessera.planners.gpp.schedule import parse_action
-
-    return parse_action(action)[1:]
+    """``(kind, micro-batch)`` of a schedule action (searches simulate the same few thousand)."""
+    a = Action.parse(action)
+    return a.kind, a.micro_batch
 
 
 def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:

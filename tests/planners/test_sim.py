@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tessera.planners.gpp.schedule import gpipe, one_f_one_b
+from tessera.core.schedule import gpipe, one_f_one_b
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
 

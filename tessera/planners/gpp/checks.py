@@ -32,8 +32,8 @@ import networkx as nx
 
 from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.plans import PLAN_CHECKS
+from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
 from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
-from tessera.planners.gpp.schedule import check_schedule, gpipe, in_flight_of, k_f_k_b, one_f_one_b
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
 # Recounted memory may differ from the planner's by float rounding (sums in another order).
@@ -90,7 +90,7 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
             )
             continue
         m = plan.mini_batch_size // st.micro_batch_size
-        c4 = check_schedule(st.schedule.actions, m)
+        c4 = schedule_problems(st.schedule.actions, m)
         problems.extend(f"C4: stage {st.id}: {p}" for p in c4)
         if not c4:
             problems.extend(_schedule_kind_problems(st, m))
@@ -137,12 +137,8 @@ def _schedule_kind_problems(st: Any, m: int) -> list[str]:
     kind, k = st.schedule.kind, st.schedule.k
     if kind != "kfkb" and k != 1:
         return [f"stage {st.id}: schedule k {k} is kFkB's; a {kind} schedule has k 1"]
-    expected = {
-        "1f1b": lambda: one_f_one_b(m, st.in_flight),
-        "kfkb": lambda: k_f_k_b(m, k, st.in_flight),
-        "gpipe": lambda: gpipe(m),
-    }.get(kind)
-    if expected is not None and list(st.schedule.actions) != expected():
+    generate = SCHEDULE_KINDS[kind].generate
+    if generate is not None and list(st.schedule.actions) != generate(m, st.in_flight, k):
         return [f"stage {st.id}: its actions are not a {kind} schedule with {st.in_flight} in flight"]
     return []
 

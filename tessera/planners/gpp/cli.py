@@ -31,6 +31,7 @@ from tessera.core.plans import (
     write_plan,
 )
 from tessera.core.rewrite import applicable
+from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
 from tessera.core.specs import ClusterSpec
 from tessera.core.units import UnitError, format_bytes, parse_bytes
 from tessera.planners.gpp.partition import (
@@ -41,7 +42,6 @@ from tessera.planners.gpp.partition import (
     planned_device_type,
 )
 from tessera.planners.gpp.profile import MeasuredCosts
-from tessera.planners.gpp.schedule import chain_order, to_pytorch_csv
 from tessera.planners.sim import SimResult, simulate_pipeline
 from tessera.planners.spp import method_name, plan_sequential, sequential_record
 
@@ -247,8 +247,8 @@ def run_gpp_plan(
     """
     if cache is not None and not profile:
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
-    if schedule not in ("1f1b", "kfkb", "greedy", "gpipe", "auto"):
-        raise InputError(f"--schedule {schedule!r}: expected 1f1b, kfkb, greedy, gpipe or auto")
+    if schedule not in SCHEDULE_CHOICES:
+        raise InputError(f"--schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CHOICES)}")
     if recompute not in ("never", "auto", "all"):
         raise InputError(f"--recompute {recompute!r}: expected never, auto or all")
     try:

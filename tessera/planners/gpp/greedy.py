@@ -30,7 +30,7 @@ from collections.abc import Sequence
 
 import networkx as nx
 
-from tessera.planners.gpp.schedule import gpipe
+from tessera.core.schedule import gpipe
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
 _TOLERANCE = 1e-9

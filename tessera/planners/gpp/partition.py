@@ -64,12 +64,13 @@ import numpy as np
 from tessera.core.cost import CostModel, allreduce_time, per_device_samples
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import Graph
+from tessera.core.schedule import ScheduleChoice, ScheduleKind, gpipe, in_flight_of, k_f_k_b, one_f_one_b
 from tessera.core.specs import ClusterSpec, Device, DeviceType, Link
 from tessera.core.units import format_bytes
 from tessera.planners.gpp.dp import Entry, StageDP, stages_of
 from tessera.planners.gpp.greedy import greedy_schedules
 from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
-from tessera.planners.gpp.schedule import compute_in_flight, gpipe, in_flight_of, k_f_k_b, one_f_one_b
+from tessera.planners.gpp.schedule import compute_in_flight
 from tessera.planners.gpp.sp import SPNode, SPTree, decompose
 from tessera.planners.sim import SimStage, sim_edge, simulate_pipeline
 
@@ -105,10 +106,6 @@ _SPP_WINDOW = 4
 _NEED_PROBES = 6
 _NEED_PRECISION = 0.03
 
-ScheduleKind = Literal["1f1b", "kfkb", "greedy", "gpipe"]
-# What a planner is asked for: a schedule kind, or ``auto`` — the search as for 1F1B, then its
-# candidates rescheduled by Algorithm 4 where that simulates faster (:func:`fastest_rescheduled`).
-ScheduleChoice = Literal["1f1b", "kfkb", "greedy", "gpipe", "auto"]
 # Activation recomputation: on no stage, on every stage, or (``auto``) on the stages the search
 # finds it pays on — where keeping the activations does not fit memory (:class:`~.dp.StageDP`).
 RecomputeChoice = Literal["never", "auto", "all"]

@@ -13,11 +13,11 @@ from planners.gpp.gpp_graphs import chain
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph, rewritten
 from tessera.core.plans import check_plan_against_model, dump_plan, load_plan, parse_plan
+from tessera.core.schedule import to_pytorch_csv
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.gpp.cli import build_gpp_plan, run_gpp_plan, write_pytorch_csv
 from tessera.planners.gpp.partition import PartitionOptions
-from tessera.planners.gpp.schedule import to_pytorch_csv
 
 
 @pytest.fixture(scope="module")

@@ -6,12 +6,12 @@ import pytest
 
 from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model
+from tessera.core.schedule import gpipe, in_flight_of, one_f_one_b, schedule_problems
 from tessera.core.specs import load_cluster
 from tessera.models import build
 from tessera.planners.gpp.cli import build_gpp_plan
 from tessera.planners.gpp.greedy import greedy_schedules
 from tessera.planners.gpp.partition import PartitionOptions, scheduled
-from tessera.planners.gpp.schedule import check_schedule, gpipe, in_flight_of, one_f_one_b
 from tessera.planners.sim import SimEdge, SimStage, simulate, simulate_pipeline
 
 
@@ -26,7 +26,7 @@ def test_greedy_is_time_optimal_with_fewest_in_flight(latency: float) -> None:
     edges = [SimEdge(0, 1, 1.0, 1.0, latency), SimEdge(1, 2, 1.0, 1.0, latency)]
     sched = greedy_schedules(_stages(times, [()] * 3), edges, m)
     for actions in sched.values():
-        assert check_schedule(actions, m) == []  # C4
+        assert schedule_problems(actions, m) == []  # C4
     greedy = simulate(_stages(times, [sched[i] for i in range(3)]), edges, m)  # no deadlock: C5
     eager = simulate(_stages(times, [gpipe(m)] * 3), edges, m)
     assert greedy.iteration_time <= eager.iteration_time * (1 + 1e-9)  # time-optimal
@@ -84,7 +84,7 @@ def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster()
     assert sim.throughput > sim_1f1b.throughput
     assert plan.baseline["throughput_samples_per_s"] == pytest.approx(336814.5, rel=1e-4)
     for st in plan.stages:
-        assert check_schedule(st.schedule.actions, pipe.num_micro_batches) == []  # C4
+        assert schedule_problems(st.schedule.actions, pipe.num_micro_batches) == []  # C4
         assert st.in_flight == in_flight_of(st.schedule.actions)
 
 
@@ -117,7 +117,7 @@ def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
     assert auto.schedule_kind == "greedy"
     assert [st.units for st in auto.stages] != [st.units for st in pipes["1f1b"].stages]
     for st in auto.stages:
-        assert check_schedule(st.schedule, auto.num_micro_batches) == []  # C4
+        assert schedule_problems(st.schedule, auto.num_micro_batches) == []  # C4
         assert st.memory.peak <= auto.memory_limit
 
 

@@ -10,6 +10,7 @@ import pytest
 
 from tessera.core.cost import CostModel
 from tessera.core.graph import load_graph
+from tessera.core.schedule import in_flight_of, one_f_one_b
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.gpp.partition import (
@@ -20,7 +21,6 @@ from tessera.planners.gpp.partition import (
     scheduled,
     tune_warm_up,
 )
-from tessera.planners.gpp.schedule import in_flight_of, one_f_one_b
 from tessera.planners.sim import simulate_pipeline
 from tessera.planners.spp import plan_spp
 
