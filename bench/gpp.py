@@ -20,11 +20,12 @@ from tessera.core.graph import Graph, load_graph
 from tessera.core.rewrite import REWRITES
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.gpp.cli import build_gpp_plan
-from tessera.planners.gpp.partition import PartitionOptions, build_tree, partition
-from tessera.planners.piper import MIN_UNIT_SHARE, PIPER_LIMIT, piper_ideals, plan_piper
+from tessera.planners.pipeline.cli import build_gpp_plan
+from tessera.planners.pipeline.piper import MIN_UNIT_SHARE, PIPER_LIMIT, piper_ideals, plan_piper
+from tessera.planners.pipeline.search import build_tree, partition
+from tessera.planners.pipeline.spp import plan_spp
+from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import simulate_pipeline
-from tessera.planners.spp import plan_spp
 
 MINI_BATCH = {
     "mmt": {4: 64, 8: 128, 16: 256, 32: 512},
@@ -162,7 +163,7 @@ def main() -> None:
         "PipeDream-style sequential planner on the same units and cost model (the faster of its chain",
         "DP's and its series-parallel-guided DP's proposals); its stages run in order",
         "(a chain: depth = stages). *Piper* is the Piper-style sequential planner",
-        "(`tessera.planners.piper`: a DP over the ideals of the unit DAG, a stage may span branches) on",
+        "(`tessera.planners.pipeline.piper`: a DP over the ideals of the unit DAG, a stage may span branches) on",
         f"the same cost model; it runs on at most {PIPER_LIMIT:,} ideals, coarsening the units (to at",
         f"least {MIN_UNIT_SHARE:.0%} of them, column *Piper units*) to get there, else it reports the",
         "configuration intractable (*Piper ideals*: those of the *units* column). Search times on this",

@@ -1,6 +1,6 @@
 """``tessera launch`` measured against predicted: GPP/SPP plans run on CPU gloo ranks.
 
-Plans come from the GPP planner (``tessera.planners.gpp``) for tiny zoo models on the
+Plans come from the GPP planner (``tessera.planners.pipeline``) for tiny zoo models on the
 ``local-cpu-split`` cluster (2 CPU cores, one rank each), plus hand-built multi-branch plans (a DAG
 of stages the planner does not pick for such small models). Each plan trains ``STEPS`` SGD steps;
 the table gives the measured iteration time (mean over the steps after the first) against the
@@ -39,8 +39,8 @@ OUT = Path(__file__).parent / "results" / "launch.md"
 def planned(model: str, kind: str, mini_batch: int, path: Path) -> GppPlan | None:
     try:
         from tessera.core.specs import load_cluster
-        from tessera.planners.gpp.cli import build_gpp_plan
-        from tessera.planners.gpp.partition import PartitionOptions
+        from tessera.planners.pipeline.cli import build_gpp_plan
+        from tessera.planners.pipeline.types import PartitionOptions
     except ImportError:
         return None
     graph = load_graph(str(path))

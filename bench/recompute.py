@@ -20,7 +20,8 @@ from tessera.core.files import write_atomic
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.gpp.partition import PartitionOptions, partition, peak_memory
+from tessera.planners.pipeline.search import partition
+from tessera.planners.pipeline.types import PartitionOptions, peak_memory
 from tessera.planners.sim import simulate_pipeline
 
 # (model, devices, mini-batch): GPT-2 and BERT at 32 samples, ResNeXt-50 at 64; the multi-branch

@@ -297,8 +297,8 @@ def _pipeline_runner(kind: str) -> Callable[..., None]:
         no_baseline: bool = False,
     ) -> None:
         """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
-        from tessera.planners.gpp.cli import run_gpp_plan
-        from tessera.planners.gpp.partition import planned_device_type
+        from tessera.planners.pipeline.cli import run_gpp_plan
+        from tessera.planners.pipeline.search import planned_device_type
 
         spec = load_cluster(cluster)
         if model is None:

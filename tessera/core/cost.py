@@ -25,7 +25,7 @@ per-operator costs; FlexFlow's simulator, thesis-jia §3.4, takes per-task times
   bytes).
 
 Measured operator times (``tessera plan --kind gpp|spp --profile``) replace the roofline's forward
-and backward times, operator by operator: :mod:`tessera.planners.gpp.profile` runs every operator's
+and backward times, operator by operator: :mod:`tessera.planners.pipeline.profile` runs every operator's
 forward and backward through torch autograd on *this* machine (median of repeats after a warm-up,
 at two sample counts, affine in the samples in between and beyond) and keeps them in the SQLite
 profile cache. A :class:`CostModel` with ``measured`` set asks it first and falls back to the roofline

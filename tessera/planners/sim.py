@@ -398,7 +398,7 @@ def _parsed(action: str) -> tuple[str, int]:
 
 
 def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
-    """Simulate a :class:`tessera.planners.gpp.partition.Pipeline` (``trace``: see :func:`simulate`)."""
+    """Simulate a :class:`tessera.planners.pipeline.types.Pipeline` (``trace``: see :func:`simulate`)."""
     from tessera.core.cost import per_device_samples
 
     stages = []
@@ -406,7 +406,7 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
         s = per_device_samples(st.micro_batch_size, len(st.devices))
         recompute = st.recompute
         # Recomputation keeps each in-flight micro-batch's inputs, plus the full activations of
-        # the one being recomputed (Eq. 3.2 with recomputation: tessera.planners.gpp.memory).
+        # the one being recomputed (Eq. 3.2 with recomputation: tessera.planners.pipeline.memory).
         per_mb = s * (st.input_per_sample if recompute else st.activation_per_sample)
         static = st.weights + st.optimizer + (s * st.activation_per_sample if recompute else 0.0)
         stages.append(
@@ -428,7 +428,7 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
 
 
 def sim_edge(edge: object) -> SimEdge:
-    """The simulator's view of a :class:`tessera.planners.gpp.partition.PipelineEdge`."""
+    """The simulator's view of a :class:`tessera.planners.pipeline.types.PipelineEdge`."""
     e: Any = edge
     return SimEdge(
         e.src,

@@ -18,7 +18,7 @@ from tessera.core.schedule import (
     schedule_problems,
     to_pytorch_csv,
 )
-from tessera.planners.gpp.schedule import compute_in_flight
+from tessera.planners.pipeline.schedule import compute_in_flight
 
 
 def test_table_3_2_rows() -> None:

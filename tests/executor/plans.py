@@ -26,7 +26,7 @@ from tessera.core.plans import (
     write_plan,
 )
 from tessera.core.specs import ClusterSpec
-from tessera.planners.gpp.checks import counted_memory
+from tessera.planners.pipeline.checks import counted_memory
 
 StageSpec = tuple[Sequence[str], Sequence[str], int]  # nodes, devices, micro-batch size
 

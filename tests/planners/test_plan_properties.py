@@ -16,9 +16,9 @@ from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model, parse_plan
 from tessera.core.specs import load_cluster, parse_cluster
 from tessera.models import build
-from tessera.planners.gpp import checks as _checks  # noqa: F401 - registers C1–C5 + memory
-from tessera.planners.gpp.cli import build_gpp_plan
-from tessera.planners.gpp.partition import PartitionOptions
+from tessera.planners.pipeline import checks as _checks  # noqa: F401 - registers C1–C5 + memory
+from tessera.planners.pipeline.cli import build_gpp_plan
+from tessera.planners.pipeline.types import PartitionOptions
 
 WIDTH = 32
 

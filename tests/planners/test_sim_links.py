@@ -7,7 +7,7 @@ import pytest
 from tessera.core.cost import allreduce_time
 from tessera.core.schedule import one_f_one_b
 from tessera.core.specs import ClusterSpec, load_cluster
-from tessera.planners.gpp.partition import StageLinks, nic_route, ring_link, ring_nics
+from tessera.planners.pipeline.links import StageLinks, nic_route, ring_link, ring_nics
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
 

@@ -104,8 +104,8 @@ def plans_against_a_model() -> dict[str, bytes | str]:
     from tessera.core.plans import dump_plan
     from tessera.core.specs import load_cluster
     from tessera.models import build
-    from tessera.planners.gpp.cli import build_gpp_plan
-    from tessera.planners.gpp.partition import PartitionOptions
+    from tessera.planners.pipeline.cli import build_gpp_plan
+    from tessera.planners.pipeline.types import PartitionOptions
 
     model_bytes = build("dlrm", "tiny").SerializeToString()
     (HERE / "plan_model.onnx").write_bytes(model_bytes)

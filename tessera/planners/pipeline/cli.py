@@ -34,16 +34,11 @@ from tessera.core.rewrite import applicable
 from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
 from tessera.core.specs import ClusterSpec
 from tessera.core.units import UnitError, format_bytes, parse_bytes
-from tessera.planners.gpp.partition import (
-    PartitionOptions,
-    Pipeline,
-    build_tree,
-    partition,
-    planned_device_type,
-)
-from tessera.planners.gpp.profile import MeasuredCosts
+from tessera.planners.pipeline.profile import MeasuredCosts
+from tessera.planners.pipeline.search import build_tree, partition, planned_device_type
+from tessera.planners.pipeline.spp import method_name, plan_sequential, sequential_record
+from tessera.planners.pipeline.types import PartitionOptions, Pipeline
 from tessera.planners.sim import SimResult, simulate_pipeline
-from tessera.planners.spp import method_name, plan_sequential, sequential_record
 
 
 def _r(x: float) -> float:
@@ -62,7 +57,7 @@ def build_gpp_plan(
 ) -> tuple[GppPlan, Pipeline, SimResult]:
     """Plan (GPP, or SPP with ``kind="spp"``), simulate it, and (for GPP) the SPP baseline.
 
-    ``measured``: operator times from :func:`~tessera.planners.gpp.profile.profile_graph` instead of
+    ``measured``: operator times from :func:`~tessera.planners.pipeline.profile.profile_graph` instead of
     the roofline's (the plan's ``predicted.cost_model`` then says where they were measured).
     """
     if kind not in ("gpp", "spp"):
@@ -235,7 +230,7 @@ def run_gpp_plan(
 ) -> GppPlan:
     """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
 
-    ``profile``: measure operator times on this machine first (:mod:`tessera.planners.gpp.profile`),
+    ``profile``: measure operator times on this machine first (:mod:`tessera.planners.pipeline.profile`),
     cached in the profile cache at ``cache`` (default: the one ``tessera place`` uses).
     ``recompute``: activation recomputation in the backward on no stage (``never``), every stage
     (``all``), or the stages that need the memory (``auto``, chosen by the search); ``bytes_per_param``:
@@ -339,7 +334,7 @@ def profile_costs(
     """``--profile``: measure every operator on this machine (progress bar on a terminal; one summary
     line on stderr); ``devices``: how many of the cluster's devices the plan uses."""
     from tessera.cli.render import progress_bar
-    from tessera.planners.gpp.profile import open_cache, profile_graph
+    from tessera.planners.pipeline.profile import open_cache, profile_graph
 
     device_type = planned_device_type(cluster, devices)
     store = open_cache(cache)

@@ -4,16 +4,16 @@ Piper (Tarnawski, Narayanan & Phanishayee, NeurIPS 2021; GraphPipe paper §7.2, 
 *sequential* pipeline without linearizing the model first: its DP runs over the *ideals* (downsets,
 Piper's Definition 4.1) of the operator DAG, and a stage is the difference ``I \\ I'`` of two
 ideals ``I' ⊊ I`` — a convex ("contiguous") set that may take part of several parallel branches.
-A PipeDream-style plan (:func:`tessera.planners.spp.plan_spp`) cuts one fixed topological
+A PipeDream-style plan (:func:`tessera.planners.pipeline.spp.plan_spp`) cuts one fixed topological
 order; Piper's search space holds the cuts of every topological order at once. The price is the
 number of ideals, exponential in the number of parallel branches: the DP looks at every pair
 ``I' ⊊ I`` (Piper's ``O(|D|²)``, its Appendix D), so GraphPipe reports no Piper strategy for DLRM
 and CANDLE-Uno (8+ branches) and minutes of search for MMT.
 
 :func:`plan_piper` runs on the same units (the leaves of the coarsened series-parallel tree,
-:func:`tessera.planners.gpp.partition.build_tree`), cost model, memory model (Eq. 3.2),
+:func:`tessera.planners.pipeline.search.build_tree`), cost model, memory model (Eq. 3.2),
 micro-batch candidates and schedules as the PipeDream-style planner, and returns the same
-:class:`~tessera.planners.gpp.partition.Pipeline` (kind ``spp``: stages run in order, stage
+:class:`~tessera.planners.pipeline.types.Pipeline` (kind ``spp``: stages run in order, stage
 ``i + 1`` after stage ``i``):
 
 - **tractability**: the ideals are counted exactly first (:func:`piper_ideals`). The DP runs on at
@@ -68,22 +68,19 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec, Link
 from tessera.core.units import format_bytes
-from tessera.planners.gpp.dp import RECOMPUTE_VARIANTS
-from tessera.planners.gpp.partition import (
-    WARM_UP_SLACKS,
-    PartitionOptions,
-    Pipeline,
-    StageLinks,
-    UnitCosts,
+from tessera.planners.pipeline.dp import RECOMPUTE_VARIANTS
+from tessera.planners.pipeline.links import StageLinks
+from tessera.planners.pipeline.materialize import materialize
+from tessera.planners.pipeline.search import (
     fastest_recompute_mode,
-    fastest_rescheduled,
-    fastest_tuned,
-    materialize,
     micro_batch_candidates,
     no_micro_batch,
     planning_inputs,
 )
-from tessera.planners.gpp.sp import CutBytes, SPNode, SPTree, coarsen, number_units
+from tessera.planners.pipeline.sp import CutBytes, SPNode, SPTree, coarsen, number_units
+from tessera.planners.pipeline.tuning import WARM_UP_SLACKS, fastest_rescheduled, fastest_tuned
+from tessera.planners.pipeline.types import PartitionOptions, Pipeline
+from tessera.planners.pipeline.unit_costs import UnitCosts
 from tessera.planners.sim import simulate_pipeline
 
 # The most ideals the DP runs on: a few seconds at 32 devices (module docstring, "Cost").
@@ -157,7 +154,7 @@ def plan_piper(
     has more than ``limit`` ideals even after coarsening (``reason`` ``"intractable: N ideals"``)
     or when no plan fits the memory limit. ``cost``: the cost model (default: the roofline).
     ``recompute="auto"``: the fastest of the three modes' plans, as the partitioner picks
-    (:func:`~tessera.planners.gpp.partition.fastest_recompute_mode`). Raises :class:`InputError`
+    (:func:`~tessera.planners.pipeline.search.fastest_recompute_mode`). Raises :class:`InputError`
     for bad options.
     """
     if options.recompute != "auto":
@@ -302,7 +299,7 @@ def _tractable_tree(
 
 def _coarser(graph: Graph, tree: SPTree, threshold: float) -> SPTree:
     """``tree`` with subtrees of cost ≤ ``threshold`` merged into one unit and consecutive light
-    units of a series merged at cheap cuts (the partitioner's coarsening, :mod:`tessera.planners.gpp.sp`)."""
+    units of a series merged at cheap cuts (the partitioner's coarsening, :mod:`tessera.planners.pipeline.sp`)."""
     root = coarsen(tree.root, threshold, CutBytes(graph))
     number_units(root, 0)
     rank = {n: i for i, n in enumerate(graph.order)}

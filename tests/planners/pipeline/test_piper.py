@@ -5,18 +5,27 @@ import itertools
 import numpy as np
 import pytest
 from onnx import helper
-from planners.gpp.gpp_graphs import _model, chain
+from planners.pipeline.gpp_graphs import _model, chain
 
 from tessera.core.cost import CostModel
 from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import check_plan_against_model, dump_plan
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.gpp.cli import build_gpp_plan
-from tessera.planners.gpp.partition import PartitionOptions, StageLinks, build_tree
-from tessera.planners.piper import MIN_UNIT_SHARE, PIPER_LIMIT, _IdealDP, _Lattice, piper_ideals, plan_piper
+from tessera.planners.pipeline.cli import build_gpp_plan
+from tessera.planners.pipeline.links import StageLinks
+from tessera.planners.pipeline.piper import (
+    MIN_UNIT_SHARE,
+    PIPER_LIMIT,
+    _IdealDP,
+    _Lattice,
+    piper_ideals,
+    plan_piper,
+)
+from tessera.planners.pipeline.search import build_tree
+from tessera.planners.pipeline.spp import plan_sequential, plan_spp, sequential_record
+from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import simulate_pipeline
-from tessera.planners.spp import plan_sequential, plan_spp, sequential_record
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +268,7 @@ def test_reordered_unit_costs_equal_costs_computed_afresh(v100) -> None:
     # they must equal the costs computed on the reordered tree, to the last bit.
     import random
 
-    from tessera.planners.gpp.partition import UnitCosts
+    from tessera.planners.pipeline.unit_costs import UnitCosts
 
     g = load_graph(build("mmt", "tiny"))
     cost = CostModel.for_device(v100.devices()[0].type)

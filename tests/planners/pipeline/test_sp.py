@@ -1,10 +1,10 @@
 from __future__ import annotations
 
-from planners.gpp.gpp_graphs import chain, n_shaped
+from planners.pipeline.gpp_graphs import chain, n_shaped
 
 from tessera.core.graph import load_graph
 from tessera.models import build
-from tessera.planners.gpp.sp import decompose
+from tessera.planners.pipeline.sp import decompose
 
 
 def _covers(graph, tree) -> None:

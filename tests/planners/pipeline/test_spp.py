@@ -4,8 +4,9 @@ from tessera.core.cost import CostModel
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.gpp.partition import PartitionOptions, build_tree
-from tessera.planners.spp import piper_ideals, plan_spp
+from tessera.planners.pipeline.search import build_tree
+from tessera.planners.pipeline.spp import piper_ideals, plan_spp
+from tessera.planners.pipeline.types import PartitionOptions
 
 
 def test_spp_is_a_chain_of_contiguous_stages() -> None:

@@ -5,17 +5,18 @@ import math
 import re
 
 import pytest
-from planners.gpp.gpp_graphs import chain, n_shaped
+from planners.pipeline.gpp_graphs import chain, n_shaped
 
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model, dump_plan
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.gpp.cli import build_gpp_plan
-from tessera.planners.gpp.partition import PartitionOptions, partition
+from tessera.planners.pipeline.cli import build_gpp_plan
+from tessera.planners.pipeline.search import partition
+from tessera.planners.pipeline.spp import plan_sequential, plan_spp
+from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import simulate_pipeline
-from tessera.planners.spp import plan_sequential, plan_spp
 
 
 @pytest.fixture(scope="module")

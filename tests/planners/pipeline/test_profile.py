@@ -23,7 +23,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.gpp.profile import ProfileOptions, open_cache, profile_graph
+from tessera.planners.pipeline.profile import ProfileOptions, open_cache, profile_graph
 
 pytest.importorskip("torch")
 

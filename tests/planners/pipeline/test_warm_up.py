@@ -13,16 +13,13 @@ from tessera.core.graph import load_graph
 from tessera.core.schedule import in_flight_of, one_f_one_b
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.gpp.partition import (
-    PartitionOptions,
-    _uniform,
-    build_tree,
-    partition,
-    scheduled,
-    tune_warm_up,
-)
+from tessera.planners.pipeline.materialize import scheduled
+from tessera.planners.pipeline.materialize import uniform_warm_up as _uniform
+from tessera.planners.pipeline.search import build_tree, partition
+from tessera.planners.pipeline.spp import plan_spp
+from tessera.planners.pipeline.tuning import tune_warm_up
+from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import simulate_pipeline
-from tessera.planners.spp import plan_spp
 
 
 @pytest.fixture(scope="module")

@@ -51,11 +51,13 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from tessera.core.cost import allreduce_time, per_device_samples
-from tessera.planners.gpp.memory import max_in_flight
-from tessera.planners.gpp.sp import SPNode, SPTree
+from tessera.planners.pipeline.memory import max_in_flight
+from tessera.planners.pipeline.sp import SPNode, SPTree
 
 if TYPE_CHECKING:
-    from tessera.planners.gpp.partition import PartitionOptions, StageLinks, UnitCosts
+    from tessera.planners.pipeline.links import StageLinks
+    from tessera.planners.pipeline.types import PartitionOptions
+    from tessera.planners.pipeline.unit_costs import UnitCosts
 
 INF_SLACK = 1 << 30
 FRONT = 3  # Pareto entries kept per DP state

@@ -3,7 +3,7 @@
 - :func:`plan_spp` — PipeDream-style: the operators in one linear (topological) order, cut
   into contiguous sequential stages, each possibly data-parallel, minimizing the bottleneck
   stage's time per sample under the memory limit (PipeDream's objective). It runs the GPP
-  partitioner (:mod:`tessera.planners.gpp.partition`) on the *linearized* series-parallel tree —
+  partitioner (:mod:`tessera.planners.pipeline.search`) on the *linearized* series-parallel tree —
   one series of the same units — so both planners share units, cost model, micro-batch search and
   schedules, and on a chain GPP and SPP find equally fast plans. The stages run in order (stage i+1
   after stage i, zero-byte ordering edges where no tensor flows), as a sequential pipeline does
@@ -16,9 +16,9 @@
   and the simulator's timing differ (cut bytes relayed vs sent to their consumer; all-reduce
   counted along the path), so two proposers find stronger sequential plans than one: CANDLE-Uno
   at 32 devices 353k (chain) vs 477k samples/s (guided).
-- :func:`tessera.planners.piper.plan_piper` — Piper-style: a DP over the ideals of the unit DAG,
+- :func:`tessera.planners.pipeline.piper.plan_piper` — Piper-style: a DP over the ideals of the unit DAG,
   where a stage may take part of several branches (every topological order's cuts at once), when
-  the DAG has few enough ideals (:data:`~tessera.planners.piper.PIPER_LIMIT`, after coarsening);
+  the DAG has few enough ideals (:data:`~tessera.planners.pipeline.piper.PIPER_LIMIT`, after coarsening);
   otherwise it reports ``intractable: N ideals`` (GraphPipe §7.2: Piper finds no strategy for DLRM
   and CANDLE-Uno).
 - :func:`plan_sequential` — the strongest sequential plan, what ``tessera plan --kind spp`` writes
@@ -38,9 +38,10 @@ from tessera.core.cost import CostModel
 from tessera.core.errors import InfeasibleError
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec
-from tessera.planners.gpp.partition import PartitionOptions, Pipeline, partition, planning_inputs
-from tessera.planners.gpp.sp import SPNode, SPTree
-from tessera.planners.piper import PIPER_LIMIT, PiperResult, piper_ideals, plan_piper
+from tessera.planners.pipeline.piper import PIPER_LIMIT, PiperResult, piper_ideals, plan_piper
+from tessera.planners.pipeline.search import partition, planning_inputs
+from tessera.planners.pipeline.sp import SPNode, SPTree
+from tessera.planners.pipeline.types import PartitionOptions, Pipeline
 from tessera.planners.sim import simulate_pipeline
 
 __all__ = [

@@ -8,7 +8,7 @@ import click
 import pytest
 from cli_runner import run_cli
 from click.testing import CliRunner
-from planners.gpp.gpp_graphs import chain
+from planners.pipeline.gpp_graphs import chain
 
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph, rewritten
@@ -16,8 +16,8 @@ from tessera.core.plans import check_plan_against_model, dump_plan, load_plan, p
 from tessera.core.schedule import to_pytorch_csv
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.gpp.cli import build_gpp_plan, run_gpp_plan, write_pytorch_csv
-from tessera.planners.gpp.partition import PartitionOptions
+from tessera.planners.pipeline.cli import build_gpp_plan, run_gpp_plan, write_pytorch_csv
+from tessera.planners.pipeline.types import PartitionOptions
 
 
 @pytest.fixture(scope="module")
@@ -267,7 +267,7 @@ def test_validate_refuses_what_the_executor_cannot_run() -> None:
     # Both passed validate; launch then refused the first with exit 4, and ran the second as a
     # graph of stages under the label of a sequential plan.
     from executor.plans import make_plan
-    from planners.gpp.gpp_graphs import n_shaped
+    from planners.pipeline.gpp_graphs import n_shaped
 
     g = n_shaped()
     tiny = make_plan(g, [(list(g.order), ["a", "b"], 1)], mini_batch=2)

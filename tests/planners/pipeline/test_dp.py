@@ -4,14 +4,17 @@ import itertools
 import math
 
 import pytest
-from planners.gpp.gpp_graphs import chain
+from planners.pipeline.gpp_graphs import chain
 
 from tessera.core.cost import CostModel
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.gpp.dp import StageDP, par_join, pareto, seq, stages_of
-from tessera.planners.gpp.partition import PartitionOptions, StageLinks, UnitCosts, _may_fit, build_tree
+from tessera.planners.pipeline.dp import StageDP, par_join, pareto, seq, stages_of
+from tessera.planners.pipeline.links import StageLinks
+from tessera.planners.pipeline.search import _may_fit, build_tree
+from tessera.planners.pipeline.types import PartitionOptions
+from tessera.planners.pipeline.unit_costs import UnitCosts
 
 
 def _optimum(dp: StageDP, n: int, num: int) -> float:

@@ -9,9 +9,10 @@ from tessera.core.plans import check_plan_against_model
 from tessera.core.schedule import gpipe, in_flight_of, one_f_one_b, schedule_problems
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.gpp.cli import build_gpp_plan
-from tessera.planners.gpp.greedy import greedy_schedules
-from tessera.planners.gpp.partition import PartitionOptions, scheduled
+from tessera.planners.pipeline.cli import build_gpp_plan
+from tessera.planners.pipeline.greedy import greedy_schedules
+from tessera.planners.pipeline.materialize import scheduled
+from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import SimEdge, SimStage, simulate, simulate_pipeline
 
 
@@ -95,7 +96,8 @@ def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
     # inside (every candidate greedy).
     import dataclasses
 
-    from tessera.planners.gpp.partition import partition, scheduled
+    from tessera.planners.pipeline.materialize import scheduled
+    from tessera.planners.pipeline.search import partition
     from tessera.planners.sim import simulate_pipeline
 
     g = load_graph(build("candle_uno", "paper"))
@@ -140,10 +142,11 @@ def test_auto_keeps_1f1b_where_algorithm_4_is_no_faster(name, devices, mini_batc
 
 
 def test_auto_keeps_1f1b_where_algorithm_4_would_take_too_long(monkeypatch) -> None:
-    from tessera.planners.gpp import partition
+    from tessera.planners.pipeline import tuning
+    from tessera.planners.pipeline.search import partition
 
     g = load_graph(build("candle_uno", "paper"))
     opts = PartitionOptions(mini_batch=8192, num_devices=8, schedule="auto")
-    monkeypatch.setattr(partition, "_GREEDY_TASKS", 0)
-    pipe = partition.partition(g, load_cluster("graphpipe-v100"), opts)
+    monkeypatch.setattr(tuning, "_GREEDY_TASKS", 0)
+    pipe = partition(g, load_cluster("graphpipe-v100"), opts)
     assert pipe.schedule_kind == "1f1b"

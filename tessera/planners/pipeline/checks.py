@@ -1,7 +1,7 @@
 """Validity of a GPP/SPP plan: GraphPipe's constraints C1–C5 (thesis §3.3) and Eq. 3.2 memory.
 
 Registered in :data:`tessera.core.plans.PLAN_CHECKS` for kinds ``gpp`` and ``spp`` when this
-module is imported (``tessera.planners.gpp`` imports it), so ``tessera validate`` runs it.
+module is imported (``tessera.planners.pipeline`` imports it), so ``tessera validate`` runs it.
 
 - C1: every operator in exactly one stage, and the stages' quotient graph is acyclic (which
   implies every stage is a convex subgraph: a path leaving a stage and re-entering it would be a
@@ -33,7 +33,7 @@ import networkx as nx
 from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.plans import PLAN_CHECKS
 from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
-from tessera.planners.gpp.memory import StageMemoryEstimate, stage_memory
+from tessera.planners.pipeline.memory import StageMemoryEstimate, stage_memory
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
 # Recounted memory may differ from the planner's by float rounding (sums in another order).
