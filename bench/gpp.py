@@ -20,8 +20,8 @@ from tessera.core.graph import Graph, load_graph
 from tessera.core.rewrite import REWRITES
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.pipeline.cli import build_gpp_plan
 from tessera.planners.pipeline.piper import MIN_UNIT_SHARE, PIPER_LIMIT, piper_ideals, plan_piper
+from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.search import build_tree, partition
 from tessera.planners.pipeline.spp import plan_spp
 from tessera.planners.pipeline.types import PartitionOptions
@@ -60,7 +60,7 @@ def gpp_vs_sequential(graph: Graph, cluster: ClusterSpec, opts: PartitionOptions
         t0 = time.perf_counter()
         partition(graph, cluster, opts, tree=tree)
         row["t_gpp"] = time.perf_counter() - t0
-    plan, pipe, sim = build_gpp_plan(graph, cluster, opts)
+    plan, pipe, sim = plan_gpp(graph, cluster, opts)
     base = plan.baseline or {}
     row.update(
         gpp=sim.throughput,
@@ -114,7 +114,7 @@ def main() -> None:
             spp = plan_spp(graph, cluster, opts, tree=tree)
             t_spp = time.perf_counter() - t0
             piper = plan_piper(graph, cluster, opts, tree=tree)
-            plan, pipe, sim = build_gpp_plan(graph, cluster, opts)
+            plan, pipe, sim = plan_gpp(graph, cluster, opts)
             ideals = piper_ideals(tree)
             rows.append(
                 {

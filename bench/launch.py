@@ -24,7 +24,7 @@ import torch
 from tessera.core.files import write_atomic
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan, check_plan_against_model
-from tessera.executor.gpp import TrainOptions, run_gpp_plan, train_reference
+from tessera.executor.gpp import TrainOptions, run_pipeline_plan, train_reference
 from tessera.executor.launcher import LaunchOptions
 from tessera.models import build
 
@@ -39,12 +39,12 @@ OUT = Path(__file__).parent / "results" / "launch.md"
 def planned(model: str, kind: str, mini_batch: int, path: Path) -> GppPlan | None:
     try:
         from tessera.core.specs import load_cluster
-        from tessera.planners.pipeline.cli import build_gpp_plan
+        from tessera.planners.pipeline.plan import plan_gpp
         from tessera.planners.pipeline.types import PartitionOptions
     except ImportError:
         return None
     graph = load_graph(str(path))
-    plan, _, _ = build_gpp_plan(
+    plan, _, _ = plan_gpp(
         graph,
         load_cluster("local-cpu-split"),
         PartitionOptions(mini_batch=mini_batch),
@@ -60,7 +60,7 @@ def run_row(label: str, model: str, plan: GppPlan, path: Path) -> dict:
     assert not problems, problems
     options = TrainOptions(steps=STEPS, lr=LR, seed=0)
     start = time.perf_counter()
-    run = run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=120))
+    run = run_pipeline_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=120))
     wall = time.perf_counter() - start
     ref = train_reference(graph, STEPS, plan.mini_batch_size, seed=0, lr=LR)
     exact = bool(np.allclose(run.losses, ref.losses, rtol=1e-5, atol=0))

@@ -17,7 +17,7 @@ from tessera.cli.backends_cmd import backends
 from tessera.cli.inspect_cmd import inspect
 from tessera.cli.launch_cmd import launch
 from tessera.cli.place_cmd import place
-from tessera.cli.plan_cmd import plan
+from tessera.cli.plan import plan
 from tessera.cli.render import NO_PROGRESS_ENV
 from tessera.cli.validate_cmd import validate
 from tessera.cli.zoo_cmd import zoo

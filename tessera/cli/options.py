@@ -183,3 +183,23 @@ def _same_file(a: str, b: str) -> bool:
 
 def output_option(f: F, help: str = "Write the result to this file (atomically).") -> F:
     return click.option("-o", "--output", type=OutputFile(), default=None, help=help)(f)
+
+
+class OptionGroup:
+    """Options defined once and used by the commands (or plan kinds) that list the group: applied as
+    a decorator, in order; :attr:`names` are the parameters it adds (a kind reads only its own)."""
+
+    def __init__(self, *options: Callable[[F], F]) -> None:
+        self.options = options
+
+    def __call__(self, f: F) -> F:
+        for option in reversed(self.options):
+            f = option(f)
+        return f
+
+    @functools.cached_property
+    def names(self) -> frozenset[str]:
+        def probe() -> None: ...
+
+        self(probe)
+        return frozenset(p.name for p in probe.__click_params__ if p.name)  # type: ignore[attr-defined]

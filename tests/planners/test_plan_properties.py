@@ -17,7 +17,7 @@ from tessera.core.plans import check_plan_against_model, parse_plan
 from tessera.core.specs import load_cluster, parse_cluster
 from tessera.models import build
 from tessera.planners.pipeline import checks as _checks  # noqa: F401 - registers C1–C5 + memory
-from tessera.planners.pipeline.cli import build_gpp_plan
+from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.types import PartitionOptions
 
 WIDTH = 32
@@ -94,7 +94,7 @@ def test_plans_always_validate_and_simulations_are_consistent(
     graph = load_graph(model)
     opts = PartitionOptions(mini_batch=mini_batch, memory_limit=memory_limit, recompute=recompute)
     try:
-        plan, _pipe, sim = build_gpp_plan(graph, cluster, opts)
+        plan, _pipe, sim = plan_gpp(graph, cluster, opts)
     except InfeasibleError as exc:
         assert "\n" not in exc.message
         return
@@ -104,7 +104,7 @@ def test_plans_always_validate_and_simulations_are_consistent(
         assert {st.recompute for st in plan.stages} == {recompute == "all"}
     # The sequential plan too (its stages in order, residuals as forward skip edges).
     try:
-        sequential, _, _ = build_gpp_plan(graph, cluster, opts, kind="spp")
+        sequential, _, _ = plan_gpp(graph, cluster, opts, kind="spp")
     except InfeasibleError:  # a graph of stages may fit where a chain does not
         pass
     else:
@@ -132,5 +132,5 @@ def test_every_zoo_plan_of_either_kind_validates(name):
     for kind in ("gpp", "spp"):
         for schedule in ("1f1b", "kfkb", "greedy", "gpipe"):
             opts = PartitionOptions(mini_batch=32, num_devices=8, schedule=schedule)
-            plan, _, _ = build_gpp_plan(graph, cluster, opts, kind=kind, baseline=False)
+            plan, _, _ = plan_gpp(graph, cluster, opts, kind=kind, baseline=False)
             assert check_plan_against_model(plan, graph) == [], (kind, schedule)

@@ -14,15 +14,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from tessera.core.errors import InfeasibleError
+from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.kv_blocks import block_aligned_split
 from tessera.core.plans import CpPlan, KvShard, LlmConfigRef, ModelRef
 from tessera.core.specs import ClusterSpec
 from tessera.planners.cp.cost import STRATEGIES, CostParams, Estimate, Strategy, estimate_all
 from tessera.planners.cp.llm import LlmConfig, LlmSource
-from tessera.planners.cp.workload import Workload
+from tessera.planners.cp.workload import MAX_TOKENS, OutputLengths, Workload
 
-__all__ = ["SweepRow", "best_estimate", "plan_cp", "sweep_context", "sweep_to_json"]
+__all__ = ["SweepRow", "best_estimate", "plan_cp", "plan_cp_request", "sweep_context", "sweep_to_json"]
 
 
 def best_estimate(estimates: list[Estimate]) -> Estimate | None:
@@ -166,3 +166,42 @@ def sweep_to_json(rows: list[SweepRow]) -> list[dict[str, Any]]:
         }
         for row in rows
     ]
+
+
+def plan_cp_request(
+    llm: LlmConfig,
+    cluster: ClusterSpec,
+    *,
+    batch: int,
+    context: int | None,
+    output_lengths: OutputLengths,
+    sweep_contexts: list[int] | None = None,
+    layers: int | None = None,
+    model: ModelRef | None = None,
+    source: LlmSource | None = None,
+    positions: int | None = None,
+) -> tuple[CpPlan | None, list[SweepRow]]:
+    """What ``tessera plan --kind cp`` asks: the plan at ``context`` (None: the sweep alone) and the
+    prediction at each of ``sweep_contexts``. ``positions``: the model's position table, when it has
+    one. InputError when ``layers`` is out of range or a request would hold more positions than the
+    model or the executor can (a request feeds back all but its last token: context + output − 1)."""
+    contexts = sweep_contexts or []
+    if layers is not None and not 1 <= layers <= llm.layers:
+        raise InputError(f"--layers: must be in 1..{llm.layers} (the model's layers); got {layers}")
+    base_context = context if context is not None else contexts[0]
+    workload = Workload(batch, base_context, output_lengths)
+    widest = max([base_context, *contexts])
+    longest = widest + output_lengths.max - 1
+    needs = f"context {widest} plus output lengths up to {output_lengths.max} needs {longest} positions"
+    if positions is not None and longest > positions:
+        raise InputError(
+            f"{needs}, but the model's position table has {positions}: give a shorter --context or --output-len",
+            source=model.path if model is not None else None,
+        )
+    if longest > MAX_TOKENS:  # what launch can decode (and what a plan's context may be)
+        raise InputError(f"{needs}; a request may hold at most {MAX_TOKENS} (1024M)")
+    plan = None
+    if context is not None:
+        plan = plan_cp(llm, cluster, workload, model=model, source=source, layers=layers)
+    rows = sweep_context(llm, cluster, workload, contexts, layers=layers) if contexts else []
+    return plan, rows

@@ -104,13 +104,13 @@ def plans_against_a_model() -> dict[str, bytes | str]:
     from tessera.core.plans import dump_plan
     from tessera.core.specs import load_cluster
     from tessera.models import build
-    from tessera.planners.pipeline.cli import build_gpp_plan
+    from tessera.planners.pipeline.plan import plan_gpp
     from tessera.planners.pipeline.types import PartitionOptions
 
     model_bytes = build("dlrm", "tiny").SerializeToString()
     (HERE / "plan_model.onnx").write_bytes(model_bytes)
     graph = load_graph(HERE / "plan_model.onnx")
-    plan, _, _ = build_gpp_plan(
+    plan, _, _ = plan_gpp(
         graph,
         load_cluster("local-cpu-split"),
         PartitionOptions(mini_batch=16, micro_batch_sizes=(8,), schedule="1f1b"),

@@ -9,9 +9,9 @@ from tessera.core.plans import check_plan_against_model
 from tessera.core.schedule import gpipe, in_flight_of, one_f_one_b, schedule_problems
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.pipeline.cli import build_gpp_plan
 from tessera.planners.pipeline.greedy import greedy_schedules
 from tessera.planners.pipeline.materialize import scheduled
+from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import SimEdge, SimStage, simulate, simulate_pipeline
 
@@ -50,7 +50,7 @@ def test_greedy_plan_passes_checks_and_is_not_slower() -> None:
     times, pipes = {}, {}
     for schedule in ("1f1b", "greedy", "auto"):
         opts = PartitionOptions(mini_batch=64, num_devices=8, schedule=schedule, micro_batch_sizes=(8,))
-        plan, pipes[schedule], sim = build_gpp_plan(g, cluster, opts, baseline=False)
+        plan, pipes[schedule], sim = plan_gpp(g, cluster, opts, baseline=False)
         assert check_plan_against_model(plan, g) == []
         assert plan.stages[0].schedule.kind == ("1f1b" if schedule == "auto" else schedule)
         times[schedule] = sim.iteration_time
@@ -65,7 +65,7 @@ def _auto_vs_1f1b(name: str, devices: int, mini_batch: int):
     out = {}
     for schedule in ("1f1b", "auto"):
         opts = PartitionOptions(mini_batch=mini_batch, num_devices=devices, schedule=schedule)
-        out[schedule] = build_gpp_plan(g, cluster, opts)
+        out[schedule] = plan_gpp(g, cluster, opts)
     return g, out
 
 

@@ -12,7 +12,7 @@ from tessera.core.graph import load_graph
 from tessera.core.plans import check_plan_against_model, dump_plan
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.pipeline.cli import build_gpp_plan
+from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.search import partition
 from tessera.planners.pipeline.spp import plan_sequential, plan_spp
 from tessera.planners.pipeline.types import PartitionOptions
@@ -43,7 +43,7 @@ def test_chain_gpp_equals_spp(v100) -> None:
 @pytest.mark.parametrize("name", ["mmt", "candle_uno", "dlrm"])
 def test_plans_pass_c1_c5_and_memory(v100, name: str) -> None:
     g = load_graph(build(name, "tiny"))
-    plan, pipe, sim = build_gpp_plan(g, v100, PartitionOptions(mini_batch=32, num_devices=4))
+    plan, pipe, sim = plan_gpp(g, v100, PartitionOptions(mini_batch=32, num_devices=4))
     assert check_plan_against_model(plan, g) == []
     assert 1 <= sum(len(s.devices) for s in plan.stages) <= 4  # idle devices allowed (none helps)
     assert plan.predicted["iteration_time_s"] > 0
@@ -66,7 +66,7 @@ def test_multi_branch_plan_runs_branches_in_parallel(v100) -> None:
     # The SPP baseline is a real DP now (it was 1.2x slower with a 7-device merge stage); here
     # the series-parallel DP comes within 10 % of it, and `plan --kind gpp` takes the faster one.
     assert simulate_pipeline(pipe).throughput > 0.9 * simulate_pipeline(spp).throughput
-    plan, _, _ = build_gpp_plan(g, v100, opts)
+    plan, _, _ = plan_gpp(g, v100, opts)
     assert plan.predicted["throughput_samples_per_s"] >= plan.baseline["throughput_samples_per_s"]
 
 
@@ -103,7 +103,7 @@ def test_no_stage_gets_devices_it_cannot_use(v100) -> None:
 
 def test_non_series_parallel_graph_plans(v100) -> None:
     g = n_shaped()
-    plan, _, _ = build_gpp_plan(g, v100, PartitionOptions(mini_batch=16, num_devices=2), baseline=False)
+    plan, _, _ = plan_gpp(g, v100, PartitionOptions(mini_batch=16, num_devices=2), baseline=False)
     assert check_plan_against_model(plan, g) == []
 
 
@@ -144,8 +144,8 @@ def test_a_mini_batch_without_micro_batch_sizes_gets_a_suggestion(v100) -> None:
 def test_deterministic_plan_json(v100) -> None:
     g = load_graph(build("mmt", "tiny"))
     opts = PartitionOptions(mini_batch=16, num_devices=4)
-    a = dump_plan(build_gpp_plan(g, v100, opts)[0])
-    b = dump_plan(build_gpp_plan(load_graph(build("mmt", "tiny")), v100, opts)[0])
+    a = dump_plan(plan_gpp(g, v100, opts)[0])
+    b = dump_plan(plan_gpp(load_graph(build("mmt", "tiny")), v100, opts)[0])
     assert a == b
 
 
@@ -153,7 +153,7 @@ def test_kfkb_and_gpipe_schedules(v100) -> None:
     g = load_graph(build("candle_uno", "tiny"))
     for schedule, k in (("kfkb", 2), ("gpipe", 1), ("greedy", 1)):
         opts = PartitionOptions(mini_batch=32, num_devices=4, schedule=schedule, k=k)
-        plan, _, _ = build_gpp_plan(g, v100, opts, baseline=False)
+        plan, _, _ = plan_gpp(g, v100, opts, baseline=False)
         assert check_plan_against_model(plan, g) == []
         assert plan.stages[0].schedule.kind == schedule
 
@@ -166,12 +166,10 @@ def test_recomputation_fits_a_limit_that_stored_activations_do_not(v100) -> None
     g = load_graph(build("gpt", "tiny"))
     opts = PartitionOptions(mini_batch=8, num_devices=4, memory_limit=200 * 1024)
     with pytest.raises(InfeasibleError, match="--recompute auto"):
-        build_gpp_plan(g, v100, opts, baseline=False)
+        plan_gpp(g, v100, opts, baseline=False)
     plans = {}
     for recompute in ("all", "auto"):
-        plan, pipe, sim = build_gpp_plan(
-            g, v100, dataclasses.replace(opts, recompute=recompute), baseline=False
-        )
+        plan, pipe, sim = plan_gpp(g, v100, dataclasses.replace(opts, recompute=recompute), baseline=False)
         assert plan.training.recompute == recompute
         assert [st.recompute for st in plan.stages] == [st.recompute for st in pipe.stages]
         assert check_plan_against_model(plan, g) == []
@@ -208,8 +206,8 @@ def test_recomputation_fits_a_limit_that_stored_activations_do_not(v100) -> None
 def test_without_memory_pressure_auto_recomputation_changes_nothing(v100) -> None:
     g = load_graph(build("gpt", "tiny"))
     opts = PartitionOptions(mini_batch=8, num_devices=4)
-    never, _, _ = build_gpp_plan(g, v100, opts, baseline=False)
-    auto, _, _ = build_gpp_plan(g, v100, dataclasses.replace(opts, recompute="auto"), baseline=False)
+    never, _, _ = plan_gpp(g, v100, opts, baseline=False)
+    auto, _, _ = plan_gpp(g, v100, dataclasses.replace(opts, recompute="auto"), baseline=False)
     assert not any(st.recompute for st in auto.stages)
     assert dump_plan(auto) == dump_plan(never).replace('"recompute": "never"', '"recompute": "auto"')
 

@@ -12,7 +12,6 @@ from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import check_plan_against_model, dump_plan
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.pipeline.cli import build_gpp_plan
 from tessera.planners.pipeline.links import StageLinks
 from tessera.planners.pipeline.piper import (
     MIN_UNIT_SHARE,
@@ -22,6 +21,7 @@ from tessera.planners.pipeline.piper import (
     piper_ideals,
     plan_piper,
 )
+from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.search import build_tree
 from tessera.planners.pipeline.spp import plan_sequential, plan_spp, sequential_record
 from tessera.planners.pipeline.types import PartitionOptions
@@ -198,7 +198,7 @@ def test_piper_plans_pass_the_plan_checks(v100, name: str) -> None:
     ):
         piper = plan_piper(g, v100, opts)
         assert piper.pipeline is not None and piper.ideals <= PIPER_LIMIT
-        plan, pipe, _ = build_gpp_plan(g, v100, opts, kind="spp")
+        plan, pipe, _ = plan_gpp(g, v100, opts, kind="spp")
         assert check_plan_against_model(plan, g) == []
         assert plan.predicted["sequential_method"] in ("piper", "pipedream")
         assert plan.predicted["piper"]["units"] == piper.units
@@ -215,9 +215,7 @@ def test_piper_plans_pass_the_plan_checks(v100, name: str) -> None:
 def test_piper_plan_of_the_diamond_passes_the_checks() -> None:
     g = diamond()
     cluster = compute_bound(2)
-    plan, pipe, _ = build_gpp_plan(
-        g, cluster, PartitionOptions(mini_batch=32, micro_batch_sizes=(1,)), kind="spp"
-    )
+    plan, pipe, _ = plan_gpp(g, cluster, PartitionOptions(mini_batch=32, micro_batch_sizes=(1,)), kind="spp")
     assert plan.predicted["sequential_method"] == "piper"
     assert [s.nodes for s in plan.stages] == [["a1", "b1"], ["a2", "b2", "merge"]]
     assert check_plan_against_model(plan, g) == []
@@ -243,7 +241,7 @@ def test_intractable_graphs_are_reported_not_attempted(v100, name: str) -> None:
     assert result.pipeline is None and not result.tractable
     assert result.reason is not None and result.reason.startswith(f"intractable: {result.ideals} ideals")
     assert result.ideals > 10**6 and result.pairs == 0  # counted, no DP
-    plan, _, _ = build_gpp_plan(g, v100, PartitionOptions(mini_batch=32, num_devices=4), kind="spp")
+    plan, _, _ = plan_gpp(g, v100, PartitionOptions(mini_batch=32, num_devices=4), kind="spp")
     assert plan.predicted["sequential_method"] == "pipedream"
     assert plan.predicted["piper"]["no_plan"] == result.reason
     # Without coarsening even the MMT is over the limit.
@@ -258,8 +256,8 @@ def test_deterministic(v100) -> None:
     assert a is not None and b is not None
     assert _stages(a) == _stages(b)
     assert [s.schedule for s in a.stages] == [s.schedule for s in b.stages]
-    one = dump_plan(build_gpp_plan(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
-    two = dump_plan(build_gpp_plan(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
+    one = dump_plan(plan_gpp(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
+    two = dump_plan(plan_gpp(load_graph(build("gpt", "tiny")), v100, opts, kind="spp")[0])
     assert one == two
 
 

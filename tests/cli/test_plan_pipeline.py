@@ -10,13 +10,14 @@ from cli_runner import run_cli
 from click.testing import CliRunner
 from planners.pipeline.gpp_graphs import chain
 
+from tessera.cli.plan.pipeline import run_pipeline_plan, write_pytorch_csv
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph, rewritten
 from tessera.core.plans import check_plan_against_model, dump_plan, load_plan, parse_plan
 from tessera.core.schedule import to_pytorch_csv
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
-from tessera.planners.pipeline.cli import build_gpp_plan, run_gpp_plan, write_pytorch_csv
+from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.types import PartitionOptions
 
 
@@ -37,7 +38,7 @@ def test_run_writes_plan_gantt_and_summary(tmp_path, graph, capsys) -> None:
     cluster = load_cluster("graphpipe-v100")
     out = tmp_path / "plan.json"
     svg = tmp_path / "gantt.svg"
-    plan = run_gpp_plan(graph, cluster, mini_batch=64, devices=4, output=out, gantt=svg)
+    plan = run_pipeline_plan(graph, cluster, mini_batch=64, devices=4, output=out, gantt=svg)
     text = capsys.readouterr().out
     assert "GPP plan" in text and "SPP baseline" in text
     loaded = load_plan(out)
@@ -56,7 +57,9 @@ def test_json_and_exit_code_through_click(graph) -> None:
     @click.option("--json", "as_json", is_flag=True)
     def plan(memory_limit, as_json):
         try:
-            run_gpp_plan(graph, cluster, mini_batch=32, devices=2, memory_limit=memory_limit, as_json=as_json)
+            run_pipeline_plan(
+                graph, cluster, mini_batch=32, devices=2, memory_limit=memory_limit, as_json=as_json
+            )
         except InfeasibleError as exc:
             click.echo(exc.one_line(), err=True)
             raise SystemExit(exc.exit_code) from None
@@ -76,7 +79,7 @@ def test_plan_on_shared_network_interfaces(tmp_path, graph) -> None:
     data["links"]["nics"] = "per-node"
     cluster = ClusterSpec.from_json_dict(data)
     out = tmp_path / "plan.json"
-    plan = run_gpp_plan(graph, cluster, mini_batch=64, devices=8, output=out)
+    plan = run_pipeline_plan(graph, cluster, mini_batch=64, devices=8, output=out)
     loaded = load_plan(out)
     assert loaded == plan and loaded.cluster["links"]["nics"] == "per-node"
     assert check_plan_against_model(loaded, graph) == []
@@ -172,7 +175,7 @@ def test_a_chain_plan_exports_a_schedule_torch_pipelining_runs(tmp_path, graph, 
         k=2 if schedule == "kfkb" else 1,
         micro_batch_sizes=(8,),
     )
-    plan, _, _ = build_gpp_plan(graph, load_cluster("graphpipe-v100"), options, kind="spp", baseline=False)
+    plan, _, _ = plan_gpp(graph, load_cluster("graphpipe-v100"), options, kind="spp", baseline=False)
     assert len(plan.stages) > 1 and plan.mini_batch_size // plan.stages[0].micro_batch_size == 8
     path = write_pytorch_csv(plan, tmp_path / "schedule.csv")
     text = path.read_text()
@@ -251,7 +254,7 @@ def test_extreme_device_speeds_still_plan(tmp_path, graph, field, value) -> None
     for device_type in data["device_types"].values():
         device_type[field] = value
     cluster = ClusterSpec.from_json_dict(data)
-    plan, _, _ = build_gpp_plan(graph, cluster, PartitionOptions(mini_batch=8), baseline=False)
+    plan, _, _ = plan_gpp(graph, cluster, PartitionOptions(mini_batch=8), baseline=False)
     assert check_plan_against_model(plan, graph) == []
 
 
@@ -259,8 +262,8 @@ def test_a_memory_limit_above_the_device_memory_is_refused(graph) -> None:
     # A plan over the device's memory would not run (validate rejects it): the limit only lowers.
     cluster = load_cluster("graphpipe-v100")
     with pytest.raises(InputError, match=r"--memory-limit 1\.0 TiB is more than a v100-16g's 15\.8 GiB"):
-        run_gpp_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="1TiB")
-    run_gpp_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="15GiB")  # below it: plans
+        run_pipeline_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="1TiB")
+    run_pipeline_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="15GiB")  # below it: plans
 
 
 def test_validate_refuses_what_the_executor_cannot_run() -> None:
@@ -291,7 +294,7 @@ def test_gantt_is_the_same_bytes_for_the_same_plan(tmp_path, graph) -> None:
     # matplotlib names SVG elements with random ids unless salted: two runs drew different files.
     cluster = load_cluster("graphpipe-v100")
     for name in ("a.svg", "b.svg"):
-        run_gpp_plan(graph, cluster, mini_batch=32, devices=4, gantt=tmp_path / name, no_baseline=True)
+        run_pipeline_plan(graph, cluster, mini_batch=32, devices=4, gantt=tmp_path / name, no_baseline=True)
     first = (tmp_path / "a.svg").read_bytes()
     assert first == (tmp_path / "b.svg").read_bytes()
     assert b"forward" in first and b"stage 0" in first  # text kept as text (svg.fonttype none)
@@ -338,7 +341,7 @@ def test_sequential_plans_with_skip_edges_are_valid() -> None:
     # A residual crossing two stages makes an edge 0->2 next to the chain 0->1->2: the first
     # chain check refused every such spp plan that plan itself wrote.
     g = load_graph(build("gpt", "tiny"))
-    plan, _, _ = build_gpp_plan(g, load_cluster("dgx-a100"), PartitionOptions(mini_batch=16), kind="spp")
+    plan, _, _ = plan_gpp(g, load_cluster("dgx-a100"), PartitionOptions(mini_batch=16), kind="spp")
     edges = {(e.src, e.dst) for e in plan.edges}
     assert any(dst > src + 1 for src, dst in edges)
     assert check_plan_against_model(plan, g) == []
@@ -359,7 +362,7 @@ def test_sequential_plans_with_skip_edges_are_valid() -> None:
 )
 def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment) -> None:
     # Each was an internal error (ValueError, OverflowError) in validate.
-    plan, _, _ = build_gpp_plan(
+    plan, _, _ = plan_gpp(
         graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=2)
     )
     data = json.loads(dump_plan(plan))
@@ -372,7 +375,7 @@ def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment)
 
 
 def test_a_stage_recomputing_against_the_plan_s_setting_is_reported(graph) -> None:
-    plan, _, _ = build_gpp_plan(
+    plan, _, _ = plan_gpp(
         graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=4)
     )
     data = json.loads(dump_plan(plan))
@@ -397,7 +400,7 @@ def test_a_stage_recomputing_against_the_plan_s_setting_is_reported(graph) -> No
 @pytest.mark.parametrize("every", [True, False])
 def test_plans_with_the_older_boolean_recompute_read_as_all_or_never(graph, every) -> None:
     # Before recomputation was chosen per stage, training.recompute was a boolean for every stage.
-    plan, _, _ = build_gpp_plan(
+    plan, _, _ = plan_gpp(
         graph,
         load_cluster("graphpipe-v100"),
         PartitionOptions(mini_batch=32, num_devices=2, recompute="all" if every else "never"),
@@ -413,7 +416,7 @@ def test_plans_with_the_older_boolean_recompute_read_as_all_or_never(graph, ever
 
 def test_bytes_per_param_nan_is_bad_input(graph) -> None:
     with pytest.raises(InputError, match=r"--bytes-per-param nan: expected a number of bytes in \(0, 1024\]"):
-        run_gpp_plan(
+        run_pipeline_plan(
             graph, load_cluster("graphpipe-v100"), mini_batch=32, devices=2, bytes_per_param=float("nan")
         )
 

@@ -1,0 +1,206 @@
+"""``tessera plan --kind cp``: a cache-parallel (or TP, DP) decode plan of an ONNX decoder or an LLM
+config; the planning is :func:`tessera.planners.cp.plan.plan_cp_request`."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+import click
+from rich.table import Table
+
+from tessera.cli.options import FigureFile, OptionGroup, check_outputs, load_model_option
+from tessera.cli.render import console, emit_json, human_bytes
+from tessera.core.plans import ModelRef, dump_plan, write_plan
+from tessera.core.specs import load_cluster
+from tessera.planners.cp.cost import STRATEGIES
+from tessera.planners.cp.llm import LlmSource, load_llm_config
+from tessera.planners.cp.plan import plan_cp_request, sweep_to_json
+from tessera.planners.cp.recognize import position_limit, recognize_llm
+from tessera.planners.cp.workload import parse_output_lengths, parse_token_count, parse_token_counts
+
+OPTIONS = OptionGroup(
+    click.option(
+        "--llm", metavar="CONFIG", help="[cp] LLM config YAML or preset (llama-7b, gpt2) instead of MODEL."
+    ),
+    click.option(
+        "--batch", type=click.IntRange(min=1), help="[cp] Concurrent requests (the batch limit; 1..65536)."
+    ),
+    click.option(
+        "--context", metavar="TOKENS", help="[cp] Prompt length already in the KV cache, e.g. 32K (K = 1024)."
+    ),
+    click.option(
+        "--output-len",
+        default="uniform:1-1024",
+        show_default=True,
+        metavar="DIST",
+        help="[cp] Output lengths: N, uniform:A-B or file:PATH (one integer per line); tokens 1..1024M.",
+    ),
+    click.option(
+        "--layers",
+        type=click.IntRange(min=1),
+        help="[cp] Evaluate only this many layers, without embedding and LM head (the thesis measures 1).",
+    ),
+    click.option(
+        "--dtype",
+        type=click.Choice(["fp32", "fp16", "bf16", "fp8", "int8"]),
+        help="[cp] Serve in this dtype.",
+    ),
+    click.option(
+        "--sweep-context", metavar="LIST", help="[cp] Also predict these contexts, e.g. 1K,10K,100K,1M."
+    ),
+    click.option("--plot", type=FigureFile(), help="[cp] Draw the sweep (SVG)."),
+)
+
+
+def run(
+    *,
+    model: str | None,
+    input_shapes: tuple[str, ...],
+    cluster: str,
+    output: str | None,
+    as_json: bool,
+    llm: str | None,
+    batch: int | None,
+    context: str | None,
+    output_len: str,
+    layers: int | None,
+    dtype: str | None,
+    sweep_context: str | None,
+    plot: str | None,
+) -> None:
+    """Cache-parallel decode plan: load the decoder (or its config), plan, write, print."""
+    spec = load_cluster(cluster)
+    if (model is None) == (llm is None):
+        raise click.UsageError(
+            "--kind cp takes either MODEL (an ONNX decoder) or --llm CONFIG, not both or neither"
+        )
+    if llm is not None and input_shapes:
+        raise click.UsageError("--input-shape binds MODEL's inputs: it does not apply to --llm")
+    if batch is None:
+        raise click.UsageError("--kind cp needs --batch")
+    if context is None and sweep_context is None:
+        raise click.UsageError("--kind cp needs --context (or --sweep-context)")
+    if context is None and output is not None:
+        raise click.UsageError("-o writes the plan for --context; give --context")
+    if plot is not None and sweep_context is None:
+        raise click.UsageError("--plot draws the --sweep-context table; give --sweep-context")
+    check_outputs(
+        {"-o": output, "--plot": plot},
+        {"model": model, "LLM config": llm, "cluster spec": cluster if os.path.isfile(cluster) else None},
+    )
+    model_ref = None
+    if model is not None:
+        graph = load_model_option(model, input_shapes)
+        config = recognize_llm(graph)
+        source = LlmSource(kind="onnx", path=graph.source, sha256=graph.sha256)
+        model_ref = ModelRef.of(graph)
+    else:
+        assert llm is not None
+        config, source = load_llm_config(llm)
+    config = config.with_dtype(dtype)
+    contexts = (
+        parse_token_counts(sweep_context, option="--sweep-context") if sweep_context is not None else []
+    )
+    plan, rows = plan_cp_request(
+        config,
+        spec,
+        batch=batch,
+        context=parse_token_count(context, option="--context") if context is not None else None,
+        output_lengths=parse_output_lengths(output_len),
+        sweep_contexts=contexts,
+        layers=layers,
+        model=model_ref,
+        source=source,
+        positions=position_limit(graph, config.hidden) if model is not None else None,
+    )
+    if plan is not None and output:
+        write_plan(plan, output)
+    if plot:
+        from tessera.planners.cp.plot import plot_sweep
+
+        per = f", {layers} layer{'s' if layers > 1 else ''}" if layers else ""
+        plot_sweep(rows, plot, title=f"{config.name} on {spec.name}, batch {batch}{per}")
+
+    if as_json:
+        if rows:
+            emit_json(
+                {"plan": None if plan is None else json.loads(dump_plan(plan)), "sweep": sweep_to_json(rows)}
+            )
+        elif plan is not None:
+            click.echo(dump_plan(plan), nl=False)
+        return
+    out = console()
+    if plan is not None:
+        _print_cp_plan(out, plan, output)
+    if rows:
+        _print_sweep(out, rows, unit="tokens/s per layer" if layers == 1 else "tokens/s")
+    if plot:
+        out.print(f"plot written to {plot}")
+
+
+def _print_cp_plan(out: Any, plan: Any, output: str | None) -> None:
+    p = plan.predicted
+    llm = plan.llm
+    out.print(
+        f"[bold]{llm['name']}[/bold] ({llm['layers']} layers, E={llm['hidden']}, H={llm['heads']}, "
+        f"kv_heads={llm['kv_heads']}, {llm['dtype']}) on {plan.cluster['name']}: "
+        f"batch {plan.workload['batch']}, context {plan.workload['context']}, "
+        f"output {plan.workload['output_len']['spec']}"
+        + (f", {p['layers_evaluated']} layer(s) evaluated" if p["per_layer"] else "")
+    )
+    out.print(
+        f"best: [bold]{plan.strategy.upper()} x{plan.degree}[/bold]  {p['tokens_per_s']:.6g} tokens/s, "
+        f"{p['per_token_latency_s'] * 1e3:.4g} ms per token, "
+        f"memory {human_bytes(p['memory_per_device']['total'])} of "
+        f"{human_bytes(p['memory_per_device']['capacity'])} per device"
+    )
+    for c in plan.collectives:
+        out.print(
+            f"  per layer: {c['op']} {human_bytes(c['bytes'])} over {len(c['group'])} devices ({c['what']})"
+        )
+    table = Table(
+        title="all strategies (per-device step: GPU compute, communication, host)", title_justify="left"
+    )
+    for col in ("", "x", "tokens/s", "ms/token", "GPU ms", "comm ms", "host ms", "memory"):
+        table.add_column(col, justify="left" if not col else "right")
+    chosen = {"strategy": plan.strategy, "degree": plan.degree, "feasible": True, **p}
+    infeasible = []
+    for a in sorted([chosen, *plan.alternatives], key=lambda a: (-(a["tokens_per_s"] or -1), a["degree"])):
+        b = a["breakdown"]
+        name = a["strategy"].upper() + (" *" if a is chosen else "")
+        if not a["feasible"]:
+            infeasible.append(f"  {a['strategy'].upper()} x{a['degree']}: {a['reason']}")
+        table.add_row(
+            name,
+            str(a["degree"]),
+            f"{a['tokens_per_s']:.4g}" if a["feasible"] else "-",
+            f"{a['per_token_latency_s'] * 1e3:.3g}" if a["feasible"] else "-",
+            f"{b['compute_s'] * 1e3:.3g}",
+            f"{b['communication_s'] * 1e3:.3g}",
+            f"{b['host_s'] * 1e3:.3g}",
+            human_bytes(a["memory_per_device"]["total"]),
+        )
+    out.print(table)
+    if infeasible:
+        out.print("infeasible:")
+        for line in infeasible:
+            out.print(line)
+    if output:
+        out.print(f"plan written to {output}")
+
+
+def _print_sweep(out: Any, rows: list[Any], *, unit: str) -> None:
+    table = Table(title=f"context sweep ({unit}, best degree of each strategy)", title_justify="left")
+    table.add_column("strategy")
+    for row in rows:
+        table.add_column(f"{row.context}", justify="right")
+    for strategy in STRATEGIES:
+        cells = []
+        for row in rows:
+            e = row.best[strategy]
+            cells.append("-" if e is None else f"{e.tokens_per_s:.4g} (x{e.degree})")
+        table.add_row(strategy.upper(), *cells)
+    table.add_row("best", *[(row.winner or "none").upper() for row in rows])
+    out.print(table)

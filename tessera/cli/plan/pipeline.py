@@ -1,0 +1,360 @@
+"""``tessera plan --kind gpp|spp``: a graph-pipeline-parallel or sequential training plan; the
+planning is :func:`tessera.planners.pipeline.plan.plan_gpp_best`, this module parses, writes, prints."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from tessera.cli.options import FigureFile, OptionGroup, OutputFile, check_outputs, load_model_option
+from tessera.cli.plan.gantt import write_gantt
+from tessera.cli.render import progress_bar
+from tessera.core.errors import InputError
+from tessera.core.files import write_output
+from tessera.core.graph import Graph
+from tessera.core.plans import GppPlan, dump_plan, write_plan
+from tessera.core.rewrite import REWRITES, applicable
+from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
+from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.core.units import format_bytes
+from tessera.planners.pipeline.plan import RewriteChoice, pipeline_options, plan_gpp_best
+from tessera.planners.pipeline.profile import MeasuredCosts, open_cache, profile_graph
+from tessera.planners.pipeline.search import planned_device_type
+from tessera.planners.pipeline.types import Pipeline
+
+
+class RecomputeChoice(click.Choice):
+    """``--recompute``'s value, which is optional (``--recompute`` alone is ``all``): click then
+    takes the next word as the value, so ``--recompute MODEL`` names the model as the mode."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if (
+            isinstance(value, str)
+            and value not in self.choices
+            and (value.endswith(".onnx") or os.path.exists(value))
+        ):
+            self.fail(
+                f"{value!r} is not one of {', '.join(map(repr, self.choices))}; it looks like the model: "
+                "write --recompute after MODEL, or give its value (--recompute all)",
+                param,
+                ctx,
+            )
+        return super().convert(value, param, ctx)
+
+
+OPTIONS = OptionGroup(
+    click.option(
+        "--mini-batch", type=click.IntRange(min=1), help="[gpp/spp] Samples per training iteration."
+    ),
+    click.option(
+        "--devices", type=click.IntRange(min=1), help="[gpp/spp] Use this many devices (default: all)."
+    ),
+    click.option(
+        "--schedule",
+        type=click.Choice(SCHEDULE_CHOICES),
+        default="1f1b",
+        show_default=True,
+        help="[gpp/spp] Micro-batch schedule of every stage; auto: the 1F1B search's plans, rescheduled by Algorithm 4 (greedy) where that is faster, the fastest kept.",
+    ),
+    click.option(
+        "--k",
+        type=click.IntRange(min=1),
+        default=2,
+        help="[gpp/spp] k of kFkB (--schedule kfkb only; default 2).",
+    ),
+    click.option("--memory-limit", metavar="BYTES", help="[gpp/spp] Per-device memory cap, e.g. 8GiB."),
+    click.option("--gantt", type=FigureFile(), help="[gpp/spp] Draw the simulated schedule (SVG)."),
+    click.option(
+        "--pytorch-csv",
+        type=OutputFile(),
+        help="[gpp/spp] Also write the schedule as torch.distributed.pipelining's CSV (rank r runs stage r; chain plans only: exit 2 for a graph of stages, after -o is written).",
+    ),
+    click.option("--no-baseline", is_flag=True, help="[gpp] Skip predicting the sequential baseline."),
+    click.option(
+        "--recompute",
+        type=RecomputeChoice(["never", "auto", "all"]),
+        is_flag=False,
+        flag_value="all",
+        default="never",
+        show_default=True,
+        help="[gpp/spp] Recompute activations in the backward pass: a recomputing stage keeps only its inputs per micro-batch in flight and runs its forward again. auto: on the stages the search finds need the memory; all (also --recompute alone): on every stage. launch runs it with torch.utils.checkpoint.",
+    ),
+    click.option(
+        "--rewrite",
+        "rewrites",
+        type=click.Choice([*REWRITES, "all", "auto"]),
+        multiple=True,
+        help="[gpp/spp] Plan on the model rewritten (repeatable; recorded in the plan, which validate and launch apply too; all: every rewrite; auto: plan as given and with every rewrite that applies, keep the faster, at twice the time). reduce-concat: a reduction over other axes than a Concat's moves above it, one per input. concat-matmul: a fully connected layer over a Concat becomes one product per concatenated input and a Sum, so its parts run inside the branches (exact up to summation order; the trained weights are the parts).",
+    ),
+    click.option(
+        "--bytes-per-param",
+        type=click.FloatRange(min=0, min_open=True, max=1024),
+        default=None,
+        help="[gpp/spp] Training memory per parameter: weights + gradients + optimizer state [default: 16, Adam in mixed precision: 2 + 2 + 12].",
+    ),
+    click.option(
+        "--profile",
+        is_flag=True,
+        help="[gpp/spp] Measure every operator's forward and backward on this machine (torch) instead of the roofline model; cached.",
+    ),
+    click.option(
+        "--cache",
+        "cache_path",
+        type=click.Path(dir_okay=False, path_type=str),
+        default=None,
+        help="[gpp/spp] Profile cache of --profile (SQLite; default ~/.cache/tessera/profiles.sqlite).",
+    ),
+)
+
+
+def runner(kind: str) -> Callable[..., None]:
+    """The plan command's body for ``--kind gpp`` or ``spp``."""
+
+    def run(
+        *,
+        model: str | None,
+        input_shapes: tuple[str, ...],
+        cluster: str,
+        output: str | None,
+        as_json: bool,
+        mini_batch: int | None,
+        devices: int | None,
+        schedule: str,
+        memory_limit: str | None,
+        gantt: str | None,
+        pytorch_csv: str | None,
+        k: int,
+        profile: bool,
+        cache_path: str | None,
+        recompute: str,
+        bytes_per_param: float | None,
+        rewrites: tuple[str, ...],
+        no_baseline: bool = False,
+    ) -> None:
+        """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
+        spec = load_cluster(cluster)
+        if model is None:
+            raise click.UsageError(f"--kind {kind} needs MODEL (an ONNX file)")
+        if mini_batch is None:
+            raise click.UsageError(f"--kind {kind} needs --mini-batch")
+        planned_device_type(spec, devices, source=cluster)  # before the model is loaded
+        check_outputs(
+            {"-o": output, "--gantt": gantt, "--pytorch-csv": pytorch_csv},
+            {"model": model, "cluster spec": cluster if os.path.isfile(cluster) else None},
+        )
+        if "auto" in rewrites and len(set(rewrites)) > 1:
+            raise click.UsageError("--rewrite auto chooses the rewrites itself: give it alone")
+        if "all" in rewrites:
+            rewrites = tuple(REWRITES)
+        run_pipeline_plan(
+            load_model_option(model, input_shapes, () if "auto" in rewrites else rewrites),
+            spec,
+            kind=kind,
+            mini_batch=mini_batch,
+            devices=devices,
+            schedule=schedule,
+            memory_limit=memory_limit,
+            output=output,
+            gantt=gantt,
+            pytorch_csv=pytorch_csv,
+            as_json=as_json,
+            no_baseline=no_baseline,
+            profile=profile,
+            cache=cache_path,
+            k=k,
+            recompute=recompute,
+            bytes_per_param=bytes_per_param,
+            rewrite_auto="auto" in rewrites,
+        )
+
+    return run
+
+
+def run_pipeline_plan(
+    graph: Graph,
+    cluster: ClusterSpec,
+    *,
+    kind: str = "gpp",
+    mini_batch: int,
+    devices: int | None = None,
+    schedule: str = "1f1b",
+    memory_limit: int | float | str | None = None,
+    output: str | os.PathLike[str] | None = None,
+    gantt: str | os.PathLike[str] | None = None,
+    pytorch_csv: str | os.PathLike[str] | None = None,
+    as_json: bool = False,
+    no_baseline: bool = False,
+    profile: bool = False,
+    cache: str | os.PathLike[str] | None = None,
+    k: int = 2,
+    recompute: str = "never",
+    bytes_per_param: float | None = None,
+    rewrite_auto: bool = False,
+) -> GppPlan:
+    """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
+
+    ``profile``: measure operator times on this machine first (:mod:`tessera.planners.pipeline.profile`),
+    cached in the profile cache at ``cache`` (default: the one ``tessera place`` uses).
+    ``recompute``: activation recomputation in the backward on no stage (``never``), every stage
+    (``all``), or the stages that need the memory (``auto``, chosen by the search); ``bytes_per_param``:
+    weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision).
+    ``rewrite_auto`` (``--rewrite auto``): plan ``graph`` (loaded without rewrites) as given and
+    with every rewrite that changes it (:func:`tessera.core.rewrite.applicable`), and keep the
+    faster plan (the search, and the baseline, run twice). Otherwise, on a graph loaded without
+    rewrites, the text output hints at those that would apply.
+    """
+    if cache is not None and not profile:
+        raise InputError("--cache is the cache of --profile's measurements; give --profile too")
+    options = pipeline_options(
+        cluster,
+        mini_batch=mini_batch,
+        devices=devices,
+        schedule=schedule,
+        memory_limit=memory_limit,
+        k=k,
+        recompute=recompute,
+        bytes_per_param=bytes_per_param,
+    )
+    measure = (lambda g: profile_costs(g, cluster, cache, devices)) if profile else None
+    choice = plan_gpp_best(
+        graph,
+        cluster,
+        options,
+        kind=kind,
+        baseline=not no_baseline,
+        rewrite_auto=rewrite_auto,
+        measure=measure,
+    )
+    plan, pipe, sim = choice.plan
+    if output is not None:
+        write_plan(plan, output)
+    if gantt is not None:
+        write_gantt(sim, pipe, gantt)
+    if pytorch_csv is not None:
+        write_pytorch_csv(plan, pytorch_csv)
+    if as_json:
+        click.echo(dump_plan(plan), nl=False)
+    else:
+        click.echo(summary(plan, pipe))
+        if len(choice.results) > 1:
+            click.echo(_compared(choice))
+        names, replaced = (
+            applicable(graph.model, label=graph.source) if not (graph.rewrites or rewrite_auto) else ([], [])
+        )
+        if names:
+            shown = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more" if len(replaced) > 4 else "")
+            flags = " ".join(f"--rewrite {n}" for n in names)
+            click.echo(f"hint: {flags} would replace {shown}; plan with it to compare", err=True)
+    return plan
+
+
+def _compared(choice: RewriteChoice) -> str:
+    """``--rewrite auto``'s line: each model's simulated throughput and the one kept."""
+    parts = []
+    for i, (graph, (_, _, sim)) in enumerate(zip(choice.candidates, choice.results, strict=True)):
+        names = graph.rewrites
+        label = f"rewritten ({', '.join(names)})" if names else "as given"
+        parts.append(f"{label} {sim.throughput:,.1f} samples/s" + (" (kept)" if i == choice.kept else ""))
+    return "rewrite auto: " + "; ".join(parts)
+
+
+def profile_costs(
+    graph: Graph,
+    cluster: ClusterSpec,
+    cache: str | os.PathLike[str] | None = None,
+    devices: int | None = None,
+) -> MeasuredCosts:
+    """``--profile``: measure every operator on this machine (progress bar on a terminal; one summary
+    line on stderr); ``devices``: how many of the cluster's devices the plan uses."""
+    device_type = planned_device_type(cluster, devices)
+    store = open_cache(cache)
+    try:
+        with progress_bar() as bar:
+            task = bar.add_task("profiling operators", total=None)
+            measured = profile_graph(
+                graph,
+                device_type,
+                cache=store,
+                progress=lambda done, total: bar.update(task, completed=done, total=total),
+            )
+    finally:
+        store.close()
+    r = measured.report
+    roofline = measured.roofline_types()
+    fallback = (
+        f", {sum(roofline.values())} on the roofline ({', '.join(f'{t} x{n}' for t, n in roofline.items())})"
+        if roofline
+        else ""
+    )
+    click.echo(
+        f"tessera: profiled {r.operators} operators ({r.distinct} distinct) on {measured.source['device']}, "
+        f"torch {measured.source['torch']}: {r.measurements} (operator, samples) measured, "
+        f"{r.cache_hits} cached{fallback}, "
+        f"{r.seconds:.1f}s (cache {store.path})",
+        err=True,
+    )
+    return measured
+
+
+def summary(plan: GppPlan, pipe: Pipeline) -> str:
+    """A human summary: one line per stage, then the prediction and the baseline."""
+    p = plan.predicted
+    lines = [
+        f"{plan.kind.upper()} plan: {len(plan.stages)} stage(s), depth {p['pipeline_depth']}, "
+        f"mini-batch {plan.mini_batch_size}, micro-batch {p['micro_batch_size']}, "
+        f"schedule {pipe.schedule_kind}, {pipe.num_units} units, search {pipe.search_time_s:.2f}s"
+        + (f", model rewritten ({', '.join(plan.model.rewrites)})" if plan.model.rewrites else ""),
+    ]
+    # The recompute column where the planner was allowed to recompute (fw+bw includes it).
+    recompute = plan.training.recompute != "never"
+    lines.append(
+        f"{'stage':>5} {'ops':>5} {'devices':>7} {'in-flight':>9} {'fw+bw/mb':>10} {'memory':>10}"
+        + (f" {'recompute':>9}" if recompute else "")
+        + "  first op"
+    )
+    for st in plan.stages:
+        t = st.predicted["forward_time_s"] + st.predicted["backward_time_s"]
+        lines.append(
+            f"{st.id:>5} {len(st.nodes):>5} {len(st.devices):>7} {st.in_flight:>9} "
+            f"{t * 1e3:>8.2f}ms {format_bytes(st.memory.peak):>10}"
+            + (f" {'yes' if st.recompute else 'no':>9}" if recompute else "")
+            + f"  {st.nodes[0]}"
+        )
+    lines.append(
+        f"predicted: iteration {p['iteration_time_s'] * 1e3:.2f} ms, "
+        f"{p['throughput_samples_per_s']:.1f} samples/s, bubble {p['bubble_fraction']:.1%}"
+    )
+    b = plan.baseline
+    if b and "throughput_samples_per_s" in b:
+        lines.append(
+            f"SPP baseline: {b['throughput_samples_per_s']:.1f} samples/s, depth {b['pipeline_depth']} "
+            f"(GPP speed-up {b['speedup']:.2f}x)"
+        )
+    elif b:
+        lines.append(f"SPP baseline: infeasible ({b['infeasible']})")
+    cost = p.get("cost_model")
+    if isinstance(cost, dict) and cost.get("kind") == "measured":
+        lines.append(
+            f"costs: measured on {cost['device']} (torch {cost['torch']}, {cost['dtype']}), "
+            f"{cost['roofline_operators']} of {cost['operators']} operators on the roofline"
+        )
+    return "\n".join(lines)
+
+
+def write_pytorch_csv(plan: GppPlan, path: str | os.PathLike[str]) -> Path:
+    """``--pytorch-csv``: a chain plan's schedule in ``torch.distributed.pipelining``'s compute-only
+    CSV (what ``_PipelineScheduleRuntime._load_csv`` reads): row ``r`` is rank ``r``, which runs
+    stage ``r``; each cell an action such as ``2F3``. A graph of stages has no such form: an
+    :class:`InputError` (the plan itself is written first)."""
+    why = chain_order([st.id for st in plan.stages], [(e.src, e.dst) for e in plan.edges])
+    if why is not None:
+        raise InputError(
+            f"--pytorch-csv: {why}; torch.distributed.pipelining runs a chain of stages "
+            "(--kind spp plans one)",
+            source=path,
+        )
+    return write_output(path, to_pytorch_csv({st.id: st.schedule.actions for st in plan.stages}))

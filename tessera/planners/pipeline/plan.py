@@ -1,0 +1,299 @@
+"""``plan_gpp``: a graph-pipeline-parallel (or sequential) training plan of a model on a cluster —
+partition, schedule, simulate, and the plan document with the sequential baseline beside it.
+
+References: GraphPipe thesis §3.5–3.7; PipeDream and Piper for the sequential baselines.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from tessera.core.cost import CostModel
+from tessera.core.errors import InfeasibleError, InputError
+from tessera.core.graph import Graph, rewritten
+from tessera.core.plans import (
+    EdgeTensor,
+    GppPlan,
+    ModelRef,
+    Stage,
+    StageEdge,
+    StageMemory,
+    StageSchedule,
+    TrainingSetup,
+)
+from tessera.core.rewrite import applicable
+from tessera.core.schedule import SCHEDULE_CHOICES
+from tessera.core.specs import ClusterSpec
+from tessera.core.units import UnitError, format_bytes, parse_bytes
+from tessera.planners.pipeline.profile import MeasuredCosts
+from tessera.planners.pipeline.search import build_tree, partition, planned_device_type
+from tessera.planners.pipeline.spp import method_name, plan_sequential, sequential_record
+from tessera.planners.pipeline.types import PartitionOptions, Pipeline
+from tessera.planners.sim import SimResult, simulate_pipeline
+
+PlanResult = tuple[GppPlan, Pipeline, SimResult]
+
+
+def _r(x: float) -> float:
+    """Round predictions to 9 significant digits: stable JSON across platforms' float noise."""
+    return float(f"{x:.9g}")
+
+
+def plan_gpp(
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    *,
+    kind: str = "gpp",
+    baseline: bool = True,
+    measured: MeasuredCosts | None = None,
+) -> PlanResult:
+    """Plan (GPP, or SPP with ``kind="spp"``), simulate it, and (for GPP) the SPP baseline.
+
+    ``measured``: operator times from :func:`~tessera.planners.pipeline.profile.profile_graph` instead of
+    the roofline's (the plan's ``predicted.cost_model`` then says where they were measured).
+    """
+    if kind not in ("gpp", "spp"):
+        raise InputError(f"--kind {kind!r}: expected gpp or spp")
+    device = planned_device_type(cluster, options.num_devices)
+    try:
+        cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
+    except ValueError as exc:  # bytes per parameter below what weights and gradients take
+        raise InputError(f"--bytes-per-param: {exc}") from None
+    plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost)
+    if measured is not None:
+        plan.predicted["cost_model"] = measured.to_json()
+    return plan, pipe, sim
+
+
+def _build(
+    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, kind: str, baseline: bool, cost: CostModel
+) -> tuple[GppPlan, Pipeline, SimResult]:
+    tree = build_tree(graph, cost, options.max_units)
+    spp: Pipeline | None = None
+    spp_error: str | None = None
+    if kind == "spp" or baseline:
+        try:
+            # The baseline's message skips the search for the least memory SPP needs.
+            spp = plan_sequential(graph, cluster, options, tree=tree, cost=cost, explain=kind == "spp")
+        except InfeasibleError as exc:
+            if kind == "spp":
+                raise
+            spp_error = exc.message
+    spp_sim = simulate_pipeline(spp) if spp is not None else None
+    if kind == "spp":
+        assert spp is not None and spp_sim is not None
+        plan = _to_plan(graph, cluster, spp, spp_sim, None, "sequential", _training(options, cost))
+        plan.predicted.update(sequential_record(spp))  # which sequential planner, and the other's result
+        return plan, spp, spp_sim
+    try:
+        pipe = partition(graph, cluster, options, tree=tree, cost=cost)
+        sim = simulate_pipeline(pipe)
+    except InfeasibleError:
+        if spp is None:
+            raise
+        pipe, sim = None, None  # type: ignore[assignment]
+    # A sequential pipeline is a graph pipeline too (a chain of convex stages): when the
+    # series-parallel DP's plan simulates slower than the sequential one, the GPP plan is the
+    # sequential one, relabelled (structure "sequential" in the prediction).
+    structure = "graph"
+    if (
+        spp is not None
+        and spp_sim is not None
+        and (sim is None or spp_sim.iteration_time < sim.iteration_time)
+    ):
+        pipe, sim, structure = _relabel(spp), spp_sim, "sequential"
+    base: dict[str, Any] | None = None
+    if baseline:
+        if spp is not None and spp_sim is not None:
+            base = {
+                "kind": "spp",
+                "method": method_name(spp),
+                "iteration_time_s": _r(spp_sim.iteration_time),
+                "throughput_samples_per_s": _r(spp_sim.throughput),
+                "pipeline_depth": spp.pipeline_depth,
+                "num_stages": len(spp.stages),
+                "micro_batch_size": spp.micro_batch_size,
+                "speedup": _r(spp_sim.iteration_time / sim.iteration_time),
+            }
+        else:
+            base = {"kind": "spp", "infeasible": spp_error or "no plan"}
+    return _to_plan(graph, cluster, pipe, sim, base, structure, _training(options, cost)), pipe, sim
+
+
+def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
+    """What the plan's memory was counted for, so validate can count it again."""
+    return TrainingSetup(
+        precision=options.precision, bytes_per_param=cost.memory.bytes_per_param, recompute=options.recompute
+    )
+
+
+def _relabel(pipe: Pipeline) -> Pipeline:
+    return dataclasses.replace(pipe, kind="gpp")
+
+
+def _to_plan(
+    graph: Graph,
+    cluster: ClusterSpec,
+    pipe: Pipeline,
+    sim: SimResult,
+    base: dict[str, Any] | None,
+    structure: str = "sequential",
+    training: TrainingSetup | None = None,
+) -> GppPlan:
+    stages = []
+    for st in pipe.stages:
+        mem = st.memory
+        assert mem is not None
+        stages.append(
+            Stage(
+                id=st.id,
+                nodes=st.nodes,
+                devices=st.devices,
+                micro_batch_size=st.micro_batch_size,
+                schedule=StageSchedule(kind=pipe.schedule_kind, k=pipe.k, actions=st.schedule),
+                in_flight=st.in_flight,
+                memory=StageMemory(
+                    weights=mem.weights, optimizer=mem.optimizer, activations=mem.activations, peak=mem.peak
+                ),
+                recompute=st.recompute,
+                predicted={
+                    "forward_time_s": _r(st.forward_time),
+                    "backward_time_s": _r(st.backward_time),
+                    "allreduce_time_s": _r(st.allreduce_time),
+                    "time_per_sample_s": _r(st.time_per_sample),
+                    "busy_s": _r(sim.busy[st.id]),
+                    "peak_memory_bytes": _r(sim.peak_memory[st.id]),
+                },
+            )
+        )
+    edges = [
+        StageEdge(
+            src=e.src,
+            dst=e.dst,
+            tensors=[EdgeTensor(name=n, bytes=int(b * pipe.micro_batch_size)) for n, b in e.tensors],
+            bytes=int(e.bytes_per_sample * pipe.micro_batch_size),
+        )
+        for e in pipe.edges
+    ]
+    return GppPlan(
+        kind=pipe.kind,
+        model=ModelRef.of(graph),
+        cluster=cluster.to_json_dict(),
+        mini_batch_size=pipe.mini_batch_size,
+        stages=stages,
+        edges=edges,
+        baseline=base,
+        training=training or TrainingSetup(),
+        predicted={
+            "iteration_time_s": _r(sim.iteration_time),
+            "throughput_samples_per_s": _r(sim.throughput),
+            "pipeline_depth": pipe.pipeline_depth,
+            "bubble_fraction": _r(sim.bubble_fraction),
+            "micro_batch_size": pipe.micro_batch_size,
+            "num_stages": len(pipe.stages),
+            "bottleneck_time_per_sample_s": _r(pipe.bottleneck_tps),
+            "memory_limit_bytes": int(pipe.memory_limit),
+            "cost_model": "roofline",
+            "structure": structure,
+        },
+    )
+
+
+def pipeline_options(
+    cluster: ClusterSpec,
+    *,
+    mini_batch: int,
+    devices: int | None = None,
+    schedule: str = "1f1b",
+    memory_limit: int | float | str | None = None,
+    k: int = 2,
+    recompute: str = "never",
+    bytes_per_param: float | None = None,
+) -> PartitionOptions:
+    """The search's options from what a user gives (``tessera plan``'s values); InputError names the
+    value that cannot be planned with. ``memory_limit`` may only lower the devices' memory;
+    ``bytes_per_param``: weights + gradients + optimizer state per parameter (default 16: Adam,
+    mixed precision)."""
+    if schedule not in SCHEDULE_CHOICES:
+        raise InputError(f"--schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CHOICES)}")
+    if recompute not in ("never", "auto", "all"):
+        raise InputError(f"--recompute {recompute!r}: expected never, auto or all")
+    try:
+        limit = (
+            None
+            if memory_limit is None
+            else float(parse_bytes(memory_limit, field="--memory-limit", allow_zero=False))
+        )
+    except UnitError as err:
+        raise InputError(str(err)) from None
+    if bytes_per_param is not None and not 0 < bytes_per_param <= 1024:  # NaN included
+        raise InputError(f"--bytes-per-param {bytes_per_param}: expected a number of bytes in (0, 1024]")
+    device_type = planned_device_type(cluster, devices)
+    if limit is not None and limit > device_type.memory:
+        raise InputError(
+            f"--memory-limit {format_bytes(limit)} is more than a {cluster.devices()[0].type_name}'s "
+            f"{format_bytes(device_type.memory)}: the limit can only lower the device memory "
+            "(a plan over it would not run, and validate would reject it)"
+        )
+    return PartitionOptions(
+        mini_batch=mini_batch,
+        num_devices=devices,
+        memory_limit=limit,
+        schedule=schedule,  # type: ignore[arg-type]
+        k=k if schedule == "kfkb" else 1,
+        recompute=recompute,  # type: ignore[arg-type]
+        bytes_per_param=bytes_per_param,
+    )
+
+
+@dataclass(frozen=True)
+class RewriteChoice:
+    """``--rewrite auto``'s outcome: each candidate model's plan (as given first), and the one kept."""
+
+    candidates: list[Graph]
+    results: list[PlanResult]
+    kept: int
+
+    @property
+    def plan(self) -> PlanResult:
+        return self.results[self.kept]
+
+
+def plan_gpp_best(
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    *,
+    kind: str = "gpp",
+    baseline: bool = True,
+    rewrite_auto: bool = False,
+    measure: Callable[[Graph], MeasuredCosts] | None = None,
+) -> RewriteChoice:
+    """:func:`plan_gpp` of ``graph`` and, with ``rewrite_auto``, of ``graph`` rewritten by every
+    rewrite that changes it (:func:`tessera.core.rewrite.applicable`); the fastest as simulated is
+    kept (a tie keeps the model as given). ``measure``: operator times for a candidate model
+    (``--profile``), else the roofline's. InfeasibleError when no candidate fits."""
+    candidates = [graph]
+    if rewrite_auto:
+        names, _ = applicable(graph.model, label=graph.source)
+        if names:
+            candidates.append(rewritten(graph, names))
+    kept: list[Graph] = []
+    results: list[PlanResult] = []
+    infeasible: InfeasibleError | None = None
+    for g in candidates:
+        measured = measure(g) if measure is not None else None
+        try:
+            results.append(plan_gpp(g, cluster, options, kind=kind, baseline=baseline, measured=measured))
+            kept.append(g)
+        except InfeasibleError as err:  # --rewrite auto: the other model may fit
+            infeasible = infeasible or err
+    if not results:
+        assert infeasible is not None
+        raise infeasible
+    best = max(range(len(results)), key=lambda i: (results[i][2].throughput, -i))
+    return RewriteChoice(kept, results, best)
