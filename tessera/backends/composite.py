@@ -1,14 +1,9 @@
 """The composite (placed) model: run a placement's groups, each on its own backend, as one model.
 
-Every group is cut out once (:meth:`~tessera.core.graph.Graph.extract`) and compiled once on its
-backend; :meth:`CompositeModel.run` executes the groups in a topological order of the group graph,
-handing tensors between them as numpy arrays. The hand-over copies nothing where the runtimes allow:
-onnxruntime and OpenVINO read C-contiguous inputs in place and their outputs are numpy arrays they
-(or we, for OpenVINO) allocated; TVM takes 64-byte-aligned arrays through DLPack and copies others
-once (see each backend's ``Runnable``). A tensor is dropped as soon as its last reader has run.
-
-:func:`latencies` times several runnables of the same inputs interleaved in rounds, so that every
-contender sees the same machine state (what ``place`` and ``bench/place.py`` compare).
+Every group is extracted and compiled once; :meth:`CompositeModel.run` executes the groups in a
+topological order, handing numpy arrays between them without copies where the runtimes allow, and drops
+a tensor after its last reader. :func:`latencies` times several runnables interleaved in rounds, so every
+contender sees the same machine state. References: Collage paper §4. Details: docs/backends.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
-"""The measurer: Collage's 𝓜 (thesis §2.4.2) — compile a candidate subgraph on its backend and time it.
+"""The measurer: compile a candidate subgraph on its backend and time it (Collage's 𝓜 and ε).
 
-``Measurer.measure(backend, graph, nodes)`` extracts the subgraph (``Graph.extract``), looks its
-canonical hash up in the profile cache (:mod:`tessera.backends.profile_cache`), and otherwise
-compiles it, warms it up, and times repeated runs with ``time.perf_counter``; the median and the
-interquartile range are kept and cached. A build or run that fails is logged and costed as
-infinite (and cached as such, so it is not retried).
+``Measurer.measure(backend, graph, nodes)`` looks the subgraph's canonical hash up in the profile cache,
+else compiles, warms up and times it (median and interquartile range, cached); a failed build or run
+costs infinity and is cached as such. ``Measurer.context_switch(src, dst, nbytes)`` measures ε, the extra
+time of handing a tensor between two runtimes, on this machine.
 
-``Measurer.context_switch(src, dst, nbytes)`` measures Collage's ε (Eq. 2.2): the extra time of
-handing a tensor of ``nbytes`` from one runtime to another between two kernels, against handing it
-within one runtime — measured on this machine, cached, never assumed.
+References: Collage thesis §2.4.2, Eq. 2.2 (paper Eq. 2). Details: docs/backends.md.
 """
 
 from __future__ import annotations

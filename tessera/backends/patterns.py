@@ -1,23 +1,12 @@
 """A pattern language over the graph IR, after Collage's extension of the Relay pattern language.
 
-Collage (paper §3, thesis §2.3, Listing 1 "Method 1") lets a backend enumerate the operator
-patterns it supports. Patterns compose like calls, rooted at the operator that produces the
-group's result::
+Patterns compose like calls rooted at the group's result, e.g.
+``is_op("Relu")(is_op("Add")(is_op("Conv")(wildcard(), wildcard()), wildcard()))``; arguments match the
+producers of a node's inputs in ONNX order, trailing inputs are free, commutative binary operators match
+either way round. :meth:`Pattern.match` returns the covered operator set or ``None``; a match must be
+convex (:func:`is_convex`) to run as one kernel.
 
-    conv = is_op("Conv")(wildcard(), wildcard()).has_attr({"group": 1})
-    conv_add_relu = is_op("Relu")(is_op("Add")(conv, wildcard()))
-    either = is_op("Relu") | is_op("Sigmoid")
-
-A call's arguments match the producers of the node's inputs in ONNX order; inputs past the last
-argument are free (ONNX's optional trailing inputs, such as Conv's bias, need not be spelled out).
-:func:`wildcard` matches any tensor (an activation, a graph input, a weight) and adds nothing to
-the match; :func:`is_constant` matches a weight or the output of a constant-computing operator.
-Binary commutative operators (Add, Mul, …) also match with their two arguments swapped.
-
-:meth:`Pattern.match` at a root node returns the set of operator nodes the pattern covers, or
-``None``. A match is a candidate subgraph for one backend kernel, so it must be *convex*
-(:func:`is_convex`): no path may leave the set and come back into it, or the subgraph could not
-run as one unit. Non-convex matches are rejected.
+References: Collage paper §3, Listing 1 ("Method 1"); thesis §2.3. Details: docs/backends.md.
 """
 
 from __future__ import annotations

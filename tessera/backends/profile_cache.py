@@ -1,17 +1,9 @@
 """The SQLite profile cache: measured costs keyed by backend, version, device and subgraph.
 
-Collage caches every measurement "to the log for the future usage" (thesis §2.4.2); tessera keeps
-them in ``~/.cache/tessera/profiles.sqlite`` (or any path given). A row's key is
-
-- the backend name and its version (a new runtime release is a new key);
-- the device fingerprint: the backend's device string, the CPU model and the core count;
-- the subgraph's canonical hash (:func:`subgraph_hash`): operator types, attributes, input,
-  output and initializer shapes and dtypes, and topology — not node or tensor names, and not weight
-  values, so two identical layers at different places share one entry.
-
-Robustness: WAL journaling and a busy timeout let several processes profile at once; every write
-is one ``BEGIN IMMEDIATE`` transaction; a file that is not a readable database (truncated, corrupt)
-is moved aside with a warning and rebuilt empty — the cache never crashes a run.
+Default ``~/.cache/tessera/profiles.sqlite``. The subgraph key is :func:`subgraph_hash`, a canonical hash
+of operator types, attributes, shapes, dtypes and topology (not names, not weight values). WAL journaling,
+a busy timeout and ``BEGIN IMMEDIATE`` writes let processes share it; an unreadable file is moved aside
+and rebuilt. References: Collage thesis §2.4.2 (measurements logged for reuse). Details: docs/backends.md.
 """
 
 from __future__ import annotations

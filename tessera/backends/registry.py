@@ -1,17 +1,11 @@
-"""The backend registry: backends, their patterns and pattern rules (Collage's backend pattern registry).
+"""The backend registry: backends, their patterns and pattern rules.
 
-Three ways in, as in Collage's registration interface (paper §3, Listing 1):
+Three ways in: built-in backends (one module each), declarative patterns in ``configs/backends/*.yaml``,
+and third-party backends from the ``tessera.backends`` entry-point group (``importlib.metadata`` only).
+:func:`default_registry` builds the process-wide registry once; :func:`register_backend` adds to it;
+:meth:`BackendRegistry.candidates` gives the (backend, node set) candidates the placement search measures.
 
-- built-in backends (one module each under ``tessera/backends/``) with their pattern rules;
-- declarative patterns in YAML, ``configs/backends/*.yaml`` (read with a safe loader), for simple
-  cases — a backend that runs a few fused shapes enumerates them;
-- third-party backends through the ``tessera.backends`` entry-point group of installed
-  distributions (``importlib.metadata`` only; no path is ever imported). An entry point names a
-  :class:`~tessera.backends.base.Backend` subclass or instance, or a function ``register(registry)``.
-
-:func:`default_registry` builds the process-wide registry once; :func:`register_backend` adds to it.
-:meth:`BackendRegistry.candidates` turns every pattern match and generated group of the available
-backends into the candidate (backend, node set) pairs the placement optimizer measures.
+References: Collage paper §3, Listing 1 (backend registration). Details: docs/backends.md.
 """
 
 from __future__ import annotations

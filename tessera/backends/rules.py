@@ -1,21 +1,11 @@
-"""Pattern rules and the pattern generator (Collage paper §3, Listing 1 "Method 2"; thesis Fig. 2.4).
+"""Pattern rules and the pattern generator, for backends whose fusion engine is too rich to enumerate.
 
-A backend whose fusion engine is too rich to enumerate gives a :class:`PatternRule` instead: an
-operator checker ``op_rule(op)`` and a fusion checker ``fusion_rule(group_kind, src, sink)``. The
-generator (:func:`generate_groups`) then finds every legitimate group on a given graph:
+A :class:`PatternRule` gives an operator checker ``op_rule(op)`` and a fusion checker
+``fusion_rule(group_kind, src, sink)``; :func:`generate_groups` grows a group from every accepted seed
+operator to its successive post-dominators while both hold. Operators are classified by :class:`OpKind`
+(TVM's operator pattern kinds); a group's kind is the largest among its operators.
 
-1. visit every operator (the *seed*); if ``op_rule`` accepts it, register the one-operator group;
-2. grow the group to the seed's next *post-dominator* (the sink): the new group is the seed, the
-   sink, and every operator on a path between them; if ``op_rule`` accepts every new operator and
-   ``fusion_rule(kind of the group so far, src, sink)`` holds, register it and repeat from the sink;
-3. stop growing at the first failure (or at the graph's end).
-
-Post-dominators come from networkx: immediate dominators of the reversed DAG, rooted at a virtual
-sink that every operator producing a graph output (or consuming nothing downstream) feeds.
-
-Operators are classified by :class:`OpKind` (TVM's operator pattern kinds, which Collage's rules
-use: ``kElemWise``, ``kBroadcast``, …, ``kOutEWiseFusable``, ``kOpaque``); a group's kind is the
-largest kind among its operators.
+References: Collage paper §3, Listing 1 ("Method 2"); thesis Fig. 2.4. Details: docs/backends.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
-"""ONNX → trainable ``torch.nn.Module``: the executor's interpreter of (sub-)models.
+"""ONNX → trainable ``torch.nn.Module``: the interpreter of (sub-)models for training and profiling.
 
-:class:`OnnxModule` holds a model's initializers — the trainable ones as ``nn.Parameter``s, the rest
-(shape vectors, index tables, scalar constants, BatchNormalization running statistics) as buffers —
-and runs the nodes in the model's topological order, one small function per operator. The table
-:data:`OPS` (op_type → function) is the registry, as in ONNX's reference operators
-(``onnx/reference/ops/op_*.py``); adding an operator is adding one function to it.
-
-What trains: a floating-point initializer of rank ≥ 1, except BatchNormalization's mean and
-variance inputs. A rank-0 float initializer is a constant of the formula (GELU's 0.5, an attention
-scale), as :mod:`tessera.core.graph` counts parameters. BatchNormalization follows ONNX inference
-semantics (``training_mode=0``: the running statistics normalize, scale and bias train) so that
-training with micro-batches is the same computation as training with the whole mini-batch.
-
-Parameter names are sanitized for torch (``layer0/attn/q/weight`` → ``layer0_attn_q_weight``);
-:attr:`OnnxModule.onnx_names` maps them back and :meth:`OnnxModule.onnx_parameters` iterates by
-initializer name, so a stage's weights can be compared with the whole model's by their ONNX names.
-
-Operators follow opset ≥ 13 semantics (the zoo is opset 17); attribute-or-input variants (axes of
-Squeeze/Unsqueeze/Reduce*) accept both forms.
+:class:`OnnxModule` holds the initializers (floating-point ones of rank ≥ 1 as ``nn.Parameter``s, except
+BatchNormalization's statistics; the rest as buffers) and runs the nodes in topological order, one
+function per operator from the table :data:`OPS` (as in ONNX's reference operators). BatchNormalization
+follows inference semantics, so micro-batched training equals whole-batch training. Parameter names are
+sanitized for torch and mapped back by :attr:`OnnxModule.onnx_names`. Opset ≥ 13 semantics.
+Details: docs/backends.md.
 """
 
 from __future__ import annotations

@@ -1,18 +1,10 @@
 """MetaSchedule tuning of TVM subgraphs, with tuning records persisted in a directory.
 
-``tune(fused_mod, target, work_dir, trials)`` extracts the fused kernels (MetaSchedule tasks) of a
-legalized Relax module, tunes those that have no record yet with a budget of ``trials`` measured
-candidates, and writes each kernel's best records to ``work_dir/records/<workload>.json``
-(atomically; one file per kernel, keyed by the TIR workload's structural hash and the target).
-``apply_records`` puts every recorded schedule into a module before it is built, so a kernel tuned
-once (in any process, for any model containing it) is reused.
-
-Why not MetaSchedule's own ``JSONDatabase`` and ``LocalBuilder``/``LocalRunner``: in the installed
-TVM build, serializing TIR to JSON (``tvm.ir.save_json``) crashes, and the local builder/runner need
-``cloudpickle``/``psutil`` process pools. So candidates are built and timed in this process, the
-search space is sampled with the ``replay-func`` strategy (the evolutionary and replay-trace
-strategies go through the crashing serializer), and records are stored as their schedule traces'
-JSON, which is replayed onto the task's TIR on load.
+``tune(fused_mod, target, work_dir, trials)`` tunes the fused kernels of a legalized Relax module that
+have no record yet and writes each kernel's best records to ``work_dir/records/<workload>.json``;
+``apply_records`` applies them before a build, so a kernel is tuned once for every model containing it.
+Candidates are built and timed in this process with the ``replay-func`` strategy, because the installed
+TVM's TIR JSON serializer crashes (details: docs/backends.md).
 """
 
 from __future__ import annotations

@@ -1,38 +1,12 @@
 """The cost model: time and memory of every operator, and of communication.
 
-The default source of operator times is a roofline model — deterministic, instant, and good
-enough to rank pipeline plans (GraphPipe thesis §3.5 estimates stage times the same way from
-per-operator costs; FlexFlow's simulator, thesis-jia §3.4, takes per-task times as input):
+Operator times default to a roofline of the device spec (forward ``max(flops/peak, bytes/bandwidth)`` plus
+a launch; backward 2× for operators with weights, 1× otherwise); a transfer is ``latency + n/bandwidth``,
+a ring all-reduce ``2(p−1)/p · n/bandwidth + 2(p−1) · latency``; training memory is Adam in mixed
+precision, 16 bytes per parameter (thesis Eq. 3.2). A :class:`CostModel` with ``measured`` set takes
+measured operator times first and falls back to the roofline; memory stays analytical.
 
-- forward time of an operator on ``s`` samples (the IR's costs are at batch 1 and scale linearly
-  with the samples, except weights, which are read once per pass)::
-
-      t_fw(s) = max(flops · s / peak, (param_bytes + activation_bytes · s) / memory_bandwidth) + launch
-
-- backward time: ``2×`` the forward FLOPs and bytes for operators with weights (the gradient with
-  respect to the input *and* to the weights), ``1×`` otherwise (only the input gradient)::
-
-      t_bw(s) = max(r · flops · s / peak, r · bytes(s) / memory_bandwidth) + launch,  r = 2 if params else 1
-
-- a transfer of ``n`` bytes over a link: ``latency + n / bandwidth`` (the alpha-beta model);
-- ring all-reduce of ``n`` bytes over ``p`` devices (data parallelism inside a stage)::
-
-      2 (p − 1) / p · n / bandwidth + 2 (p − 1) · latency
-
-- training memory per parameter (``TrainingMemory``), by default Adam with mixed precision:
-  16 bytes/param = fp16 weight 2 + fp16 gradient 2 + fp32 master weight 4 + Adam m 4 + Adam v 4.
-  Activations are stored at the compute precision (fp16 under mixed precision: half the IR's fp32
-  bytes).
-
-Measured operator times (``tessera plan --kind gpp|spp --profile``) replace the roofline's forward
-and backward times, operator by operator: :mod:`tessera.planners.pipeline.profile` runs every operator's
-forward and backward through torch autograd on *this* machine (median of repeats after a warm-up,
-at two sample counts, affine in the samples in between and beyond) and keeps them in the SQLite
-profile cache. A :class:`CostModel` with ``measured`` set asks it first and falls back to the roofline
-for the operators it has no time for (unsupported, non-differentiable, constant). Memory — weights,
-optimizer state, activations, wire bytes — stays analytical (tensor shapes) either way. The roofline
-is deterministic; measured times are deterministic only given the cache (a warm cache gives the same
-times, so the same plan, byte for byte).
+References: GraphPipe thesis §3.5; FlexFlow's simulator, thesis-jia §3.4. Formulas: docs/core.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,9 @@
 """The error hierarchy and the exit codes every command shares.
 
-Exit codes (documented in the README; CI scripts depend on them):
-
-====  =====================================================================
-code  meaning
-====  =====================================================================
-0     success
-1     internal error (a bug in tessera: please report it)
-2     bad input: usage, an unreadable or invalid model, spec or plan, an unwritable output
-3     infeasible: no plan meets the constraints
-4     launch or verification failure
-====  =====================================================================
-
-Every error raised on purpose is a :class:`TesseraError`; its message is one line that names the
-file (and the field or node) and says what is wrong. The CLI prints it without a traceback.
+Every error raised on purpose is a :class:`TesseraError` whose message is one line naming the file (and
+the field or node) and what is wrong; the CLI prints it without a traceback. Exit codes (the README's
+table; CI scripts depend on them): 0 success, 1 internal error, 2 bad input, 3 infeasible, 4 launch or
+verification failure.
 """
 
 from __future__ import annotations

@@ -1,26 +1,9 @@
 """FLOPs and bytes moved per operator, from shapes alone.
 
-Conventions (the ones FLOP counters in this field use, stated so numbers can be checked by hand):
-
-- A multiply-accumulate is **2 FLOPs**.
-- ``Conv``: ``2 · N · C_out · prod(out_spatial) · (C_in / group) · prod(kernel)``, plus
-  ``N · C_out · prod(out_spatial)`` for the bias when present.
-- ``ConvTranspose``: ``2 · N · C_in · prod(in_spatial) · (C_out / group) · prod(kernel)`` (+ bias).
-- ``MatMul``: ``2 · prod(batch) · M · K · N`` with numpy broadcasting of batch dims; ``Gemm``:
-  ``2 · M · K · N`` plus ``M · N`` when C is added.
-- ``Attention`` (ONNX opset 23): ``2·B·H·Sq·Sk·Dqk + 2·B·H·Sq·Sk·Dv`` for the two products, plus
-  5 per score for the softmax.
-- Elementwise (Add, Relu, Erf, Exp, …): 1 FLOP per output element (transcendentals count as 1).
-- ``Softmax``/``LogSoftmax``: 5 per element (max, subtract, exp, sum, divide).
-- ``LayerNormalization``: 8 per element (mean, subtract, square, sum, rsqrt-scale, γ, β, round-off);
-  ``BatchNormalization`` at inference: 2 per element (folded scale and shift);
-  ``InstanceNormalization``/``GroupNormalization``: 8 per element.
-- Reductions and pooling: one FLOP per input element read (per window element for pooling).
-- ``Gather`` and data movement (Transpose, Concat, Slice, Split, Cast, …): 0 FLOPs.
-
-Bytes moved: every input read once and every output written once (activations and weights alike),
-except pure metadata ops (Reshape, Flatten, Squeeze, Unsqueeze, Identity, Shape, Size), which are
-views and move nothing; ``Gather`` reads only the rows it gathers (output size) plus the indices.
+The conventions of the field's FLOP counters: a multiply-accumulate is 2 FLOPs (``MatMul``: ``2·M·K·N``;
+``Conv``: ``2·N·C_out·prod(out_spatial)·(C_in/group)·prod(kernel)``), elementwise operators 1 per output
+element, data movement 0. Bytes: every input read and every output written once, except metadata-only
+operators (Reshape, Squeeze, …), which move nothing. The per-operator table is in docs/core.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
-"""Plan schemas: the three plan kinds of DESIGN.md as typed, versioned documents.
+"""Plan schemas: the plan kinds (placement, gpp/spp, cp) as typed, versioned documents.
 
-Every plan has ``schema_version``, ``kind`` (``placement`` | ``gpp`` | ``cp``), ``tool_version``,
-``model`` {``path``, ``sha256``, ``num_nodes``, ``input_shapes``, ``rewrites``}, ``cluster`` (the
-resolved spec, or null for a placement on the local machine), ``predicted`` {…} and the kind's own
-body. Plans are deterministic:
-:func:`dump_plan` writes the same bytes for the same plan (fixed field order, no timestamps).
-
-:func:`load_plan` reads and validates a plan file; :func:`check_plan_against_model` checks it
-against the model it names (sha256, node names, coverage). Structural checks that need a planner's
-knowledge (GraphPipe's C1–C5, memory; a placement's backends) are added by the planners and
-backends through ``PLAN_CHECKS``.
+Every plan has ``schema_version``, ``kind``, ``tool_version``, ``model``, ``cluster``, ``predicted`` and
+the kind's own body (the contract: docs/architecture.md). :func:`dump_plan` writes the same bytes for the
+same plan; :func:`load_plan` reads and validates a plan file; :func:`check_plan_against_model` checks it
+against the model it names (sha256, node names, coverage) and runs the checks that planners and backends
+register in ``PLAN_CHECKS``.
 """
 
 from __future__ import annotations

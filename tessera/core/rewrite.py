@@ -1,29 +1,11 @@
 """Graph rewrites a planner may ask for: named, exact-in-arithmetic substitutions (IR in, IR out).
 
-A plan that was made on a rewritten graph records the rewrites' names (``model.rewrites``), and
-``validate`` and ``launch`` apply the same rewrites to the model file before they read the plan:
-the file on disk is never changed, and the rewrite is a pure, deterministic function of it.
+``reduce-concat`` moves a reduction over other axes above a ``Concat``; ``concat-matmul`` splits a fully
+connected layer over a ``Concat`` into one product per input and a ``Sum``. They are applied in the order
+of :data:`REWRITES`. A plan made on a rewritten graph records their names (``model.rewrites``);
+``validate`` and ``launch`` apply them to the model file, which is never changed.
 
-They are applied in the order of :data:`REWRITES`, whatever order they are asked for in:
-
-``reduce-concat``
-    A reduction over axes other than a ``Concat``'s axis moves above it: one reduction per
-    concatenated input, concatenated after (TASO's "concat and pooling" commutativity,
-    thesis-jia-taso-flexflow.txt Table 2.2, for ``ReduceMean``/``Sum``/``Max``/``Min``). MMT's
-    merge pools each branch's ``[batch, seq, hidden]`` over ``seq`` after concatenating them; the
-    branches then pool before they send, and ``concat-matmul`` can split the head. Exact.
-
-``concat-matmul``
-    TASO's substitution of a matrix product over a concatenation (thesis-jia-taso-flexflow.txt,
-    Table 2.2, "concat and matrix mul.": ``matmul(concat(1, x, z), concat(0, y, w)) =
-    ewadd(matmul(x, y), matmul(z, w))``): a fully connected
-    layer (``Gemm``, or ``MatMul`` by a 2-D weight) whose input is a ``Concat`` along the
-    contracted axis becomes one product per concatenated input, by the matching rows of the
-    weight, and a ``Sum`` of the products and the bias. The multi-branch models' merge layer
-    (CANDLE-Uno: 7·4096 → 4096, 18 % of its FLOPs, in one operator after the branches) then
-    splits into per-branch parts that a graph pipeline runs inside the branches. Exact up to
-    floating-point summation order. Applies only where the concatenation feeds nothing else and
-    the weight is an initializer that nothing else reads (slicing a shared weight would untie it).
+References: TASO's substitutions, thesis-jia Table 2.2. Conditions and examples: docs/core.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,10 @@
 """Cluster and device specs: the typed, validated form of a cluster YAML file.
 
-The format (DESIGN.md, "Cluster YAML"; every field is documented in ``configs/README.md``)::
-
-    name: dgx-a100-2node
-    device_types:
-      a100-80g: {kind: gpu, memory: 80GiB, flops: {fp32: 19.5TFLOPS, bf16: 312TFLOPS},
-                 memory_bandwidth: 2039GB/s}
-    nodes:
-      - {name: node, count: 2, devices: [{type: a100-80g, count: 8}]}
-    links:
-      intra_node: {bandwidth: 300GB/s, latency: 2us}
-      inter_node: {bandwidth: 25GB/s, latency: 5us}
-
-Quantities are numbers in SI base units or strings with units (:mod:`tessera.core.units`). Link
-bandwidths are per direction, from one device to one other device.
-
-:func:`load_cluster` reads a file or a preset from ``configs/clusters/`` and raises
-:class:`~tessera.core.errors.InputError` with a one-line message naming the file and the field path
-(``device_types.a100.memory: …``) for every problem. A :class:`ClusterSpec` resolves to the list of
-:class:`Device` the planners place work on. Device ids read ``{node}{i}/{type}:{k}``: the ``i``-th
-instance of node group ``node`` (counting from 0 within the group; written ``{node}-{i}`` when the
-group name ends in a digit, e.g. ``rack1-0``), and the ``k``-th device of type ``type`` in that node
-instance, e.g. ``node1/a100-80g:3``. Ids depend only on the spec, so they are
-stable across runs and can be written into plans.
+:func:`load_cluster` reads a file or a preset from ``configs/clusters/`` (format: ``configs/README.md``;
+quantities: :mod:`tessera.core.units`) and raises :class:`~tessera.core.errors.InputError` naming the file
+and the field path for every problem. A :class:`ClusterSpec` resolves to the :class:`Device` list the
+planners place work on; device ids read ``{node}{i}/{type}:{k}`` (e.g. ``node1/a100-80g:3``), depend only
+on the spec, and are stored in plans. Details: docs/core.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,9 @@
 """Quantities with units: byte sizes, bandwidths, FLOP rates and times.
 
-A cluster spec may give every quantity either as a number in SI base units (bytes, bytes per second,
-FLOP per second, seconds) or as a string with a unit, as datasheets write them:
-
-=============  ===========================================================================  ============
-quantity       units                                                                        parsed to
-=============  ===========================================================================  ============
-byte size      ``B``; decimal ``kB KB MB GB TB PB``; binary ``KiB MiB GiB TiB PiB``         ``int`` bytes
-bandwidth      bytes ``B/s GB/s GiB/s GBps …``; bits ``b/s Gb/s Gbit/s Gbps …`` (÷ 8)        bytes/s
-FLOP rate      ``FLOPS FLOP/s OPS`` with a prefix ``k M G T P E`` (``312TFLOPS``, ``624TOPS``)  FLOP/s
-time           ``s ms us µs ns``                                                            seconds
-=============  ===========================================================================  ============
-
-Decimal prefixes are powers of 1000 (``16GB`` = 16·10⁹ bytes), binary ones powers of 1024
-(``80GiB`` = 80·2³⁰ bytes). In a bandwidth a capital ``B`` means bytes and a small ``b`` bits, as in
-network datasheets (``100Gb/s`` InfiniBand = 12.5·10⁹ bytes/s). A space between number and unit is
-allowed (``19.5 TFLOPS``).
-
-Every parser rejects negative, NaN and infinite values and booleans; zero is accepted unless the
-caller passes ``allow_zero=False`` (a latency may be zero, a memory size may not). A bad value raises
-:class:`UnitError`, a :class:`ValueError` whose message says what was expected.
+A quantity is a number in SI base units or a string as datasheets write it (``80GiB``, ``900GB/s``,
+``100Gb/s``, ``312TFLOPS``, ``2us``): decimal prefixes are powers of 1000, binary ones of 1024, and in a
+bandwidth ``B`` means bytes and ``b`` bits. Negative, NaN, infinite and boolean values raise
+:class:`UnitError` (a :class:`ValueError`), and zero does where ``allow_zero=False``. Table: docs/core.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
 """Deterministic weights, eager or lazy, and the lazy-weight representation.
 
-Every parameter of a zoo model is drawn from its own generator, seeded by the model seed and the
-parameter's name, so a weight is the same whether it is generated while building (eager) or later by
-:func:`materialize` (lazy), and whatever order the parameters are generated in.
-
-Lazy parameters (paper-size models: planning needs only shapes) are ONNX external-data tensors that
-point at no file. Such an initializer keeps its real ``dims`` and ``data_type``, has
-``data_location = EXTERNAL`` and these ``external_data`` entries:
-
-==================  ===============================================================
-key                 value
-==================  ===============================================================
-``location``        ``#tessera-lazy`` (:data:`LAZY_LOCATION`)
-``tessera.init``    ``normal``, ``ones`` or ``zeros``
-``tessera.std``     the standard deviation of ``normal`` (``repr`` of a float)
-``tessera.seed``    the model seed
-``tessera.slice``   only on a slice of a parameter (a graph rewrite's part, see
-                    :mod:`tessera.core.rewrite`): ``name;d0,d1;axis;start;stop``, the
-                    parameter it was cut from, that parameter's dims, and the range
-==================  ===============================================================
-
-The leading ``#`` is ONNX's marker for a location that is not a file: ``onnx.checker.check_model``
-on the in-memory model skips its file checks for it, and ``onnx.shape_inference`` never reads
-initializer data. So load a saved lazy model with ``onnx.load(path, load_external_data=False)`` and
-check the proto, not the path (checking by path looks for a file ``#tessera-lazy`` next to it).
+Every zoo parameter is drawn from its own generator, seeded by the model seed and its name, so it is the
+same whether built eagerly or later by :func:`materialize`. Lazy parameters (paper-size models) are ONNX
+external-data tensors whose location is ``#tessera-lazy`` (:data:`LAZY_LOCATION`) and whose
+``external_data`` entries say how to generate them (``tessera.init``, ``.std``, ``.seed``, ``.slice``).
+Load a saved lazy model with ``onnx.load(path, load_external_data=False)`` and check the proto, not the
+path. Format: docs/core.md.
 """
 
 from __future__ import annotations

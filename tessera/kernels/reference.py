@@ -1,30 +1,12 @@
 """PyTorch reference for split-KV (cache-parallel) decode attention and its exact merge.
 
-Cache parallelism (thesis-jeon, ch. 4, §4.4) splits each request's KV cache along the sequence over
-N devices. For one decode step every device attends the new token's query to its local ``kv_shard``
-and returns a *partial*: the output normalized within the shard plus the statistics the merge needs.
-The thesis writes those statistics as the running max ``m`` and sum ``s``
-(``m = max_i q·k_i``, ``s = Σ_i exp(q·k_i - m)``); tessera carries the single equivalent number
+:func:`decode_attention_partial` attends one new token per request (``q`` ``[B, Hq, D]``) to one
+``kv_shard`` (``k``, ``v`` ``[B, Hkv, S, D]``; GQA/MQA when ``Hkv < Hq``; ``kv_len`` valid positions per
+request) and returns ``(o, lse)``: the shard-normalized output and ``lse = ln Σ exp(scale·q·k)`` in fp32.
+:func:`merge_partials` combines shards exactly, ``lse = ln Σ_n exp(lse_n)``, ``o = Σ_n exp(lse_n − lse)·o_n``
+(FlashDecoding across devices); an empty shard gives ``o = 0, lse = -inf`` and merges without NaN.
 
-    lse = m + ln(s) = ln Σ_i exp(scale · q·k_i)         (natural logarithm, in fp32)
-
-which halves what crosses the all-to-all and merges with the same formula (FlashDecoding [Dao23],
-applied across devices instead of across thread blocks):
-
-    lse = ln Σ_n exp(lse_n),        o = Σ_n exp(lse_n - lse) · o_n
-
-Conventions shared with :mod:`tessera.kernels.triton_decode`:
-
-- ``q`` is ``[B, Hq, D]`` (one new token per request), ``k`` and ``v`` are ``[B, Hkv, S, D]``
-  (one shard of S positions). ``Hq`` is a multiple of ``Hkv``: q-head ``h`` reads kv-head
-  ``h // (Hq // Hkv)`` (GQA; MQA when ``Hkv == 1``; MHA when ``Hkv == Hq``).
-- ``kv_len`` (int ``[B]``, optional) is the number of valid positions of each request **in this
-  shard**: positions ``>= kv_len[b]`` are ignored. A shard can be partly or wholly empty for a request.
-- An empty shard (``kv_len[b] == 0`` or ``S == 0``) gives ``o = 0`` and ``lse = -inf``; it then has
-  weight zero in :func:`merge_partials`, and a request whose shards are all empty merges to
-  ``o = 0, lse = -inf`` without NaN.
-- Scores are computed in fp32 for fp16/bf16 inputs; ``o`` is returned in the input dtype, ``lse``
-  in fp32.
+References: thesis §4.4. Conventions shared with the Triton kernel: docs/cp.md.
 """
 
 from __future__ import annotations

@@ -1,27 +1,12 @@
 """Triton split-KV (FlashDecoding) decode attention over one ``kv_shard``.
 
-Computes exactly what :func:`tessera.kernels.reference.decode_attention_partial` computes — the
-shard-normalized output ``o`` and the natural-log ``lse`` that cache parallelism merges across devices
-(thesis-jeon §4.4) — in two kernels:
-
-1. ``_decode_split_kernel``, grid ``(num_splits, B * Hkv)``: one program per (KV split, request, kv
-   head). It streams its split of the shard in ``BLOCK_N``-position blocks with an online softmax
-   (FlashAttention's running max and sum, in base 2 for ``exp2``) and serves *all* ``G = Hq / Hkv``
-   q-heads of the kv head at once, so every K/V byte is read from memory exactly once. Loads are
-   ``[BLOCK_N, D]`` tiles contiguous along ``D``. With ``G > 1`` the scores and the ``p·V`` product
-   are tensor-core ``tl.dot`` s over a ``[BLOCK_G >= 16, D]`` query tile (padding rows are masked
-   out); with ``G == 1`` (MHA) they are fp32 multiply-reduces. Positions ``>= kv_len[b]`` are skipped
-   (the loop stops at ``kv_len``; the last block is masked), so splits wholly past a request's length
-   cost no memory traffic and write ``lse = -inf``.
-2. ``_merge_splits_kernel``, grid ``(B * Hq,)``: the log-sum-exp merge of the splits into the shard's
-   ``(o, lse)`` — the same formula as :func:`~tessera.kernels.reference.merge_partials`.
-
-The split count is chosen so that ``num_splits * B * Hkv`` programs fill the GPU several times over
-(bandwidth comes from many loads in flight), which is what a 128K-token cache at batch 1 needs.
-
-Runs on CUDA tensors, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` set before
-Triton is first imported). Importing this module never fails: without Triton,
+Computes what :func:`tessera.kernels.reference.decode_attention_partial` computes, in two kernels:
+``_decode_split_kernel`` streams each KV split with an online softmax, serving all q-heads of a kv head at
+once so every K/V byte is read once; ``_merge_splits_kernel`` merges the splits by log-sum-exp. Runs on
+CUDA, or on CPU under ``TRITON_INTERPRET=1``. Importing never fails: without Triton,
 :func:`decode_attention_partial_triton` raises :class:`KernelUnavailableError` with the reason.
+
+References: thesis §4.4; FlashDecoding. Kernel design: docs/cp.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,10 @@
-"""The model zoo: deterministic builders of the seeds' benchmark models as ONNX.
+"""The model zoo: deterministic builders of the benchmark models of the references, as ONNX.
 
-Every model is built in code (``onnx.helper``), its weights drawn from numpy generators seeded by
-``seed`` and each parameter's name, so the same (name, size, seed) always gives byte-identical
-``SerializeToString()`` output. Each has a ``tiny`` size (for tests: a few hundred KB, builds in
-milliseconds) and the ``paper`` size of the seed it comes from.
-
-Conventions: opset 17 (default domain), IR version 8, fp32; inputs and outputs have meaningful names
-and a symbolic first dimension ``batch``, every other dimension concrete; every node has a unique,
-readable, scoped name (``branch2/layer1/attn/qk_matmul``); ``metadata_props`` record the model's
-config as ``tessera.<field>`` and its parameter count as ``tessera.parameters``.
-
-Paper-size models are *lazy* (:mod:`tessera.core.weights`): their parameters are external-data
-initializers with real dims and dtype whose location is ``#tessera-lazy``, so they build in well
-under a second, save to a few hundred KB, check and shape-infer. :func:`materialize` fills in the
-real weights when one must run::
-
-    model = build("gpt", "tiny", seed=0)
-    gqa = build("gpt", "tiny", kv_heads=2)      # override a config field
-    big = build("gpt", "paper")                 # lazy: shapes only
-    runnable = materialize(big)                 # ~0.65 GB of weights
+:func:`build` (name, size, seed, config overrides) gives byte-identical output for the same arguments;
+each model has a ``tiny`` size for tests and the ``paper`` size of its source. Paper-size models are lazy
+(:mod:`tessera.core.weights`: shapes only); :func:`materialize` fills in the weights. Conventions: opset
+17, IR version 8, fp32, symbolic first dimension ``batch``, unique scoped node names, the config in
+``metadata_props`` as ``tessera.<field>``. Details: docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """BERT: a BERT-style encoder (BERT-base at paper size: 12 layers, 768, 12 heads, FFN 3072).
 
-A sequential transformer baseline for placement and pipeline planning (the Collage and GraphPipe
-evaluations, paper-collage.txt and paper-graphpipe.txt Appendix A.3, both use BERT-like encoders).
-
-- Inputs ``input_ids`` and ``token_type_ids`` ``[batch, seq]`` (int64).
-- ``embed``: ``token``, ``position`` (constant positions ``0..seq-1``) and ``token_type`` Gathers,
-  summed (``add``, ``add_type``), LayerNormalization ``embed/norm``.
-- ``layer{i}``: post-norm: ``ln1(x + attn(x))``, ``ln2(x + ffn(x))``; GELU via Erf.
-- Outputs ``last_hidden_state`` ``[batch, seq, hidden]`` and ``pooler_output`` ``[batch, hidden]``
-  (the first token through ``pooler``: Gemm + Tanh).
+A sequential transformer baseline for placement and pipeline planning: ``input_ids``/``token_type_ids``
+→ embeddings and LayerNormalization → post-norm layers ``layer{i}`` (GELU via Erf) →
+``last_hidden_state`` and ``pooler_output``. References: Collage paper evaluation; GraphPipe paper
+App. A.3. Structure: docs/models.md.
 """
 
 from __future__ import annotations

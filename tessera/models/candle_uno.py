@@ -1,13 +1,10 @@
 """CANDLE-Uno: the drug-response model of GraphPipe's evaluation.
 
-GraphPipe (paper-graphpipe.txt) Appendix A.2; thesis §3.10.3: "seven branches, each of which
-includes four feed-forward layers. All feed-forward layers have a hidden size of 4096."
+Seven branches (``feature{i}`` → ``layers`` × (Gemm + Relu)), ``merge/concat``, a top MLP and a Gemm
+``head`` regressing ``growth`` ``[batch, 1]``; hidden size 4096. The sources give neither the input width
+nor the top MLP: both take the hidden size, with four top layers like the branches.
 
-- ``feature{i}`` ``[batch, feature_dim]`` (one feature set per branch: cell-line expression, drug
-  descriptors, fingerprints, ...) -> ``branch{i}``: ``layers`` x (Gemm + Relu).
-- ``merge/concat``, ``top``: ``top_layers`` x (Gemm + Relu), ``head``: Gemm to the predicted
-  ``growth`` ``[batch, 1]`` (a regression). The seeds give neither the input width nor the top
-  MLP; we take both at the hidden size (4096) and four top layers, like the branches.
+References: GraphPipe paper App. A.2; thesis §3.10.3. Structure: docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,20 +1,11 @@
 """DLRM: the deep-learning recommendation model of GraphPipe's evaluation.
 
-GraphPipe (paper-graphpipe.txt) Appendix A.2; thesis §3.10.3: "seven branches for dense features and
-seven branches for sparse features (embedding layers); these branches are concatenated at the end.
-Each branch for dense features includes four feed-forward layers. The hidden size of dense features
-and the following feed-forward layers is 4096. For sparse features, its hidden size is 64 and the
-embedding bag size is 100; embeddings in a single bag is concatenated. The number of entries in an
-embedding table is 1 million. Feed-forward layers post-processing the interaction also have the
-hidden size of 4096."
+Seven dense branches (``dense{i}`` → ``dense_layers`` × (Gemm + Relu), width 4096) and seven sparse ones
+(``sparse{i}`` row ids → Gather from a ``[rows, embed_dim]`` table, the bag's embeddings concatenated;
+1M × 64, bag 100), ``interaction/concat``, a top MLP, ``head`` and ``click_probability`` (Sigmoid). The
+sources do not give the number of top layers; four are used, like the dense branches.
 
-- ``dense{i}`` ``[batch, dense_dim]`` -> ``dense_branch{i}``: ``dense_layers`` x (Gemm + Relu).
-- ``sparse{i}`` ``[batch, bag]`` (int64 row ids) -> ``sparse_branch{i}``: Gather from
-  ``table/weight`` ``[rows, embed_dim]`` and Reshape to ``[batch, bag * embed_dim]`` (the bag's
-  embeddings concatenated).
-- ``interaction/concat`` of all fourteen branches, ``top``: ``top_layers`` x (Gemm + Relu), then
-  ``head`` (Gemm to one logit) and ``click_probability`` (Sigmoid) ``[batch, 1]``. The seeds do not
-  say how many post-interaction layers; we use four, like the dense branches.
+References: GraphPipe paper App. A.2; thesis §3.10.3. Structure: docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,12 @@
 """GPT: a GPT-2-style decoder-only transformer, the model cache-parallel decode planning targets.
 
-The decoder whose KV cache the thesis's chapter 4 (cache parallelism, thesis-jeon-collage-graphpipe-cp.txt)
-splits along the sequence; sizes are GPT-2 small's (12 layers, hidden 768, 12 heads, FFN 3072,
-vocabulary 50257, context 1024).
+GPT-2 small's sizes at paper size (12 layers, hidden 768, 12 heads, FFN 3072, vocabulary 50257, context
+1024). Regular so a recognizer can match it layer by layer: token and position embeddings, ``layer{i}``
+(``ln1`` → ``attn`` with a causal ``mask_add`` → residual → ``ln2`` → ``ffn`` → residual), ``final_norm``
+and an untied ``lm_head`` to ``logits``. ``kv_heads < heads`` gives grouped-query attention; the config is
+recorded in ``metadata_props`` (``tessera.layers``, ``tessera.kv_heads``, …).
 
-Structure, regular so a recognizer can match it layer by layer (node names in parentheses):
-
-- ``input_ids`` ``[batch, seq]`` (int64); ``embed/token`` Gather from ``embed/token/weight``
-  ``[vocab, hidden]``, ``embed/position`` Gather of the constant positions ``0..seq-1`` from
-  ``embed/position/weight`` ``[seq, hidden]``, summed by ``embed/add``.
-- ``layer{i}``: ``ln1`` -> ``attn`` (``q``/``k``/``v`` MatMul + bias Add, split heads, ``qk_matmul``,
-  ``qk_scale``, causal ``mask_add``, ``softmax``, ``av_matmul``, ``merge_heads``, ``out``) ->
-  ``attn_residual`` -> ``ln2`` -> ``ffn`` (``fc1``, Erf GELU, ``fc2``) -> ``ffn_residual``.
-- ``final_norm``, then ``lm_head`` (MatMul, no bias; not tied to the token embedding, so each
-  pipeline stage owns its weights) to ``logits`` ``[batch, seq, vocab]``.
-
-``kv_heads < heads`` gives grouped-query attention (``k``/``v`` project to ``kv_heads * head_dim``).
-The config is recorded in ``metadata_props``: ``tessera.layers``, ``tessera.hidden``,
-``tessera.heads``, ``tessera.kv_heads``, ``tessera.head_dim``, ``tessera.ffn``, ``tessera.vocab``,
-``tessera.seq``.
+References: thesis ch. 4 (cache parallelism). Node names: docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,16 +1,11 @@
 """MMT: the multi-modal (multi-branch) transformer of GraphPipe's evaluation.
 
-GraphPipe (paper-graphpipe.txt) §5 and Appendix A.2; thesis §3.10.3: "four parallel branches
-concatenated at the end and each branch consists of eight Transformer layers (32 layers in total).
-Here, the input sequence length is 256. Each transformer layer has a hidden size of 1024 [...] and
-16 attention heads. [The] feed-forward layer [...] has a hidden size of 4096."
+Four branches of eight pre-norm transformer layers (seq 256, hidden 1024, 16 heads, FFN 4096), one per
+modality (input ``modality{i}`` ``[batch, seq, hidden]``, already embedded), concatenated along the hidden
+axis, mean-pooled over the sequence and classified by a Gemm ``head``. The sources give no head; a linear
+classifier is the smallest that makes the model trainable.
 
-Each branch reads one modality, already embedded: input ``modality{i}`` ``[batch, seq, hidden]``.
-Branch ``branch{i}`` is ``layers`` pre-norm transformer layers (``branch{i}/layer{j}``) and a final
-LayerNormalization. The branches are concatenated along the hidden axis (``merge/concat``),
-mean-pooled over the sequence (``merge/pool``) and classified by a Gemm (``head``) into
-``logits`` ``[batch, classes]``. The seeds do not give the head; a linear classifier is the
-smallest one that makes the model trainable.
+References: GraphPipe paper §5, App. A.2; thesis §3.10.3. Structure: docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,9 @@
 """ResNeXt: a CNN of grouped-convolution bottleneck blocks (ResNeXt-50 32x4d at paper size).
 
-A single-branch-per-block CNN with residual joins, the kind of model Collage places across backends
-(paper-collage.txt evaluates ResNeXt-50). Xie et al.'s ResNeXt-50 (32x4d) at 224x224, in the
-torchvision layout (stride on the 3x3 convolution):
-
-- ``image`` ``[batch, 3, size, size]`` -> ``stem`` (Conv + BatchNormalization + Relu) [-> ``stem/maxpool``].
-- ``stage{s}/block{b}``: ``conv1`` (1x1) -> ``conv2`` (3x3, ``cardinality`` groups) -> ``conv3``
-  (1x1, no Relu); ``downsample`` (1x1 Conv + BN) on the first block of a stage; ``residual``
-  (Add) and ``relu``.
-- ``head``: ``pool`` (GlobalAveragePool), ``flatten``, ``fc`` (Gemm) to ``logits`` ``[batch, classes]``.
+Xie et al.'s ResNeXt-50 (32x4d) at 224x224 in the torchvision layout (stride on the 3x3 convolution):
+``stem`` → ``stage{s}/block{b}`` (1x1 → grouped 3x3 → 1x1, ``downsample`` on a stage's first block,
+residual Add, Relu) → ``head`` (GlobalAveragePool, Gemm) → ``logits``: the kind of model Collage places
+across backends. References: Collage paper evaluation (ResNeXt-50). Structure: docs/models.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,13 @@
 """Cost model of one decode step under cache (CP), tensor (TP) and data (DP) parallelism.
 
-Thesis chapter 4 (thesis-jeon-collage-graphpipe-cp.txt): a decode step generates one token for each of
-``B`` requests. Only attention grows with the KV cache; projections and the FFN see one token per
-request (§4.3). The three strategies over ``N`` devices, as the thesis defines them:
+Only attention grows with the KV cache (§4.3). TP splits every weight and all-reduces twice per layer;
+DP replicates and straggles on unknown output lengths; CP splits the KV cache along the sequence for
+attention (all-gather of Q/K/V, all-to-all of partials) and is DP elsewhere. Per device and step: a
+roofline of dense and attention compute, collectives at the §4.4 volumes (:func:`cp_comm_elements`,
+:func:`tp_comm_elements`), and PagedAttention block-table overhead (§4.5). Weights plus KV cache beyond
+device memory is infeasible.
 
-- **TP** (§4.2.3, Megatron): every weight matrix split over the devices (heads for attention), every
-  device works on all ``B`` requests; two all-reduces per layer.
-- **DP** (§4.2.3): ``N`` independent replicas with ``B/N`` requests each; no communication, but full
-  weights on every device and a straggler: output lengths are unknown, so the replicas finish their
-  requests' work at different times (§4.3).
-- **CP** (§4.4): attention over a KV cache split along the sequence (every device attends all ``B``
-  requests' queries to its ``kv_shard``, then the partial results are merged as in FlashDecoding),
-  data parallelism for everything else (§4.4: "CP as CP for the attention and DP for the other
-  parts"); one all-gather of Q/K/V and one all-to-all of partial results per layer.
-
-Per device and step the model adds (the categories of the thesis's Fig. 4.5):
-
-- GPU compute, as a roofline per part: ``max(FLOPs / peak, bytes / memory bandwidth)`` for the dense
-  part (weights read once per step by each device holding them) and for attention (its KV cache
-  read once per step: decode attention is memory-bound), plus a kernel launch per operator;
-- GPU communication: per collective ``steps · latency + bytes / bandwidth`` over the group's slowest
-  link, with the per-GPU volumes of thesis §4.4 (:func:`cp_comm_elements`, :func:`tp_comm_elements`);
-- CPU overhead: PagedAttention block-table management, linear in the (request, KV block) entries a
-  device's attention indexes each step (§4.5.2, §4.5.4: TP keeps every request's full table on every
-  device, CP only its shard's).
-
-A strategy at a degree is infeasible when weights plus KV cache exceed a device's memory (§4.3: the
-thesis's systems then evict sequences to the CPU; tessera does not plan for that).
+References: thesis ch. 4, §4.2.3–4.5, Fig. 4.5. Derivation: docs/cp.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """The decoder-only LLM a cache-parallel plan is for: its shape (layers, E, H, …) and where it came from.
 
-A :class:`LlmConfig` carries exactly what the CP cost model needs (thesis §4.4 names them: ``E`` the
-hidden size, ``H`` the attention heads; the KV cache per token and layer is ``2 · kv_heads · head_dim``
-elements). It comes from one of three places:
+A :class:`LlmConfig` carries what the CP cost model needs (the KV cache per token and layer is
+``2 · kv_heads · head_dim`` elements). It comes from an ONNX model
+(:func:`tessera.planners.cp.recognize.recognize_llm`), a YAML file (``--llm my-model.yaml``, validated,
+one-line errors) or a preset in ``configs/llm/`` (``--llm llama-7b``).
 
-- an ONNX model, recognized structurally by :func:`tessera.planners.cp.recognize.recognize_llm`;
-- a YAML file (``--llm my-model.yaml``) with the fields of :class:`LlmConfig`, read safely and
-  validated, every problem one line naming the file and the field;
-- a preset name (``--llm llama-7b``): a file stem in ``configs/llm/``.
-
-Example file (``configs/llm/llama-7b.yaml``)::
-
-    name: llama-7b
-    layers: 32
-    hidden: 4096
-    heads: 32
-    ffn: 11008
-    vocab: 32000
-    dtype: fp16
-    gated_ffn: true      # SwiGLU: gate, up and down projections
+References: thesis §4.4. Example file: docs/cp.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Recognize a decoder-only transformer in an ONNX graph and read its :class:`LlmConfig` off the weights.
 
-Cache parallelism splits the KV cache of *causal self-attention* (thesis §4.4), so the recognizer
-looks for exactly that, by structure only (node names and ``metadata_props`` are not needed):
+By structure only: causal self-attention (a ``Softmax`` between the Q·Kᵀ and ·V ``MatMul``s, Q/K/V traced
+through layout operators to projections of one tensor, a ``Trilu``-derived or triangular constant mask)
+and an FFN between attentions. Sizes come from weight shapes; ``tessera.*`` metadata, when present, is
+cross-checked.
 
-1. attention: a ``Softmax`` whose input comes, through element-wise ops (scale ``Mul``/``Div``,
-   mask ``Add``/``Where``), from a ``MatMul`` of two activations (Q·Kᵀ), and whose output is the
-   first operand of a ``MatMul`` (·V). Q, K and V are traced back through layout ops (Reshape,
-   Transpose, Expand for grouped-query repeats, bias Add, Split of a fused QKV) to projections
-   ``MatMul``/``Gemm`` with 2-D weight initializers; all three must read the same tensor
-   (self-attention).
-2. causality: one of the mask operands derives from a ``Trilu`` (ConstantOfShape → Trilu, as the
-   zoo's GPT and most exporters build it) or is a constant upper-triangular ``-inf``/large-negative
-   (or lower-triangular boolean) matrix.
-3. FFN: after each attention's output projection and before the next attention, a MatMul ``E×F``
-   (two of them for a gated/SwiGLU FFN) and a MatMul ``F×E``.
-
-Sizes come from the weight shapes: ``E`` = rows of the Q projection, ``head_dim`` = the last dim of
-Q at the Q·Kᵀ MatMul, ``H`` = Q width / head_dim, ``kv_heads`` = K width / head_dim, ``F`` from the
-FFN, the vocabulary from the token-embedding ``Gather`` (or the LM head), layers = attention blocks.
-``tessera.*`` metadata, when present, is cross-checked against what the structure gives.
+References: thesis §4.4 (CP splits causal self-attention's KV cache). Matching rules: docs/cp.md.
 """
 
 from __future__ import annotations

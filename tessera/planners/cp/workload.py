@@ -1,19 +1,10 @@
 """The decode workload a CP plan serves: batch size, prompt (context) length, output lengths.
 
-Output lengths are a distribution, because nobody knows them in advance (thesis §4.1, §4.3): that
-uncertainty is what makes data parallelism straggle. Three forms (``--output-len``):
+Output lengths are a distribution (``N``, ``uniform:A-B``, ``file:PATH``) because nobody knows them in
+advance, which is what makes DP straggle. Token counts take ``K``/``M`` suffixes and lie in
+``1..MAX_TOKENS``, ``--batch`` in ``1..MAX_BATCH``; anything else is an :class:`InputError` (exit code 2).
 
-- ``N``: every request generates ``N`` tokens;
-- ``uniform:A-B``: uniformly distributed on ``A..B`` (inclusive);
-- ``file:PATH``: an empirical distribution, one integer per line (blank lines and ``#`` comments
-  ignored); requests draw from it with replacement.
-
-Token counts on the command line take ``K`` (×1024) and ``M`` (×1024²) suffixes: ``--context 32K``.
-
-Limits (a bad value is an :class:`InputError`, exit code 2, naming the option): every token count
-(context, output length, a line of an output-length file) is in ``1..MAX_TOKENS`` (1024M = 2**30,
-beyond any model's positions), and ``--batch`` in ``1..MAX_BATCH`` (65536: the DP straggler model
-draws an output length per request for each of its Monte Carlo trials).
+References: thesis §4.1, §4.3. Details: docs/cp.md.
 """
 
 from __future__ import annotations

@@ -1,26 +1,11 @@
 """Candidate subgraphs for the placement search: every pattern match and rule-generated group of the
-chosen backends (Collage's backend pattern registry applied to one graph, paper §3 / thesis §2.3).
+chosen backends on one graph.
 
-:meth:`~tessera.backends.registry.BackendRegistry.candidates` asks a backend about every candidate
-group as a whole; OpenVINO answers each such question by converting the subgraph and querying its CPU
-plugin (~15 ms), which for the thousands of regions of a 1,000-node graph costs minutes. Here each
-*operator signature* (op type, attributes, input/output shapes and dtypes) is asked once per backend
-and a group is taken when the backend runs each of its operators; a group the backend then fails to
-build is measured as infinite cost and never placed (:mod:`tessera.backends.measure`).
+Support is asked once per backend and operator signature, not per group. A candidate absorbs the constant
+operators that feed only it; a node no backend runs alone gets a one-node onnxruntime candidate with a
+warning. :func:`region_candidates` adds regions (spans between narrow cuts, up to the whole model).
 
-Two graph facts shape the candidates:
-
-- weights computed by constant operators (the onnx-wheel "light" models build every weight with
-  ``ConstantOfShape``) belong with the kernel that reads them: a candidate absorbs the constant
-  operators that feed only it, so a backend sees its weights as constants, as in the full model;
-- a node no backend runs alone gets a one-node onnxruntime candidate (the default backend) with a
-  warning that names the node and what every backend said, so the search never fails to cover it.
-
-Besides kernels and small fused groups, :func:`region_candidates` proposes *regions*: the spans of
-the DP's frontier order between a few narrow cuts, up to the whole model, on every backend that runs
-all their operators. With them the DP itself weighs "everything on one backend" and "a large region
-on backend A, the rest on B" against fine-grained placements, each region measured as one subgraph
-(so a graph compiler's cross-kernel optimizations are in its cost, as in Collage's graph level).
+References: Collage paper §3, thesis §2.3 (backend pattern registry). Details: docs/placement.md.
 """
 
 from __future__ import annotations

@@ -1,32 +1,11 @@
 """Measured costs for the placement search: Collage's ``M(P(g))`` per candidate and ``ε`` per tensor size.
 
-:class:`CandidateCosts` measures each candidate with the :class:`~tessera.backends.measure.Measurer`
-(SQLite-cached across runs). Within one search, candidates with the same structure — the same layer
-at several places — are measured once: :func:`structure_key` is a name-free key at least as fine as
-the profile cache's canonical hash, computed from the graph IR without extracting a sub-model.
+:class:`CandidateCosts` measures candidates with the :class:`~tessera.backends.measure.Measurer`, once per
+structure (:func:`structure_key`) and as the composite model runs them, and skips fused candidates far
+slower than the best backend on each of their operators (``screen_ratio``). :class:`ContextSwitch`
+measures ε (:func:`measure_switch`) at a few tensor sizes and interpolates.
 
-With several backends, onnxruntime candidates are measured as the composite model builds them
-(:class:`~tessera.backends.composite.ComposedOnnxRuntime`: no spinning, one thread for small groups;
-cached under ``onnxruntime+composite``): a session that does not spin pays its threads' wake-up on
-every call (measured: +50-100 µs per group of light_inception_v1), which a spinning session measured
-alone hides and which the composite model pays once per group. Every candidate's ``M(P(g))`` thus
-includes its backend's per-call cost as the composite runs it.
-
-Screening (on by default, ``screen_ratio``): every operator's one-operator candidates are measured
-first; a multi-operator candidate of a backend that is more than ``screen_ratio`` times slower than
-the best backend on *each* of its operators alone is not measured (a fused kernel does not make up
-such a gap on CPU, and untuned TVM kernels take seconds to build). Set it to ``None`` to measure all.
-
-:class:`ContextSwitch` gives ``ε(src, dst, bytes)`` (Eq. 2): measured at tensor sizes 1 KiB · 16^k up
-to 64 MiB and interpolated linearly in between, so a graph's many tensor sizes cost a handful of
-measurements. It is measured on what the composite model runs (:func:`measure_switch`): a group on
-``src`` doing ~0.1 ms of work then a group on ``dst``, built as
-:class:`~tessera.backends.composite.CompositeModel` builds them (no spinning, one thread for small
-groups) and run through it, minus each group's time alone — so ε is everything a boundary between two
-backends adds to the groups' own measured calls ``M(g)`` (each of which already includes its backend's
-per-call cost): waking the other runtime's threads, which sleep while a real group runs, handing the
-tensor over, the composite's own bookkeeping (measured on the 2-core VM, onnxruntime → OpenVINO:
-~0-0.02 ms up to 16 KiB, 0.09 ms at 256 KiB, 0.18 ms at 4 MiB).
+References: Collage paper §4.2, Eq. 2; thesis §2.4.2. Details and measurements: docs/placement.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,11 @@
-"""Collage's op-level placement optimizer: the dynamic program of Algorithm 1 (paper §4.2, thesis §2.4.2).
+"""Collage's op-level placement optimizer: the dynamic program of Algorithm 1.
 
-Frontier nodes are visited in a priority order by depth (:func:`frontier_order`). The search state is
-an *explored prefix* ``s``: a down-closed set of operators already placed. At a state, the frontier
-``v_s`` is its first unplaced operator; every candidate ``g`` rooted there (its first operator in the
-order is ``v_s``, it overlaps nothing placed, and everything it reads is placed) extends the state
-to ``s ∪ g`` at Eq. 3's cost::
+A state is an explored prefix (placed operators) with the backends of its open producers; at its
+frontier every applicable candidate ``g`` extends it at Eq. 3's cost
+``C_opt(s ∪ g) = min(C_opt(s ∪ g), C_opt(s) + M(P(g)) + ε)``, exact for size-dependent, backend-pair ε.
+``max_states`` (default 128) keeps the cheapest prefixes per frontier: ``O(N · max_states · P)``.
 
-    C_opt(s ∪ g) = min(C_opt(s ∪ g), C_opt(s) + M(P(g)) + ε)
-
-``M`` is the measured cost of ``g`` on its backend; ``ε`` (Eq. 2) is the measured context switch of
-every tensor ``g`` reads from a group on another backend, which depends on the tensor's size — and is
-zero between groups of one backend. A state is the prefix together
-with the backends of its *open* producers (placed operators with an unplaced reader) — all that ε of
-later groups depends on — so the recurrence is exact for size-dependent, backend-pair ε; every state
-keeps the best placement that reaches it, and the best full placement is read back along the path.
-
-Candidates may have several roots and outputs (a region between a seed and its post-dominator, a
-pattern with two consumers); a candidate is applicable only where its outside inputs are placed,
-so the groups of any result run in the order they were chosen and form a DAG. Coverage: every
-operator has a one-operator candidate (:mod:`tessera.placement.candidates` adds a fallback on
-onnxruntime where no backend has one), so every state can be completed.
-
-Pruning: Collage bounds the prefixes kept per frontier (``S < 200`` in the paper's workloads); here
-``max_states`` (default 128) keeps the cheapest prefixes of each frontier, which bounds the search at
-``O(N · max_states · P)`` for ``N`` operators and ``P`` candidates per frontier.
+References: Collage paper §4.2, Alg. 1, Eq. 3; thesis §2.4.2. Details: docs/placement.md.
 """
 
 from __future__ import annotations

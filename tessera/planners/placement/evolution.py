@@ -1,23 +1,12 @@
-"""Collage's graph-level placement optimizer: evolutionary search over offloading decisions
-(paper §4.3, thesis §2.4.3, Fig. 6).
+"""Collage's graph-level placement optimizer: evolutionary search over offloading decisions.
 
-The op-level DP ignores what a graph inference library gains across kernels (scheduling, memory
-planning, layout choices). The graph-level search fine-tunes the DP's placement: an individual is
-one bit per operator the DP did *not* put on the graph-level backend (and that backend runs) — 0 keeps
-the DP's decision, 1 offloads the operator to the graph-level backend. Offloaded operators join the
-graph-level backend's groups in maximal convex regions (:func:`offload_groups`); what the DP placed
-elsewhere keeps its groups (split where offloading cut them).
+An individual is one bit per operator the op-level DP did not put on the graph-level backend (OpenVINO,
+else TVM: :func:`graph_level_backend`); 1 offloads it into maximal convex regions (:func:`offload_groups`).
+Seeded with all zeros and all ones; elitism, tournament selection, two-point crossover, bit-flip mutation;
+fitness is the measured end-to-end latency. Seeded, deterministic given the fitness values; stops at
+saturation, after ``generations``, or at the time budget.
 
-Search (Fig. 6): the population is seeded with the op-level placement (all zeros) and the all-offload
-individual (all ones), filled with random individuals; each generation keeps the elite, picks parents
-by tournament selection, recombines them by two-point crossover and applies bit-flip mutation.
-Fitness is the *measured* end-to-end latency of the composite model (lower is better), memoized per
-individual. The search is seeded (``random.Random(seed)``) and deterministic given the fitness values;
-it stops at saturation (no better individual for ``patience`` generations), after ``generations``, or
-when the time budget is spent (checked between evaluations).
-
-The graph-level backend is OpenVINO when available (a graph compiler whose CPU plugin fuses and
-re-lays-out across kernels), else TVM: :func:`graph_level_backend`.
+References: Collage paper §4.3, Fig. 6; thesis §2.4.3. Details: docs/placement.md.
 """
 
 from __future__ import annotations

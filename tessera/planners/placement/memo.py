@@ -1,15 +1,9 @@
 """The search memo: a model's placement candidates and their measured costs, kept next to the profile
 cache so that a later search of the same model on the same machine starts warm.
 
-A warm profile cache answers every measurement, but finding the candidates (the backends' pattern
-rules walk the graph; OpenVINO answers support queries by converting subgraphs) and looking each
-candidate up (extracting and hashing its sub-model) still cost seconds to minutes on a 1,000-node
-graph (light_densenet121, 1,746 operators: ~25 s). The memo records, per model and search setting,
-the candidate list and each candidate's ``M(P(g))`` as the profile cache answered it, so a warm search
-skips both. It is keyed by the model's bytes (sha256), input shapes and operators, every searched
-backend's name, version and device fingerprint, and the options that shape the candidates; anything
-else is a new memo. It is a
-cache of the profile cache's answers: delete ``<profile cache>.placement/`` to forget it.
+Keyed by the model's sha256, input shapes and operators, every searched backend's name, version and
+device fingerprint, and the options that shape the candidates. It caches the profile cache's answers:
+delete ``<profile cache>.placement/`` to forget it. Details: docs/placement.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,11 @@
 """``plan_placement``: Collage's two-level backend placement for one model on this machine.
 
-Steps (named, each testable alone): candidates (:mod:`.candidates`: kernels, small fused groups, and
-regions up to the whole model) → measured costs and ε, as the composite model runs them
-(:mod:`.costs`) → op-level DP (:mod:`.dp`, Algorithm 1) → optionally the graph-level evolutionary
-search (:mod:`.evolution`, §4.3) → end-to-end measurement of the chosen placement against every
-available backend running the whole model, in the same process, interleaved
-(:func:`tessera.backends.composite.latencies`).
+Steps: candidates (:mod:`.candidates`) → measured costs and ε (:mod:`.costs`) → op-level DP (:mod:`.dp`)
+→ optionally the graph-level evolutionary search (:mod:`.evolution`) → the chosen placement measured end
+to end against every available backend running the whole model. A placement never ships slower than the
+best single backend: if one is faster, the plan is that backend alone (``search.chosen`` says so).
 
-The last step also decides: a placement never ships slower than the best single backend. When one
-backend running the whole model is measured faster than the searched placement, the plan is that
-backend alone (``search.chosen`` says so) — the all-offload individual of §4.3, extended to every
-backend. Since every backend's whole model is also a DP candidate, this net only catches the DP's
-prediction error (``predicted.op_level_latency_s`` against ``measured.searched_placement_latency_s``).
+References: Collage paper §4, thesis §2.4. Details: docs/placement.md.
 """
 
 from __future__ import annotations
