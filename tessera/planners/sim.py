@@ -1,32 +1,8 @@
-"""Discrete-event simulator of one training iteration of a pipeline plan.
+"""Discrete-event simulator of one training iteration of a pipeline plan: tasks on FIFO resources
+(each stage's devices, the links and NICs), started when their resources are free and their inputs
+have arrived; every plan's prediction comes from it.
 
-Modelled on FlexFlow's execution simulator (thesis-jia-taso-flexflow §3.4): a task graph whose
-tasks run on FIFO resources — each stage's devices (its data-parallel replicas advance in lockstep,
-so a stage is one resource) and the links (communication devices) — and a task starts when its
-resources are free and its inputs have arrived. Tasks are processed in the order of the time they
-can start (a heap), so a resource shared by several streams of tasks serves them first come, first
-served. The links: each direction of each stage-to-stage edge, or, for edges between nodes of a
-cluster whose spec names its network interfaces (``links.nics``), the sending and the receiving
-interfaces, which every transfer through them shares (``SimEdge.src_nics`` / ``dst_nics``).
-
-Tasks of one iteration:
-
-- ``F`` / ``B`` of every micro-batch on every stage, in the order of the stage's action list (C4);
-- a forward of stage j's micro-batch k (samples [k·b_j, (k+1)·b_j)) waits for the transfers of
-  every predecessor micro-batch holding those samples; a backward of stage i's micro-batch q waits
-  for the gradient transfers of every successor micro-batch holding its samples (C5, with
-  different micro-batch sizes);
-- a transfer of an activation (or gradient) micro-batch: ``latency + share · bytes / bandwidth``
-  on the edge's link or interfaces (``share``: the largest part of the bytes one interface carries);
-- after its last backward, each stage all-reduces its gradients (ring; time given per stage). A
-  ring that spans nodes of a cluster with named interfaces holds them for its duration
-  (``SimStage.allreduce_nics``), queued first come, first served with the transfers.
-
-:func:`simulate` returns the iteration time, throughput, per-stage peak memory (static memory +
-activations of the peak number of in-flight micro-batches), the bubble fraction (idle share of
-device time) and the trace of every task. Searches simulate without the trace; where no
-interface is shared that takes a path with no event queue (:func:`_simulate_uncontended`), with
-the same results to the last bit.
+References: FlexFlow's execution simulator (Jia's thesis §3.4); GraphPipe thesis §3.6.
 """
 
 from __future__ import annotations
@@ -35,9 +11,10 @@ import functools
 import heapq
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
+from tessera.core.cost import per_device_samples
 from tessera.core.schedule import Action
+from tessera.planners.pipeline.types import Pipeline, PipelineEdge
 
 _SEND, _ALLREDUCE = -1, -2  # heap entries that are not a stage's F/B task
 
@@ -397,12 +374,10 @@ def _parsed(action: str) -> tuple[str, int]:
     return a.kind, a.micro_batch
 
 
-def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
+def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
     """Simulate a :class:`tessera.planners.pipeline.types.Pipeline` (``trace``: see :func:`simulate`)."""
-    from tessera.core.cost import per_device_samples
-
     stages = []
-    for st in pipeline.stages:  # type: ignore[attr-defined]
+    for st in pipeline.stages:
         s = per_device_samples(st.micro_batch_size, len(st.devices))
         recompute = st.recompute
         # Recomputation keeps each in-flight micro-batch's inputs, plus the full activations of
@@ -423,13 +398,12 @@ def simulate_pipeline(pipeline: object, *, trace: bool = True) -> SimResult:
                 allreduce_nics=st.allreduce_nics,
             )
         )
-    edges = [sim_edge(e) for e in pipeline.edges]  # type: ignore[attr-defined]
-    return simulate(stages, edges, pipeline.mini_batch_size, trace=trace)  # type: ignore[attr-defined]
+    edges = [sim_edge(e) for e in pipeline.edges]
+    return simulate(stages, edges, pipeline.mini_batch_size, trace=trace)
 
 
-def sim_edge(edge: object) -> SimEdge:
-    """The simulator's view of a :class:`tessera.planners.pipeline.types.PipelineEdge`."""
-    e: Any = edge
+def sim_edge(e: PipelineEdge) -> SimEdge:
+    """The simulator's view of a pipeline edge."""
     return SimEdge(
         e.src,
         e.dst,

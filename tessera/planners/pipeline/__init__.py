@@ -1,4 +1,3 @@
-"""Graph pipeline parallelism (GraphPipe): series-parallel decomposition, partitioner, schedules,
-memory model, plan checks, and the ``tessera plan --kind gpp`` entry point."""
-
-from tessera.planners.pipeline import checks as checks  # registers the C1–C5 + memory plan check
+"""Pipeline-parallel training plans: GraphPipe's graph pipelines, and the PipeDream- and Piper-style
+sequential pipelines as baselines, built from one toolkit (series-parallel decomposition, per-unit
+costs, the stage DP, materialization, schedules, tuning). See docs/gpp.md."""

@@ -1,27 +1,8 @@
-"""Validity of a GPP/SPP plan: GraphPipe's constraints C1–C5 (thesis §3.3) and Eq. 3.2 memory.
+"""Validity of a GPP/SPP plan: GraphPipe's constraints C1–C5 and Eq. 3.2 memory, counted again from
+the model, plus what the executor needs. Registered in :data:`tessera.core.plans.PLAN_CHECKS` for
+kinds ``gpp`` and ``spp`` when imported (:mod:`.plan` imports it), so ``tessera validate`` runs it.
 
-Registered in :data:`tessera.core.plans.PLAN_CHECKS` for kinds ``gpp`` and ``spp`` when this
-module is imported (``tessera.planners.pipeline`` imports it), so ``tessera validate`` runs it.
-
-- C1: every operator in exactly one stage, and the stages' quotient graph is acyclic (which
-  implies every stage is a convex subgraph: a path leaving a stage and re-entering it would be a
-  cycle of the quotient graph);
-- C2: every operator edge between two stages is an edge of the plan's stage graph;
-- C3: every stage has devices, no device is in two stages, and every device is in the cluster;
-- C4: each stage's schedule runs F0..F(m−1) and B0..B(m−1) in order, each forward before its
-  backward, with m = mini_batch / micro_batch;
-- C5: the schedules respect the dependencies across stages — checked by simulating the plan with
-  unit times: a schedule that violates C5 deadlocks;
-- memory: the peak is weights + optimizer + activations, within the device memory, and the
-  in-flight count matches the schedule's; the memory is counted again from the model (Eq. 3.2:
-  the stage's parameters at the plan's ``training`` bytes per parameter, the activations its
-  operators save, times the samples a replica holds, times the in-flight count), and a plan that
-  records less, or needs more than its devices have, is invalid;
-- what the executor needs: a stage's devices all of one type, at least one sample per replica
-  per micro-batch, each stage's schedule the one its kind generates (``1f1b``, ``kfkb`` with
-  its ``k``, ``gpipe``; ``greedy`` may be any order C4 and C5 allow), edges that carry exactly
-  the tensors crossing between their stages (an ``spp`` plan also orders each stage after the
-  previous one, a chain), no edge twice.
+References: GraphPipe thesis §3.3, Eq. 3.2.
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
-"""The dynamic program of GraphPipe's stage partitioner (thesis §3.5, Algorithm 2, lines 21–45).
+"""The dynamic program of GraphPipe's stage partitioner: for one micro-batch size and one bound on
+every stage's time per sample, the feasible stage graphs of a series-parallel region on at most
+``d`` devices, as a Pareto front of (fill/drain latency, depth, memory slack).
 
-:class:`StageDP` answers, for one micro-batch size ``b`` and one bound ``t_max`` on every stage's
-Time-Per-Sample, "which stage graphs of this region on at most ``d`` devices are feasible, and how
-good are they?" — the DP of Algorithm 2, memoized on (region, devices, extension). The binary
-search over ``t_max`` (lines 2–11) and the loop over micro-batch sizes live in :mod:`.partition`.
-
-Regions are the nodes of the series-parallel tree (:mod:`.sp`) and suffixes of their children:
-
-- **base case** (line 25): the region is one stage, data parallel over ``d'`` devices, ``d'`` a
-  power of two (thesis §3.5: "we consider powers of 2") with at least one sample per device and
-  per micro-batch (``d' ≤ b``) — a replica without a sample cannot use its device; with
-  ``recompute="auto"`` also the stage recomputing its activations (:meth:`StageDP.base_entries`);
-- **series** (lines 30–37): every split point: a first stage over children ``[i, j)`` on ``d'``
-  devices, or child ``i`` solved recursively on any ``d1`` devices, then the rest on the
-  remaining devices;
-- **parallel** (lines 38–43): every distribution of the devices between one branch and the other
-  branches, and groups of contiguous branches that share one stage;
-- **merge into a neighbour**: the operators after a parallel block (a merge, a head) may join the
-  last stage of the block's last branch instead of forming a stage of their own — the stage stays
-  convex (every other branch only feeds it) and, in depth-first unit order, contiguous. A tiny
-  merge stage would cost a device and a pipeline level for almost no work.
-
-Devices. A region gets *at most* ``d`` devices: the DP never hands a stage devices it cannot use,
-so a plan may leave devices idle when no stage gets faster with them (C3 holds for the devices a
-plan names). All-reduce time is part of a stage's cost, so replication pays only when the compute
-saved exceeds the gradient traffic.
-
-DP value. A Pareto front of entries ``(latency, depth, slack, tps, sink, plan)``:
-
-- ``latency``: the longest forward+backward path through the region's stages (per micro-batch,
-  with transfers and the stages' all-reduce) — the fill and drain time of a 1F1B pipeline, which a
-  min-TPS plan alone does not control (thesis §3.2: depth is what makes bubbles);
-- ``depth``: stages on the longest path; in 1F1B with equal micro-batch sizes a stage's in-flight
-  count is one plus the stages after it (Table 3.2, row ``max = k_y b_y = k_x b_x``);
-- ``slack``: how many stages may still follow the region before some stage exceeds the memory
-  limit (Eq. 3.2) — the paper's "smallest number of in-flight micro-batches for the source";
-- ``tps``: the largest stage TPS in the entry (memo validity across ``t_max`` probes, below);
-- ``sink``: the latency of the region's unique sink stage (regions merged into a neighbour).
-
-Memoization across probes. A front computed at ``t_max`` whose stages all have TPS at most
-``t_used`` is also the front for any ``t' ∈ [t_used, t_max]`` (the feasible set shrinks but keeps
-every optimal entry), and an empty front stays empty for ``t' < t_max``; so the binary search
-reuses states. Regions with equal costs (the identical branches of MMT, DLRM, CANDLE-Uno) share
-their memo entries through a structural signature.
+References: GraphPipe thesis §3.5, Algorithm 2, lines 21–45.
 """
 
 from __future__ import annotations

@@ -1,27 +1,7 @@
-"""GraphPipe's greedy micro-batch scheduler (thesis §3.10.1, Algorithm 4), as written.
+"""GraphPipe's greedy micro-batch scheduler, as written: per stage in reverse topological order, a
+backward whenever it does not delay the stage (``IsTimeOptimal`` on the simulator).
 
-For each stage ``i``, in reverse topological order of the stage graph (its successors' schedules
-``Π_j`` are then fixed, as Algorithm 3 traverses the edges backwards)::
-
-    Π_i ← fw_1
-    for l ← 1 … 2B/b_i − 1:
-        c_f, c_b ← forwards, backwards in Π_i
-        if IsTimeOptimal(Π_i bw_{c_b+1} fw_{c_f+1} bw_{c_b+2} … fw_{B/b_i} … bw_{B/b_i}):
-            Π_i ← Π_i bw_{c_b+1}
-        else:
-            Π_i ← Π_i fw_{c_f+1}
-
-``IsTimeOptimal`` simulates stage ``i`` with its descendants (their schedules fixed, the
-discrete-event simulator of :mod:`tessera.planners.sim`; the stage's own inputs are taken as ready,
-its predecessors not being scheduled yet) and compares the time at which stage ``i`` finishes with
-the minimum running time, which the all-forwards-first schedule attains (its forwards are as
-early as any schedule's, so every gradient returns as early as possible). A backward is taken when
-it does not delay the stage; the result is time-optimal with the fewest in-flight micro-batches
-(Theorem 3.1). Steps where only one pass is valid (no forward left; nothing in flight) take it.
-
-Cost: ``2m`` simulations of the stage and its descendants per stage, ``O(m² · S²)`` actions in
-all for ``m`` micro-batches and ``S`` stages — fine for the tens of micro-batches GraphPipe uses,
-slow for hundreds (the 1F1B default does not pay it).
+References: GraphPipe thesis §3.10.1, Algorithm 4.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""Per-device memory of a pipeline stage: GraphPipe's memory constraint (thesis Eq. 3.2).
+"""Per-device memory of a pipeline stage: weights, gradients and optimizer state plus the activations
+of its in-flight micro-batches (with recomputation: their inputs).
 
-    DeviceMemoryUsage(S_i) = weights + gradients + optimizer state + activations ≤ M
-
-- weights, gradients and optimizer state: every data-parallel replica holds all of the stage's
-  parameters (``CostModel.memory``: by default 16 bytes/parameter, Adam with mixed precision);
-- activations: the tensors the stage saves for its backward pass (its operators' activation
-  outputs from the IR, per sample, at the stored precision) × the samples a replica holds per
-  micro-batch (``ceil(b / d)``) × the in-flight micro-batches its schedule implies (Table 3.2);
-- with recomputation (activation checkpointing) a stage keeps only its input activations per
-  in-flight micro-batch, plus the full activations of the one micro-batch being recomputed.
-
-In the plan, ``memory.weights`` is the weights and ``memory.optimizer`` the gradients plus the
-optimizer state.
+References: GraphPipe thesis Eq. 3.2; BPipe (Kim's thesis ch. 4) for the activation formulas.
 """
 
 from __future__ import annotations

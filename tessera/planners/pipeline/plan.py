@@ -28,6 +28,7 @@ from tessera.core.rewrite import applicable
 from tessera.core.schedule import SCHEDULE_CHOICES
 from tessera.core.specs import ClusterSpec
 from tessera.core.units import UnitError, format_bytes, parse_bytes
+from tessera.planners.pipeline import checks  # noqa: F401 - registers the C1–C5 + memory plan checks
 from tessera.planners.pipeline.profile import MeasuredCosts
 from tessera.planners.pipeline.search import build_tree, partition, planned_device_type
 from tessera.planners.pipeline.spp import method_name, plan_sequential, sequential_record

@@ -1,48 +1,6 @@
-"""Measured operator costs for the pipeline planners (``tessera plan --kind gpp|spp --profile``).
-
-:func:`profile_graph` measures, on *this* machine, the forward and backward time of every operator
-of a graph that reads activations, and returns :class:`MeasuredCosts`, the operator times a
-:class:`~tessera.core.cost.CostModel` takes instead of the roofline's (``CostModel.for_device(..., measured=...)``). The method:
-
-- **one operator at a time, through torch autograd**: the operator's ONNX node becomes a one-node
-  :class:`~tessera.backends.torch_module.OnnxModule` (the executor's converter); its activation
-  inputs are random tensors of the IR's shapes with the batch dimension (dim 0, the zoo's symbolic
-  ``batch``, 1 in the IR) multiplied by the sample count; its weights (float initializers of rank
-  ≥ 1 of an operator with parameters, BatchNormalization statistics excepted) are random leaves that
-  require grad; integer constants (shapes, axes, index tables) keep their real values. Forward time
-  is the module call; backward time is ``torch.autograd.grad`` of the outputs with respect to the
-  activation inputs and the weights — the input gradient only for operators without weights.
-- **median of repeats after a warm-up**: one warm-up run, then timed runs until ``budget_s``
-  (0.2 s) is spent — at least ``min_repeats`` = 3 (fewer, at least 1, for operators slower than
-  ``slow_s`` = 1 s in all: an LM head or a million-row embedding), at most ``max_repeats`` = 25;
-  the median of each pass (a shared machine stalls some runs: the median ignores them while they
-  are fewer than half).
-- **two sample counts, affine in between and beyond**: every operator is measured at 1 sample and
-  at the largest power of two ``s_hi ≤ max_samples`` whose predicted run (``s_hi ×`` the 1-sample
-  time) fits in ``budget_s``; ``t(s) = t(1) + (s − 1) · max(0, (t(s_hi) − t(1)) / (s_hi − 1))`` for
-  any ``s ≥ 1`` the partitioner asks (per-device micro-batch shares: powers of two divided by
-  data-parallel degrees), and ``t(1) · s`` below 1. When even 2 samples would not fit the budget
-  (large operators, where the per-call overhead is noise), ``t(s) = t(1) · s``. Time is affine in
-  the samples for these operators, so the whole profile costs two measurements per *distinct*
-  operator — identical layers (the branches of MMT, the layers of a transformer) share one — and
-  each lookup is O(1).
-- **cached**: every measurement (and every failure, so that it is not retried) is a row of the
-  SQLite profile cache (:mod:`tessera.backends.profile_cache`, the cache ``tessera place`` uses;
-  default ``~/.cache/tessera/profiles.sqlite``) under the backends ``torch-train.forward`` and
-  ``torch-train.backward``, the torch version, the device fingerprint (torch device, threads, CPU
-  model, cores) and a digest of the operator type, attributes, input roles, shapes, dtypes and
-  constant values, the compute dtype and the sample count. A warm cache measures nothing and gives
-  the same times, so the same plan byte for byte; a cold cache measures, and measurements vary
-  from run to run (plans from a cold cache are not reproducible unless the cache is kept).
-- **fallbacks**: an operator the converter cannot build or run, one whose shapes are unknown,
-  one with no differentiable output or no float input, and constant operators (they read no
-  activation: computed once, not per micro-batch) keep the roofline's time; :class:`MeasuredCosts`
-  counts them by operator type, and the plan records the counts.
-
-The device: CUDA when the cluster's devices are GPUs and torch sees one (fp16 under mixed precision),
-else the CPU (fp32, with the device type's ``cores`` as torch threads when the spec gives them). The
-times are this machine's, whatever the cluster spec says: the plan records where they were measured
-(``predicted.cost_model``). Memory stays analytical.
+"""Measured operator costs for the pipeline planners (``tessera plan --profile``): every operator's
+forward and backward timed on this machine through the ONNX→torch runtime, cached in the profile
+cache, as :class:`MeasuredCosts` the cost model reads instead of the roofline's.
 """
 
 from __future__ import annotations

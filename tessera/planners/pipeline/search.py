@@ -2,7 +2,7 @@
 series-parallel DP, per micro-batch size, then materialization, simulation and tuning of the best
 candidates. The narrative is in docs/gpp.md.
 
-References: GraphPipe thesis §3.5, Algorithm 2; paper-graphpipe §5."""
+References: GraphPipe thesis §3.5, Algorithm 2; GraphPipe paper §5."""
 
 from __future__ import annotations
 

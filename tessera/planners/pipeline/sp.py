@@ -1,35 +1,7 @@
-"""Series-parallel decomposition of the operator DAG, and coarsening into units.
+"""Series-parallel decomposition of the operator DAG and its coarsening into units, the structure
+GraphPipe's partitioner recurses over (series and parallel splits).
 
-GraphPipe's partitioner (thesis §3.5, Algorithm 2) recurses over *series* decompositions (G1 then
-G2, the sink of G1 feeding G2) and *parallel* decompositions (G1 and G2 share source and sink, no
-dependency between them). This module computes that decomposition once, as a tree:
-
-- ``leaf``: one unit (a group of operators planned as a whole);
-- ``series``: children in execution order; every operator of child i precedes (or is unrelated to
-  and may run before) every operator of child i+1 — the children are separated by *cut*
-  operators, the ones comparable with every other operator of the subgraph;
-- ``parallel``: children that are the weakly connected components of the subgraph: no edge joins
-  two of them.
-
-Operators that read no activation (``Graph.constant_nodes``) are left out of the decomposition and
-attached to the unit of their first consumer, so every operator lands in exactly one unit.
-
-Non-series-parallel graphs. When a connected subgraph has no cut operator (an "N"-shaped
-dependency: a→c, a→d, b→d), it is converted into a series of its operators in topological order
-— GraphPipe's conversion by adding ordering edges. Every contiguous range of a topological order
-is convex, so every stage stays a convex subgraph (C1); no operator is duplicated or dropped, so
-the costs are arithmetically identical; only the parallelism inside that subgraph is given up.
-
-Coarsening. Subtrees whose cost is at most ``total / max_units`` collapse into one leaf, and
-consecutive small leaves of a series are merged (chains) into units within that cost, closing units
-at the cuts with the fewest activation bytes (:func:`_merge_run`: stage boundaries can only fall
-between units, and a cut inside a transformer layer carries several times the bytes of one between
-layers), doubling the threshold until at most ``max_units`` units remain (thesis §3.5: "apply [the decompositions] at a relatively coarse
-granularity of small groups of operators to reduce the overall time complexity").
-
-The leaves, in depth-first order, are numbered 0..U-1; that order is a topological order of the
-units and every subtree — and every contiguous range of a node's children — is a contiguous range
-``[lo, hi)`` of it, which the partitioner uses for prefix-sum stage costs.
+References: GraphPipe thesis §3.5, Algorithm 2.
 """
 
 from __future__ import annotations

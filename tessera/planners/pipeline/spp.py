@@ -1,30 +1,8 @@
-"""Sequential pipeline-parallel (SPP) baselines on GraphPipe's cost model.
+"""Sequential pipeline-parallel (SPP) baselines on GraphPipe's cost model: PipeDream-style contiguous
+stages of one topological order, and Piper-style stages of the DAG's ideals (:mod:`.piper`); the
+faster is the baseline a GPP plan is compared with.
 
-- :func:`plan_spp` — PipeDream-style: the operators in one linear (topological) order, cut
-  into contiguous sequential stages, each possibly data-parallel, minimizing the bottleneck
-  stage's time per sample under the memory limit (PipeDream's objective). It runs the GPP
-  partitioner (:mod:`tessera.planners.pipeline.search`) on the *linearized* series-parallel tree —
-  one series of the same units — so both planners share units, cost model, micro-batch search and
-  schedules, and on a chain GPP and SPP find equally fast plans. The stages run in order (stage i+1
-  after stage i, zero-byte ordering edges where no tensor flows), as a sequential pipeline does
-  (thesis §3.2); the DP charges each stage the bytes crossing its left cut. For search time on
-  70–80-unit chains it tries the 4 longest feasible first stages per data-parallel degree, not
-  every split — and every split when that finds no plan within the memory limit. On a multi-branch model the same chain DP also runs guided by the series-parallel
-  tree (kind ``spp`` on the unlinearized tree: the same contiguous stages of the same unit order,
-  proposed per branch, its ranking treating branches as concurrent); the simulator times both
-  proposals as the sequential pipelines they are and the faster is the plan. The DP's proposals
-  and the simulator's timing differ (cut bytes relayed vs sent to their consumer; all-reduce
-  counted along the path), so two proposers find stronger sequential plans than one: CANDLE-Uno
-  at 32 devices 353k (chain) vs 477k samples/s (guided).
-- :func:`tessera.planners.pipeline.piper.plan_piper` — Piper-style: a DP over the ideals of the unit DAG,
-  where a stage may take part of several branches (every topological order's cuts at once), when
-  the DAG has few enough ideals (:data:`~tessera.planners.pipeline.piper.PIPER_LIMIT`, after coarsening);
-  otherwise it reports ``intractable: N ideals`` (GraphPipe §7.2: Piper finds no strategy for DLRM
-  and CANDLE-Uno).
-- :func:`plan_sequential` — the strongest sequential plan, what ``tessera plan --kind spp`` writes
-  and ``--kind gpp`` compares against: the PipeDream-style plan, or the Piper-style one where
-  Piper is tractable and its plan simulates faster. The result says which
-  (:class:`SequentialPipeline`; :func:`sequential_record` for the plan JSON).
+References: PipeDream (SOSP 2019); Piper (NeurIPS 2021); GraphPipe thesis §3.7.
 """
 
 from __future__ import annotations

@@ -13,14 +13,8 @@ from tessera.core.plans import check_plan_against_model, dump_plan
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.models import build
 from tessera.planners.pipeline.links import StageLinks
-from tessera.planners.pipeline.piper import (
-    MIN_UNIT_SHARE,
-    PIPER_LIMIT,
-    _IdealDP,
-    _Lattice,
-    piper_ideals,
-    plan_piper,
-)
+from tessera.planners.pipeline.piper import MIN_UNIT_SHARE, PIPER_LIMIT, piper_ideals, plan_piper
+from tessera.planners.pipeline.piper_dp import IdealDP, Lattice
 from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.search import build_tree
 from tessera.planners.pipeline.spp import plan_sequential, plan_spp, sequential_record
@@ -123,7 +117,7 @@ _WEIGHTS_BIND = ((256, 64), 64, 4, 1_054_576)  # weights + a few micro-batches
 _ACTIVATIONS_BIND = [((64, 16), 256, 64, 80_000), ((64, 16), 256, 32, 72_000)]
 
 
-def _ideal_dp(case: tuple, devices: int, recompute: str) -> tuple[_Lattice, _IdealDP]:
+def _ideal_dp(case: tuple, devices: int, recompute: str) -> tuple[Lattice, IdealDP]:
     (width, narrow), mini_batch, b, limit = case
     g = diamond(width, narrow)
     cluster = compute_bound(4)
@@ -131,8 +125,8 @@ def _ideal_dp(case: tuple, devices: int, recompute: str) -> tuple[_Lattice, _Ide
         mini_batch=mini_batch, num_devices=devices, memory_limit=limit, recompute=recompute
     )
     cost = CostModel.for_device(cluster.devices()[0].type)
-    lattice = _Lattice(g, build_tree(g, cost, 128), cost)
-    return lattice, _IdealDP(lattice, StageLinks(cluster, devices), opts, b, limit, devices)
+    lattice = Lattice(g, build_tree(g, cost, 128), cost)
+    return lattice, IdealDP(lattice, StageLinks(cluster, devices), opts, b, limit, devices)
 
 
 @pytest.mark.parametrize("recompute", ["never", "auto"])
@@ -306,7 +300,7 @@ def test_bytes_entering_a_stage_count_each_tensor_once(name: str) -> None:
     stages, all equal a count over the model's tensors; counting per reading unit counts more."""
     g = load_graph(build(name, "tiny"))
     cost = CostModel.for_device(load_cluster("graphpipe-v100").devices()[0].type)
-    lattice = _Lattice(g, build_tree(g, cost, 16), cost)
+    lattice = Lattice(g, build_tree(g, cost, 16), cost)
     tree, costs = lattice.tree, lattice.costs
     made = [(p, w, readers) for (_, p), (w, readers) in _tensors_read(g, tree, cost).items()]
     n = costs.n
