@@ -24,8 +24,9 @@ import torch
 from tessera.core.files import write_atomic
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan, check_plan_against_model
-from tessera.executor.gpp import TrainOptions, run_pipeline_plan, train_reference
+from tessera.executor.gpp_run import run_gpp_plan
 from tessera.executor.launcher import LaunchOptions
+from tessera.executor.training import TrainOptions, train_reference
 from tessera.models import build
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
@@ -60,7 +61,7 @@ def run_row(label: str, model: str, plan: GppPlan, path: Path) -> dict:
     assert not problems, problems
     options = TrainOptions(steps=STEPS, lr=LR, seed=0)
     start = time.perf_counter()
-    run = run_pipeline_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=120))
+    run = run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=120))
     wall = time.perf_counter() - start
     ref = train_reference(graph, STEPS, plan.mini_batch_size, seed=0, lr=LR)
     exact = bool(np.allclose(run.losses, ref.losses, rtol=1e-5, atol=0))

@@ -1,24 +1,26 @@
-"""``tessera launch PLAN.json``: run a plan on torch.distributed workers, measured against predicted.
+"""``tessera launch PLAN.json``: run a plan, measured against predicted.
 
-Checks the plan (schema; the model's sha256: a changed model is refused with exit 2), then
-dispatches by kind: ``gpp`` and ``spp`` plans train on stage workers
-(:mod:`tessera.executor.gpp`), ``cp`` plans decode on cache-parallel (or TP/DP) workers
-(:mod:`tessera.executor.cp`), all started the torchrun way (:mod:`tessera.executor.launcher`).
-A worker that fails stops the launch with exit 4 and the failing rank named.
+Parses the options, checks the plan and its model (a changed model is refused with exit 2), calls
+the plan kind's runner (:data:`tessera.executor.RUNNERS`) and prints its report. A worker that
+fails stops the launch with exit 4 and the failing rank named.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import click
 
 from tessera.cli.options import check_plan_llm_config, json_option, load_plan_model, plan_model_option
 from tessera.cli.render import emit_json, human_bytes
-from tessera.core.errors import InputError
-from tessera.core.plans import CpPlan, GppPlan, PlacementPlan, load_plan
+from tessera.core.errors import InputError, LaunchError
+from tessera.core.graph import Graph
+from tessera.core.plans import CpPlan, Plan, load_plan
+from tessera.executor import RUNNERS, LaunchRequest
 from tessera.executor.launcher import LaunchOptions
+from tessera.executor.placement import worst_output
 from tessera.planners.cp.workload import MAX_TOKENS
 
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
@@ -165,42 +167,17 @@ def launch(
     """
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
-    if plan.kind == "cp":
-        assert isinstance(plan, CpPlan)
-        launch_options = LaunchOptions(
-            nproc_per_node=nproc_per_node,
-            nnodes=nnodes,
-            node_rank=node_rank,
-            master_addr=master_addr,
-            master_port=master_port,
-            timeout_s=timeout_s,
-        )
-        _launch_cp(plan, plan_path, model, new_tokens, prompt_lens, attention, seed, launch_options, as_json)
-        return
-    if plan.kind == "placement":
-        from tessera.cli.place_cmd import launch_placement
-
-        assert isinstance(plan, PlacementPlan)
-        graph = load_plan_model(plan, plan_path, model)
-        launch_placement(plan, graph, plan_path, repeat=repeat, data=data, seed=seed, as_json=as_json)
-        return
-    if plan.kind not in ("gpp", "spp"):
+    runner = RUNNERS.get(plan.kind)
+    if runner is None:
         raise InputError(
-            f"launching a {plan.kind!r} plan is not available yet (tessera launch runs gpp, spp and cp plans)",
+            f"launching a {plan.kind!r} plan is not available yet "
+            f"(tessera launch runs {', '.join(RUNNERS)} plans)",
             source=plan_path,
         )
-    assert isinstance(plan, GppPlan) and plan.model is not None
-    graph = load_plan_model(plan, plan_path, model)
-    model_path = graph.source
-
-    from tessera.executor.gpp import TrainOptions, run_gpp_plan
-
-    run = run_gpp_plan(
-        plan,
-        graph,
-        model_path,
-        TrainOptions(steps=steps, lr=lr, seed=seed, data=data),
-        LaunchOptions(
+    request = LaunchRequest(
+        plan_path=plan_path,
+        graph=_checked_model(plan, plan_path, model),
+        launch=LaunchOptions(
             nproc_per_node=nproc_per_node,
             nnodes=nnodes,
             node_rank=node_rank,
@@ -208,12 +185,48 @@ def launch(
             master_port=master_port,
             timeout_s=timeout_s,
         ),
-        plan_path=plan_path,
+        seed=seed,
+        data=data,
+        steps=steps,
+        lr=lr,
+        new_tokens=new_tokens,
+        prompt_lens=_prompt_lens(prompt_lens),
+        attention=attention,
+        repeat=repeat,
     )
+    report = runner(plan, request)
     if as_json:
-        emit_json(run.to_json())
+        emit_json(report.to_json())
     else:
-        click.echo(_summary(run.to_json()))
+        click.echo(_SUMMARIES[plan.kind](report.to_json()))
+    if report.failure is not None:
+        raise LaunchError(report.failure)
+
+
+def _checked_model(plan: Plan, plan_path: str, model: str | None) -> Graph | None:
+    """The plan's model, loaded and checked against the plan (ONNX: its sha256); None for a cp plan
+    made from --llm (its config file's sha256 checked when it can be read)."""
+    if plan.model is not None:
+        return load_plan_model(plan, plan_path, model)
+    if model is not None:
+        raise click.UsageError(
+            "--model does not apply to a plan made from --llm (it runs seeded random weights)"
+        )
+    if isinstance(plan, CpPlan) and plan.llm_config is not None:
+        check_plan_llm_config(plan, plan_path, must_exist=False)
+    return None
+
+
+def _prompt_lens(text: str | None) -> tuple[int, ...] | None:
+    if text is None:
+        return None
+    try:
+        lens = tuple(int(p) for p in text.split(",") if p.strip())
+    except ValueError:
+        lens = ()
+    if not lens:
+        raise InputError(f"--prompt-lens {text!r}: expected integers such as 64,17,1")
+    return lens
 
 
 def _ratio(x: float | None) -> str:
@@ -268,46 +281,6 @@ def _summary(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _launch_cp(
-    plan: CpPlan,
-    plan_path: str,
-    model: str | None,
-    new_tokens: int,
-    prompt_lens: str | None,
-    attention: str,
-    seed: int,
-    launch_options: LaunchOptions,
-    as_json: bool,
-) -> None:
-    """Check a cp plan's model (ONNX: sha256; --llm: the config file's sha256 when it can be read),
-    decode, print the report."""
-    from tessera.executor.cp import DecodeOptions, run_cp_plan
-
-    model_path = None
-    if plan.model is not None:
-        model_path = load_plan_model(plan, plan_path, model).source
-    elif model is not None:
-        raise click.UsageError(
-            "--model does not apply to a plan made from --llm (it runs seeded random weights)"
-        )
-    elif plan.llm_config is not None:
-        check_plan_llm_config(plan, plan_path, must_exist=False)
-    lens = None
-    if prompt_lens is not None:
-        try:
-            lens = tuple(int(p) for p in prompt_lens.split(",") if p.strip())
-        except ValueError:
-            lens = ()
-        if not lens:
-            raise InputError(f"--prompt-lens {prompt_lens!r}: expected integers such as 64,17,1")
-    options = DecodeOptions(new_tokens=new_tokens, prompt_lens=lens, seed=seed, attention=attention)
-    run = run_cp_plan(plan, model_path, options, launch_options, plan_path=plan_path)
-    if as_json:
-        emit_json(run.to_json())
-    else:
-        click.echo(_cp_summary(run.to_json()))
-
-
 def _cp_summary(report: dict[str, Any]) -> str:
     d, m, p, r = report["decode"], report["measured"], report["predicted"], report["ratio"]
     lines = [
@@ -348,3 +321,36 @@ def _cp_summary(report: dict[str, Any]) -> str:
 def _lens(lens: list[int]) -> str:
     shown = ",".join(map(str, lens[:8]))
     return shown + (f",… ({len(lens)})" if len(lens) > 8 else "")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
+
+
+def _placement_summary(report: dict[str, Any]) -> str:
+    m, p, verify = report["measured"], report["predicted"], report["verify"]
+    ratio = report["ratio"]["latency"]
+    return "\n".join(
+        [
+            f"launched placement plan {report['plan']}: {report['groups']} group(s) on "
+            f"{', '.join(report['backends'])}, built in {report['build_s']:.2f} s; inputs {report['data']}",
+            f"latency: measured {_ms(m['latency_s'])} (median of {m['rounds']} rounds)"
+            + (
+                f", predicted {_ms(p['latency_s'])} (measured/predicted {ratio:.2f}x)"
+                if ratio is not None
+                else ""
+            )
+            + f", measured by place {_ms(report['planned_measurement']['latency_s'])}",
+            ("outputs match onnxruntime" if verify["ok"] else "OUTPUTS DIFFER")
+            + f" ({worst_output(verify)})",
+        ]
+    )
+
+
+# How each plan kind's report is printed without --json.
+_SUMMARIES: dict[str, Callable[[dict[str, Any]], str]] = {
+    "gpp": _summary,
+    "spp": _summary,
+    "cp": _cp_summary,
+    "placement": _placement_summary,
+}

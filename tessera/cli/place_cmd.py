@@ -1,6 +1,6 @@
 """``tessera place MODEL``: place a model's operators on backends (Collage), write the plan, measure it.
 
-Also :func:`launch_placement`, what ``tessera launch placement.json`` runs for placement plans.
+``tessera launch placement.json`` runs the plan: :mod:`tessera.executor.placement`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from tessera.cli.render import console, emit_json, progress_bar
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
 from tessera.core.plans import PlacementPlan, dump_plan, write_plan
+from tessera.executor.placement import worst_output
 
 
 def _ms(seconds: float | None) -> str:
@@ -134,7 +135,7 @@ def place(
     else:
         _print_summary(plan, search_s, verified, output)
     if verified is not None and not verified["ok"]:
-        raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {_worst(verified)}")
+        raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {worst_output(verified)}")
 
 
 def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
@@ -147,15 +148,6 @@ def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
         raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
     return compare_outputs(outputs, reference_outputs(graph, feeds))
-
-
-def _worst(report: dict[str, Any]) -> str:
-    bad = [(k, v) for k, v in report["outputs"].items() if not v.get("ok")]
-    name, row = bad[0] if bad else next(iter(report["outputs"].items()))
-    return (
-        f"output {name!r} max abs diff {row.get('max_abs_diff', float('nan')):.3g} "
-        f"(rtol {report['rtol']}, atol {report['atol']})"
-    )
 
 
 def _print_summary(
@@ -203,75 +195,7 @@ def _print_summary(
     if verified is not None:
         out.print(
             ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER: ")
-            + escape(f" ({_worst(verified)})")
+            + escape(f" ({worst_output(verified)})")
         )
     if output:
         out.print(escape(f"wrote {output}"))
-
-
-def launch_placement(
-    plan: PlacementPlan,
-    graph: Graph,
-    plan_path: str,
-    *,
-    repeat: int,
-    data: str | None,
-    seed: int,
-    as_json: bool,
-) -> None:
-    """``tessera launch`` for a placement plan: build the composite model, check its outputs against
-    onnxruntime, time it (``repeat`` interleaved rounds) and report measured against predicted."""
-    from tessera.backends.composite import (
-        CompositeModel,
-        compare_outputs,
-        latencies,
-        load_feeds,
-        random_feeds,
-        reference_outputs,
-    )
-
-    feeds = load_feeds(graph, data) if data else random_feeds(graph, seed)
-    start = time.perf_counter()
-    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
-    build_s = time.perf_counter() - start
-    try:
-        outputs = model.run(feeds)
-    except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
-        raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
-    verified = compare_outputs(outputs, reference_outputs(graph, feeds))
-    latency = latencies({"placement": lambda: model.run(feeds)}, rounds=repeat)["placement"]
-    predicted = plan.predicted.get("latency_s")
-    report = {
-        "kind": "placement",
-        "plan": plan_path,
-        "groups": len(plan.groups),
-        "backends": model.backends,
-        "build_s": build_s,
-        "measured": {"latency_s": latency, "rounds": repeat},
-        "predicted": {"latency_s": predicted},
-        "planned_measurement": {"latency_s": plan.measured.get("latency_s")},
-        "ratio": {"latency": latency / predicted if predicted else None},
-        "verify": verified,
-        "data": data or f"random (seed {seed})",
-    }
-    if as_json:
-        emit_json(report)
-    else:
-        click.echo(
-            f"launched placement plan {plan_path}: {len(plan.groups)} group(s) on {', '.join(model.backends)}, "
-            f"built in {build_s:.2f} s; inputs {report['data']}"
-        )
-        click.echo(
-            f"latency: measured {_ms(latency)} (median of {repeat} rounds)"
-            + (
-                f", predicted {_ms(predicted)} (measured/predicted {latency / predicted:.2f}x)"
-                if predicted
-                else ""
-            )
-            + f", measured by place {_ms(plan.measured.get('latency_s'))}"
-        )
-        click.echo(
-            ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER") + f" ({_worst(verified)})"
-        )
-    if not verified["ok"]:
-        raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {_worst(verified)}")

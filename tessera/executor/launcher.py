@@ -1,18 +1,10 @@
-"""Start workers the way ``torchrun`` does: torch.distributed's elastic agent, nothing home-made.
+"""Start workers the way ``torchrun`` does (torch.distributed's elastic agent), and what every
+worker shares: its setup, the watchdog, memory readings and test-only fault injection.
 
-:func:`launch_workers` runs ``entrypoint(*args)`` on ``nproc_per_node`` local processes per node
-through ``torch.distributed.launcher.api.elastic_launch`` (a static rendezvous at
-``master_addr:master_port``, as ``torchrun --nnodes N --node-rank R --master-addr A --master-port
-P`` does), with ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` in every
-worker's environment. Workers pick gloo (CPU) or NCCL (GPU) themselves.
-
-Faults: no restarts. When a worker raises or dies, the agent notices within its monitor interval,
-stops every other worker (SIGTERM, then SIGKILL after a few seconds) and :func:`launch_workers`
-raises :class:`~tessera.core.errors.LaunchError` naming the rank that failed first and why. A hung
-worker is bounded by the timeouts the workers set — the process-group timeout (``timeout_s``: a
-receive or collective gives up with an error naming the peer it waited for) and a per-step
-watchdog (1.5 × ``timeout_s``; see :mod:`tessera.executor.gpp`) — and the rendezvous timeout. Ctrl-C (SIGINT) or SIGTERM stops every
-worker and surfaces as ``KeyboardInterrupt``.
+:func:`launch_workers` runs ``entrypoint(*args)`` on this node's ranks and returns their results,
+or raises :class:`~tessera.core.errors.LaunchError` naming the rank that failed first and why.
+No restarts; a hung worker is bounded by the process-group timeout and the :class:`Watchdog`.
+See docs/executor.md ("Launching workers").
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper, numpy_helper
 from tessera.backends.torch_module import OPS, to_torch
 from tessera.core.errors import InputError
 from tessera.core.graph import load_graph
-from tessera.executor.gpp import TrainingData
+from tessera.executor.training import TrainingData
 from tessera.models import ZOO, build
 
 # fp32: the two runtimes reassociate sums differently; errors are ~1e-7 of the output's scale.

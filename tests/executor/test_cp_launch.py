@@ -24,17 +24,16 @@ import tessera.planners.cp.plan as cp_planner
 from tessera.cli.launch_cmd import _cp_summary
 from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
-from tessera.executor.cp import (
-    DecodeOptions,
-    KvLayout,
-    check_cp_plan,
+from tessera.executor.cp_run import check_cp_plan, run_cp_plan
+from tessera.executor.decode_worker import DecodeOptions
+from tessera.executor.decoder import (
     decoder_weights,
     make_prompts,
     onnx_decoder_weights,
     prefill,
     reference_decode,
-    run_cp_plan,
 )
+from tessera.executor.kv_layout import KvLayout
 from tessera.executor.launcher import FAULT_ENV, LaunchOptions
 from tessera.models import build
 

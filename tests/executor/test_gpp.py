@@ -11,15 +11,8 @@ from executor.plans import candle_dag, make_plan, save_model
 
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import load_graph
-from tessera.executor.gpp import (
-    Layout,
-    TrainingData,
-    Unit,
-    build_routing,
-    loss_term,
-    tensor_layouts,
-    train_reference,
-)
+from tessera.executor.routing import Layout, Unit, build_routing, tensor_layouts
+from tessera.executor.training import TrainingData, loss_term, train_reference
 from tessera.models import build
 
 
@@ -154,5 +147,11 @@ def test_plans_the_executor_refuses(candle) -> None:
     bad = st.model_copy(
         update={"schedule": st.schedule.model_copy(update={"actions": ["B0", "F0", "F1", "B1"]})}
     )
-    with pytest.raises(InputError, match="backward before its forward"):
+    with pytest.raises(InputError, match="stage 0: schedule: B0 before F0"):
         build_routing(plan.model_copy(update={"stages": [bad, *plan.stages[1:]]}), graph, layouts)
+    # Forwards out of order: refused by the one rule validate applies (the executor used to run them).
+    swapped = st.model_copy(
+        update={"schedule": st.schedule.model_copy(update={"actions": ["F1", "F0", "B0", "B1"]})}
+    )
+    with pytest.raises(InputError, match="forwards are not F0..F1 in order"):
+        build_routing(plan.model_copy(update={"stages": [swapped, *plan.stages[1:]]}), graph, layouts)

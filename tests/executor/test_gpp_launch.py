@@ -15,8 +15,9 @@ from executor.plans import candle_dag, make_plan, save_model
 from tessera.cli.launch_cmd import _summary
 from tessera.core.graph import load_graph
 from tessera.core.plans import TrainingSetup
-from tessera.executor.gpp import TrainOptions, run_gpp_plan, train_reference
+from tessera.executor.gpp_run import run_gpp_plan
 from tessera.executor.launcher import LaunchOptions
+from tessera.executor.training import TrainOptions, train_reference
 from tessera.models import build
 
 pytestmark = pytest.mark.slow

@@ -15,8 +15,8 @@ from executor.plans import chain_halves, make_plan, save_model, write
 from executor.processes import interrupt_launch, still_running
 
 from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, write_plan
-from tessera.executor.gpp import train_reference
 from tessera.executor.launcher import FAULT_ENV
+from tessera.executor.training import train_reference
 from tessera.models import build
 
 

@@ -18,11 +18,15 @@ from cli_runner import run_cli
 from executor.plans import chain_halves, make_plan, save_model, write
 from executor.processes import interrupt_launch
 
-import tessera.executor.cp as cp_executor
-import tessera.executor.gpp as gpp_executor
+import tessera.executor.cp_memory as cp_memory
+import tessera.executor.cp_run as cp_run
+import tessera.executor.gpp_run as gpp_run
 from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
-from tessera.executor.cp import DecodeOptions, KvLayout, check_cp_plan
+from tessera.executor.cp_run import check_cp_plan
+from tessera.executor.decode_worker import DecodeOptions
+from tessera.executor.decoder import random_decoder_weights
+from tessera.executor.kv_layout import KvLayout
 from tessera.models import build
 
 TINY_LLM = """\
@@ -43,8 +47,8 @@ def no_workers(monkeypatch: pytest.MonkeyPatch) -> None:
     def refuse(*args: object, **kwargs: object) -> None:
         raise AssertionError("workers started: the launch should have been refused before")
 
-    monkeypatch.setattr(cp_executor, "launch_workers", refuse)
-    monkeypatch.setattr(gpp_executor, "launch_workers", refuse)
+    monkeypatch.setattr(cp_run, "launch_workers", refuse)
+    monkeypatch.setattr(gpp_run, "launch_workers", refuse)
 
 
 def _cp_plan(
@@ -78,7 +82,7 @@ def _one_line_error(err: str, plan: Path | str) -> str:
 
 def test_a_model_larger_than_host_memory_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """llama-7b built in fp32 by every rank (27 GB each) on an 8 GiB host: exit 2, not the OOM killer."""
-    monkeypatch.setattr(cp_executor, "available_memory_bytes", lambda: 8 * 2**30)
+    monkeypatch.setattr(cp_memory, "available_memory_bytes", lambda: 8 * 2**30)
     plan = _cp_plan(tmp_path, "--llm", "llama-7b", context="64", batch=2)
     res = run_cli("launch", str(plan))
     assert res.code == 2
@@ -90,7 +94,7 @@ def test_a_prompt_whose_prefill_scores_do_not_fit_is_refused(
     tiny_plan: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Prefill attention is quadratic in the prompt: 200000 tokens need terabytes of scores."""
-    monkeypatch.setattr(cp_executor, "available_memory_bytes", lambda: 16 * 2**30)
+    monkeypatch.setattr(cp_memory, "available_memory_bytes", lambda: 16 * 2**30)
     res = run_cli("launch", str(tiny_plan), "--prompt-lens", "200000")
     assert res.code == 2
     line = _one_line_error(res.err, tiny_plan)
@@ -99,11 +103,11 @@ def test_a_prompt_whose_prefill_scores_do_not_fit_is_refused(
 
 def test_the_estimate_covers_what_a_tiny_launch_builds(tiny_plan: Path) -> None:
     plan = load_plan(tiny_plan)
-    need = cp_executor.host_memory_need(
+    need = cp_memory.host_memory_need(
         plan, [16] * 4, 8, range(2), layout=KvLayout([(0, 4096), (4096, 8192)]), positions=None,
         onnx=False, on_gpu=False,
     )  # fmt: skip
-    weights = cp_executor.random_decoder_weights(plan.llm).nbytes()
+    weights = random_decoder_weights(plan.llm).nbytes()
     assert need["weights"] == 2 * weights
     assert 0 < need["kv_cache"] and 0 < need["prefill"] < 2**20
     assert sum(need.values()) < 2**30

@@ -1,0 +1,105 @@
+"""Host memory a CP launch's workers will allocate, estimated from the plan before any starts.
+
+:func:`host_memory_need` adds up, per local rank, the decoder weights as built, the KV cache, the
+prefill's activations, the KV layout and the worker process itself; :func:`check_host_memory`
+refuses (exit 2) a launch that would not fit, rather than let the OOM killer stop it half-way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tessera.core.errors import InputError
+from tessera.core.plans import CpPlan
+from tessera.executor.decoder import llm_ints
+from tessera.executor.kv_layout import KvLayout, request_slices
+from tessera.executor.launcher import available_memory_bytes
+
+WORKER_BASE_BYTES = 256 * 2**20
+"""A worker's memory before it builds anything (interpreter, torch, gloo): a tiny plan's ranks
+measure about 350 MiB of peak RSS, part of it shared libraries."""
+
+
+def weight_elements(llm: dict[str, Any], positions: int | None) -> int:
+    """Elements of the tensors :mod:`~tessera.executor.decoder`'s weight builders make
+    (fp32 whatever the plan's dtype; a tied LM head is a copy of its own)."""
+    layers, hidden, heads, kv_heads, head_dim, ffn, vocab = llm_ints(llm)
+    q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
+    ffn_matrices = 3 if llm.get("gated_ffn") else 2
+    layer = (
+        4 * hidden  # ln1, ln2
+        + (hidden + 1) * q_dim
+        + 2 * (hidden + 1) * kv_dim
+        + q_dim * hidden
+        + hidden
+        + ffn_matrices * hidden * ffn
+        + (ffn_matrices - 1) * ffn
+        + hidden
+    )
+    return layers * layer + 2 * vocab * hidden + 2 * hidden + (positions or 0) * hidden
+
+
+def host_memory_need(
+    plan: CpPlan,
+    prompt_lens: Sequence[int],
+    new_tokens: int,
+    ranks: Sequence[int],
+    *,
+    layout: KvLayout | None,
+    positions: int | None,
+    onnx: bool,
+    on_gpu: bool,
+) -> dict[str, int]:
+    """Bytes the workers of ``ranks`` will allocate on this host, by what for (an upper estimate,
+    computed from the plan without building anything): ``weights`` as built (fp32; an ONNX model's
+    file is held while its tensors are made; a TP rank cuts its share from the full weights),
+    ``kv_cache`` (the decode worker's buffers), ``prefill`` (one request's causal attention
+    scores ``heads × S × S``, three live at once, its prompt's K/V and FFN activations),
+    ``layout`` (each request's position owners) and ``workers`` (:data:`WORKER_BASE_BYTES` each).
+    On a GPU the KV cache and the prefill live on the device, not here."""
+    layers, hidden, heads, kv_heads, head_dim, ffn, _ = llm_ints(plan.llm)
+    n = plan.degree
+    weights = 4 * weight_elements(plan.llm, positions)
+    built = 2 * weights if onnx else weights
+    hq, hkv = heads, kv_heads
+    if plan.strategy == "tp":
+        built = max(built, weights + weights // n)
+        hq, hkv = heads // n, kv_heads // n
+    total = [p + new_tokens - 1 for p in prompt_lens]
+    slices = request_slices(len(total), plan.degree)
+    need = {"weights": 0, "kv_cache": 0, "prefill": 0, "layout": 0, "workers": 0}
+    for rank in ranks:
+        cached = range(*slices[rank]) if plan.strategy == "dp" else range(len(total))
+        if layout is not None:
+            cap = max((layout.most_held(rank, total[b]) for b in cached), default=0)
+        else:
+            cap = max((total[b] for b in cached), default=0)
+        s = max((prompt_lens[b] for b in cached), default=0)
+        need["weights"] += built
+        need["layout"] += 8 * sum(total[b] for b in cached)
+        need["workers"] += WORKER_BASE_BYTES
+        if not on_gpu:
+            need["kv_cache"] += 2 * layers * len(cached) * hkv * max(cap, 1) * head_dim * 4
+            scores = 3 * hq * s * s  # q·kᵀ, masked, softmax: [heads, S, S] each
+            kv_and_ffn = 4 * layers * hkv * s * head_dim + 2 * s * max(ffn, hidden, hq * head_dim)
+            need["prefill"] += 4 * (scores + kv_and_ffn) + s * s  # and the [S, S] causal mask
+    return need
+
+
+def check_host_memory(need: dict[str, int], plan_path: str) -> None:
+    """Refuse (InputError, exit 2) a launch whose workers would allocate more than this host has
+    available: better than the OOM killer stopping a worker (or the machine) half-way."""
+    from tessera.core.units import format_bytes
+
+    available = available_memory_bytes()
+    total = sum(need.values())
+    if available is None or total <= available:
+        return
+    parts = ", ".join(f"{what.replace('_', ' ')} {format_bytes(n)}" for what, n in need.items() if n)
+    raise InputError(
+        f"the workers on this host would need about {format_bytes(total)} of memory ({parts}) but "
+        f"{format_bytes(available)} is available; give a smaller model, shorter --prompt-lens or "
+        "fewer --new-tokens, or run the plan over more nodes",
+        source=plan_path,
+    )

@@ -1,0 +1,192 @@
+"""Run a GPP (or SPP) training plan: check it, start a stage worker per device, report.
+
+:func:`run_gpp_plan` refuses what the workers could not run before any starts (unsupported
+operators, bad data, an unroutable plan), launches :func:`~tessera.executor.stage_worker.gpp_worker`
+on every rank of the plan and returns a :class:`GppRun`: loss, iteration time, per-stage busy time
+and peak memory, measured against the plan's prediction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from tessera.backends.torch_module import check_supported
+from tessera.core.errors import InputError
+from tessera.core.graph import Graph
+from tessera.core.plans import GppPlan, Stage
+from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers
+from tessera.executor.report import RunReport, gathered, over, ratios, slowest, steady_mean
+from tessera.executor.routing import Routing, build_routing, tensor_layouts
+from tessera.executor.stage_worker import WorkerSpec, gpp_worker
+from tessera.executor.training import TrainOptions, load_npz
+
+LOSS = "sum over float outputs of mean((output - target)^2); target 0 unless the data gives one"
+
+
+@dataclass(kw_only=True)
+class GppRun(RunReport):
+    """What ``tessera launch`` reports for a GPP/SPP plan (``to_json`` is the ``--json`` output)."""
+
+    backend: str
+    world_size: int
+    mini_batch_size: int
+    options: TrainOptions
+    stages: list[dict[str, Any]]
+    weights: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def losses(self) -> list[float]:
+        return [s["loss"] for s in self.steps]
+
+    def details(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "world_size": self.world_size,
+            "mini_batch_size": self.mini_batch_size,
+            "training": {
+                "steps": self.options.steps,
+                "optimizer": f"SGD(lr={self.options.lr:g})",
+                "loss": LOSS,
+                "data": self.options.data or f"synthetic (seed {self.options.seed})",
+            },
+            "stages": self.stages,
+        }
+
+
+def run_gpp_plan(
+    plan: GppPlan,
+    graph: Graph,
+    model_path: str,
+    options: TrainOptions,
+    launch: LaunchOptions | None = None,
+    *,
+    plan_path: str = "<plan>",
+    return_weights: bool = False,
+) -> GppRun:
+    """Launch ``plan`` (checked against ``graph`` by the caller) on torch.distributed workers and
+    report measured against predicted. Raises LaunchError (exit 4) when a worker fails."""
+    launch = launch or LaunchOptions()
+    if options.steps < 1:
+        raise InputError(f"--steps {options.steps}: must be at least 1")
+    check_supported(graph.model, model_path)  # refuse what the workers could not build, before they start
+    if options.data is not None:
+        load_npz(options.data, graph, plan.mini_batch_size)  # refuse bad data before starting workers
+    routing = build_routing(plan, graph, tensor_layouts(graph, model_path))
+    backend = choose_backend(plan.cluster, [d for st in plan.stages for d in st.devices])
+    spec = WorkerSpec(
+        plan=plan.model_dump(mode="json"),
+        model_path=str(Path(model_path).resolve()),
+        input_shapes={k: list(v) for k, v in graph.input_shapes.items()},
+        routing=routing,
+        options=options,
+        timeout_s=launch.timeout_s,
+        backend=backend,
+        return_weights=return_weights,
+    )
+
+    def describe(rank: int) -> str:
+        stage, replica = next(k for k, r in routing.ranks.items() if r == rank)
+        return f"rank {rank} (stage {stage}, replica {replica}, device {routing.devices[rank]})"
+
+    results = launch_workers(gpp_worker, (spec,), routing.world_size, launch, describe_rank=describe)
+    return gpp_report(plan, plan_path, backend, routing, options, gathered(results))
+
+
+def gpp_report(
+    plan: GppPlan,
+    plan_path: str,
+    backend: str,
+    routing: Routing,
+    options: TrainOptions,
+    per_rank: list[dict[str, Any]],
+) -> GppRun:
+    """The report of a run from its ranks' results (a stage's value: its slowest replica)."""
+    # On a node other than 0 of a multi-node launch only this node's ranks are known.
+    present = [st for st in plan.stages if any(r["stage"] == st.id for r in per_rank)]
+    steps = [_step_row(per_rank, present, k) for k in range(options.steps)]
+    iteration = steady_mean([s["iteration_s"] for s in steps])
+    measured = {
+        "iteration_time_s": iteration,
+        "throughput_samples_per_s": plan.mini_batch_size / iteration if iteration > 0 else 0.0,
+        "final_loss": steps[-1]["loss"],
+    }
+    predicted = {
+        k: float(plan.predicted[k])
+        for k in ("iteration_time_s", "throughput_samples_per_s")
+        if k in plan.predicted
+    }
+    weights: dict[str, np.ndarray] = {}
+    for r in per_rank:
+        weights.update(r.get("weights", {}))
+    return GppRun(
+        plan_path=plan_path,
+        kind=plan.kind,
+        backend=backend,
+        world_size=routing.world_size,
+        mini_batch_size=plan.mini_batch_size,
+        options=options,
+        steps=steps,
+        stages=[_stage_row(st, per_rank, options.steps) for st in present],
+        ranks=[_rank_row(r) for r in sorted(per_rank, key=lambda r: r["rank"])],
+        measured=measured,
+        predicted=predicted,
+        ratio=ratios(measured, predicted, {"iteration_time": "iteration_time_s"}),
+        weights=weights,
+    )
+
+
+def _replicas(per_rank: list[dict[str, Any]], stage: int) -> list[dict[str, Any]]:
+    return [r for r in per_rank if r["stage"] == stage]
+
+
+def _step_row(per_rank: list[dict[str, Any]], stages: list[Stage], step: int) -> dict[str, Any]:
+    return {
+        "step": step,
+        "loss": per_rank[0]["steps"][step]["loss"],
+        "iteration_s": slowest(per_rank, step, "iteration_s"),
+        "busy_s": {str(st.id): slowest(_replicas(per_rank, st.id), step, "busy_s") for st in stages},
+    }
+
+
+def _stage_row(st: Stage, per_rank: list[dict[str, Any]], n_steps: int) -> dict[str, Any]:
+    mine = _replicas(per_rank, st.id)
+    busy = steady_mean([slowest(mine, k, "busy_s") for k in range(n_steps)])
+    if mine and "peak_device_memory_bytes" in mine[0]:
+        tensors = max(r["peak_device_memory_bytes"] for r in mine)
+    else:
+        tensors = max(r["weight_bytes"] + r["gradient_bytes"] + r["peak_activation_bytes"] for r in mine)
+    p_busy = st.predicted.get("busy_s")
+    p_mem = float(st.predicted.get("peak_memory_bytes", st.memory.peak))
+    return {
+        "id": st.id,
+        "devices": st.devices,
+        "ranks": sorted(r["rank"] for r in mine),
+        "micro_batch_size": st.micro_batch_size,
+        "recompute": st.recompute,
+        "busy_s": busy,
+        "predicted_busy_s": p_busy,
+        "busy_ratio": over(busy, p_busy),
+        "peak_memory_bytes": tensors,
+        "predicted_peak_memory_bytes": p_mem,
+        "memory_ratio": over(tensors, p_mem),
+        "peak_activation_bytes": max(r["peak_activation_bytes"] for r in mine),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in mine),
+        "rss_growth_bytes": max(r["peak_rss_bytes"] - r["base_rss_bytes"] for r in mine),
+    }
+
+
+def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
+    """One rank: where it runs, its steady compute / wait / all-reduce time and its memory."""
+    return {
+        "rank": r["rank"],
+        "stage": r["stage"],
+        "replica": r["replica"],
+        "device": r["device"],
+        **{key: steady_mean([s[key] for s in r["steps"]]) for key in ("busy_s", "wait_s", "allreduce_s")},
+        "peak_rss_bytes": r["peak_rss_bytes"],
+        "peak_activation_bytes": r["peak_activation_bytes"],
+    }

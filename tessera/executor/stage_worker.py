@@ -1,0 +1,333 @@
+"""The GPP stage worker: one rank runs one replica of one stage and interprets its schedule.
+
+:func:`gpp_worker` is every rank's entry point. :class:`StageWorker` builds the stage's module
+from the plan's subgraph, executes the stage's ``F``/``B`` actions in order (receiving and sending
+along the :class:`~tessera.executor.routing.Routing`), all-reduces the replicas' gradients and
+takes one SGD step per mini-batch. See docs/executor.md ("GPP stage workers").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from tessera.backends.torch_module import OnnxModule, to_torch
+from tessera.core.errors import LaunchError
+from tessera.core.graph import load_graph
+from tessera.core.plans import GppPlan
+from tessera.executor.launcher import (
+    WATCHDOG_FACTOR,
+    Watchdog,
+    inject_test_fault,
+    memory_status,
+    worker_setup,
+)
+from tessera.executor.routing import Message, Routing, Unit
+from tessera.executor.training import TrainingData, TrainOptions, loss_term
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank gets (picklable): the plan, the model file, the routing, the run options."""
+
+    plan: dict[str, Any]
+    model_path: str
+    input_shapes: dict[str, list[int]]
+    routing: Routing
+    options: TrainOptions
+    timeout_s: float
+    backend: str  # gloo | nccl
+    return_weights: bool = False
+
+
+@dataclass
+class _Saved:
+    leaves: dict[int, Tensor]  # message id → received input piece (a leaf that collects its gradient)
+    outputs: dict[str, Tensor]
+    loss: Tensor | None
+    activation_bytes: int  # what this in-flight micro-batch holds: saved tensors, inputs, outputs
+
+
+def _storages(tensors: Iterable[Tensor], into: dict[int, int], skip: set[int]) -> None:
+    for t in tensors:
+        st = t.untyped_storage()
+        if st.data_ptr() not in skip:
+            into[st.data_ptr()] = st.nbytes()
+
+
+class StageWorker:
+    """One rank: one replica of one stage, interpreting the stage's schedule every step."""
+
+    def __init__(self, spec: WorkerSpec, rank: int, device: torch.device) -> None:
+        self.spec = spec
+        self.rank = rank
+        self.device = device
+        self.routing = routing = spec.routing
+        plan = GppPlan.model_validate(spec.plan)
+        self.stage_id, self.replica = next(k for k, r in routing.ranks.items() if r == rank)
+        self.stage = next(st for st in plan.stages if st.id == self.stage_id)
+        self.actions = [(a[0], int(a[1:])) for a in self.stage.schedule.actions]
+        self.rss_base = memory_status("VmRSS")
+        graph = load_graph(
+            spec.model_path, input_shapes=spec.input_shapes or None, rewrites=plan.model.rewrites
+        )
+        if graph.sha256 != plan.model.sha256:
+            raise LaunchError(
+                f"rank {rank}: the model changed since the plan was made", source=spec.model_path
+            )
+        sub = graph.extract(self.stage.nodes, name=f"stage{self.stage_id}")
+        self.module: OnnxModule = to_torch(sub, label=f"stage {self.stage_id}").to(device)
+        self.params = [p for _, p in self.module.onnx_parameters()]
+        # Activation recomputation (the stage's recompute): the forward keeps only its inputs and
+        # outputs, and the backward runs it again (torch.utils.checkpoint).
+        self.recompute = self.stage.recompute
+        self.opt = torch.optim.SGD(self.params, lr=spec.options.lr) if self.params else None
+        self.data = TrainingData(graph, routing.mini_batch, spec.options.seed, spec.options.data)
+        self.graph_inputs = set(graph.inputs)
+        # Data-parallel groups: created on every rank in the same order (torch.distributed's rule).
+        self.dp_group = None
+        for st in plan.stages:
+            members = sorted(routing.ranks[(st.id, q)] for q in range(len(st.devices)))
+            if len(members) > 1:
+                group = dist.new_group(members)
+                if st.id == self.stage_id:
+                    self.dp_group = group
+        self._sends: list[tuple[Any, Tensor]] = []
+        # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
+        # optimizer state) + the activations of the micro-batches in flight, at their peak.
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self.params}
+        self.peak_activation_bytes = 0
+
+    # -- communication (tags: one per message, direction and step parity) --
+
+    def _tag(self, msg: Message, backward: bool, step: int) -> int:
+        return msg.id * 4 + (step % 2) * 2 + int(backward)
+
+    def _send(self, tensor: Tensor, dst: int, tag: int) -> None:
+        payload = tensor.detach().contiguous()
+        self._sends.append((dist.isend(payload, dst, tag=tag), payload))
+
+    def _recv(self, shape: tuple[int, ...], dtype: str, src: int, tag: int, what: str) -> Tensor:
+        buf = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=self.device)
+        try:
+            dist.recv(buf, src, tag=tag)
+        except Exception as exc:  # say what was awaited from whom: the peer is the likely culprit
+            raise RuntimeError(f"waiting for {what} from rank {src}: {' '.join(str(exc).split())}") from exc
+        return buf
+
+    # -- the two actions --
+
+    def forward(
+        self, j: int, step: int, inputs: Mapping[str, np.ndarray], targets: Mapping[str, np.ndarray]
+    ) -> None:
+        unit = Unit(self.stage_id, self.replica, j)
+        lo, hi = self.routing.ranges[self.stage_id][j][self.replica]
+        by_tensor: dict[str, list[Message]] = {}
+        for msg in self.routing.incoming.get(unit, []):
+            by_tensor.setdefault(msg.tensor, []).append(msg)
+        feeds: dict[str, Tensor] = {}
+        leaves: dict[int, Tensor] = {}
+        t0 = time.perf_counter()
+        for t in self.routing.stage_inputs[self.stage_id]:
+            if t in self.graph_inputs:
+                feeds[t] = torch.from_numpy(inputs[t][lo:hi]).to(self.device)
+                continue
+            pieces = []
+            for msg in sorted(by_tensor[t], key=lambda m: m.dst_rows or (0, 0)):
+                lay = self.routing.layouts[t]
+                buf = self._recv(
+                    lay.shape(msg.samples),
+                    lay.dtype,
+                    self.routing.rank_of(msg.src),
+                    self._tag(msg, False, step),
+                    f"{t!r} of micro-batch {j} (step {step})",
+                )
+                if msg.grad:
+                    buf.requires_grad_(True)
+                leaves[msg.id] = buf
+                pieces.append(buf)
+            feeds[t] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        t1 = time.perf_counter()
+        held: dict[int, int] = {}
+
+        def pack(t: Tensor) -> Tensor:
+            _storages([t], held, self._param_storages)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if self.recompute:
+                # early_stop off: torch ends a recomputation early by raising through the
+                # module, whose per-operator error reports would catch it.
+                outputs = checkpoint(self.module.run, feeds, use_reentrant=False, early_stop=False)
+            else:
+                outputs = self.module.run(feeds)
+        loss = None
+        for o in self.routing.loss_outputs[self.stage_id]:
+            target = targets.get(o)
+            term = loss_term(
+                outputs[o],
+                None if target is None else torch.from_numpy(target[lo:hi]).to(self.device),
+                hi - lo,
+                self.routing.mini_batch,
+            )
+            loss = term if loss is None else loss + term
+        if loss is not None:
+            self.loss_sum += float(loss.detach())
+        t2 = time.perf_counter()
+        for msg in self.routing.outgoing.get(unit, []):
+            out = outputs[msg.tensor]
+            piece = out if msg.src_rows is None else out[msg.src_rows[0] : msg.src_rows[1]]
+            self._send(piece, self.routing.rank_of(msg.dst), self._tag(msg, False, step))
+        _storages([*leaves.values(), *outputs.values()], held, self._param_storages)
+        self.saved[j] = _Saved(leaves, outputs, loss, sum(held.values()))
+        live = sum(x.activation_bytes for x in self.saved.values())
+        self.peak_activation_bytes = max(self.peak_activation_bytes, live)
+        self.busy += t2 - t1
+        self.wait += t1 - t0
+
+    def backward(self, j: int, step: int) -> None:
+        unit = Unit(self.stage_id, self.replica, j)
+        saved = self.saved.pop(j)
+        t0 = time.perf_counter()
+        grads: dict[str, Tensor] = {}
+        for msg in self.routing.outgoing.get(unit, []):
+            if not msg.grad:
+                continue
+            out = saved.outputs[msg.tensor]
+            piece = self._recv(
+                tuple(out.shape)
+                if msg.src_rows is None
+                else (msg.src_rows[1] - msg.src_rows[0], *out.shape[1:]),
+                self.routing.layouts[msg.tensor].dtype,
+                self.routing.rank_of(msg.dst),
+                self._tag(msg, True, step),
+                f"the gradient of {msg.tensor!r} of micro-batch {j} (step {step})",
+            )
+            g = grads.get(msg.tensor)
+            if g is None:
+                g = grads[msg.tensor] = torch.zeros_like(out, requires_grad=False)
+            if msg.src_rows is None:
+                g += piece
+            else:
+                g[msg.src_rows[0] : msg.src_rows[1]] += piece
+        t1 = time.perf_counter()
+        roots: list[Tensor] = []
+        root_grads: list[Tensor] = []
+        if saved.loss is not None and saved.loss.requires_grad:
+            roots.append(saved.loss)
+            root_grads.append(torch.ones_like(saved.loss))
+        for t, g in grads.items():
+            if saved.outputs[t].requires_grad:
+                roots.append(saved.outputs[t])
+                root_grads.append(g)
+        if roots:
+            torch.autograd.backward(roots, root_grads)
+        t2 = time.perf_counter()
+        for msg in self.routing.incoming.get(unit, []):
+            if msg.grad:
+                leaf = saved.leaves[msg.id]
+                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+                self._send(g, self.routing.rank_of(msg.src), self._tag(msg, True, step))
+        self.busy += t2 - t1
+        self.wait += t1 - t0
+
+    # -- one training step --
+
+    def step(self, step: int) -> dict[str, float]:
+        inject_test_fault(self.rank, step)
+        start = time.perf_counter()
+        self.busy = self.wait = self.loss_sum = 0.0
+        self.saved: dict[int, _Saved] = {}
+        inputs, targets = self.data.batch(step)
+        for kind, j in self.actions:
+            if kind == "F":
+                self.forward(j, step, inputs, targets)
+            else:
+                self.backward(j, step)
+        for work, _ in self._sends:
+            work.wait()
+        self._sends.clear()
+        t0 = time.perf_counter()
+        if self.dp_group is not None and self.params:
+            flat = torch.cat(
+                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
+            )
+            dist.all_reduce(flat, group=self.dp_group)
+            offset = 0
+            for p in self.params:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p).clone()
+                offset += n
+        allreduce = time.perf_counter() - t0
+        if self.opt is not None:
+            self.opt.step()
+            self.opt.zero_grad(set_to_none=True)
+        total = torch.tensor([self.loss_sum], dtype=torch.float64, device=self.device)
+        dist.all_reduce(total)  # also the end-of-iteration synchronization of every rank
+        return {
+            "step": step,
+            "loss": float(total.item()),
+            "iteration_s": time.perf_counter() - start,
+            "busy_s": self.busy,
+            "wait_s": self.wait,
+            "allreduce_s": allreduce,
+        }
+
+
+def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
+    """The entry point of every rank (started by :func:`tessera.executor.launcher.launch_workers`):
+    join the process group, build the stage replica, train ``spec.options.steps`` steps, and return
+    the per-step reports (rank 0 returns every rank's, gathered)."""
+    rank, device = worker_setup(spec.routing.world_size, spec.backend)
+    stage, replica = next(k for k, r in spec.routing.ranks.items() if r == rank)
+    # Collectives and receives give up after timeout_s with a descriptive error; the watchdog is the
+    # backstop for a rank stuck elsewhere (a hung kernel), a little later so it does not pre-empt them.
+    watchdog = Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
+    try:
+        watchdog.arm("start-up")
+        dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
+        worker = StageWorker(spec, rank, device)
+        steps = []
+        for k in range(spec.options.steps):
+            watchdog.arm(f"step {k}")
+            steps.append(worker.step(k))
+        watchdog.disarm()
+        result: dict[str, Any] = {
+            "rank": rank,
+            "stage": stage,
+            "replica": replica,
+            "device": spec.routing.devices[rank],
+            "steps": steps,
+            "peak_rss_bytes": memory_status("VmHWM"),
+            "weight_bytes": worker.weight_bytes,
+            "gradient_bytes": worker.weight_bytes,
+            "peak_activation_bytes": worker.peak_activation_bytes,
+            "base_rss_bytes": worker.rss_base,
+        }
+        if device.type == "cuda":
+            result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
+        if spec.return_weights and replica == 0:
+            result["weights"] = {
+                n: p.detach().cpu().numpy().copy() for n, p in worker.module.onnx_parameters()
+            }
+        gathered: list[Any] | None = [None] * spec.routing.world_size if rank == 0 else None
+        dist.gather_object(result, gathered, dst=0)
+        if gathered is not None:
+            result["all"] = gathered
+        return result
+    finally:
+        watchdog.disarm()
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
