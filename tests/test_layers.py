@@ -154,3 +154,18 @@ def test_the_walk_catches_a_breach(source: str, check, monkeypatch: pytest.Monke
     )
     found = [i for i in _imports() if i.importer == "tessera.planners.planted_breach"]
     assert len(check(found)) == 1
+
+
+def test_modules_stay_small_and_say_what_they_own() -> None:
+    """No module over 600 lines; a module docstring says what the module owns in at most ~10 lines
+    (narratives live in docs/, measured numbers in bench/results/)."""
+    long_modules = [
+        f"{m}: {n} lines" for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 600
+    ]
+    assert not long_modules, "\n".join(long_modules)
+    long_docs = []
+    for module, path in MODULES.items():
+        doc = ast.get_docstring(ast.parse(path.read_text()), clean=False) or ""
+        if len(doc.splitlines()) > 12:
+            long_docs.append(f"{module}: {len(doc.splitlines())} docstring lines")
+    assert not long_docs, "\n".join(long_docs)

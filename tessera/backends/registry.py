@@ -306,7 +306,7 @@ class BackendRegistry:
         return sum(self.load_yaml(p) for p in sorted(folder.glob("*.yaml")))
 
 
-def pattern_from_yaml(spec: Any, *, where: str = "pattern", source: str | Path | None = None) -> Pattern:
+def pattern_from_yaml(spec: Any, *, where: str = "pattern", source: str | Path | None = None) -> Pattern:  # noqa: C901
     """A pattern from its YAML form.
 
     ``"*"`` (or ``any``): a wildcard; ``const``: a weight; ``OpType``: that operator with free inputs;

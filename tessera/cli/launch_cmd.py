@@ -138,7 +138,7 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     help="[placement] Timing rounds of the placed model (median reported).",
 )
 @json_option
-def launch(
+def launch(  # noqa: PLR0913
     plan_path: str,
     model: str | None,
     nproc_per_node: int | None,

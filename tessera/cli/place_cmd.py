@@ -69,7 +69,7 @@ def _ms(seconds: float | None) -> str:
 )
 @output_option
 @json_option
-def place(
+def place(  # noqa: PLR0913
     graph: Graph,
     device: str,
     backend_list: str | None,

@@ -73,7 +73,7 @@ def op_cost(
     return OpCost(flops=int(flops), bytes_moved=int(moved))
 
 
-def op_flops(
+def op_flops(  # noqa: C901
     op_type: str,
     attributes: Mapping[str, Any],
     input_shapes: Sequence[Shape | None],

@@ -267,7 +267,7 @@ def rewritten(graph: Graph, rewrites: Sequence[str]) -> Graph:
     return out
 
 
-def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str, int] | None = None) -> Graph:
+def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str, int] | None = None) -> Graph:  # noqa: C901
     """Build the DAG and per-node costs of an already prepared (named, shape-inferred) model."""
     g = model.graph
     tensors: dict[str, TensorInfo] = {}

@@ -218,7 +218,7 @@ def llm_ints(llm: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
     )
 
 
-def onnx_decoder_weights(model_path: str | os.PathLike[str], llm: dict[str, Any]) -> DecoderWeights:
+def onnx_decoder_weights(model_path: str | os.PathLike[str], llm: dict[str, Any]) -> DecoderWeights:  # noqa: C901
     """The weights of a zoo GPT (:mod:`tessera.models.gpt`) by initializer name::
 
         embed/token/weight [V, E]         token embedding      embed/position/weight [P, E]  positions

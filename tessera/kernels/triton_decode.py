@@ -89,7 +89,7 @@ def triton_unavailable_reason(device: torch.device | str | None = None) -> str |
 if triton is not None:
 
     @triton.jit
-    def _decode_split_kernel(
+    def _decode_split_kernel(  # noqa: PLR0913
         q_ptr,
         k_ptr,
         v_ptr,
@@ -208,7 +208,7 @@ if triton is not None:
         tl.store(lse_part_ptr + row, lse, mask=mask_g)
 
     @triton.jit
-    def _merge_splits_kernel(
+    def _merge_splits_kernel(  # noqa: PLR0913
         o_part_ptr,
         lse_part_ptr,
         o_ptr,
@@ -296,7 +296,7 @@ def _next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
 
-def decode_attention_partial_triton(
+def decode_attention_partial_triton(  # noqa: PLR0913
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,

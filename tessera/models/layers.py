@@ -213,7 +213,7 @@ def ffn(g: GraphBuilder, x: str, hidden: int, inner: int, name: str = "ffn", *, 
 # --- attention ---------------------------------------------------------------------------------
 
 
-def attention(
+def attention(  # noqa: PLR0913
     g: GraphBuilder,
     x: str,
     *,
@@ -293,7 +293,7 @@ def _repeat_kv(g: GraphBuilder, x: str, kv_heads: int, heads: int, tail: tuple[i
         return g.op("Reshape", [x, shape_const(g, "shape", (0, heads, *tail))], "reshape")
 
 
-def transformer_layer(
+def transformer_layer(  # noqa: PLR0913
     g: GraphBuilder,
     x: str,
     *,
@@ -330,7 +330,7 @@ def transformer_layer(
 # --- convolutions ------------------------------------------------------------------------------
 
 
-def conv_bn(
+def conv_bn(  # noqa: PLR0913
     g: GraphBuilder,
     x: str,
     in_ch: int,

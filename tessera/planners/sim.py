@@ -76,7 +76,7 @@ class SimResult:
     last_end: dict[int, float] = field(default_factory=dict)  # each stage's last F/B end
 
 
-def simulate(
+def simulate(  # noqa: C901
     stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int, *, trace: bool = True
 ) -> SimResult:
     """Simulate one iteration (see the module docstring); ``trace=False`` leaves ``events`` empty
@@ -264,7 +264,7 @@ def _deadlock(stuck: dict[int, tuple[str, int]]) -> ValueError:
     return ValueError(f"the schedule deadlocks: waiting stages {stuck}")
 
 
-def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int) -> SimResult:
+def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], mini_batch: int) -> SimResult:  # noqa: C901
     """:func:`simulate` without a trace where no resource is shared: every link belongs to one
     edge and direction (no ``links.nics``, each stage pair listed once), and each stage is its
     own device. Then a FIFO link serves its transfers in the order its sender issues them, and

@@ -9,7 +9,8 @@ import pytest
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from tessera.backends.torch_module import OPS, to_torch
+from tessera.backends.torch_module import to_torch
+from tessera.backends.torch_ops import OPS
 from tessera.core.errors import InputError
 from tessera.core.graph import load_graph
 from tessera.executor.training import TrainingData

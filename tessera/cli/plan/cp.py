@@ -54,7 +54,7 @@ OPTIONS = OptionGroup(
 )
 
 
-def run(
+def run(  # noqa: C901, PLR0913
     *,
     model: str | None,
     input_shapes: tuple[str, ...],

@@ -114,7 +114,7 @@ OPTIONS = OptionGroup(
 def runner(kind: str) -> Callable[..., None]:
     """The plan command's body for ``--kind gpp`` or ``spp``."""
 
-    def run(
+    def run(  # noqa: PLR0913
         *,
         model: str | None,
         input_shapes: tuple[str, ...],
@@ -174,7 +174,7 @@ def runner(kind: str) -> Callable[..., None]:
     return run
 
 
-def run_pipeline_plan(
+def run_pipeline_plan(  # noqa: PLR0913
     graph: Graph,
     cluster: ClusterSpec,
     *,

@@ -213,7 +213,7 @@ def estimate_all(
     ]
 
 
-def estimate(
+def estimate(  # noqa: C901
     llm: LlmConfig,
     cluster: ClusterSpec,
     workload: Workload,

@@ -168,7 +168,7 @@ def sweep_to_json(rows: list[SweepRow]) -> list[dict[str, Any]]:
     ]
 
 
-def plan_cp_request(
+def plan_cp_request(  # noqa: PLR0913
     llm: LlmConfig,
     cluster: ClusterSpec,
     *,

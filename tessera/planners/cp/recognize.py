@@ -319,7 +319,7 @@ def _is_triangular_mask(array: np.ndarray | None) -> bool:
     return bool(np.all(values[upper] <= -1e4) and np.all(values[~upper] == 0))
 
 
-def recognize_llm(graph: Graph, *, name: str | None = None) -> LlmConfig:
+def recognize_llm(graph: Graph, *, name: str | None = None) -> LlmConfig:  # noqa: C901
     """The :class:`LlmConfig` of a decoder-only transformer ONNX model.
 
     Raises :class:`InputError` (exit 2) saying why when the graph is not one: no attention, no causal

@@ -21,7 +21,7 @@ from tessera.planners.sim import SimEdge, SimStage, simulate
 _MEMORY_SLACK = 64
 
 
-def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
+def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
     problems: list[str] = []
     stage_of: dict[str, int] = {}
     for st in plan.stages:

@@ -35,7 +35,7 @@ RECOMPUTE_VARIANTS: dict[str, tuple[bool, ...]] = {"never": (False,), "all": (Tr
 class StageDP:
     """Algorithm 2's DP for one micro-batch size (see the module docstring)."""
 
-    def __init__(
+    def __init__(  # noqa: PLR0913
         self,
         tree: SPTree,
         costs: UnitCosts,
@@ -228,7 +228,7 @@ class StageDP:
             return self.series(node, 0, d, ext)
         return self.parallel(node, 0, d, ext)
 
-    def series(self, node: SPNode, i: int, d: int, ext: int) -> list[Entry]:
+    def series(self, node: SPNode, i: int, d: int, ext: int) -> list[Entry]:  # noqa: C901
         """Children i.. of a series node (units [ch[i].lo, ext)) on at most d devices."""
         ch = node.children
         last = len(ch) - 1
@@ -297,7 +297,7 @@ class StageDP:
         one device. Larger tails make better stages of their own (and the search stays small)."""
         return self.stage(head.hi, end, 1)[0] <= JOIN_FRACTION * self.t_max
 
-    def parallel(self, node: SPNode, i: int, d: int, ext: int) -> list[Entry]:
+    def parallel(self, node: SPNode, i: int, d: int, ext: int) -> list[Entry]:  # noqa: C901
         """Branches i.. of a parallel node on at most d devices; [node.hi, ext) joins the sink
         stage of the last branch."""
         ch = node.children

@@ -25,7 +25,7 @@ from tessera.planners.pipeline.unit_costs import UnitCosts
 from tessera.planners.sim import SimStage, sim_edge
 
 
-def materialize(
+def materialize(  # noqa: PLR0913
     graph: Graph,
     cluster: ClusterSpec,
     tree: SPTree,

@@ -123,7 +123,7 @@ def plan_piper(
     return dataclasses.replace(chosen, search_time_s=time.perf_counter() - started)
 
 
-def _plan_piper(
+def _plan_piper(  # noqa: C901
     graph: Graph,
     cluster: ClusterSpec,
     options: PartitionOptions,
@@ -262,7 +262,7 @@ def _coarser(graph: Graph, tree: SPTree, threshold: float) -> SPTree:
     return SPTree(root=root, units=units, unit_of=unit_of, converted=tree.converted)
 
 
-def _to_pipeline(
+def _to_pipeline(  # noqa: PLR0913
     graph: Graph,
     cluster: ClusterSpec,
     costs: UnitCosts,

@@ -342,7 +342,7 @@ class _Profiler:
 
     def _signature(self, op: OpNode) -> str:
         """A digest of everything the operator's time depends on (not names, not weight values)."""
-        from tessera.backends.torch_module import OPS
+        from tessera.backends.torch_ops import OPS
 
         if op.domain not in ("", "ai.onnx") or op.op_type not in OPS:
             raise _Unsupported("no torch converter for this operator")

@@ -142,7 +142,7 @@ def fastest_recompute_mode(
     return best
 
 
-def _partition(
+def _partition(  # noqa: C901
     graph: Graph,
     cluster: ClusterSpec,
     options: PartitionOptions,

@@ -82,7 +82,7 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]
     return out[1], out[0]
 
 
-def tune_warm_up(pipe: Pipeline, *, per_stage: bool = True) -> tuple[Pipeline, float]:
+def tune_warm_up(pipe: Pipeline, *, per_stage: bool = True) -> tuple[Pipeline, float]:  # noqa: C901
     """A 1F1B pipeline with each stage's warm-up tuned on the simulator, and its iteration time.
 
     Algorithm 4's idea (a stage runs ahead as far as it helps, no further) at the grain of the

@@ -111,7 +111,7 @@ def owned_constants(graph: Graph) -> dict[str, frozenset[str]]:
     return owned
 
 
-def enumerate_candidates(
+def enumerate_candidates(  # noqa: C901
     graph: Graph,
     registry: BackendRegistry,
     backends: Sequence[str],

@@ -92,7 +92,7 @@ class _Cand:
     cost_s: float
 
 
-def op_level_placement(
+def op_level_placement(  # noqa: C901
     graph: Graph,
     candidates: Sequence[PlacementCandidate],
     cost: Callable[[PlacementCandidate], float],

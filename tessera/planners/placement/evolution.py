@@ -60,7 +60,7 @@ def graph_level_backend(available: Iterable[str]) -> str | None:
     return next((b for b in GRAPH_LEVEL_BACKENDS if b in names), None)
 
 
-def evolve(
+def evolve(  # noqa: C901
     n_bits: int,
     fitness: Callable[[Bits], float],
     seeds: Sequence[Bits],

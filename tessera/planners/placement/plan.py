@@ -118,7 +118,7 @@ def resolve_backends(registry: BackendRegistry, device: str, wanted: Sequence[st
     return out
 
 
-def plan_placement(
+def plan_placement(  # noqa: C901
     graph: Graph,
     options: PlacementOptions = PlacementOptions(),
     *,
@@ -379,7 +379,7 @@ def _epsilon_of(graph: Graph, groups: Sequence[Group], epsilon: ContextSwitch) -
     return total
 
 
-def _graph_level(
+def _graph_level(  # noqa: PLR0913
     graph: Graph,
     op_groups: list[Group],
     backends: Sequence[str],
