@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import sqlite3
 import stat
 import threading
@@ -65,6 +66,10 @@ CREATE TABLE IF NOT EXISTS context_switch (
 
 SQLITE_MAGIC = b"SQLite format 3\x00"
 
+# A cached time outside this range is no measurement (an edited or damaged row): it is read as a
+# miss, measured again and, where the cache is writable, replaced.
+MAX_SECONDS = 1e6
+
 
 def default_profile_path() -> Path:
     return default_cache_dir() / "profiles.sqlite"
@@ -104,6 +109,8 @@ class ProfileCache:
         self._own = path is None or Path(path) == default_profile_path()
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
+        self.read_only = False  # the file or its folder is not writable: used without storing
+        self._warned: set[str] = set()
 
     # -- connection and recovery ----------------------------------------------------------------
 
@@ -125,6 +132,9 @@ class ProfileCache:
                     f"cannot create the profile cache's folder: {exc.strerror or exc}", source=self.path
                 ) from None
             existed = self.path.is_symlink() or self.path.exists()
+            if existed and not (_writable(self.path) and _writable(self.path.parent)):
+                self._conn = self._connect_read_only()
+                return self._conn
             try:
                 conn = sqlite3.connect(
                     self.path, timeout=BUSY_TIMEOUT_S, isolation_level=None, check_same_thread=False
@@ -154,6 +164,42 @@ class ProfileCache:
                     raise
             self._conn = conn
         return self._conn
+
+    def _connect_read_only(self) -> sqlite3.Connection:
+        """A cache the user may not write (mode 0444, a read-only folder or file system) is read as
+        it is and nothing is stored; it is never moved aside. One that cannot be read as a cache is
+        an :class:`InputError`."""
+        self.read_only = True
+        self._warn_once(
+            "read-only",
+            "profile cache %s is read-only: using its measurements, storing no new ones",
+            self.path,
+        )
+        uri = f"{self.path.resolve().as_uri()}?immutable=1"
+        try:
+            conn = sqlite3.connect(uri, uri=True, isolation_level=None, check_same_thread=False)
+            check = conn.execute("PRAGMA quick_check").fetchone()
+            tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        except sqlite3.Error as exc:
+            raise InputError(f"cannot read the read-only profile cache: {exc}", source=self.path) from None
+        if not check or check[0] != "ok" or not {"profiles", "context_switch"} <= tables:
+            conn.close()
+            raise InputError(
+                "the read-only profile cache is not a readable tessera cache (and cannot be replaced)",
+                source=self.path,
+            )
+        return conn
+
+    def _warn_once(self, key: str, message: str, *args: object) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            log.warning(message, *args)
+
+    def _stored(self, what: str) -> bool:
+        """Whether a write may go ahead; on a read-only cache it is skipped (said once)."""
+        if self.read_only:
+            self._warn_once("skipped", "profile cache %s is read-only: %s not stored", self.path, what)
+        return not self.read_only
 
     @staticmethod
     def _set_up(conn: sqlite3.Connection) -> None:
@@ -214,7 +260,10 @@ class ProfileCache:
         with self._lock:
             for attempt in (0, 1):
                 try:
-                    return fn(self._connect())
+                    conn = self._connect()
+                    if self.read_only:
+                        return self._read_only_call(fn, conn)
+                    return fn(conn)
                 except sqlite3.OperationalError as err:
                     if "locked" in str(err) or "busy" in str(err) or attempt:
                         raise
@@ -224,6 +273,12 @@ class ProfileCache:
                         raise
                     self._recover(err)
             raise AssertionError("unreachable")  # pragma: no cover
+
+    def _read_only_call(self, fn: Callable[[sqlite3.Connection], T], conn: sqlite3.Connection) -> T:
+        try:
+            return fn(conn)
+        except sqlite3.Error as exc:  # never moved aside: it is not ours to replace
+            raise InputError(f"cannot read the read-only profile cache: {exc}", source=self.path) from None
 
     @contextmanager
     def _transaction(self, conn: sqlite3.Connection) -> Iterator[sqlite3.Connection]:
@@ -252,13 +307,37 @@ class ProfileCache:
             ).fetchone()
             if row is None:
                 return None
-            median = math.inf if row[0] is None else float(row[0])
-            iqr = math.inf if row[1] is None else float(row[1])
-            return Profile(backend, version, device, subgraph, median, iqr, int(row[2]), row[3], row[4])
+            median, iqr, runs, compile_s, error = row
+            if not (
+                _seconds_or_null(median)
+                and _seconds_or_null(iqr)
+                and _seconds_or_null(compile_s)
+                and type(runs) is int
+                and runs >= 0
+                and (error is None or isinstance(error, str))
+            ):
+                self._warn_once(
+                    "bad-row", "profile cache %s holds invalid values; measuring again", self.path
+                )
+                return None
+            return Profile(
+                backend,
+                version,
+                device,
+                subgraph,
+                math.inf if median is None else float(median),
+                math.inf if iqr is None else float(iqr),
+                runs,
+                compile_s,
+                error,
+            )
 
         return self._with_conn(read)
 
     def put(self, profile: Profile) -> None:
+        if not self._stored("measurements"):
+            return
+
         def write(conn: sqlite3.Connection) -> None:
             with self._transaction(conn):
                 conn.execute(
@@ -291,9 +370,17 @@ class ProfileCache:
                 (src, dst, versions, device, nbytes),
             ).fetchone()
         )
-        return None if row is None else float(row[0])
+        if row is None:
+            return None
+        if not (_seconds_or_null(row[0]) and row[0] is not None):
+            self._warn_once("bad-row", "profile cache %s holds invalid values; measuring again", self.path)
+            return None
+        return float(row[0])
 
     def put_switch(self, src: str, dst: str, versions: str, device: str, nbytes: int, seconds: float) -> None:
+        if not self._stored("measurements"):
+            return
+
         def write(conn: sqlite3.Connection) -> None:
             with self._transaction(conn):
                 conn.execute(
@@ -379,3 +466,18 @@ def _json_default(obj: Any) -> Any:
     if isinstance(obj, np.generic):
         return obj.item()
     return str(obj)
+
+
+def _seconds_or_null(value: object) -> bool:
+    """A stored time: NULL (failed or not measured) or a real number of seconds in [0, MAX_SECONDS]."""
+    return value is None or (type(value) in (int, float) and 0 <= value <= MAX_SECONDS)  # type: ignore[operator]
+
+
+def _writable(path: Path) -> bool:
+    """Writable by this process and not marked read-only by its mode (root may write a 0444 file;
+    a user who made the cache read-only still means it)."""
+    try:
+        mode = path.stat().st_mode
+        return os.access(path, os.W_OK) and bool(mode & 0o222)
+    except OSError:  # a link loop, a name too long: not a read-only cache; opening it says why
+        return True

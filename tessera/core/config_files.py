@@ -8,6 +8,7 @@ errors folded into one line that names the field path.
 from __future__ import annotations
 
 import difflib
+import reprlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
@@ -17,8 +18,16 @@ from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from tessera.core.errors import InputError
 
+# Values a config may hold once its aliases are expanded: a cluster spec or LLM config holds a few
+# hundred; nested aliases (a "billion laughs" document of a few hundred bytes) expand past any bound.
+MAX_EXPANDED_VALUES = 1_000_000
 
-class UniqueKeyLoader(yaml.SafeLoader):
+# libyaml's parser where PyYAML was built with it (many times faster on a large file); the
+# constructor, and so the duplicate-key check, is Python's either way.
+_SafeLoader: type = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
+class UniqueKeyLoader(_SafeLoader):  # type: ignore[misc, valid-type]
     """A safe YAML loader that rejects a key given twice in one mapping (PyYAML keeps the last)."""
 
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
@@ -107,12 +116,46 @@ def read_yaml(path: Path, *, what: str) -> tuple[Any, bytes]:
     except OSError as err:
         raise InputError(f"cannot read the {what}: {err.strerror or err}", source=path) from None
     try:
-        return yaml.load(text, Loader=UniqueKeyLoader), raw  # noqa: S506 - a SafeLoader subclass
+        data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise InputError(f"not valid YAML: {problem}{where}", source=path) from None
+    except RecursionError:
+        raise InputError(f"not {_a(what)}: nested too deeply", source=path) from None
+    if (why := too_large(data)) is not None:
+        raise InputError(f"not {_a(what)}: {why}", source=path)
+    return data, raw
+
+
+def too_large(data: Any, limit: int = MAX_EXPANDED_VALUES) -> str | None:
+    """Why ``data`` (as YAML loads it, aliases shared) is no config: it holds more than ``limit``
+    values once its aliases are expanded, or refers to itself. None when it is fine. Linear in the
+    distinct values (each container is counted once and its expanded size remembered)."""
+    expanded: dict[int, int] = {}
+    stack: list[tuple[Any, bool]] = [(data, False)]
+    open_: set[int] = set()
+    while stack:
+        value, done = stack.pop()
+        children = list(value.keys()) + list(value.values()) if isinstance(value, dict) else value
+        if not isinstance(value, dict | list):
+            continue
+        key = id(value)
+        if done:
+            open_.discard(key)
+            expanded[key] = 1 + sum(expanded.get(id(c), 1) for c in children)
+            if expanded[key] > limit:
+                return f"it expands to more than {limit:,} values (aliases nested inside aliases)"
+            continue
+        if key in expanded:
+            continue
+        if key in open_:
+            return "a value contains itself (a recursive alias)"
+        open_.add(key)
+        stack.append((value, True))
+        stack.extend((c, False) for c in children if isinstance(c, dict | list))
+    return None
 
 
 def _a(noun: str) -> str:
@@ -144,11 +187,24 @@ def format_validation_error(err: ValidationError) -> str:
     if kind == "missing":
         message = "required field is missing"
     elif kind not in ("value_error", "assertion_error") and "input" in first:
-        shown = repr(first["input"])
-        message += f" (got {shown if len(shown) <= 60 else shown[:57] + '...'})"
+        message += f" (got {short_repr(first['input'])})"
     path = format_loc(tuple(first["loc"]))
     line = f"{path}: {message}" if path else message
     if len(errors) > 1:
         others = len(errors) - 1
         line += f" (and {others} more problem{'s' if others > 1 else ''})"
     return line
+
+
+_REPR = reprlib.Repr()  # Python 3.11's takes no arguments
+_REPR.maxlevel = 2
+_REPR.maxtuple = _REPR.maxlist = _REPR.maxarray = _REPR.maxdict = _REPR.maxset = 3
+_REPR.maxstring = _REPR.maxother = 50
+_REPR.maxlong = 40
+
+
+def short_repr(value: Any, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters without building the whole text first (a value
+    with nested aliases would take minutes and all memory to print)."""
+    shown = _REPR.repr(value)
+    return shown if len(shown) <= limit else shown[: limit - 3] + "..."

@@ -124,7 +124,7 @@ def hoist_initializer_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
+def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:  # noqa: C901
     """Check every node input has a producer, reject cycles, and put nodes in topological order.
 
     Exporters sometimes emit acyclic graphs out of order; those are sorted (stably) rather than
@@ -295,8 +295,18 @@ def check_model(model: onnx.ModelProto, *, label: str) -> None:
     """Run ``onnx.checker`` and turn its multi-line report into one line.
 
     Operators that ONNX has no schema for (custom domains, unknown ops) are refused first: their
-    shapes and costs are unknowable, and no backend but the one defining them could run them.
+    shapes and costs are unknowable, and no backend but the one defining them could run them; so is
+    a default-domain opset newer than the installed onnx knows (its operators' semantics are unknown).
     """
+    known = onnx.defs.onnx_opset_version()
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version > known:
+            raise InputError(
+                f"the model imports opset {opset.version} of ai.onnx, but the installed onnx "
+                f"{onnx.__version__} knows opsets up to {known}: re-export at opset {known} or lower, "
+                "or upgrade onnx",
+                source=label,
+            )
     for node in model.graph.node:
         if not onnx.defs.has(node.op_type, node.domain):
             domain = node.domain or "ai.onnx"
@@ -353,7 +363,7 @@ def parse_input_shapes(specs: Sequence[str], *, option: str = "--input-shape") -
     return shapes
 
 
-def bind_input_shapes(
+def bind_input_shapes(  # noqa: C901
     model: onnx.ModelProto, shapes: Mapping[str, Shape], *, label: str, default_dim: int = 1
 ) -> dict[str, int]:
     """Make every graph input's shape concrete.

@@ -393,14 +393,27 @@ def load_plan(path: str | os.PathLike[str]) -> Plan:
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"cannot read plan: {exc}", source=label) from None
     try:
-        data = json.loads(text, parse_constant=_no_constant)
+        data = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise InputError(
             f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", source=label
         ) from None
-    except (RecursionError, ValueError) as exc:  # nested too deep; an integer of 4300+ digits
-        raise InputError(f"not a plausible plan: {exc}", source=label) from None
+    except RecursionError:
+        raise InputError("not a plausible plan: nested too deeply", source=label) from None
+    except ValueError as exc:  # a duplicate key, NaN, an integer of more than 4300 digits
+        why = "an integer too long to read" if "integer string conversion" in str(exc) else str(exc)
+        raise InputError(f"not a plausible plan: {why}", source=label) from None
     return parse_plan(data, label=label)
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object whose key is given twice is refused (Python's reader keeps the last one)."""
+    data = dict(pairs)
+    if len(data) != len(pairs):
+        seen: set[str] = set()
+        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
+        raise ValueError(f"duplicate key {duplicate!r} in one object")
+    return data
 
 
 def _no_constant(name: str) -> Any:
@@ -417,7 +430,7 @@ def _first_error(exc: ValidationError) -> str:
     return f"field {where}: {message}{more}"
 
 
-def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
+def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:  # noqa: C901
     """Problems of a plan against the loaded model it names (empty when it fits).
 
     Checks the sha256, the node count, that every node the plan names exists, and — for placement

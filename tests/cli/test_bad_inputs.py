@@ -25,6 +25,7 @@ ONNX_CASES = {
     "huge_dims.onnx": "not a plausible model",
     "negative_dim.onnx": "size -3",
     "zero_dim.onnx": "size 0",
+    "opset99.onnx": "opset 99 of ai.onnx, but the installed onnx",
 }
 
 SPEC_CASES = {
@@ -35,6 +36,10 @@ SPEC_CASES = {
     "spec_zero_memory.yaml": "device_types.gpu.memory",
     "spec_unknown_device_type.yaml": "tpu",
     "spec_duplicate_names.yaml": "gpu",
+    "spec_alias_bomb_name.yaml": "expands to more than 1,000,000 values",
+    "spec_alias_bomb_cores.yaml": "expands to more than 1,000,000 values",
+    "spec_recursive_alias.yaml": "a value contains itself",
+    "spec_deep_nesting.yaml": "nesting depth",
 }
 
 PLAN_CASES = {
@@ -51,6 +56,9 @@ PLAN_CASES = {
     "plan_breaks_c3.json": "C3: device",
     "plan_breaks_c5.json": "C5:",
     "plan_breaks_c4.json": "C4: stage 0: B1 before F1",
+    "plan_duplicate_keys.json": "duplicate key 'kind'",
+    "plan_deep_nesting.json": "nested too deeply",
+    "plan_huge_integer.json": "an integer too long to read",
 }
 
 

@@ -80,12 +80,16 @@ def test_plans_and_specs_are_data_never_code():
             if forbidden.search(code) or unsafe_loaders.search(code):
                 offenders.append(f"{path}:{number}: {line.strip()}")
     assert offenders == []
-    # The YAML loaders in use are SafeLoader subclasses.
+    # The YAML loader in use constructs only plain data: PyYAML's safe constructor (over libyaml's
+    # parser where it is built in), and it refuses a Python tag.
     import yaml
 
     from tessera.core.config_files import UniqueKeyLoader
 
-    assert issubclass(UniqueKeyLoader, yaml.SafeLoader)
+    assert issubclass(UniqueKeyLoader, yaml.constructor.SafeConstructor)
+    assert not issubclass(UniqueKeyLoader, yaml.constructor.FullConstructor)
+    with pytest.raises(yaml.constructor.ConstructorError):
+        yaml.load("!!python/object/apply:os.system ['true']", Loader=UniqueKeyLoader)  # noqa: S506
 
 
 @pytest.mark.parametrize("table", ["inspect", "cp"])

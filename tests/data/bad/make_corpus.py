@@ -31,6 +31,19 @@ def relu(shape) -> bytes:
     return model([helper.make_node("Relu", ["x"], ["y"], name="relu")], [vi("x", shape)], [vi("y", shape)])
 
 
+_SPEC_BODY = (
+    "device_types:\n  cpu: {kind: cpu, memory: 8GiB, flops: {fp32: 1TFLOPS}, memory_bandwidth: 10GB/s}\n"
+    "nodes:\n  - {name: n, count: 1, devices: [{type: cpu, count: 1}]}\n"
+)
+
+
+def _bomb(levels: int) -> str:
+    """A YAML flow list whose anchors nest: level i holds nine aliases of level i - 1."""
+    parts = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+    parts += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "[" + ", ".join(parts) + "]"
+
+
 def main() -> None:
     good = relu([2, 3])
     files: dict[str, bytes | str] = {
@@ -88,6 +101,19 @@ def main() -> None:
         "plan_wrong_schema_version.json": json.dumps({"schema_version": 99, "kind": "gpp"}),
         "plan_wrong_kind.json": json.dumps({"schema_version": 1, "kind": "teleport"}),
         "plan_missing_field.json": json.dumps({"schema_version": 1, "kind": "placement", "groups": []}),
+        "opset99.onnx": model(
+            [helper.make_node("Relu", ["x"], ["y"], name="relu")], [vi("x", [2])], [vi("y", [2])], opset=99
+        ),
+        # A few hundred bytes that expand to 9^9 values (nested aliases) in a string field, in an
+        # integer field; an alias that contains itself; 5000 levels of nesting.
+        "spec_alias_bomb_name.yaml": f"name: {_bomb(9)}\n{_SPEC_BODY}",
+        "spec_alias_bomb_cores.yaml": "name: bomb\n"
+        + _SPEC_BODY.replace("kind: cpu,", f"kind: cpu, cores: {_bomb(9)},"),
+        "spec_recursive_alias.yaml": f"name: &loop [*loop]\n{_SPEC_BODY}",
+        "spec_deep_nesting.yaml": "name: " + "[" * 5000 + "]" * 5000 + "\n" + _SPEC_BODY,
+        "plan_duplicate_keys.json": '{"schema_version": 1, "kind": "gpp", "kind": "placement"}',
+        "plan_deep_nesting.json": "[" * 5000 + "]" * 5000,
+        "plan_huge_integer.json": '{"schema_version": ' + "9" * 5001 + "}",
     }
     files.update(plans_against_a_model())
     for name, data in files.items():
