@@ -1,4 +1,4 @@
-"""Shared helpers: tiny hand-built ONNX graphs and zoo models loaded once."""
+"""Shared helpers: tiny hand-built ONNX graphs, and the zoo models the backend tests run."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.graph import Graph, load_graph
-from tessera.models import build
 
 Node = (
     tuple[str, str, Sequence[str], Sequence[str]]
@@ -66,24 +65,25 @@ def intermediates(
     return dict(zip(names, sess.run(list(names), feeds), strict=True))
 
 
+# The tiny zoo models the backend tests run (tests/conftest.py: ``zoo``, ``zoo_graph``).
 @pytest.fixture(scope="session")
-def gpt_model() -> onnx.ModelProto:
-    return build("gpt", "tiny")
-
-
-@pytest.fixture(scope="session")
-def gpt(gpt_model: onnx.ModelProto) -> Graph:
-    return load_graph(gpt_model)
+def gpt_model(zoo) -> onnx.ModelProto:
+    return zoo("gpt")
 
 
 @pytest.fixture(scope="session")
-def resnext_model() -> onnx.ModelProto:
-    return build("resnext", "tiny")
+def gpt(zoo_graph) -> Graph:
+    return zoo_graph("gpt")
 
 
 @pytest.fixture(scope="session")
-def resnext(resnext_model: onnx.ModelProto) -> Graph:
-    return load_graph(resnext_model)
+def resnext_model(zoo) -> onnx.ModelProto:
+    return zoo("resnext")
+
+
+@pytest.fixture(scope="session")
+def resnext(zoo_graph) -> Graph:
+    return zoo_graph("resnext")
 
 
 @pytest.fixture(scope="session")

@@ -17,10 +17,8 @@ CP = ["--kind", "cp", "--cluster", "local-cpu-split", "--batch", "2"]
 
 
 @pytest.fixture
-def gpt(tmp_path: Path) -> Path:
-    path = tmp_path / "gpt.onnx"
-    path.write_bytes(build("gpt", "tiny", seed=0).SerializeToString())  # 16 positions
-    return path
+def gpt(write_model, zoo) -> Path:
+    return write_model(zoo("gpt"), "gpt.onnx")  # 16 positions
 
 
 def test_a_context_beyond_the_models_positions_is_refused(gpt: Path) -> None:

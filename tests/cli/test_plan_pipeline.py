@@ -15,30 +15,29 @@ from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph, rewritten
 from tessera.core.plans import check_plan_against_model, dump_plan, load_plan, parse_plan
 from tessera.core.schedule import to_pytorch_csv
-from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.core.specs import ClusterSpec
 from tessera.models import build
 from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.types import PartitionOptions
 
 
 @pytest.fixture(scope="module")
-def graph():
-    return load_graph(build("candle_uno", "tiny"))
+def graph(zoo_graph):
+    return zoo_graph("candle_uno")
 
 
 @pytest.fixture(scope="module")
-def model_file(tmp_path_factory):
+def model_file(tmp_path_factory, zoo):
     """The tiny CANDLE-Uno as an ONNX file, for runs through the CLI."""
     path = tmp_path_factory.mktemp("model") / "cu.onnx"
-    path.write_bytes(build("candle_uno", "tiny").SerializeToString())
+    path.write_bytes(zoo("candle_uno").SerializeToString())
     return path
 
 
-def test_run_writes_plan_gantt_and_summary(tmp_path, graph, capsys) -> None:
-    cluster = load_cluster("graphpipe-v100")
+def test_run_writes_plan_gantt_and_summary(tmp_path, graph, v100, capsys) -> None:
     out = tmp_path / "plan.json"
     svg = tmp_path / "gantt.svg"
-    plan = run_pipeline_plan(graph, cluster, mini_batch=64, devices=4, output=out, gantt=svg)
+    plan = run_pipeline_plan(graph, v100, mini_batch=64, devices=4, output=out, gantt=svg)
     text = capsys.readouterr().out
     assert "GPP plan" in text and "SPP baseline" in text
     loaded = load_plan(out)
@@ -49,8 +48,7 @@ def test_run_writes_plan_gantt_and_summary(tmp_path, graph, capsys) -> None:
         assert key in loaded.predicted
 
 
-def test_json_and_exit_code_through_click(graph) -> None:
-    cluster = load_cluster("graphpipe-v100")
+def test_json_and_exit_code_through_click(graph, v100) -> None:
 
     @click.command()
     @click.option("--memory-limit", default=None)
@@ -58,7 +56,7 @@ def test_json_and_exit_code_through_click(graph) -> None:
     def plan(memory_limit, as_json):
         try:
             run_pipeline_plan(
-                graph, cluster, mini_batch=32, devices=2, memory_limit=memory_limit, as_json=as_json
+                graph, v100, mini_batch=32, devices=2, memory_limit=memory_limit, as_json=as_json
             )
         except InfeasibleError as exc:
             click.echo(exc.one_line(), err=True)
@@ -72,10 +70,10 @@ def test_json_and_exit_code_through_click(graph) -> None:
     assert bad.exit_code == 3
 
 
-def test_plan_on_shared_network_interfaces(tmp_path, graph) -> None:
+def test_plan_on_shared_network_interfaces(tmp_path, graph, v100) -> None:
     # One interface per node: the plan records it, passes the checks, and its prediction comes
     # from a simulation whose inter-node transfers queue at the interfaces they cross.
-    data = load_cluster("graphpipe-v100").to_json_dict()
+    data = v100.to_json_dict()
     data["links"]["nics"] = "per-node"
     cluster = ClusterSpec.from_json_dict(data)
     out = tmp_path / "plan.json"
@@ -167,7 +165,7 @@ def test_torch_pipelining_catches_a_deadlocking_schedule() -> None:
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "kfkb", "gpipe", "greedy", "auto"])
-def test_a_chain_plan_exports_a_schedule_torch_pipelining_runs(tmp_path, graph, schedule) -> None:
+def test_a_chain_plan_exports_a_schedule_torch_pipelining_runs(tmp_path, graph, v100, schedule) -> None:
     options = PartitionOptions(
         mini_batch=64,
         num_devices=4,
@@ -175,7 +173,7 @@ def test_a_chain_plan_exports_a_schedule_torch_pipelining_runs(tmp_path, graph, 
         k=2 if schedule == "kfkb" else 1,
         micro_batch_sizes=(8,),
     )
-    plan, _, _ = plan_gpp(graph, load_cluster("graphpipe-v100"), options, kind="spp", baseline=False)
+    plan, _, _ = plan_gpp(graph, v100, options, kind="spp", baseline=False)
     assert len(plan.stages) > 1 and plan.mini_batch_size // plan.stages[0].micro_batch_size == 8
     path = write_pytorch_csv(plan, tmp_path / "schedule.csv")
     text = path.read_text()
@@ -247,23 +245,22 @@ def test_k_without_kfkb_is_a_usage_error(tmp_path, model_file, schedule) -> None
 
 
 @pytest.mark.parametrize("field,value", [("flops", {"fp32": 1e-200}), ("kernel_launch_overhead", 1e200)])
-def test_extreme_device_speeds_still_plan(tmp_path, graph, field, value) -> None:
+def test_extreme_device_speeds_still_plan(tmp_path, graph, cluster, field, value) -> None:
     """Operator times near the float range: the bisection's geometric mean overflowed to inf and
     the search never ended. Now it ends, and the plan holds C1-C5."""
-    data = load_cluster("local-cpu-split").to_json_dict()
+    data = cluster("local-cpu-split").to_json_dict()
     for device_type in data["device_types"].values():
         device_type[field] = value
-    cluster = ClusterSpec.from_json_dict(data)
-    plan, _, _ = plan_gpp(graph, cluster, PartitionOptions(mini_batch=8), baseline=False)
+    extreme = ClusterSpec.from_json_dict(data)
+    plan, _, _ = plan_gpp(graph, extreme, PartitionOptions(mini_batch=8), baseline=False)
     assert check_plan_against_model(plan, graph) == []
 
 
-def test_a_memory_limit_above_the_device_memory_is_refused(graph) -> None:
+def test_a_memory_limit_above_the_device_memory_is_refused(graph, v100) -> None:
     # A plan over the device's memory would not run (validate rejects it): the limit only lowers.
-    cluster = load_cluster("graphpipe-v100")
     with pytest.raises(InputError, match=r"--memory-limit 1\.0 TiB is more than a v100-16g's 15\.8 GiB"):
-        run_pipeline_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="1TiB")
-    run_pipeline_plan(graph, cluster, mini_batch=32, devices=2, memory_limit="15GiB")  # below it: plans
+        run_pipeline_plan(graph, v100, mini_batch=32, devices=2, memory_limit="1TiB")
+    run_pipeline_plan(graph, v100, mini_batch=32, devices=2, memory_limit="15GiB")  # below it: plans
 
 
 def test_validate_refuses_what_the_executor_cannot_run() -> None:
@@ -290,11 +287,10 @@ def test_validate_refuses_what_the_executor_cannot_run() -> None:
     )
 
 
-def test_gantt_is_the_same_bytes_for_the_same_plan(tmp_path, graph) -> None:
+def test_gantt_is_the_same_bytes_for_the_same_plan(tmp_path, graph, v100) -> None:
     # matplotlib names SVG elements with random ids unless salted: two runs drew different files.
-    cluster = load_cluster("graphpipe-v100")
     for name in ("a.svg", "b.svg"):
-        run_pipeline_plan(graph, cluster, mini_batch=32, devices=4, gantt=tmp_path / name, no_baseline=True)
+        run_pipeline_plan(graph, v100, mini_batch=32, devices=4, gantt=tmp_path / name, no_baseline=True)
     first = (tmp_path / "a.svg").read_bytes()
     assert first == (tmp_path / "b.svg").read_bytes()
     assert b"forward" in first and b"stage 0" in first  # text kept as text (svg.fonttype none)
@@ -337,11 +333,11 @@ def test_recompute_and_bytes_per_param_from_the_command_line(tmp_path) -> None:
     assert low.code == 2 and "below what its weight and gradient take (4 at mixed precision)" in low.err
 
 
-def test_sequential_plans_with_skip_edges_are_valid() -> None:
+def test_sequential_plans_with_skip_edges_are_valid(cluster, zoo_graph) -> None:
     # A residual crossing two stages makes an edge 0->2 next to the chain 0->1->2: the first
     # chain check refused every such spp plan that plan itself wrote.
-    g = load_graph(build("gpt", "tiny"))
-    plan, _, _ = plan_gpp(g, load_cluster("dgx-a100"), PartitionOptions(mini_batch=16), kind="spp")
+    g = zoo_graph("gpt")
+    plan, _, _ = plan_gpp(g, cluster("dgx-a100"), PartitionOptions(mini_batch=16), kind="spp")
     edges = {(e.src, e.dst) for e in plan.edges}
     assert any(dst > src + 1 for src, dst in edges)
     assert check_plan_against_model(plan, g) == []
@@ -360,11 +356,9 @@ def test_sequential_plans_with_skip_edges_are_valid() -> None:
         ({"recompute": "sometimes"}, "field training.recompute: Input should be 'never', 'auto' or 'all'"),
     ],
 )
-def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment) -> None:
+def test_a_plan_s_training_setup_is_checked(tmp_path, graph, v100, training, fragment) -> None:
     # Each was an internal error (ValueError, OverflowError) in validate.
-    plan, _, _ = plan_gpp(
-        graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=2)
-    )
+    plan, _, _ = plan_gpp(graph, v100, PartitionOptions(mini_batch=32, num_devices=2))
     data = json.loads(dump_plan(plan))
     data["training"].update(training)
     try:
@@ -374,10 +368,8 @@ def test_a_plan_s_training_setup_is_checked(tmp_path, graph, training, fragment)
     assert any(fragment in p for p in problems), problems
 
 
-def test_a_stage_recomputing_against_the_plan_s_setting_is_reported(graph) -> None:
-    plan, _, _ = plan_gpp(
-        graph, load_cluster("graphpipe-v100"), PartitionOptions(mini_batch=32, num_devices=4)
-    )
+def test_a_stage_recomputing_against_the_plan_s_setting_is_reported(graph, v100) -> None:
+    plan, _, _ = plan_gpp(graph, v100, PartitionOptions(mini_batch=32, num_devices=4))
     data = json.loads(dump_plan(plan))
     data["stages"][-1]["recompute"] = True
     problems = check_plan_against_model(parse_plan(data, label="plan.json"), graph)
@@ -398,11 +390,11 @@ def test_a_stage_recomputing_against_the_plan_s_setting_is_reported(graph) -> No
 
 
 @pytest.mark.parametrize("every", [True, False])
-def test_plans_with_the_older_boolean_recompute_read_as_all_or_never(graph, every) -> None:
+def test_plans_with_the_older_boolean_recompute_read_as_all_or_never(graph, v100, every) -> None:
     # Before recomputation was chosen per stage, training.recompute was a boolean for every stage.
     plan, _, _ = plan_gpp(
         graph,
-        load_cluster("graphpipe-v100"),
+        v100,
         PartitionOptions(mini_batch=32, num_devices=2, recompute="all" if every else "never"),
     )
     data = json.loads(dump_plan(plan))
@@ -414,11 +406,9 @@ def test_plans_with_the_older_boolean_recompute_read_as_all_or_never(graph, ever
     assert check_plan_against_model(older, graph) == []
 
 
-def test_bytes_per_param_nan_is_bad_input(graph) -> None:
+def test_bytes_per_param_nan_is_bad_input(graph, v100) -> None:
     with pytest.raises(InputError, match=r"--bytes-per-param nan: expected a number of bytes in \(0, 1024\]"):
-        run_pipeline_plan(
-            graph, load_cluster("graphpipe-v100"), mini_batch=32, devices=2, bytes_per_param=float("nan")
-        )
+        run_pipeline_plan(graph, v100, mini_batch=32, devices=2, bytes_per_param=float("nan"))
 
 
 def test_rewrite_is_recorded_in_the_plan_validated_and_refused_when_it_is_edited_away(
@@ -466,7 +456,8 @@ def test_rewrite_is_recorded_in_the_plan_validated_and_refused_when_it_is_edited
     assert hint in as_given.err and "hint" not in ran.err
 
 
-@pytest.mark.parametrize("devices", ["2", "8"])  # tiny CANDLE-Uno: as given kept at 2, rewritten at 8
+# tiny CANDLE-Uno: as given kept at 2, rewritten at 8 (slow: each run searches 8 devices, auto twice)
+@pytest.mark.parametrize("devices", ["2", pytest.param("8", marks=pytest.mark.slow)])
 def test_rewrite_auto_keeps_the_faster_of_the_model_as_given_and_rewritten(
     tmp_path, model_file, devices
 ) -> None:

@@ -4,7 +4,7 @@ import pytest
 
 from tessera.core.cost import CostModel, TrainingMemory, allreduce_time, backward_ratio, per_device_samples
 from tessera.core.graph import OpNode
-from tessera.core.specs import Link, load_cluster
+from tessera.core.specs import ClusterSpec, DeviceType, Link
 
 
 def _op(flops: int, bytes_moved: int, params: int) -> OpNode:
@@ -12,8 +12,9 @@ def _op(flops: int, bytes_moved: int, params: int) -> OpNode:
 
 
 @pytest.fixture(scope="module")
-def v100():
-    return load_cluster("graphpipe-v100").devices()[0].type
+def v100(v100: ClusterSpec) -> DeviceType:
+    """Here the V100 itself: the device type of the shared graphpipe-v100 cluster."""
+    return v100.devices()[0].type
 
 
 def test_roofline_forward_and_backward(v100) -> None:

@@ -361,12 +361,11 @@ def test_link_between_intra_and_inter(mixed: ClusterSpec) -> None:
         mixed.link_between("fat9/a100:0", devices[0])
 
 
-def test_link_between_on_a_preset() -> None:
-    cluster = load_cluster("graphpipe-v100")
-    first, second, fifth = cluster.devices()[0], cluster.devices()[1], cluster.devices()[4]
+def test_link_between_on_a_preset(v100: ClusterSpec) -> None:
+    first, second, fifth = v100.devices()[0], v100.devices()[1], v100.devices()[4]
     assert (first.node, fifth.node) == ("summit0", "summit1")
-    assert cluster.link_between(first, second).bandwidth == 50e9
-    assert cluster.link_between(first, fifth).bandwidth == 12.5e9
+    assert v100.link_between(first, second).bandwidth == 50e9
+    assert v100.link_between(first, fifth).bandwidth == 12.5e9
 
 
 def test_devices_are_hashable_values(mixed: ClusterSpec) -> None:
@@ -394,8 +393,8 @@ def test_json_dict_round_trips(preset: str) -> None:
     assert back.to_json_dict() == cluster.to_json_dict()
 
 
-def test_shared_network_interfaces_round_trip() -> None:
-    data = load_cluster("graphpipe-v100").to_json_dict()
+def test_shared_network_interfaces_round_trip(v100: ClusterSpec) -> None:
+    data = v100.to_json_dict()
     assert "nics" not in data["links"]  # unset: every stage pair has a link of its own
     data["links"]["nics"] = "per-node"
     back = ClusterSpec.from_json_dict(json.loads(json.dumps(data)), source="plan.json")

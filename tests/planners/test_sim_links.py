@@ -6,7 +6,7 @@ import pytest
 
 from tessera.core.cost import allreduce_time
 from tessera.core.schedule import one_f_one_b
-from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.core.specs import ClusterSpec
 from tessera.planners.pipeline.links import StageLinks, nic_route, ring_link, ring_nics
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
@@ -39,14 +39,14 @@ def test_the_interface_serves_first_come_first_served() -> None:
     assert sends == [(0.5, 1), (2.0, 0)]
 
 
-def _cluster(nics: str) -> ClusterSpec:
-    data = load_cluster("graphpipe-v100").to_json_dict()
+def _with_nics(cluster: ClusterSpec, nics: str) -> ClusterSpec:
+    data = cluster.to_json_dict()
     data["links"]["nics"] = nics
     return ClusterSpec.from_json_dict(data)
 
 
-def test_nic_route_per_node_and_per_device() -> None:
-    node = _cluster("per-node")
+def test_nic_route_per_node_and_per_device(v100) -> None:
+    node = _with_nics(v100, "per-node")
     ids = [d.id for d in node.devices()]  # summit0: ids[0:4], summit1: ids[4:8], summit2: ids[8:12]
     # One device to a 4-way stage on another node: every byte leaves summit0 and enters summit1.
     assert nic_route(node, ids[:1], ids[4:8]) == (("summit0",), ("summit1",), 1.0)
@@ -55,12 +55,12 @@ def test_nic_route_per_node_and_per_device() -> None:
     # 4-way to 4-way on another node: the node's one interface carries it all ...
     assert nic_route(node, ids[:4], ids[4:8])[2] == 1.0
     # ... while with an interface per device each carries a quarter.
-    device = _cluster("per-device")
+    device = _with_nics(v100, "per-device")
     src, dst, share = nic_route(device, ids[:4], ids[4:8])
     assert (src, dst, share) == (tuple(ids[:4]), tuple(ids[4:8]), 0.25)
     # Inside a node nothing crosses an interface; unset, every stage pair has its own link.
     assert nic_route(node, ids[:2], ids[2:4]) == ((), (), 1.0)
-    assert nic_route(load_cluster("graphpipe-v100"), ids[:1], ids[4:8]) == ((), (), 1.0)
+    assert nic_route(v100, ids[:1], ids[4:8]) == ((), (), 1.0)
 
 
 def _two_rings(shared: bool, relay: bool = False):
@@ -100,18 +100,18 @@ def test_a_transfer_waits_for_the_all_reduce_holding_its_interface() -> None:
     assert (own.start, own.end) == (pytest.approx(1.5), pytest.approx(2.5))
 
 
-def test_ring_nics() -> None:
-    node, device = _cluster("per-node"), _cluster("per-device")
+def test_ring_nics(v100) -> None:
+    node, device = _with_nics(v100, "per-node"), _with_nics(v100, "per-device")
     devs = node.devices()
     assert ring_nics(node, devs[2:6]) == ("summit0", "summit1")
     assert ring_nics(device, device.devices()[2:6]) == tuple(d.id for d in devs[2:6])
     assert ring_nics(node, devs[:4]) == ()  # one node: NVLink
-    assert ring_nics(load_cluster("graphpipe-v100"), devs[2:6]) == ()  # no interfaces named
+    assert ring_nics(v100, devs[2:6]) == ()  # no interfaces named
 
 
-def test_ring_link_bandwidth_per_interface_layout() -> None:
+def test_ring_link_bandwidth_per_interface_layout(v100) -> None:
     # graphpipe-v100: NVLink 50 GB/s inside a node, one 12.5 GB/s interface per node (or device).
-    node, device, own = _cluster("per-node"), _cluster("per-device"), load_cluster("graphpipe-v100")
+    node, device, own = _with_nics(v100, "per-node"), _with_nics(v100, "per-device"), v100
     devs = node.devices()
     assert ring_link(node, devs[:1]) is None
     assert ring_link(node, devs[:4]).bandwidth == pytest.approx(50e9)
@@ -131,11 +131,11 @@ def test_ring_link_bandwidth_per_interface_layout() -> None:
     assert allreduce_time(nbytes, 8, ring_link(device, devs[:8])) == pytest.approx(8.295e-3, rel=1e-3)
 
 
-def test_stage_links_match_the_ring_of_the_placed_group() -> None:
+def test_stage_links_match_the_ring_of_the_placed_group(v100) -> None:
     # The DP's estimate (StageLinks.within) and the materialized stage (ring_link over the ranks
     # _assign_ranks gives a power-of-two group: whole nodes) agree.
     for nics in ("per-node", "per-device"):
-        cluster = _cluster(nics)
+        cluster = _with_nics(v100, nics)
         links = StageLinks(cluster, 16)
         for d in (2, 4, 8, 16):
             assert links.within(d) == ring_link(cluster, cluster.devices()[:d]), (nics, d)

@@ -7,9 +7,7 @@ import pytest
 from planners.pipeline.gpp_graphs import chain
 
 from tessera.core.cost import CostModel
-from tessera.core.graph import load_graph
-from tessera.core.specs import load_cluster
-from tessera.models import build
+from tessera.core.specs import ClusterSpec
 from tessera.planners.pipeline.dp import StageDP, par_join, pareto, seq, stages_of
 from tessera.planners.pipeline.links import StageLinks
 from tessera.planners.pipeline.search import _may_fit, build_tree
@@ -46,10 +44,9 @@ _UNLIMITED = (384, 8, math.inf)
 _ACTIVATIONS_BIND = [(64, 64, 200_000), (64, 64, 260_000)]
 
 
-def _series_dp(case: tuple, num: int, recompute: str) -> StageDP:
+def _series_dp(cluster: ClusterSpec, case: tuple, num: int, recompute: str) -> StageDP:
     width, b, limit = case
     g = chain(6, width=width)
-    cluster = load_cluster("graphpipe-v100")
     cost = CostModel.for_device(cluster.devices()[0].type)
     tree = build_tree(g, cost, 6)
     costs = UnitCosts(g, tree, cost)
@@ -60,8 +57,8 @@ def _series_dp(case: tuple, num: int, recompute: str) -> StageDP:
 @pytest.mark.parametrize("recompute", ["never", "auto", "all"])
 @pytest.mark.parametrize("case", [_UNLIMITED, *_ACTIVATIONS_BIND])
 @pytest.mark.parametrize("num", [2, 3, 4])
-def test_series_dp_finds_the_optimal_split(num: int, case: tuple, recompute: str) -> None:
-    dp = _series_dp(case, num, recompute)
+def test_series_dp_finds_the_optimal_split(v100, num: int, case: tuple, recompute: str) -> None:
+    dp = _series_dp(v100, case, num, recompute)
     best = _optimum(dp, dp.costs.n, num)
     if best == math.inf:
         assert not dp.run(1e9)
@@ -76,9 +73,11 @@ def test_series_dp_finds_the_optimal_split(num: int, case: tuple, recompute: str
 
 
 @pytest.mark.parametrize(("case", "num"), [(_ACTIVATIONS_BIND[0], 3), (_ACTIVATIONS_BIND[1], 2)])
-def test_auto_recomputes_on_some_stages_where_keeping_activations_has_no_plan(case: tuple, num: int) -> None:
-    assert not _series_dp(case, num, "never").run(1e9)
-    dp = _series_dp(case, num, "auto")
+def test_auto_recomputes_on_some_stages_where_keeping_activations_has_no_plan(
+    v100, case: tuple, num: int
+) -> None:
+    assert not _series_dp(v100, case, num, "never").run(1e9)
+    dp = _series_dp(v100, case, num, "auto")
     flags = [r for *_, r in stages_of(dp.run(1e9)[0][5])]
     assert any(flags) and not flags[-1]  # the last stage keeps one micro-batch: recomputing only costs
 
@@ -98,15 +97,14 @@ def test_entries_compose_as_in_table_3_2() -> None:
 @pytest.mark.parametrize("name", ["mmt", "candle_uno", "dlrm"])
 @pytest.mark.parametrize(("b", "num"), [(4, 2), (8, 4), (16, 3)])
 def test_micro_batch_sizes_ruled_out_by_memory_have_no_plan(
-    name: str, b: int, num: int, recompute: str
+    v100, zoo_graph, name: str, b: int, num: int, recompute: str
 ) -> None:
     """The partitioner skips a micro-batch size at which the devices together cannot hold the
     parameter state once plus one micro-batch's activations (partition._may_fit). Just below
     that limit the DP finds no plan at any bottleneck; at twice it, it does (the bound is not
     loose enough to skip sizes that have plans by much)."""
-    g = load_graph(build(name, "tiny"))
-    cluster = load_cluster("graphpipe-v100")
-    cost = CostModel.for_device(cluster.devices()[0].type)
+    g = zoo_graph(name)
+    cost = CostModel.for_device(v100.devices()[0].type)
     tree = build_tree(g, cost, 32)
     costs = UnitCosts(g, tree, cost)
     n = costs.n
@@ -114,7 +112,7 @@ def test_micro_batch_sizes_ruled_out_by_memory_have_no_plan(
 
     def dp(limit: float) -> StageDP:
         opts = PartitionOptions(mini_batch=4 * b, num_devices=num, memory_limit=limit, recompute=recompute)
-        return StageDP(tree, costs, StageLinks(cluster, num), opts, b, limit, num)
+        return StageDP(tree, costs, StageLinks(v100, num), opts, b, limit, num)
 
     below = need / num * (1 - 1e-9)
     assert not _may_fit(costs, b, num, below)
@@ -123,30 +121,26 @@ def test_micro_batch_sizes_ruled_out_by_memory_have_no_plan(
     assert dp(2 * need / num).run(1e30) != []
 
 
-def test_mmt_at_32_devices_skips_only_the_micro_batch_that_cannot_fit() -> None:
+def test_mmt_at_32_devices_skips_only_the_micro_batch_that_cannot_fit(v100, zoo_graph) -> None:
     # One micro-batch of 512 needs 549 GB of activations and state; 32 V100s hold 542 GB.
-    g = load_graph(build("mmt", "paper"))
-    cluster = load_cluster("graphpipe-v100")
-    cost = CostModel.for_device(cluster.devices()[0].type)
+    g = zoo_graph("mmt", "paper")
+    cost = CostModel.for_device(v100.devices()[0].type)
     costs = UnitCosts(g, build_tree(g, cost, 128), cost)
-    limit = cluster.devices()[0].type.memory
+    limit = v100.devices()[0].type.memory
     assert [b for b in (64, 128, 256, 512) if _may_fit(costs, b, 32, limit)] == [64, 128, 256]
 
 
 @pytest.mark.parametrize("name", ["mmt", "candle_uno", "dlrm"])
-def test_exposed_transfers_find_nothing_where_hidden_ones_find_nothing(name: str) -> None:
+def test_exposed_transfers_find_nothing_where_hidden_ones_find_nothing(v100, zoo_graph, name: str) -> None:
     """The partitioner skips the exposed-transfer DP at a micro-batch size where the hidden-transfer
     DP found nothing: exposing transfers only raises stages' TPS, so at no bottleneck does the
     exposed run find a plan where the hidden run finds none."""
-    g = load_graph(build(name, "tiny"))
-    cluster = load_cluster("graphpipe-v100")
-    cost = CostModel.for_device(cluster.devices()[0].type)
+    g = zoo_graph(name)
+    cost = CostModel.for_device(v100.devices()[0].type)
     tree = build_tree(g, cost, 32)
     costs = UnitCosts(g, tree, cost)
     opts = PartitionOptions(mini_batch=64, num_devices=4)
-    runs = [
-        StageDP(tree, costs, StageLinks(cluster, 4), opts, 16, math.inf, 4, exposed=x) for x in (0.0, 1.0)
-    ]
+    runs = [StageDP(tree, costs, StageLinks(v100, 4), opts, 16, math.inf, 4, exposed=x) for x in (0.0, 1.0)]
     top = runs[0].stage(0, costs.n, 1)[0]
     outcomes = set()
     for t in (top * f / 100 for f in range(1, 101)):

@@ -4,11 +4,10 @@ import dataclasses
 
 import pytest
 
-from tessera.core.graph import load_graph
+from tessera.core.graph import Graph
 from tessera.core.plans import check_plan_against_model
 from tessera.core.schedule import gpipe, in_flight_of, one_f_one_b, schedule_problems
-from tessera.core.specs import load_cluster
-from tessera.models import build
+from tessera.core.specs import ClusterSpec
 from tessera.planners.pipeline.greedy import greedy_schedules
 from tessera.planners.pipeline.materialize import scheduled
 from tessera.planners.pipeline.plan import plan_gpp
@@ -41,16 +40,15 @@ def test_greedy_is_time_optimal_with_fewest_in_flight(latency: float) -> None:
     assert greedy.iteration_time <= onefoneb.iteration_time * (1 + 1e-9)
 
 
-def test_greedy_plan_passes_checks_and_is_not_slower() -> None:
+def test_greedy_plan_passes_checks_and_is_not_slower(v100, zoo_graph) -> None:
     """Algorithm 4 on a plan's stages is never slower than 1F1B with Table 3.2's warm-up on the
     same stages. It can be slower than the 1F1B search's plan, whose warm-up is tuned on the
     simulator (MMT here: 0.2 %); ``auto`` keeps the faster of the two."""
-    g = load_graph(build("mmt", "paper"))
-    cluster = load_cluster("graphpipe-v100")
+    g = zoo_graph("mmt", "paper")
     times, pipes = {}, {}
     for schedule in ("1f1b", "greedy", "auto"):
         opts = PartitionOptions(mini_batch=64, num_devices=8, schedule=schedule, micro_batch_sizes=(8,))
-        plan, pipes[schedule], sim = plan_gpp(g, cluster, opts, baseline=False)
+        plan, pipes[schedule], sim = plan_gpp(g, v100, opts, baseline=False)
         assert check_plan_against_model(plan, g) == []
         assert plan.stages[0].schedule.kind == ("1f1b" if schedule == "auto" else schedule)
         times[schedule] = sim.iteration_time
@@ -59,22 +57,22 @@ def test_greedy_plan_passes_checks_and_is_not_slower() -> None:
     assert times["auto"] <= min(times["1f1b"], times["greedy"]) * (1 + 1e-9)
 
 
-def _auto_vs_1f1b(name: str, devices: int, mini_batch: int):
-    g = load_graph(build(name, "paper"))
-    cluster = load_cluster("graphpipe-v100")
+def _auto_vs_1f1b(g: Graph, cluster: ClusterSpec, devices: int, mini_batch: int):
     out = {}
     for schedule in ("1f1b", "auto"):
         opts = PartitionOptions(mini_batch=mini_batch, num_devices=devices, schedule=schedule)
         out[schedule] = plan_gpp(g, cluster, opts)
-    return g, out
+    return out
 
 
-def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster() -> None:
+@pytest.mark.slow  # two searches of the paper-size CANDLE-Uno on 16 devices
+def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster(v100, zoo_graph) -> None:
     # CANDLE-Uno on 16 V100s: a graph pipeline of the 1F1B search, rescheduled greedily (374.6k
     # samples/s), beats the 1F1B plan (373.8k, its warm-up tuned) and the sequential plan (336.8k).
     # 1F1B with a tuned warm-up comes close to Algorithm 4 on most plans; auto keeps whichever
     # simulates faster.
-    g, out = _auto_vs_1f1b("candle_uno", 16, 16384)
+    g = zoo_graph("candle_uno", "paper")
+    out = _auto_vs_1f1b(g, v100, 16, 16384)
     (plan, pipe, sim), (plan_1f1b, _, sim_1f1b) = out["auto"], out["1f1b"]
     assert check_plan_against_model(plan, g) == []
     assert plan.predicted["structure"] == "graph" == plan_1f1b.predicted["structure"]
@@ -89,7 +87,7 @@ def test_auto_reschedules_a_graph_pipeline_by_algorithm_4_where_that_is_faster()
         assert st.in_flight == in_flight_of(st.schedule.actions)
 
 
-def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
+def test_auto_reschedules_beyond_the_1f1b_winner(v100, zoo_graph) -> None:
     # CANDLE-Uno on 16 V100s: 1F1B's winning graph pipeline (373.8k samples/s, its warm-up tuned)
     # reaches 361.2k rescheduled by Algorithm 4; another candidate of the same search, with
     # another stage graph, reaches 374.6k rescheduled, as much as searching with Algorithm 4
@@ -100,10 +98,9 @@ def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
     from tessera.planners.pipeline.search import partition
     from tessera.planners.sim import simulate_pipeline
 
-    g = load_graph(build("candle_uno", "paper"))
-    cluster = load_cluster("graphpipe-v100")
+    g = zoo_graph("candle_uno", "paper")
     pipes = {
-        schedule: partition(g, cluster, PartitionOptions(mini_batch=16384, num_devices=16, schedule=schedule))
+        schedule: partition(g, v100, PartitionOptions(mini_batch=16384, num_devices=16, schedule=schedule))
         for schedule in ("1f1b", "auto", "greedy")
     }
     thr = {k: simulate_pipeline(p, trace=False).throughput for k, p in pipes.items()}
@@ -134,19 +131,21 @@ def test_auto_reschedules_beyond_the_1f1b_winner() -> None:
         ("candle_uno", 8, 8192, 175477.8),
     ],
 )
-def test_auto_keeps_1f1b_where_algorithm_4_is_no_faster(name, devices, mini_batch, throughput) -> None:
-    _, out = _auto_vs_1f1b(name, devices, mini_batch)
+def test_auto_keeps_1f1b_where_algorithm_4_is_no_faster(
+    v100, zoo_graph, name, devices, mini_batch, throughput
+) -> None:
+    out = _auto_vs_1f1b(zoo_graph(name, "paper"), v100, devices, mini_batch)
     assert out["auto"][0].model_dump() == out["1f1b"][0].model_dump()
     assert out["auto"][2].throughput == pytest.approx(throughput, rel=1e-4)
     assert out["auto"][0].predicted["structure"] == "graph"
 
 
-def test_auto_keeps_1f1b_where_algorithm_4_would_take_too_long(monkeypatch) -> None:
+def test_auto_keeps_1f1b_where_algorithm_4_would_take_too_long(v100, zoo_graph, monkeypatch) -> None:
     from tessera.planners.pipeline import tuning
     from tessera.planners.pipeline.search import partition
 
-    g = load_graph(build("candle_uno", "paper"))
+    g = zoo_graph("candle_uno", "paper")
     opts = PartitionOptions(mini_batch=8192, num_devices=8, schedule="auto")
     monkeypatch.setattr(tuning, "_GREEDY_TASKS", 0)
-    pipe = partition(g, load_cluster("graphpipe-v100"), opts)
+    pipe = partition(g, v100, opts)
     assert pipe.schedule_kind == "1f1b"

@@ -19,11 +19,6 @@ from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import simulate_pipeline
 
 
-@pytest.fixture(scope="module")
-def v100():
-    return load_cluster("graphpipe-v100")
-
-
 def _spans(pipe):
     return [(s.nodes, len(s.devices), s.micro_batch_size) for s in pipe.stages]
 
@@ -41,8 +36,8 @@ def test_chain_gpp_equals_spp(v100) -> None:
 
 
 @pytest.mark.parametrize("name", ["mmt", "candle_uno", "dlrm"])
-def test_plans_pass_c1_c5_and_memory(v100, name: str) -> None:
-    g = load_graph(build(name, "tiny"))
+def test_plans_pass_c1_c5_and_memory(v100, zoo_graph, name: str) -> None:
+    g = zoo_graph(name)
     plan, pipe, sim = plan_gpp(g, v100, PartitionOptions(mini_batch=32, num_devices=4))
     assert check_plan_against_model(plan, g) == []
     assert 1 <= sum(len(s.devices) for s in plan.stages) <= 4  # idle devices allowed (none helps)
@@ -56,8 +51,8 @@ def test_plans_pass_c1_c5_and_memory(v100, name: str) -> None:
         assert st.memory.peak <= v100.devices()[0].type.memory
 
 
-def test_multi_branch_plan_runs_branches_in_parallel(v100) -> None:
-    g = load_graph(build("candle_uno", "paper"))
+def test_multi_branch_plan_runs_branches_in_parallel(v100, zoo_graph) -> None:
+    g = zoo_graph("candle_uno", "paper")
     opts = PartitionOptions(mini_batch=16384, num_devices=16)
     pipe = partition(g, v100, opts)
     spp = plan_spp(g, v100, opts)
@@ -73,8 +68,10 @@ def test_multi_branch_plan_runs_branches_in_parallel(v100) -> None:
 @pytest.mark.parametrize(
     ("name", "mini_batch", "devices", "gain"), [("mmt", 128, 8, 1.1), ("dlrm", 1024, 16, 1.2)]
 )
-def test_graph_plan_beats_sequential(v100, name: str, mini_batch: int, devices: int, gain: float) -> None:
-    g = load_graph(build(name, "paper"))
+def test_graph_plan_beats_sequential(
+    v100, zoo_graph, name: str, mini_batch: int, devices: int, gain: float
+) -> None:
+    g = zoo_graph(name, "paper")
     opts = PartitionOptions(mini_batch=mini_batch, num_devices=devices)
     pipe = partition(g, v100, opts)
     spp = plan_spp(g, v100, opts)
@@ -82,15 +79,15 @@ def test_graph_plan_beats_sequential(v100, name: str, mini_batch: int, devices: 
     assert simulate_pipeline(pipe).throughput > gain * simulate_pipeline(spp).throughput
 
 
-def test_dlrm_gains_from_more_devices(v100) -> None:
-    g = load_graph(build("dlrm", "paper"))
+def test_dlrm_gains_from_more_devices(v100, zoo_graph) -> None:
+    g = zoo_graph("dlrm", "paper")
     eight = partition(g, v100, PartitionOptions(mini_batch=512, num_devices=8))
     sixteen = partition(g, v100, PartitionOptions(mini_batch=1024, num_devices=16))
     assert simulate_pipeline(sixteen).throughput > simulate_pipeline(eight).throughput
 
 
-def test_no_stage_gets_devices_it_cannot_use(v100) -> None:
-    g = load_graph(build("candle_uno", "paper"))
+def test_no_stage_gets_devices_it_cannot_use(v100, zoo_graph) -> None:
+    g = zoo_graph("candle_uno", "paper")
     pipe = partition(g, v100, PartitionOptions(mini_batch=16384, num_devices=16))
     for st in pipe.stages:
         d = len(st.devices)
@@ -107,17 +104,17 @@ def test_non_series_parallel_graph_plans(v100) -> None:
     assert check_plan_against_model(plan, g) == []
 
 
-def test_infeasible_memory_limit(v100) -> None:
-    g = load_graph(build("mmt", "paper"))
+def test_infeasible_memory_limit(v100, zoo_graph) -> None:
+    g = zoo_graph("mmt", "paper")
     with pytest.raises(InfeasibleError, match="GiB per device"):
         partition(g, v100, PartitionOptions(mini_batch=64, num_devices=2, memory_limit=2**30))
 
 
-def test_infeasible_message_names_the_smallest_memory_a_plan_needs(v100) -> None:
+def test_infeasible_message_names_the_smallest_memory_a_plan_needs(v100, zoo_graph) -> None:
     # Tiny MMT needs KiB, not "0.00 GiB". The fastest plan without a limit needs about 1.6 MiB,
     # but that is not what the limit must be: the message names the least memory of the plans
     # the partitioner finds (a bisection on the limit), and at that limit it plans.
-    g = load_graph(build("mmt", "tiny"))
+    g = zoo_graph("mmt")
     opts = PartitionOptions(mini_batch=16, num_devices=4, memory_limit=200 * 1024)
     with pytest.raises(
         InfeasibleError, match=r"fits 200\.0 KiB per device .* needs (\d+\.\d) KiB per device"
@@ -132,10 +129,10 @@ def test_infeasible_message_names_the_smallest_memory_a_plan_needs(v100) -> None
     assert max(s.memory.peak for s in fits.stages) <= need * 1.001
 
 
-def test_a_mini_batch_without_micro_batch_sizes_gets_a_suggestion(v100) -> None:
+def test_a_mini_batch_without_micro_batch_sizes_gets_a_suggestion(v100, zoo_graph) -> None:
     # 100000 = 32 · 3125: its power-of-two divisors leave more than 256 micro-batches. A multiple of
     # 512 (100000 / 256 rounded up to a power of two) has one; 100352 is the nearest.
-    g = load_graph(build("mmt", "tiny"))
+    g = zoo_graph("mmt")
     with pytest.raises(InputError, match="a multiple of 512 has one, e.g. 100352"):
         partition(g, v100, PartitionOptions(mini_batch=100000, num_devices=4))
     partition(g, v100, PartitionOptions(mini_batch=100352, num_devices=4))  # and it plans
@@ -149,8 +146,8 @@ def test_deterministic_plan_json(v100) -> None:
     assert a == b
 
 
-def test_kfkb_and_gpipe_schedules(v100) -> None:
-    g = load_graph(build("candle_uno", "tiny"))
+def test_kfkb_and_gpipe_schedules(v100, zoo_graph) -> None:
+    g = zoo_graph("candle_uno")
     for schedule, k in (("kfkb", 2), ("gpipe", 1), ("greedy", 1)):
         opts = PartitionOptions(mini_batch=32, num_devices=4, schedule=schedule, k=k)
         plan, _, _ = plan_gpp(g, v100, opts, baseline=False)
@@ -158,12 +155,12 @@ def test_kfkb_and_gpipe_schedules(v100) -> None:
         assert plan.stages[0].schedule.kind == schedule
 
 
-def test_recomputation_fits_a_limit_that_stored_activations_do_not(v100) -> None:
+def test_recomputation_fits_a_limit_that_stored_activations_do_not(v100, zoo_graph) -> None:
     # Tiny GPT on 4 devices needs about 232 KiB per device storing activations; recomputing them
     # (a stage keeps its inputs per micro-batch in flight, plus one micro-batch's activations)
     # fits 200 KiB. The plan records it per stage, validate counts its memory so, and the
     # simulator agrees.
-    g = load_graph(build("gpt", "tiny"))
+    g = zoo_graph("gpt")
     opts = PartitionOptions(mini_batch=8, num_devices=4, memory_limit=200 * 1024)
     with pytest.raises(InfeasibleError, match="--recompute auto"):
         plan_gpp(g, v100, opts, baseline=False)
@@ -203,8 +200,8 @@ def test_recomputation_fits_a_limit_that_stored_activations_do_not(v100) -> None
     )
 
 
-def test_without_memory_pressure_auto_recomputation_changes_nothing(v100) -> None:
-    g = load_graph(build("gpt", "tiny"))
+def test_without_memory_pressure_auto_recomputation_changes_nothing(v100, zoo_graph) -> None:
+    g = zoo_graph("gpt")
     opts = PartitionOptions(mini_batch=8, num_devices=4)
     never, _, _ = plan_gpp(g, v100, opts, baseline=False)
     auto, _, _ = plan_gpp(g, v100, dataclasses.replace(opts, recompute="auto"), baseline=False)
@@ -226,9 +223,9 @@ def test_without_memory_pressure_auto_recomputation_changes_nothing(v100) -> Non
     ],
 )
 def test_auto_recomputation_is_never_slower_than_never_or_all(
-    name, cluster, devices, mini_batch, kind, extra, limit
+    zoo_graph, name, cluster, devices, mini_batch, kind, extra, limit
 ) -> None:
-    g = load_graph(build(name, "tiny"))
+    g = zoo_graph(name)
     spec = load_cluster(cluster)
     got = {}
     for mode in ("never", "all", "auto"):
@@ -246,12 +243,12 @@ def test_auto_recomputation_is_never_slower_than_never_or_all(
     assert "auto" in got and got["auto"] >= max(got.values())
 
 
-def test_a_plan_found_only_under_a_looser_limit_is_named_with_that_limit() -> None:
+def test_a_plan_found_only_under_a_looser_limit_is_named_with_that_limit(cluster, zoo_graph) -> None:
     # Greedy schedules under 178,000 bytes: no plan, but the bisection for the message finds one
     # of 165.5 KiB under a looser limit (the search is not monotone in the limit). The message
     # says so rather than that 165.5 KiB is needed, and that limit does plan.
-    g = load_graph(build("gpt", "tiny"))
-    spec = load_cluster("dgx-a100")
+    g = zoo_graph("gpt")
+    spec = cluster("dgx-a100")
     opts = PartitionOptions(mini_batch=16, num_devices=8, schedule="greedy", memory_limit=178000)
     with pytest.raises(InfeasibleError) as info:
         partition(g, spec, opts)

@@ -10,7 +10,7 @@ from planners.pipeline.gpp_graphs import _model, chain
 from tessera.core.cost import CostModel
 from tessera.core.graph import Graph, load_graph
 from tessera.core.plans import check_plan_against_model, dump_plan
-from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.core.specs import ClusterSpec
 from tessera.models import build
 from tessera.planners.pipeline.links import StageLinks
 from tessera.planners.pipeline.piper import MIN_UNIT_SHARE, PIPER_LIMIT, piper_ideals, plan_piper
@@ -20,11 +20,6 @@ from tessera.planners.pipeline.search import build_tree
 from tessera.planners.pipeline.spp import plan_sequential, plan_spp, sequential_record
 from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.sim import simulate_pipeline
-
-
-@pytest.fixture(scope="module")
-def v100() -> ClusterSpec:
-    return load_cluster("graphpipe-v100")
 
 
 def diamond(width: int = 256, narrow: int = 64) -> Graph:
@@ -183,8 +178,8 @@ def test_auto_recomputes_where_keeping_activations_has_no_plan(case: tuple) -> N
 
 
 @pytest.mark.parametrize("name", ["gpt", "mmt"])
-def test_piper_plans_pass_the_plan_checks(v100, name: str) -> None:
-    g = load_graph(build(name, "tiny"))
+def test_piper_plans_pass_the_plan_checks(v100, zoo_graph, name: str) -> None:
+    g = zoo_graph(name)
     for opts in (
         PartitionOptions(mini_batch=32, num_devices=4),
         PartitionOptions(mini_batch=32, num_devices=4, memory_limit=2**30, schedule="kfkb", k=2),
@@ -215,8 +210,8 @@ def test_piper_plan_of_the_diamond_passes_the_checks() -> None:
     assert check_plan_against_model(plan, g) == []
 
 
-def test_coarsened_to_become_tractable(v100) -> None:
-    g = load_graph(build("mmt", "tiny"))
+def test_coarsened_to_become_tractable(v100, zoo_graph) -> None:
+    g = zoo_graph("mmt")
     tree = build_tree(g, CostModel.for_device(v100.devices()[0].type), 128)
     assert piper_ideals(tree) > PIPER_LIMIT
     result = plan_piper(g, v100, PartitionOptions(mini_batch=32, num_devices=4), tree=tree)
@@ -229,8 +224,8 @@ def test_coarsened_to_become_tractable(v100) -> None:
 
 
 @pytest.mark.parametrize("name", ["dlrm", "candle_uno"])
-def test_intractable_graphs_are_reported_not_attempted(v100, name: str) -> None:
-    g = load_graph(build(name, "tiny"))
+def test_intractable_graphs_are_reported_not_attempted(v100, zoo_graph, name: str) -> None:
+    g = zoo_graph(name)
     result = plan_piper(g, v100, PartitionOptions(mini_batch=32, num_devices=4))
     assert result.pipeline is None and not result.tractable
     assert result.reason is not None and result.reason.startswith(f"intractable: {result.ideals} ideals")
@@ -239,7 +234,7 @@ def test_intractable_graphs_are_reported_not_attempted(v100, name: str) -> None:
     assert plan.predicted["sequential_method"] == "pipedream"
     assert plan.predicted["piper"]["no_plan"] == result.reason
     # Without coarsening even the MMT is over the limit.
-    mmt = plan_piper(load_graph(build("mmt", "tiny")), v100, PartitionOptions(mini_batch=32), coarsen=False)
+    mmt = plan_piper(zoo_graph("mmt"), v100, PartitionOptions(mini_batch=32), coarsen=False)
     assert mmt.pipeline is None and mmt.reason == f"intractable: {mmt.ideals} ideals (limit {PIPER_LIMIT})"
 
 
@@ -255,14 +250,14 @@ def test_deterministic(v100) -> None:
     assert one == two
 
 
-def test_reordered_unit_costs_equal_costs_computed_afresh(v100) -> None:
+def test_reordered_unit_costs_equal_costs_computed_afresh(v100, zoo_graph) -> None:
     # The Piper planner materializes every chain with its units' costs permuted, not recomputed:
     # they must equal the costs computed on the reordered tree, to the last bit.
     import random
 
     from tessera.planners.pipeline.unit_costs import UnitCosts
 
-    g = load_graph(build("mmt", "tiny"))
+    g = zoo_graph("mmt")
     cost = CostModel.for_device(v100.devices()[0].type)
     tree = build_tree(g, cost, 128)
     costs = UnitCosts(g, tree, cost)
@@ -293,13 +288,13 @@ def _tensors_read(graph: Graph, tree, cost: CostModel) -> dict[tuple[str, int], 
 
 
 @pytest.mark.parametrize("name", ["mmt", "bert", "gpt"])
-def test_bytes_entering_a_stage_count_each_tensor_once(name: str) -> None:
+def test_bytes_entering_a_stage_count_each_tensor_once(v100, zoo_graph, name: str) -> None:
     """A stage receives a tensor once however many of its units read it (a transformer's residual
     stream feeds the layer's norm and its residual add): the DP's bytes entering a unit range, and
     Piper's bytes crossing an ideal's cut, entering a stage I \\ I' and flowing between two
     stages, all equal a count over the model's tensors; counting per reading unit counts more."""
-    g = load_graph(build(name, "tiny"))
-    cost = CostModel.for_device(load_cluster("graphpipe-v100").devices()[0].type)
+    g = zoo_graph(name)
+    cost = CostModel.for_device(v100.devices()[0].type)
     lattice = Lattice(g, build_tree(g, cost, 16), cost)
     tree, costs = lattice.tree, lattice.costs
     made = [(p, w, readers) for (_, p), (w, readers) in _tensors_read(g, tree, cost).items()]

@@ -11,7 +11,7 @@ import pytest
 from tessera.core.cost import CostModel
 from tessera.core.graph import load_graph
 from tessera.core.schedule import in_flight_of, one_f_one_b
-from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.core.specs import ClusterSpec
 from tessera.models import build
 from tessera.planners.pipeline.materialize import scheduled
 from tessera.planners.pipeline.materialize import uniform_warm_up as _uniform
@@ -23,13 +23,8 @@ from tessera.planners.sim import simulate_pipeline
 
 
 @pytest.fixture(scope="module")
-def v100():
-    return load_cluster("graphpipe-v100")
-
-
-@pytest.fixture(scope="module")
-def candle16(v100):
-    g = load_graph(build("candle_uno", "paper"))
+def candle16(v100, zoo_graph):
+    g = zoo_graph("candle_uno", "paper")
     return g, partition(g, v100, PartitionOptions(mini_batch=16384, num_devices=16))
 
 
@@ -78,10 +73,10 @@ def test_extra_warm_up_keeps_c5_and_memory(candle16) -> None:
     simulate_pipeline(cand)  # raises on a deadlock
 
 
-def test_extra_warm_up_within_the_memory_limit(v100) -> None:
+def test_extra_warm_up_within_the_memory_limit(v100, zoo_graph) -> None:
     # MMT's stages hold large activations: a limit that fits Table 3.2's counts but not 16 more
     # warm-up micro-batches gives None, not a plan over the limit.
-    g = load_graph(build("mmt", "paper"))
+    g = zoo_graph("mmt", "paper")
     pipe = partition(g, v100, PartitionOptions(mini_batch=128, num_devices=8))
     unlimited = dataclasses.replace(pipe, memory_limit=float("inf"))
     least = scheduled(unlimited, {})
@@ -115,12 +110,12 @@ def test_tuning_is_never_slower_and_respects_memory(candle16) -> None:
     assert t_again == t and [s.in_flight for s in again.stages] == [s.in_flight for s in tuned.stages]
 
 
-def test_branches_into_one_merge_are_tuned_together() -> None:
+def test_branches_into_one_merge_are_tuned_together(v100) -> None:
     # CANDLE-Uno with its top layer split over the branches (concat-matmul) on 32 V100s: seven
     # branch stages feed the merge stage. One branch running ahead gains nothing while the others
     # hold the merge back, so stage-by-stage tuning from Table 3.2's counts stayed there (0.060 s
     # per iteration); the branches need several more warm-up micro-batches together (0.040 s).
-    data = load_cluster("graphpipe-v100").to_json_dict()
+    data = v100.to_json_dict()
     data["nodes"] = [{**data["nodes"][0], "count": 8}]
     g = load_graph(build("candle_uno", "paper"), rewrites=["concat-matmul"])
     cluster = ClusterSpec.from_json_dict(data)
@@ -143,8 +138,8 @@ def test_branches_into_one_merge_are_tuned_together() -> None:
     assert simulate_pipeline(best).iteration_time == pytest.approx(t, rel=1e-9)
 
 
-def test_spp_guided_proposals_are_sequential_and_no_slower(v100) -> None:
-    g = load_graph(build("candle_uno", "paper"))
+def test_spp_guided_proposals_are_sequential_and_no_slower(v100, zoo_graph) -> None:
+    g = zoo_graph("candle_uno", "paper")
     opts = PartitionOptions(mini_batch=16384, num_devices=16)
     tree = build_tree(g, CostModel.for_device(v100.devices()[0].type), opts.max_units)
     chain_only = partition(g, v100, opts, tree=tree.linearized(), kind="spp")
