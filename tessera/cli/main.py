@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 
 import click
@@ -21,7 +22,14 @@ from tessera.cli.plan import plan
 from tessera.cli.render import NO_PROGRESS_ENV
 from tessera.cli.validate_cmd import validate
 from tessera.cli.zoo_cmd import zoo
-from tessera.core.errors import EXIT_BAD_INPUT, EXIT_INTERNAL, TesseraError
+from tessera.core.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERNAL,
+    EXIT_INTERRUPTED,
+    EXIT_TERMINATED,
+    Terminated,
+    TesseraError,
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -49,9 +57,14 @@ cli.add_command(validate)
 cli.add_command(zoo)
 
 
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> None:
     """Console entry point: run the group and map every failure to its documented exit code."""
     args = sys.argv[1:] if argv is None else argv
+    signal.signal(signal.SIGTERM, _terminate)  # unwind (temporary files removed), then exit 143
     try:
         cli.main(args=args, prog_name="tessera", standalone_mode=False)
     except TesseraError as exc:
@@ -59,9 +72,12 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
+    except Terminated:
+        click.echo("tessera: terminated", err=True)
+        sys.exit(EXIT_TERMINATED)
     except click.exceptions.Abort:
         click.echo("tessera: aborted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except click.exceptions.NoArgsIsHelpError as exc:
         # A bare ``tessera`` (or ``tessera zoo``): the help as click lays it out, on stderr, exit 2.
         click.echo(exc.ctx.get_help(), err=True)
@@ -75,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(exc.exit_code if exc.exit_code else EXIT_BAD_INPUT)
     except KeyboardInterrupt:
         click.echo("tessera: interrupted", err=True)
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except BrokenPipeError:
         sys.exit(0)
     except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback unless asked

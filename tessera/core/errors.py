@@ -3,7 +3,7 @@
 Every error raised on purpose is a :class:`TesseraError` whose message is one line naming the file (and
 the field or node) and what is wrong; the CLI prints it without a traceback. Exit codes (the README's
 table; CI scripts depend on them): 0 success, 1 internal error, 2 bad input, 3 infeasible, 4 launch or
-verification failure.
+verification failure, 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM).
 """
 
 from __future__ import annotations
@@ -15,6 +15,8 @@ EXIT_INTERNAL = 1
 EXIT_BAD_INPUT = 2
 EXIT_INFEASIBLE = 3
 EXIT_LAUNCH_FAILED = 4
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, the shell's convention
+EXIT_TERMINATED = 143  # 128 + SIGTERM
 
 
 class TesseraError(Exception):
@@ -48,3 +50,7 @@ class LaunchError(TesseraError):
     """Running or verifying a plan failed (exit code 4)."""
 
     exit_code = EXIT_LAUNCH_FAILED
+
+
+class Terminated(Exception):  # noqa: N818 - named as the shell reports it
+    """The process was asked to stop (SIGTERM): exit 143 after cleaning up, as Ctrl-C is 130."""

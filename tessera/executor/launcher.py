@@ -16,16 +16,20 @@ import logging
 import os
 import re
 import resource
+import signal
 import socket
+import tempfile
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from tessera.core.errors import InputError, LaunchError
+from tessera.core.errors import InputError, LaunchError, Terminated
+from tessera.executor.progress import HEARTBEAT_ENV, ProgressMonitor, beat
 
 # Seconds between the agent's SIGTERM and SIGKILL to workers it stops.
 SHUTDOWN_GRACE_S = 5
@@ -146,13 +150,27 @@ def launch_workers(
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
     threads = str(max(1, (os.cpu_count() or 1) // nproc))
-    with _env("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads)), _quiet_agent():
+    with (
+        tempfile.TemporaryDirectory(prefix="tessera-progress-") as heartbeats,
+        _env(HEARTBEAT_ENV, heartbeats),
+        # c10d's C++ warnings (a socket timing out when a peer stops) would print many lines per
+        # worker; the launch reports the failure in one. Shown with -v (the root logger at INFO).
+        _env("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level())),
+        _env("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads)),
+        _quiet_agent(),
+        _store_server(options, port),
+        ProgressMonitor(
+            Path(heartbeats), options.timeout_s, _local_ranks(options, nproc), describe_rank
+        ).watching() as monitor,
+    ):
         try:
             return elastic_launch(config, entrypoint)(*args)
         except ChildFailedError as exc:
-            raise LaunchError(_describe_failure(exc, describe_rank)) from None
+            raise LaunchError(monitor.verdict or _describe_failure(exc, describe_rank)) from None
         except Exception as exc:
             if type(exc).__name__ == "SignalException":  # the agent caught SIGINT/SIGTERM
+                if getattr(exc, "sigval", None) == signal.SIGTERM:
+                    raise Terminated from None
                 raise KeyboardInterrupt from None
             if type(exc).__name__ in ("RendezvousTimeoutError", "RendezvousError", "DistStoreError"):
                 raise LaunchError(f"rendezvous at {options.master_addr}:{port} failed: {exc}") from None
@@ -161,6 +179,56 @@ def launch_workers(
                     raise _port_in_use(options.master_addr, port) from None
                 raise LaunchError(f"rendezvous at {options.master_addr}:{port} failed: {exc}") from None
             raise
+
+
+def _cpp_log_level() -> str:
+    return "INFO" if logging.getLogger().getEffectiveLevel() <= logging.INFO else "ERROR"
+
+
+def _local_ranks(options: LaunchOptions, nproc: int) -> list[int]:
+    """The global ranks this node runs (torch's elastic agent numbers them node by node)."""
+    return list(range(options.node_rank * nproc, (options.node_rank + 1) * nproc))
+
+
+@contextlib.contextmanager
+def _store_server(options: LaunchOptions, port: int) -> Iterator[None]:
+    """On node 0, serve the rendezvous store on ``--master-addr`` only. torch's TCPStore server
+    listens on every interface; one created first on a socket bound to the address is shared by
+    the elastic agent's store (it is multi-tenant: one server per port in a process)."""
+    if options.node_rank != 0:
+        yield
+        return
+    import torch.distributed as dist
+
+    family, kind, proto, _, where = _address(options.master_addr, port)
+    with socket.socket(family, kind, proto) as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            listener.bind(where)
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:  # taken since resolve() probed it
+                raise _port_in_use(options.master_addr, port) from None
+            raise
+        listener.listen(1024)
+        fd = listener.detach()  # the store's server owns (and closes) the listening socket
+    try:
+        server = dist.TCPStore(
+            options.master_addr,
+            port,
+            None,
+            True,
+            timedelta(seconds=max(options.timeout_s, 1)),
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=fd,
+        )
+    except BaseException:
+        os.close(fd)
+        raise
+    try:
+        yield
+    finally:
+        del server
 
 
 def _describe_failure(exc: Any, describe_rank: Callable[[int], str]) -> str:
@@ -340,6 +408,7 @@ class Watchdog:
         self._timer: threading.Timer | None = None
 
     def arm(self, what: str) -> None:
+        beat()
         self.disarm()
         self._timer = threading.Timer(self.timeout_s, self._fire, args=(what,))
         self._timer.daemon = True
@@ -353,7 +422,8 @@ class Watchdog:
     def _fire(self, what: str) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
 
-        faulthandler.dump_traceback(all_threads=True)
+        if os.environ.get("TESSERA_DEBUG"):
+            faulthandler.dump_traceback(all_threads=True)
         error = TimeoutError(f"rank {self.rank}: {what} did not finish within {self.timeout_s:g} s (hung)")
         with contextlib.suppress(Exception):
             ErrorHandler().record_exception(error)

@@ -32,6 +32,7 @@ from tessera.executor.launcher import (
     memory_status,
     worker_setup,
 )
+from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
 from tessera.executor.training import TrainingData, TrainOptions, loss_term
 
@@ -251,6 +252,7 @@ class StageWorker:
         self.saved: dict[int, _Saved] = {}
         inputs, targets = self.data.batch(step)
         for kind, j in self.actions:
+            beat()
             if kind == "F":
                 self.forward(j, step, inputs, targets)
             else:

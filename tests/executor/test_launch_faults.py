@@ -7,7 +7,10 @@ Workers must not start in these tests: ``launch_workers`` is replaced by a funct
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -16,7 +19,7 @@ import numpy as np
 import pytest
 from cli_runner import run_cli
 from executor.plans import chain_halves, make_plan, save_model, write
-from executor.processes import interrupt_launch
+from executor.processes import interrupt_launch, listening_addresses, start_launch, still_running, workers_of
 
 import tessera.executor.cp_memory as cp_memory
 import tessera.executor.cp_run as cp_run
@@ -224,5 +227,52 @@ def test_sigterm_prints_one_line_and_no_torch_warning(tiny_plan: Path) -> None:
     code, err, _ = interrupt_launch(
         [str(tiny_plan), "--prompt-lens", "16", "--timeout", "60"], signal.SIGTERM
     )
-    assert code == 130, err
-    assert err.split() == ["tessera:", "aborted"], err  # not torch's "Received 15 death signal"
+    assert code == 143, err  # 128 + SIGTERM, as a shell reports it (Ctrl-C is 130)
+    assert err.split() == ["tessera:", "terminated"], err  # not torch's "Received 15 death signal"
+
+
+@pytest.mark.slow
+def test_a_stopped_rank_ends_the_launch_within_the_timeout(tiny_plan: Path) -> None:
+    """SIGSTOP of one rank: no worker can end it (its watchdog is stopped too, torch waits 30 s
+    before SIGKILL); the launcher sees no progress for --timeout and stops every worker."""
+    timeout = 8.0
+    proc, workers = start_launch(
+        [str(tiny_plan), "--prompt-lens", "16", "--new-tokens", "200000", "--timeout", str(timeout)]
+    )
+    try:
+        time.sleep(0.5)  # decoding
+        os.kill(max(workers), signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - stopped_at
+    finally:
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert proc.returncode == 4, err
+    assert took <= timeout * 1.1, f"ended {took:.1f} s after the stop (--timeout {timeout:g})"
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err  # not c10d's socket warnings
+    assert re.match(r"tessera: error: rank [01] \(cp [12]/2, .*\) is stopped", lines[0]), err
+    assert f"no rank went on for {timeout:g} s" in lines[0], err
+    assert still_running(workers) == []
+
+
+@pytest.mark.slow
+def test_nothing_listens_beyond_the_master_address(tiny_plan: Path) -> None:
+    """The rendezvous store and gloo listen on --master-addr (127.0.0.1 by default) only."""
+    proc, workers = start_launch([str(tiny_plan), "--prompt-lens", "16", "--timeout", "30"], fault="1:1:hang")
+    try:
+        deadline = time.monotonic() + 20
+        addresses: list[str] = []
+        while time.monotonic() < deadline and len(addresses) < 3:  # the store and each worker's gloo
+            time.sleep(0.2)
+            addresses = listening_addresses([proc.pid, *workers_of(proc.pid)])
+    finally:
+        proc.kill()
+        proc.communicate()
+        for pid in workers:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    assert len(addresses) >= 3, addresses
+    assert all(a.startswith("127.0.0.1:") for a in addresses), addresses
