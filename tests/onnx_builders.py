@@ -40,3 +40,25 @@ def single_op_model(
             if vi.name == "y" and vi.type.tensor_type.HasField("shape"):
                 model.graph.output[0].CopyFrom(vi)
     return model
+
+
+def tied_chain(layers: int = 6, width: int = 8) -> onnx.ModelProto:
+    """A chain of MatMul + Tanh layers whose first and last MatMul read the same weight ``tied``
+    (an exporter's tied embedding and LM head look the same to the executor)."""
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(1, layers - 1)}
+    weights["tied"] = rng.normal(0, 0.5, (width, width)).astype(np.float32)
+    nodes, x = [], "x"
+    for i in range(layers):
+        w = "tied" if i in (0, layers - 1) else f"w{i}"
+        nodes.append(helper.make_node("MatMul", [x, w], [f"m{i}"], name=f"matmul{i}"))
+        nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"h{i}"], name=f"tanh{i}"))
+        x = f"h{i}"
+    graph = helper.make_graph(
+        nodes,
+        "tied",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["batch", width])],
+        [numpy_helper.from_array(v, name) for name, v in weights.items()],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import click
 
 from tessera.cli.options import check_plan_llm_config, json_option, load_plan_model, plan_model_option
-from tessera.cli.render import emit_json
+from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
 
@@ -48,7 +48,16 @@ def _validate(plan_path: str, model: str | None, as_json: bool) -> None:
         "model": model_path,
         "sha256": graph.sha256,
     }
+    shared = getattr(plan, "shared_weights", [])
+    if shared:
+        summary["shared_weights"] = [w.model_dump() for w in shared]
     if as_json:
         emit_json(summary)
-    else:
-        click.echo(f"{plan_path}: valid {plan.kind} plan for {model_path}")
+        return
+    click.echo(f"{plan_path}: valid {plan.kind} plan for {model_path}")
+    for w in shared:
+        stages = ", ".join(map(str, w.stages))
+        click.echo(
+            f"  shared weight {w.name} ({human_bytes(w.bytes)}) read by stages {stages}: "
+            "one copy per stage, gradients summed across them at launch"
+        )

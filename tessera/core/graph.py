@@ -88,6 +88,7 @@ class Graph:
     producer: dict[str, str]  # activation tensor → node that produces it
     consumers: dict[str, tuple[str, ...]]  # tensor → nodes that read it, in topological order
     constant_nodes: frozenset[str] = frozenset()  # operators that read no activation (weight producers)
+    param_owner: dict[str, str] = field(default_factory=dict)  # parameter tensor → operator charged for it
     source: str = "<model>"
     source_sha256: str = ""
     input_shapes: dict[str, Shape] = field(default_factory=dict)  # as given (--input-shape)
@@ -143,6 +144,37 @@ class Graph:
         q.add_nodes_from(range(len(members)))
         q.add_edges_from((of[u], of[v]) for u, v in self.dag.edges if of[u] != of[v])
         return q
+
+    def shared_weights(self, groups: Sequence[Iterable[str]]) -> dict[str, list[int]]:
+        """Floating-point, non-scalar initializers (weights) that operators of more than one group
+        read: ``{initializer: [group index, …]}`` in name order. A tied embedding and LM head, or
+        an exporter's de-duplicated constants, split over pipeline stages: each stage holds a copy,
+        and training is exact only if their gradients are summed (Megatron's embedding group)."""
+        readers: dict[str, set[int]] = {}
+        for i, nodes in enumerate(groups):
+            for n in nodes:
+                op = self.op(n)
+                for t in (*op.inputs, *op.implicit_inputs):
+                    info = self.initializers.get(t)
+                    if (
+                        info is not None
+                        and info.shape != ()
+                        and np.issubdtype(np.dtype(info.dtype), np.floating)
+                    ):
+                        readers.setdefault(t, set()).add(i)
+        return {t: sorted(g) for t, g in sorted(readers.items()) if len(g) > 1}
+
+    def shared_copies(self, groups: Sequence[Iterable[str]]) -> list[int]:
+        """Per group, the parameter elements of the shared weights (:meth:`shared_weights`) it holds
+        a copy of without being charged for them: the memory model charges a weight to the one
+        operator that consumes it first (``OpNode.params``); every other stage reading it holds a copy."""
+        members = [set(nodes) for nodes in groups]
+        extra = [0] * len(members)
+        for t, readers in self.shared_weights(groups).items():
+            for i in readers:
+                if self.param_owner.get(t) not in members[i]:
+                    extra[i] += self.initializers[t].numel
+        return extra
 
     def boundary(self, nodes: Iterable[str]) -> tuple[list[str], list[str]]:
         """Input and output activation tensors of a node set, in a deterministic order.
@@ -365,6 +397,7 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
         producer=producer,
         consumers={k: tuple(v) for k, v in consumers.items()},
         constant_nodes=frozenset(constant_nodes),
+        param_owner={t: node for node, owned in param_owner.items() for t in owned},
         source=label,
         defaulted_dims=dict(defaulted_dims or {}),
     )

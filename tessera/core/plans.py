@@ -27,6 +27,7 @@ from pydantic import (
     PositiveInt,
     ValidationError,
     field_validator,
+    model_serializer,
     model_validator,
 )
 
@@ -203,6 +204,15 @@ class TrainingSetup(_Strict):
     recompute: Literal["never", "auto", "all"] = "never"
 
 
+class SharedWeight(_Strict):
+    """A weight read by operators of several stages (a tied embedding and LM head): each stage
+    holds a copy, and launch sums the copies' gradients before every step."""
+
+    name: str
+    stages: list[NonNegativeInt] = Field(min_length=2)
+    bytes: NonNegativeInt
+
+
 class GppPlan(_PlanBase):
     kind: Literal["gpp", "spp"] = "gpp"
     mini_batch_size: PositiveInt
@@ -210,6 +220,16 @@ class GppPlan(_PlanBase):
     edges: list[StageEdge] = Field(default_factory=list)
     baseline: dict[str, Any] | None = None
     training: TrainingSetup = Field(default_factory=TrainingSetup)
+    shared_weights: list[SharedWeight] = Field(default_factory=list)
+
+    @model_serializer(mode="wrap")
+    def _without_empty_shared(self, handler: Any) -> dict[str, Any]:
+        """``shared_weights`` is written only when there are some: a plan of a model without tied
+        weights reads as before."""
+        data = handler(self)
+        if not data.get("shared_weights"):
+            data.pop("shared_weights", None)
+        return data
 
     _HEADLINE: ClassVar[str] = "iteration_time_s"
 

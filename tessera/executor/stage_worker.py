@@ -97,12 +97,30 @@ class StageWorker:
         self.graph_inputs = set(graph.inputs)
         # Data-parallel groups: created on every rank in the same order (torch.distributed's rule).
         self.dp_group = None
+        replicas = {st.id: [routing.ranks[(st.id, q)] for q in range(len(st.devices))] for st in plan.stages}
         for st in plan.stages:
-            members = sorted(routing.ranks[(st.id, q)] for q in range(len(st.devices)))
+            members = sorted(replicas[st.id])
             if len(members) > 1:
                 group = dist.new_group(members)
                 if st.id == self.stage_id:
                     self.dp_group = group
+        # Weights read by several stages (a tied embedding and LM head): every copy's gradient is
+        # the sum over all ranks of all those stages, by one all-reduce instead of the stage's
+        # data-parallel one, so the copies take the same SGD steps (Megatron's embedding group).
+        # Groups are made in the same order on every rank; the all-reduces run in that order.
+        shared = graph.shared_weights([st.nodes for st in plan.stages])
+        ids = [st.id for st in plan.stages]
+        members_of = {w: tuple(sorted(r for i in idx for r in replicas[ids[i]])) for w, idx in shared.items()}
+        mine = dict(self.module.onnx_parameters())
+        self.shared_groups: list[tuple[Any, list[Tensor]]] = []
+        for members in sorted(set(members_of.values())):
+            group = dist.new_group(list(members))
+            if rank in members:
+                params = [mine[w] for w, m in members_of.items() if m == members and w in mine]
+                if params:
+                    self.shared_groups.append((group, params))
+        tied = {id(p) for _, params in self.shared_groups for p in params}
+        self.dp_params = [p for p in self.params if id(p) not in tied]
         self._sends: list[tuple[Any, Tensor]] = []
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
@@ -261,16 +279,10 @@ class StageWorker:
             work.wait()
         self._sends.clear()
         t0 = time.perf_counter()
-        if self.dp_group is not None and self.params:
-            flat = torch.cat(
-                [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in self.params]
-            )
-            dist.all_reduce(flat, group=self.dp_group)
-            offset = 0
-            for p in self.params:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p).clone()
-                offset += n
+        if self.dp_group is not None and self.dp_params:
+            _all_reduce_grads(self.dp_params, self.dp_group)
+        for group, params in self.shared_groups:
+            _all_reduce_grads(params, group)
         allreduce = time.perf_counter() - t0
         if self.opt is not None:
             self.opt.step()
@@ -285,6 +297,17 @@ class StageWorker:
             "wait_s": self.wait,
             "allreduce_s": allreduce,
         }
+
+
+def _all_reduce_grads(params: list[Tensor], group: Any) -> None:
+    """Sum ``params``' gradients over ``group`` in one flat all-reduce (a missing gradient is 0)."""
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
 
 
 def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:

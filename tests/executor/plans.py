@@ -18,6 +18,7 @@ from tessera.core.plans import (
     EdgeTensor,
     GppPlan,
     ModelRef,
+    SharedWeight,
     Stage,
     StageEdge,
     StageMemory,
@@ -101,8 +102,9 @@ def make_plan(
     ]
     # Eq. 3.2 as validate counts it, so the hand-built plan records its true memory.
     device_type = ClusterSpec.from_json_dict(cluster).devices()[0].type
+    copies = graph.shared_copies([nodes for nodes, _, _ in stages])
     for i, st in enumerate(built):
-        mem = counted_memory(st, graph, device_type, TrainingSetup())
+        mem = counted_memory(st, graph, device_type, TrainingSetup(), copies[i])
         built[i] = st.model_copy(
             update={
                 "memory": StageMemory(
@@ -117,6 +119,10 @@ def make_plan(
         mini_batch_size=mini_batch,
         stages=built,
         edges=edges,
+        shared_weights=[
+            SharedWeight(name=w, stages=readers, bytes=graph.initializers[w].nbytes)
+            for w, readers in graph.shared_weights([nodes for nodes, _, _ in stages]).items()
+        ],
         predicted={
             "iteration_time_s": predicted_iteration_s,
             "throughput_samples_per_s": mini_batch / predicted_iteration_s,

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from executor.plans import candle_dag, make_plan, save_model
+from onnx_builders import tied_chain
 
 from tessera.cli.launch_cmd import _summary
 from tessera.core.graph import load_graph
@@ -117,3 +118,15 @@ def test_a_plan_on_the_rewritten_model_trains_the_model_it_was_rewritten_from(tm
     weight = "top/layer0/fc/weight"
     cut = np.concatenate([run.weights[f"{weight}/part{i}"] for i in range(7)], axis=1)
     np.testing.assert_allclose(cut, original.weights[weight], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["2-stages", "2-stages-dp2"])
+def test_a_weight_read_by_two_stages_trains_as_one(tmp_path: Path, replicas: int) -> None:
+    """The tied weight's copies in stage 0 and stage 1 (and its data-parallel replicas) get the
+    sum of all their gradients: losses and weights equal single-process training."""
+    path = tmp_path / "tied.onnx"
+    graph = save_model(tied_chain(), path)
+    assert graph.shared_weights([graph.order[:6], graph.order[6:]]) == {"tied": [0, 1]}
+    second = ["d1", "d2"][:replicas]
+    plan = make_plan(graph, [(graph.order[:6], ["d0"], 2), (graph.order[6:], second, 2)], 8)
+    _check_exact(plan, graph, path, TrainOptions(steps=4, lr=0.1, seed=2))

@@ -103,6 +103,7 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
             simulate(sim_stages, sim_edges, plan.mini_batch_size)
         except ValueError as exc:
             problems.append(f"C5: {exc}")
+    problems.extend(_shared_weight_problems(plan, graph))
     if known is not None and not any(p.startswith(("C1", "C3")) for p in problems):
         problems.extend(_memory_problems(plan, graph, known))
     return problems
@@ -122,6 +123,20 @@ def _schedule_kind_problems(st: Any, m: int) -> list[str]:
     if generate is not None and list(st.schedule.actions) != generate(m, st.in_flight, k):
         return [f"stage {st.id}: its actions are not a {kind} schedule with {st.in_flight} in flight"]
     return []
+
+
+def _shared_weight_problems(plan: Any, graph: Any) -> list[str]:
+    """The plan's ``shared_weights`` are the weights its stages share in the model (what launch sums
+    the gradients of and the memory counts twice)."""
+    found = graph.shared_weights([[n for n in st.nodes if n in graph.dag] for st in plan.stages])
+    recorded = {w.name: list(w.stages) for w in plan.shared_weights}
+    if recorded == found:
+        return []
+    missing = sorted(set(found) - set(recorded))
+    if missing:
+        return [f"shared_weights: {missing[0]!r} is read by stages {found[missing[0]]} but not listed"]
+    wrong = sorted(w for w in recorded if recorded[w] != found.get(w))
+    return [f"shared_weights: {wrong[0]!r} is read by stages {found.get(wrong[0], 'of one stage only')}"]
 
 
 def _edge_problems(plan: Any, crossing: dict[tuple[int, int], set[str]]) -> list[str]:
@@ -175,6 +190,7 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
             f"memory: {who} activations, but training.recompute is {training.recompute!r}"
             + ("" if given else " (its default: the plan does not say)")
         )
+    copies = graph.shared_copies([[n for n in st.nodes if n in graph.dag] for st in plan.stages])
     for st in plan.stages:
         types = {devices[d].type_name for d in st.devices}
         if len(types) > 1:
@@ -183,7 +199,7 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
             )
             continue
         try:
-            need = counted_memory(st, graph, devices[st.devices[0]].type, training)
+            need = counted_memory(st, graph, devices[st.devices[0]].type, training, copies[st.id])
         except ValueError as exc:  # bytes per parameter below weights + gradients
             return [f"training.bytes_per_param: {exc}"]
         capacity = min(devices[d].type.memory for d in st.devices)
@@ -202,14 +218,21 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
     return problems
 
 
-def counted_memory(st: Any, graph: Any, device_type: Any, training: Any) -> StageMemoryEstimate:
+def counted_memory(
+    st: Any, graph: Any, device_type: Any, training: Any, copies: int = 0
+) -> StageMemoryEstimate:
     """Eq. 3.2 for one device of plan stage ``st`` (recomputing its activations where ``st.recompute``),
     counted from ``graph`` on ``device_type`` for ``training`` (a
-    :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's memory against."""
+    :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's memory against.
+    ``copies``: parameter elements of shared weights the stage holds without being charged for
+    (:meth:`tessera.core.graph.Graph.shared_copies`)."""
     cost = CostModel.for_device(device_type, training.precision, training.bytes_per_param)
     nodes = [n for n in st.nodes if n in graph.dag]
     inside = set(nodes)
     weights, optimizer, activations = cost.memory_of(graph, nodes)
+    memory = cost.memory
+    weights += copies * memory.weight_bytes_per_param
+    optimizer += copies * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param)
     entering: dict[str, int] = {}  # what a recomputing stage keeps: the tensors coming in
     if st.recompute:
         for v in inside:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Literal
+from typing import Any, Literal
 
 import networkx as nx
 
@@ -85,6 +85,7 @@ def materialize(  # noqa: PLR0913
         )
         for u in range(lo, hi):
             unit_stage[u] = sid
+    _add_shared_weights(graph, cluster, stages, costs.cost)
     edges = stage_edges(graph, tree, unit_stage, costs.cost)
     if kind == "spp":
         # A sequential pipeline runs its stages in order (thesis §3.2: linearizing "imposes new
@@ -114,6 +115,27 @@ def materialize(  # noqa: PLR0913
     )
     warm_up = uniform_warm_up(pipe, slack) if slack and opts.searched_schedule == "1f1b" else {}
     return scheduled(pipe, warm_up)
+
+
+def _add_shared_weights(graph: Graph, cluster: ClusterSpec, stages: list[PipelineStage], cost: Any) -> None:
+    """Weights read by several stages (a tied embedding and LM head): every stage but the one the
+    unit costs charge holds a copy (weights, gradients, optimizer state), and each stage reading one
+    all-reduces its gradient over the devices of all of them (how launch trains it)."""
+    groups = [st.nodes for st in stages]
+    shared = graph.shared_weights(groups)
+    if not shared:
+        return
+    memory = cost.memory
+    for st, extra in zip(stages, graph.shared_copies(groups), strict=True):
+        st.weights += extra * memory.weight_bytes_per_param
+        st.optimizer += extra * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param)
+    by_id = {d.id: d for d in cluster.devices()}
+    for name, readers in shared.items():
+        union = [by_id[d] for i in readers for d in stages[i].devices]
+        grads = graph.initializers[name].numel * memory.gradient_bytes_per_param
+        seconds = allreduce_time(grads, len(union), ring_link(cluster, union))
+        for i in readers:
+            stages[i].allreduce_time += seconds
 
 
 def scheduled(pipe: Pipeline, extra: Mapping[int, int]) -> Pipeline | None:

@@ -18,6 +18,7 @@ from tessera.core.plans import (
     EdgeTensor,
     GppPlan,
     ModelRef,
+    SharedWeight,
     Stage,
     StageEdge,
     StageMemory,
@@ -180,6 +181,7 @@ def _to_plan(
         )
         for e in pipe.edges
     ]
+    shared = graph.shared_weights([st.nodes for st in pipe.stages])
     return GppPlan(
         kind=pipe.kind,
         model=ModelRef.of(graph),
@@ -189,6 +191,12 @@ def _to_plan(
         edges=edges,
         baseline=base,
         training=training or TrainingSetup(),
+        shared_weights=[
+            SharedWeight(
+                name=w, stages=[pipe.stages[i].id for i in readers], bytes=graph.initializers[w].nbytes
+            )
+            for w, readers in shared.items()
+        ],
         predicted={
             "iteration_time_s": _r(sim.iteration_time),
             "throughput_samples_per_s": _r(sim.throughput),
