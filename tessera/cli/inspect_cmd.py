@@ -36,6 +36,7 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
         "inputs": [t.to_json() for t in graph.inputs.values()],
         "outputs": [t.to_json() for t in graph.outputs.values()],
         "defaulted_dims": graph.defaulted_dims,
+        "unknown_shapes": list(graph.unknown_shapes),  # operators counted as 0 FLOPs
         "branches": structure.to_json(),
     }
 

@@ -38,7 +38,12 @@ def model_options(f: F) -> F:
 
 
 def load_model_option(model: str, input_shapes: tuple[str, ...], rewrites: Sequence[str] = ()) -> Graph:
-    return load_graph(model, input_shapes=parse_input_shapes(input_shapes), rewrites=rewrites)
+    """Load MODEL as every command does; operators whose shapes stay unknown are named on stderr
+    (their FLOPs count 0: never silently)."""
+    graph = load_graph(model, input_shapes=parse_input_shapes(input_shapes), rewrites=rewrites)
+    if (message := graph.unknown_shapes_message()) is not None:
+        click.echo(f"tessera: warning: {graph.source}: {message}", err=True)
+    return graph
 
 
 def plan_model_option(f: F) -> F:

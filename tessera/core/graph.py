@@ -89,6 +89,9 @@ class Graph:
     consumers: dict[str, tuple[str, ...]]  # tensor → nodes that read it, in topological order
     constant_nodes: frozenset[str] = frozenset()  # operators that read no activation (weight producers)
     param_owner: dict[str, str] = field(default_factory=dict)  # parameter tensor → operator charged for it
+    # Operators (reading activations) whose tensors shape inference left without a concrete shape:
+    # their FLOPs and bytes count 0. Said by every command that loads the model.
+    unknown_shapes: tuple[str, ...] = ()
     source: str = "<model>"
     source_sha256: str = ""
     input_shapes: dict[str, Shape] = field(default_factory=dict)  # as given (--input-shape)
@@ -175,6 +178,18 @@ class Graph:
                 if self.param_owner.get(t) not in members[i]:
                     extra[i] += self.initializers[t].numel
         return extra
+
+    def unknown_shapes_message(self) -> str | None:
+        """One line naming the operators whose shapes are unknown and the fix; None if none."""
+        if not self.unknown_shapes:
+            return None
+        shown = ", ".join(f"{self.op(n).op_type} {n!r}" for n in self.unknown_shapes[:3])
+        more = f" and {len(self.unknown_shapes) - 3} more" if len(self.unknown_shapes) > 3 else ""
+        return (
+            f"{len(self.unknown_shapes)} operator(s) have shapes that shape inference could not resolve "
+            f"({shown}{more}): their FLOPs and bytes count as 0; give --input-shape for every symbolic "
+            "input, or re-export the model with static shapes"
+        )
 
     def boundary(self, nodes: Iterable[str]) -> tuple[list[str], list[str]]:
         """Input and output activation tensors of a node set, in a deterministic order.
@@ -398,6 +413,12 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
         consumers={k: tuple(v) for k, v in consumers.items()},
         constant_nodes=frozenset(constant_nodes),
         param_owner={t: node for node, owned in param_owner.items() for t in owned},
+        unknown_shapes=tuple(
+            n.name
+            for n in g.node
+            if n.name not in constant_nodes
+            and any(t and (tensors.get(t) is None or tensors[t].shape is None) for t in (*n.input, *n.output))
+        ),
         source=label,
         defaulted_dims=dict(defaulted_dims or {}),
     )

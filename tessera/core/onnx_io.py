@@ -9,10 +9,13 @@ dangling inputs, cycles) → ``name_nodes`` → ``lower_ir_version`` → ``bind_
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import io
+import logging
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import networkx as nx
@@ -442,12 +445,60 @@ def bind_input_shapes(  # noqa: C901
 
 
 def infer_shapes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
-    """ONNX shape inference with data propagation (so Shape→Gather→Reshape chains resolve)."""
+    """ONNX shape inference with data propagation (so Shape→Gather→Reshape chains resolve); where
+    tensors stay without a concrete shape (a legacy exporter's ``unk__N`` dims), onnxruntime's
+    symbolic shape inference too, kept when it resolves more."""
     try:
-        return onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
+        inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "shape inference failed")
         raise InputError(f"shape inference failed: {first}", source=label) from None
+    unresolved = unresolved_tensors(inferred)
+    if not unresolved:
+        return inferred
+    symbolic = _symbolic_shapes(inferred)
+    if symbolic is not None and len(unresolved_tensors(symbolic)) < len(unresolved):
+        return symbolic
+    return inferred
+
+
+def unresolved_tensors(model: onnx.ModelProto) -> list[str]:
+    """Tensors that nodes produce whose shape inference gave no concrete shape (a symbolic or
+    missing dim, or no shape at all)."""
+    known = {}
+    for vi in (*model.graph.value_info, *model.graph.output):
+        tt = vi.type.tensor_type
+        known[vi.name] = (
+            vi.type.HasField("tensor_type")
+            and tt.HasField("shape")
+            and all(d.HasField("dim_value") for d in tt.shape.dim)
+        )
+    return [t for n in model.graph.node for t in n.output if t and not known.get(t, False)]
+
+
+def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
+    """onnxruntime's symbolic shape inference (it resolves Reshape targets computed from
+    ``Shape``); None where it cannot run on the model."""
+    try:
+        from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
+
+        with _quiet_stdio():
+            return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+    except Exception:  # noqa: BLE001 - an optional second opinion: unsupported ops, odd graphs
+        return None
+
+
+@contextlib.contextmanager
+def _quiet_stdio() -> Iterator[None]:
+    """The symbolic inference tool prints (and logs) what it guesses: not for a user's terminal."""
+    logger = logging.getLogger("onnxruntime.tools.symbolic_shape_infer")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            yield
+    finally:
+        logger.setLevel(level)
 
 
 def prepare_model(
