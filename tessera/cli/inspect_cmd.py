@@ -62,7 +62,7 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
     check_outputs({"-o": output, "--write-named": write_named}, {"model": graph.source})
     report = inspect_report(graph)
     if write_named:
-        write_model(graph.model, write_named)
+        write_model(graph.named_model(), write_named)
     if output:
         write_output(output, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
     if as_json:

@@ -1,14 +1,4 @@
-"""The graph IR every planner reads: an ONNX model as a networkx DAG of operators.
-
-``load_graph`` loads a model (path or bytes), checks it, infers shapes, names nodes, and builds a
-:class:`Graph`. Nodes of ``Graph.dag`` are operator names (the ONNX node names after naming) with an
-:class:`OpNode` under the ``"op"`` attribute; an edge ``u → v`` carries the activation tensors
-produced by ``u`` and consumed by ``v`` (``"tensors"``: tuple of :class:`TensorInfo`) and their total
-``"bytes"``. Graph inputs, outputs and initializers (weights) are kept apart from activations.
-
-:meth:`Graph.extract` cuts any set of nodes out as a standalone, valid ONNX model; backends and
-executors run subgraphs through it.
-"""
+""""""
 
 from __future__ import annotations
 
@@ -29,7 +19,15 @@ from onnx import helper, numpy_helper
 
 from tessera.core.errors import InputError
 from tessera.core.flops import OpCost, op_cost
-from tessera.core.onnx_io import Shape, outer_scope_inputs, prepare_model, read_bytes
+from tessera.core.onnx_io import (
+    DeclaredShape,
+    Shape,
+    outer_scope_inputs,
+    prepare_model,
+    read_bytes,
+    restore_declared_shapes,
+)
+from tessera.core.parameters import find_constant_nodes, parameter_owners
 from tessera.core.rewrite import REWRITES, apply_rewrites
 
 
@@ -92,6 +90,7 @@ class Graph:
     # Operators (reading activations) whose tensors shape inference left without a concrete shape:
     # their FLOPs and bytes count 0. Said by every command that loads the model.
     unknown_shapes: tuple[str, ...] = ()
+    declared_shapes: dict[str, DeclaredShape] = field(default_factory=dict)  # inputs/outputs, as given
     source: str = "<model>"
     source_sha256: str = ""
     input_shapes: dict[str, Shape] = field(default_factory=dict)  # as given (--input-shape)
@@ -178,6 +177,35 @@ class Graph:
                 if self.param_owner.get(t) not in members[i]:
                     extra[i] += self.initializers[t].numel
         return extra
+
+    @property
+    def fixed_batch(self) -> dict[str, int]:
+        """Inputs of rank ≥ 1 whose axis 0 the model declares as a number, not a symbol (torch.onnx.export
+        writes the example's batch unless told ``dynamic_axes=`` / ``dynamic_shapes=``)."""
+        fixed = {}
+        for name in self.inputs:
+            shape = self.declared_shapes.get(name)
+            if shape and isinstance(shape[0], int) and shape[0] > 0:
+                fixed[name] = shape[0]
+        return fixed
+
+    def named_model(self) -> onnx.ModelProto:
+        """The model with tessera's node names and its inputs and outputs as declared (what
+        ``inspect --write-named`` writes: it loads at any batch, as the original does)."""
+        return restore_declared_shapes(self.model, self.declared_shapes)
+
+    def fixed_batch_message(self) -> str | None:
+        """Why a training plan of this model cannot run (its batch axis is fixed), with the fix;
+        None when every input's axis 0 is symbolic. Training runs micro-batches of any size."""
+        fixed = self.fixed_batch
+        if not fixed:
+            return None
+        name, size = next(iter(fixed.items()))
+        return (
+            f"input {name!r} has a fixed batch of {size} (axis 0 is a number, not a symbol), but training "
+            "runs micro-batches of other sizes: re-export with a dynamic batch axis (torch.onnx.export: "
+            f"dynamic_axes={{{name!r}: {{0: 'batch'}}}}, or dynamic_shapes= with the dynamo exporter)"
+        )
 
     def unknown_shapes_message(self) -> str | None:
         """One line naming the operators whose shapes are unknown and the fix; None if none."""
@@ -291,12 +319,15 @@ def load_graph(
     elif not isinstance(source, bytes | bytearray):
         source = read_bytes(source)
     digest = hashlib.sha256(source).hexdigest()
-    model, defaulted = prepare_model(source, input_shapes=input_shapes, label=label, base_dir=base_dir)
+    model, defaulted, declared = prepare_model(
+        source, input_shapes=input_shapes, label=label, base_dir=base_dir
+    )
     if rewrites:
         model = apply_rewrites(model, rewrites, label=label)
     graph = build_graph(model, label=label, defaulted_dims=defaulted)
     graph.source_sha256 = digest
     graph.input_shapes = dict(input_shapes or {})
+    graph.declared_shapes = declared
     graph.rewrites = tuple(name for name in REWRITES if name in rewrites)  # in the order applied
     return graph
 
@@ -310,6 +341,7 @@ def rewritten(graph: Graph, rewrites: Sequence[str]) -> Graph:
     out = build_graph(model, label=graph.source, defaulted_dims=graph.defaulted_dims)
     out.source_sha256 = graph.source_sha256
     out.input_shapes = dict(graph.input_shapes)
+    out.declared_shapes = dict(graph.declared_shapes)
     out.rewrites = tuple(name for name in REWRITES if name in rewrites)
     return out
 
@@ -353,8 +385,8 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
     outputs = {vi.name: tensors[vi.name] for vi in g.output if vi.name in tensors}
     _check_shapes(tensors, label)
 
-    constant_nodes = _constant_nodes(g, inputs, initializers, producer, implicit)
-    param_owner = _parameter_owners(g, tensors, initializers, constant_nodes, consumers)
+    constant_nodes = find_constant_nodes(g, inputs, initializers, producer, implicit)
+    param_owner = parameter_owners(g, tensors, initializers, constant_nodes, consumers)
 
     dag = nx.DiGraph()
     for node in g.node:
@@ -423,78 +455,6 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
         defaulted_dims=dict(defaulted_dims or {}),
     )
 
-
-def _constant_nodes(
-    g: onnx.GraphProto,
-    inputs: Mapping[str, TensorInfo],
-    initializers: Mapping[str, TensorInfo],
-    producer: Mapping[str, str],
-    implicit: Mapping[str, tuple[str, ...]],
-) -> set[str]:
-    """Operators that read no activation: they compute constants (Constant, ConstantOfShape, …)."""
-    constant: set[str] = set()
-    for node in g.node:
-        reads = (*node.input, *implicit[node.name])
-        if any(t in inputs for t in reads):
-            continue
-        if all(not t or t in initializers or producer.get(t) in constant for t in reads):
-            constant.add(node.name)
-    return constant
-
-
-def _parameter_owners(
-    g: onnx.GraphProto,
-    tensors: Mapping[str, TensorInfo],
-    initializers: Mapping[str, TensorInfo],
-    constant_nodes: set[str],
-    consumers: Mapping[str, list[str]],
-) -> dict[str, list[str]]:
-    """Which operator each parameter is charged to: ``{node: [parameter tensor, …]}``.
-
-    A parameter is a floating, non-scalar leaf constant — an initializer, or the output of a
-    Constant/ConstantOfShape node (the "light" test models make their weights that way) — counted
-    once, at the first activation-reading operator it reaches. A leaf is followed through constant
-    view ops (Unsqueeze, Reshape, …) to that operator. Initializers are always parameters (a
-    position-embedding table read by a constant Gather too); a generated constant that is further
-    computed on (ConstantOfShape → Trilu: a causal mask) is not. A rank-0 scalar (GELU's 0.5, a
-    1/sqrt(d) scale) is a constant, not a parameter.
-    """
-    nodes = {n.name: n for n in g.node}
-    position = {n.name: i for i, n in enumerate(g.node)}
-    leaves = [t.name for t in g.initializer] + [
-        out for n in g.node if n.op_type in ("Constant", "ConstantOfShape") for out in n.output
-    ]
-    owners: dict[str, list[str]] = {}
-    for leaf in leaves:
-        info = tensors.get(leaf)
-        if info is None or info.shape == () or not np.issubdtype(np.dtype(info.dtype), np.floating):
-            continue
-        # Walk through constant operators to the first activation-reading ones.
-        reached: list[str] = []
-        frontier, views_only = [leaf], True
-        while frontier:
-            for c in consumers.get(frontier.pop(), ()):
-                if c not in constant_nodes:
-                    reached.append(c)
-                    continue
-                views_only = views_only and nodes[c].op_type in VIEW_OPS
-                frontier.extend(nodes[c].output)
-        if reached and (leaf in initializers or views_only):
-            owners.setdefault(min(reached, key=position.__getitem__), []).append(leaf)
-    return owners
-
-
-# Operators whose non-activation operands are weights: a constant tensor they read is a parameter.
-PARAMETRIC_OPS = frozenset(
-    {
-        "Conv", "ConvTranspose", "Gemm", "MatMul", "BatchNormalization", "LayerNormalization",
-        "InstanceNormalization", "GroupNormalization", "PRelu", "Gather", "LSTM", "GRU", "RNN",
-    }
-)  # fmt: skip
-
-# Elementwise operators that apply a learned scale or shift when their operand is a leaf constant.
-AFFINE_OPS = frozenset({"Add", "Sub", "Mul", "Div"})
-VIEW_OPS = frozenset({"Reshape", "Unsqueeze", "Squeeze", "Flatten", "Identity"})
 
 # Dims above this are taken as a mistake (a declared 2**40-element tensor is not a real model).
 MAX_TENSOR_ELEMENTS = 2**40

@@ -15,6 +15,7 @@ import io
 import logging
 import math
 import os
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
@@ -482,7 +483,9 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
     try:
         from onnxruntime.tools.symbolic_shape_infer import SymbolicShapeInference
 
-        with _quiet_stdio():
+        # Where inference stays incomplete, the tool saves the model as sym_shape_infer_temp.onnx in
+        # the working directory before raising: a temporary one, never the user's.
+        with _quiet_stdio(), tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
             return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
     except Exception:  # noqa: BLE001 - an optional second opinion: unsupported ops, odd graphs
         return None
@@ -507,8 +510,9 @@ def prepare_model(
     input_shapes: Mapping[str, Shape] | None = None,
     label: str | None = None,
     base_dir: str | os.PathLike[str] | None = None,
-) -> tuple[onnx.ModelProto, dict[str, int]]:
-    """Run every loading step; returns the named, shape-inferred model and the defaulted dims."""
+) -> tuple[onnx.ModelProto, dict[str, int], dict[str, DeclaredShape]]:
+    """Run every loading step; returns the named, shape-inferred model, the defaulted dims and the
+    graph inputs' and outputs' shapes as the model declares them (:func:`declared_shapes`)."""
     model = read_model(source, label=label, base_dir=base_dir)
     label = label or ("<bytes>" if isinstance(source, bytes | bytearray) else str(source))
     model = hoist_initializer_inputs(model)
@@ -516,6 +520,48 @@ def prepare_model(
     model = name_nodes(model)
     model = lower_ir_version(model, label=label)
     # Shapes first: the checker refuses a graph input without a shape, which --input-shape gives.
+    declared = declared_shapes(model)
     defaulted = bind_input_shapes(model, input_shapes or {}, label=label)
     check_model(model, label=label)
-    return infer_shapes(model, label=label), defaulted
+    return infer_shapes(model, label=label), defaulted, declared
+
+
+# A dimension as declared: a number, a symbol's name, or None (neither); None for no declared shape.
+DeclaredShape = tuple[int | str | None, ...] | None
+
+
+def declared_shapes(model: onnx.ModelProto) -> dict[str, DeclaredShape]:
+    """The graph inputs' and outputs' shapes as the model declares them, before tessera binds them."""
+    shapes: dict[str, DeclaredShape] = {}
+    for vi in (*model.graph.input, *model.graph.output):
+        tt = vi.type.tensor_type
+        if not (vi.type.HasField("tensor_type") and tt.HasField("shape")):
+            shapes[vi.name] = None
+            continue
+        shapes[vi.name] = tuple(
+            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
+        )
+    return shapes
+
+
+def restore_declared_shapes(model: onnx.ModelProto, shapes: Mapping[str, DeclaredShape]) -> onnx.ModelProto:
+    """A copy of ``model`` with its inputs' and outputs' shapes as declared (``shapes``) and no
+    intermediate ``value_info``: the model as given, with tessera's node names, that loads at any
+    batch as the original did."""
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    del out.graph.value_info[:]
+    for vi in (*out.graph.input, *out.graph.output):
+        declared = shapes.get(vi.name, ())
+        if declared is None or not vi.type.HasField("tensor_type"):
+            vi.type.tensor_type.ClearField("shape")
+            continue
+        dims = vi.type.tensor_type.shape.dim
+        del dims[:]
+        for value in declared:
+            dim = dims.add()
+            if isinstance(value, int):
+                dim.dim_value = value
+            elif value:
+                dim.dim_param = value
+    return out

@@ -101,6 +101,8 @@ def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
 
 def tensor_layouts(graph: Graph, model_path: str | bytes | onnx.ModelProto) -> dict[str, Layout]:
     """Layout of every tensor with a known shape, from the model loaded at two batch sizes."""
+    if (why := graph.fixed_batch_message()) is not None:
+        raise InputError(why, source=graph.source)
     batch = {info.shape[0] for info in graph.inputs.values() if info.shape}
     if len(batch) != 1:
         raise LaunchError(f"the model's inputs disagree on the batch size (axis 0): {sorted(batch)}")

@@ -509,7 +509,7 @@ def test_validate_names_a_rewrite_lost_before_one_kept(tmp_path) -> None:
 
 def test_rewrite_auto_stands_alone_and_changes_nothing_where_no_rewrite_applies(tmp_path) -> None:
     chain_file = tmp_path / "chain.onnx"
-    chain_file.write_bytes(chain(6, width=64).model.SerializeToString())
+    chain_file.write_bytes(chain(6, width=64).named_model().SerializeToString())
     args = ["plan", str(chain_file), "--cluster", "graphpipe-v100", "--mini-batch", "16", "--devices", "2"]
     auto = run_cli(*args, "--rewrite", "auto")
     assert auto.code == 0 and "rewrite auto" not in auto.out and "rewritten" not in auto.out

@@ -57,8 +57,8 @@ def test_concat_matmul_splits_the_merge_layer_and_computes_the_same_outputs(name
 def test_concat_matmul_on_lazy_weights_materializes_to_the_eager_rewrite() -> None:
     lazy = build("candle_uno", "tiny", lazy=True)
     eager = build("candle_uno", "tiny", lazy=False)
-    lazy_rewritten, _ = prepare_model(lazy.SerializeToString(deterministic=True))
-    eager_rewritten, _ = prepare_model(eager.SerializeToString(deterministic=True))
+    lazy_rewritten, _, _ = prepare_model(lazy.SerializeToString(deterministic=True))
+    eager_rewritten, _, _ = prepare_model(eager.SerializeToString(deterministic=True))
     lazy_rewritten = concat_matmul(lazy_rewritten)
     eager_rewritten = concat_matmul(eager_rewritten)
     filled = {t.name: numpy_helper.to_array(t) for t in materialize(lazy_rewritten).graph.initializer}

@@ -21,6 +21,7 @@ from tessera.core.rewrite import REWRITES, applicable
 from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.core.units import format_bytes
+from tessera.planners.pipeline.checks import untrainable_message
 from tessera.planners.pipeline.plan import RewriteChoice, pipeline_options, plan_gpp_best
 from tessera.planners.pipeline.profile import MeasuredCosts, open_cache, profile_graph
 from tessera.planners.pipeline.search import planned_device_type
@@ -230,6 +231,8 @@ def run_pipeline_plan(  # noqa: PLR0913
         measure=measure,
     )
     plan, pipe, sim = choice.plan
+    if (why := untrainable_message(graph)) is not None:  # a plan to simulate; launch would refuse it
+        click.echo(f"tessera: warning: {graph.source}: launch cannot train this model: {why}", err=True)
     if output is not None:
         write_plan(plan, output)
     if gantt is not None:

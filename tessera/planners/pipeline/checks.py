@@ -11,6 +11,7 @@ from typing import Any
 
 import networkx as nx
 
+from tessera.backends.torch_ops import OPS
 from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.plans import PLAN_CHECKS
 from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
@@ -104,6 +105,10 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
         except ValueError as exc:
             problems.append(f"C5: {exc}")
     problems.extend(_shared_weight_problems(plan, graph))
+    if (why := graph.fixed_batch_message()) is not None:
+        problems.append(f"launch cannot train it: {why}")
+    if (why := untrainable_message(graph)) is not None:
+        problems.append(f"launch cannot train it: {why}")
     if known is not None and not any(p.startswith(("C1", "C3")) for p in problems):
         problems.extend(_memory_problems(plan, graph, known))
     return problems
@@ -123,6 +128,29 @@ def _schedule_kind_problems(st: Any, m: int) -> list[str]:
     if generate is not None and list(st.schedule.actions) != generate(m, st.in_flight, k):
         return [f"stage {st.id}: its actions are not a {kind} schedule with {st.in_flight} in flight"]
     return []
+
+
+def untrainable_operators(graph: Any) -> dict[str, list[str]]:
+    """Operators the training executor has no function for (:data:`tessera.backends.torch_ops.OPS`;
+    other domains included): ``{op type: [node, …]}``, in op-type order."""
+    found: dict[str, list[str]] = {}
+    for name in graph.order:
+        op = graph.op(name)
+        if op.domain not in ("", "ai.onnx") or op.op_type not in OPS:
+            found.setdefault(op.op_type, []).append(name)
+    return dict(sorted(found.items()))
+
+
+def untrainable_message(graph: Any) -> str | None:
+    """One line naming the operators launch could not train, or None."""
+    found = untrainable_operators(graph)
+    if not found:
+        return None
+    shown = ", ".join(
+        f"{t} ({nodes[0]!r}{f' and {len(nodes) - 1} more' if len(nodes) > 1 else ''})"
+        for t, nodes in found.items()
+    )
+    return f"the training executor has no function for {shown}; see docs/operators.md"
 
 
 def _shared_weight_problems(plan: Any, graph: Any) -> list[str]:

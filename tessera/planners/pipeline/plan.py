@@ -60,6 +60,8 @@ def plan_gpp(
     """
     if kind not in ("gpp", "spp"):
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
+    if (why := graph.fixed_batch_message()) is not None:  # launch could not run any such plan
+        raise InputError(why, source=graph.source)
     device = planned_device_type(cluster, options.num_devices)
     try:
         cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
