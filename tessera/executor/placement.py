@@ -35,8 +35,19 @@ class PlacementRun(RunReport):
             return None
         return f"the placed model's outputs differ from onnxruntime's: {worst_output(self.verify)}"
 
+    @property
+    def error(self) -> dict[str, float]:
+        """The placed model's outputs against onnxruntime's fp32 reference on the same inputs: the
+        largest absolute and relative difference over every output element."""
+        rows = [r for r in self.verify["outputs"].values() if "max_abs_diff" in r]
+        return {
+            "max_abs": max((r["max_abs_diff"] for r in rows), default=0.0),
+            "max_rel": max((r["max_rel_diff"] for r in rows), default=0.0),
+        }
+
     def details(self) -> dict[str, Any]:
         return {
+            "error": self.error,
             "groups": self.groups,
             "backends": self.backends,
             "build_s": self.build_s,
