@@ -100,7 +100,7 @@ class Measurer:
         self.repeat = repeat
         self.seed = seed
         self.progress = progress
-        self._constants: dict[tuple[int, str], np.ndarray] = {}
+        self._constants: dict[tuple[int, str], Any] = {}  # tensor values; "integers": a dict of them
 
     # -- candidates -----------------------------------------------------------------------------
 
@@ -165,11 +165,42 @@ class Measurer:
             dtype = np.dtype(info.dtype)
             if np.issubdtype(dtype, np.floating):
                 feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
+            elif (real := self._integer_values(graph).get(vi.name)) is not None and real.shape == shape:
+                feeds[vi.name] = real  # a computed shape, index or mask: its value, not a stand-in
             elif dtype == np.bool_:
                 feeds[vi.name] = np.ones(shape, dtype=dtype)
             else:  # indices: zero is always in range
                 feeds[vi.name] = np.zeros(shape, dtype=dtype)
         return feeds
+
+    def _integer_values(self, graph: Graph) -> dict[str, np.ndarray]:
+        """The integer and boolean tensors the model computes from its inputs (Reshape targets from
+        ``Shape``, gathered indices, masks), from one onnxruntime run of the whole model on seeded
+        inputs: a sub-model fed zeros there would reshape to nonsense and fail. Empty if it cannot run."""
+        key = (id(graph), "integers")
+        if key not in self._constants:
+            from tessera.backends.composite import random_feeds
+            from tessera.backends.onnxruntime import OnnxRuntimeBackend
+
+            wanted = [
+                t
+                for t, info in graph.tensors.items()
+                if t in graph.producer
+                and t not in graph.outputs
+                and not np.issubdtype(np.dtype(info.dtype), np.floating)
+            ]
+            values: dict[str, np.ndarray] = {}
+            if wanted:
+                model = onnx.ModelProto()
+                model.CopyFrom(graph.model)
+                model.graph.output.extend(graph._value_info(t) for t in wanted)
+                try:
+                    outputs = OnnxRuntimeBackend().compile(model).run(random_feeds(graph, self.seed))
+                    values = {t: np.asarray(outputs[t]) for t in wanted if t in outputs}
+                except Exception:  # noqa: BLE001 - a model onnxruntime cannot run whole: stand-ins
+                    values = {}
+            self._constants[key] = values
+        return self._constants[key]
 
     def _constant_value(self, graph: Graph, tensor: str) -> np.ndarray:
         key = (id(graph), tensor)

@@ -157,6 +157,8 @@ class OnnxRuntimeBackend(Backend):
             op = graph.op(name)
             if op.domain not in ("", "ai.onnx"):
                 return False
+            if op.op_type == "Constant":  # folded into an initializer when a session loads: no kernel
+                continue
             kernels = [d for lo, hi, d in self.kernels.get(op.op_type, ()) if lo <= opset <= hi]
             if not kernels:
                 return False

@@ -92,6 +92,10 @@ class _Cand:
     cost_s: float
 
 
+class NoCompletePlacement(Exception):  # noqa: N818
+    """Some operator has no candidate that builds and runs (every one measured as failing)."""
+
+
 def op_level_placement(  # noqa: C901
     graph: Graph,
     candidates: Sequence[PlacementCandidate],
@@ -174,8 +178,8 @@ def op_level_placement(  # noqa: C901
                     else:
                         buckets.setdefault(_lowest_unset(new_mask), []).append(new_key)
                 states[new_key] = (new_cost, eps_s + eps, key, cand, new_open)
-    if best_full is None:  # pragma: no cover - every operator has a one-operator candidate
-        raise AssertionError("the placement DP found no complete placement")
+    if best_full is None:  # an operator every candidate of which failed to build or run
+        raise NoCompletePlacement("no candidate of some operator could be built and run")
     groups: list[PlacedGroup] = []
     total, eps_total = states[best_full][0], states[best_full][1]
     walk: Key | None = best_full

@@ -169,11 +169,22 @@ def plan_placement(  # noqa: C901
         return math.inf if (c.backend, c.nodes) in banned else costs(c)
 
     for _ in range(MAX_REPAIRS):
-        op_level = op_level_placement(graph, candidates, cost, epsilon, max_states=options.max_states)
-        op_groups: list[Group] = [
-            (g.candidate.backend, g.candidate.nodes, g.candidate.via) for g in op_level.groups
-        ]
-        wrong = wrong_groups(graph, op_groups, feeds, registry, compiled)
+        try:
+            op_level = op_level_placement(graph, candidates, cost, epsilon, max_states=options.max_states)
+            op_groups: list[Group] = [
+                (g.candidate.backend, g.candidate.nodes, g.candidate.via) for g in op_level.groups
+            ]
+            wrong = wrong_groups(graph, op_groups, feeds, registry, compiled)
+        except Exception as exc:  # noqa: BLE001 - no placement of parts runs: whole models still can
+            log.warning(
+                "no placement of %s's parts could be built and run (%s: %s); comparing whole-model "
+                "backends only",
+                graph.source,
+                type(exc).__name__,
+                " ".join(str(exc).split())[:200],
+            )
+            op_groups = [(backends[0], frozenset(graph.order), "whole-model fallback")]
+            break
         if not wrong:
             break
         for b, nodes in wrong:

@@ -457,7 +457,8 @@ def _gather(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     axis = a.get("axis", 0) % data.dim()
     idx = torch.where(idx < 0, idx + data.shape[axis], idx)
     flat = data.index_select(axis, idx.reshape(-1))
-    return flat.reshape(*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :])
+    # A tuple, not varargs: a scalar index on a 1-D tensor (Shape → Gather(0)) gives shape ().
+    return flat.reshape((*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :]))
 
 
 @op("Trilu")
@@ -485,3 +486,7 @@ def _constant(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 def _constant_of_shape(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     value = _tensor(a["value"]).reshape(-1) if "value" in a else torch.zeros(1, dtype=torch.float32)
     return value.expand(_ints(x[0])).clone()
+
+
+# The operator families beyond the core set register themselves on import (one module per family).
+from tessera.backends.torch_ops import elementwise, indexing, logic  # noqa: E402, F401

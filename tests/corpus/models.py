@@ -1,0 +1,151 @@
+"""Third-party models for the real-export corpus: small, seeded, randomly initialised models from the
+configs of transformers (GPT-2, Llama with grouped-query attention, BERT, ViT, ResNet) and a
+MobileNetV3-small-style CNN built from its blocks (torchvision's CPU build is not available here).
+Each is wrapped to take one tensor and return one, as a user would export it."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing is fetched
+
+BATCH, SEQ, IMAGE, VOCAB = 2, 16, 32, 128
+
+
+class _Logits(nn.Module):
+    """``model(**{key: x}).<field>``: one tensor in, one out."""
+
+    def __init__(self, model: nn.Module, key: str, field: str, **extra: object) -> None:
+        super().__init__()
+        self.model, self.key, self.field, self.extra = model, key, field, extra
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return getattr(self.model(**{self.key: x}, **self.extra), self.field)
+
+
+def _eager(config):  # the attention a legacy export traces; SDPA's mask code does not export
+    config._attn_implementation = "eager"
+    return config
+
+
+def gpt2() -> nn.Module:
+    import transformers
+
+    config = _eager(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32))
+    return _Logits(transformers.GPT2LMHeadModel(config), "input_ids", "logits", use_cache=False)
+
+
+def llama_gqa() -> nn.Module:
+    import transformers
+
+    config = _eager(
+        transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
+        )
+    )  # fmt: skip
+    return _Logits(transformers.LlamaForCausalLM(config), "input_ids", "logits", use_cache=False)
+
+
+def bert() -> nn.Module:
+    import transformers
+
+    config = _eager(
+        transformers.BertConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+            vocab_size=VOCAB, max_position_embeddings=32,
+        )
+    )  # fmt: skip
+    return _Logits(transformers.BertModel(config), "input_ids", "last_hidden_state")
+
+
+def vit() -> nn.Module:
+    import transformers
+
+    config = _eager(
+        transformers.ViTConfig(
+            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+            image_size=IMAGE, patch_size=8, num_labels=10,
+        )
+    )  # fmt: skip
+    return _Logits(transformers.ViTForImageClassification(config), "pixel_values", "logits")
+
+
+def resnet() -> nn.Module:
+    import transformers
+
+    config = transformers.ResNetConfig(
+        embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1], layer_type="basic", num_labels=10
+    )
+    return _Logits(transformers.ResNetForImageClassification(config), "pixel_values", "logits")
+
+
+class _SqueezeExcite(nn.Module):
+    def __init__(self, channels: int, squeezed: int) -> None:
+        super().__init__()
+        self.reduce, self.expand = nn.Conv2d(channels, squeezed, 1), nn.Conv2d(squeezed, channels, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = nn.functional.adaptive_avg_pool2d(x, 1)
+        return x * nn.functional.hardsigmoid(self.expand(torch.relu(self.reduce(scale))))
+
+
+class _Bneck(nn.Module):
+    """MobileNetV3's inverted residual: expand 1x1, depthwise 3x3, squeeze-excite, project 1x1."""
+
+    def __init__(self, c_in: int, expanded: int, c_out: int, stride: int) -> None:
+        super().__init__()
+        self.expand = nn.Sequential(
+            nn.Conv2d(c_in, expanded, 1, bias=False), nn.BatchNorm2d(expanded), nn.Hardswish()
+        )
+        self.depthwise = nn.Sequential(
+            nn.Conv2d(expanded, expanded, 3, stride, 1, groups=expanded, bias=False),
+            nn.BatchNorm2d(expanded),
+            nn.Hardswish(),
+        )
+        self.se = _SqueezeExcite(expanded, max(8, expanded // 4))
+        self.project = nn.Sequential(nn.Conv2d(expanded, c_out, 1, bias=False), nn.BatchNorm2d(c_out))
+        self.residual = stride == 1 and c_in == c_out
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.project(self.se(self.depthwise(self.expand(x))))
+        return x + y if self.residual else y
+
+
+def mobilenet_v3_small() -> nn.Module:
+    return nn.Sequential(
+        nn.Conv2d(3, 16, 3, 2, 1, bias=False), nn.BatchNorm2d(16), nn.Hardswish(),
+        _Bneck(16, 32, 16, 1), _Bneck(16, 48, 24, 2), _Bneck(24, 64, 24, 1),
+        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(24, 64), nn.Hardswish(), nn.Linear(64, 10),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Spec:
+    build: Callable[[], nn.Module]
+    input: str  # the exported input's name
+    example: Callable[[], torch.Tensor]
+    decoder: bool = False
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+
+
+def _image() -> torch.Tensor:
+    return torch.randn(BATCH, 3, IMAGE, IMAGE, generator=torch.Generator().manual_seed(0))
+
+
+MODELS: dict[str, Spec] = {
+    "gpt2": Spec(gpt2, "input_ids", _ids, decoder=True),
+    "llama-gqa": Spec(llama_gqa, "input_ids", _ids, decoder=True),
+    "bert": Spec(bert, "input_ids", _ids),
+    "vit": Spec(vit, "pixel_values", _image),
+    "resnet": Spec(resnet, "pixel_values", _image),
+    "mobilenetv3": Spec(mobilenet_v3_small, "pixel_values", _image),
+}
