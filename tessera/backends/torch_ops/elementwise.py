@@ -83,3 +83,21 @@ def _round(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 @op("Sign")
 def _sign(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     return torch.sign(x[0])
+
+
+@op("Clip")
+def _clip(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    """Bounds as inputs (opset 11+; absent: unbounded) or attributes (older opsets)."""
+    low = x[1] if len(x) > 1 and x[1] is not None else a.get("min")
+    high = x[2] if len(x) > 2 and x[2] is not None else a.get("max")
+    out = x[0]
+    if low is not None:
+        out = torch.maximum(out, torch.as_tensor(low, dtype=out.dtype))
+    if high is not None:
+        out = torch.minimum(out, torch.as_tensor(high, dtype=out.dtype))
+    return out
+
+
+@op("CastLike")
+def _cast_like(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return x[0].to(x[1].dtype)

@@ -64,3 +64,23 @@ def _scatter_nd(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 @op("Tile")
 def _tile(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     return x[0].repeat(*[int(r) for r in x[1].reshape(-1).tolist()])
+
+
+def _arg(fn: Any, x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    data, axis = x[0], a.get("axis", 0)
+    if a.get("select_last_index", 0):
+        data, flipped = data.flip(axis), True
+    else:
+        flipped = False
+    out = fn(data, dim=axis, keepdim=bool(a.get("keepdims", 1)))
+    return (data.shape[axis] - 1 - out) if flipped else out
+
+
+@op("ArgMax")
+def _arg_max(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return _arg(torch.argmax, x, a)
+
+
+@op("ArgMin")
+def _arg_min(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return _arg(torch.argmin, x, a)
