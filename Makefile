@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 TEST_EXTRAS := openvino,tvm,launch,kernels,viz,dev
 DEMO_DIR := build/demo
 
-.PHONY: demo test lint install-core install-test clean
+.PHONY: demo test test-unit lint install-core install-test clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -50,6 +50,10 @@ demo: $(VENV)/.core
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q
+
+# The unit tests without the real-export corpus (tests/corpus): the quick loop while developing.
+test-unit: $(VENV)/.test
+	$(PY) -m pytest -q -m "not corpus"
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff format --check tessera tests bench

@@ -127,9 +127,9 @@ def test_options_of_another_plan_kind_are_refused_not_ignored(chain_plan) -> Non
 
 
 def test_an_operator_the_executor_lacks_is_refused_before_workers_start(tmp_path: Path) -> None:
-    """A standard ONNX operator with no torch function (Cos): ``tessera plan`` costs it, but the
+    """A standard ONNX operator with no torch function (Acos): ``tessera plan`` costs it, but the
     workers cannot build their stage. Each found that after start-up (exit 4, one failure per
-    rank); the launcher now refuses the model first: exit 2, one line naming it and the operator."""
+    rank); launch's check of the plan now refuses it first: exit 2, one line naming it and the operator."""
     from onnx import TensorProto, helper
 
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])
@@ -137,17 +137,17 @@ def test_an_operator_the_executor_lacks_is_refused_before_workers_start(tmp_path
     w = helper.make_tensor("w", TensorProto.FLOAT, [8, 8], [0.1] * 64)
     nodes = [
         helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
-        helper.make_node("Cos", ["h"], ["y"], name="cos"),
+        helper.make_node("Acos", ["h"], ["y"], name="acos"),
     ]
     model = helper.make_model(
         helper.make_graph(nodes, "g", [x], [y], [w]), opset_imports=[helper.make_opsetid("", 17)]
     )
     graph = save_model(model, tmp_path / "cos.onnx")
-    plan = write(make_plan(graph, [(["mm"], ["c0"], 2), (["cos"], ["c1"], 2)], 4), tmp_path / "plan.json")
+    plan = write(make_plan(graph, [(["mm"], ["c0"], 2), (["acos"], ["c1"], 2)], 4), tmp_path / "plan.json")
     res = run_cli("launch", str(plan))
     lines = res.err.strip().splitlines()
     assert res.code == 2 and len(lines) == 1, res.err
-    assert f"{tmp_path / 'cos.onnx'}: operator(s) Cos not supported by the torch executor" in lines[0]
+    assert f"{plan}: launch cannot train it" in lines[0] and "no function for Acos ('acos')" in lines[0]
     assert "rank" not in lines[0]  # the launcher's refusal, not a worker's failure
 
 

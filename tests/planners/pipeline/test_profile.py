@@ -42,7 +42,7 @@ def _matmul_graph():
 
 
 def _mixed_graph() -> onnx.ModelProto:
-    """x → MatMul(W) → Relu → Reshape(Constant) → HardSigmoid (no torch converter) → y, and
+    """x → MatMul(W) → Relu → Reshape(Constant) → Acos (no torch converter) → y, and
     x → Shape (no gradient) → s."""
     w = numpy_helper.from_array(np.ones((16, 16), np.float32), "w")
     shape = numpy_helper.from_array(np.array([0, 4, 4], np.int64), "shape_value")
@@ -51,7 +51,7 @@ def _mixed_graph() -> onnx.ModelProto:
         helper.make_node("Relu", ["h"], ["r"], name="relu"),
         helper.make_node("Constant", [], ["shape"], name="shape_const", value=shape),
         helper.make_node("Reshape", ["r", "shape"], ["q"], name="reshape"),
-        helper.make_node("HardSigmoid", ["q"], ["y"], name="hard_sigmoid"),
+        helper.make_node("Acos", ["q"], ["y"], name="acos"),
         helper.make_node("Shape", ["x"], ["s"], name="shape"),
     ]
     graph = helper.make_graph(
@@ -105,23 +105,23 @@ def test_unsupported_and_non_differentiable_operators_fall_back_to_the_roofline(
     graph = load_graph(_mixed_graph())
     cache = tmp_path / "p.sqlite"
     measured = profile_graph(graph, core, cache=ProfileCache(cache), options=FAST)
-    assert measured.roofline_types() == {"HardSigmoid": 1, "Shape": 1}
+    assert measured.roofline_types() == {"Acos": 1, "Shape": 1}
     assert measured.to_json()["roofline_operators"] == 2
     assert measured.to_json()["measured_operators"] == 3  # MatMul, Relu, Reshape (its shape: a Constant)
     assert measured.fallback["shape_const"].startswith("constant")
-    assert "no torch converter" in measured.fallback["hard_sigmoid"]
+    assert "no torch converter" in measured.fallback["acos"]
     assert "differentiable" in measured.fallback["shape"]
     # The cost model takes measured times where there are some, the roofline elsewhere.
     roofline = CostModel.for_device(core)
     cost = CostModel.for_device(core, measured=measured)
-    matmul, hard = graph.op("matmul"), graph.op("hard_sigmoid")
+    matmul, hard = graph.op("matmul"), graph.op("acos")
     assert cost.forward_time(matmul, 4) == measured.times(matmul, 4)[0]
     assert cost.backward_time(matmul, 4) == measured.times(matmul, 4)[1]
     assert cost.forward_time(hard, 4) == roofline.forward_time(hard, 4)
     # The failed measurement (Shape) is cached too: a second run measures nothing.
     again = profile_graph(graph, core, cache=ProfileCache(cache), options=FAST)
     assert again.report.measurements == 0
-    assert again.roofline_types() == {"HardSigmoid": 1, "Shape": 1}
+    assert again.roofline_types() == {"Acos": 1, "Shape": 1}
 
 
 def test_a_cache_path_that_cannot_hold_a_file_is_an_input_error(tmp_path) -> None:
