@@ -12,27 +12,32 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from typing import Any
 
 import numpy as np
 import onnx
 import torch
-from onnx import helper, numpy_helper
+from onnx import numpy_helper
 from torch import Tensor, nn
 
-from tessera.backends.torch_ops import OPS
+from tessera.backends.torch_ops import (
+    MAX_OPSET,
+    MIN_OPSET,
+    OPS,
+    node_attributes,
+    schema_version,
+    schema_versions,
+)
 from tessera.core.errors import InputError
-
-"""op_type → function(inputs, attributes) → output tensor (or tuple of outputs)."""
-
 
 # Node inputs (op_type, position) that are statistics, not weights: never trained.
 FROZEN_INPUTS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
 
 
 def check_supported(model: onnx.ModelProto, label: str) -> None:
-    """InputError naming the operators of ``model`` this executor has no function for (custom
-    domains included), so a launcher can refuse a model before any worker starts."""
+    """InputError naming what of ``model`` this executor cannot run: operators it has no function
+    for (custom domains included) and schema versions older than the ones it implements (opsets
+    before MIN_OPSET: Softmax-11 flattened its input to 2-D), so a launcher can refuse a model before
+    any worker starts. Versions after MAX_OPSET run on the newest function (docs/operators.md)."""
     g = model.graph
     missing = sorted(
         {n.op_type for n in g.node if n.domain not in ("", "ai.onnx")}
@@ -42,6 +47,20 @@ def check_supported(model: onnx.ModelProto, label: str) -> None:
         raise InputError(
             f"operator(s) {', '.join(missing)} not supported by the torch executor "
             "(tessera.backends.torch_module.OPS)",
+            source=label,
+        )
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), MAX_OPSET)
+    old = sorted(
+        {
+            f"{n.op_type}-{v} (implemented: {', '.join(map(str, schema_versions(n.op_type)))})"
+            for n in g.node
+            if (v := schema_version(n.op_type, opset)) is not None and v < schema_versions(n.op_type)[0]
+        }
+    )
+    if old:
+        raise InputError(
+            f"operator version(s) {'; '.join(old)} of opset {opset} not supported by the torch executor "
+            f"(ONNX opset >= {MIN_OPSET} semantics; convert with onnx.version_converter)",
             source=label,
         )
 
@@ -79,7 +98,7 @@ class OnnxModule(nn.Module):
                 self.register_buffer(f"c_{key}", value)
                 self._init_keys[t.name] = ("buffer", f"c_{key}")
         self._nodes = [
-            (OPS[n.op_type], tuple(n.input), tuple(n.output), _attributes(n), n.name or n.op_type)
+            (OPS[n.op_type], tuple(n.input), tuple(n.output), node_attributes(n), n.name or n.op_type)
             for n in g.node
         ]
 
@@ -102,6 +121,10 @@ class OnnxModule(nn.Module):
             except Exception as exc:  # name the node: an interpreter error is useless without it
                 raise RuntimeError(f"{self.label}: node {node!r}: {type(exc).__name__}: {exc}") from exc
             results = result if isinstance(result, tuple) else (result,)
+            if any(outs[len(results) :]):
+                raise RuntimeError(
+                    f"{self.label}: node {node!r}: the executor does not produce {outs[len(results) :]}"
+                )
             for t, value in zip(outs, results, strict=False):
                 if t:
                     env[t] = value
@@ -127,15 +150,3 @@ def _sanitize(name: str, used: set[str]) -> str:
         key, i = f"{base}_{i}", i + 1
     used.add(key)
     return key
-
-
-def _attributes(node: onnx.NodeProto) -> dict[str, Any]:
-    attrs: dict[str, Any] = {}
-    for a in node.attribute:
-        value = helper.get_attribute_value(a)
-        if isinstance(value, onnx.TensorProto):
-            value = numpy_helper.to_array(value)
-        elif isinstance(value, bytes):
-            value = value.decode()
-        attrs[a.name] = value
-    return attrs

@@ -137,15 +137,40 @@ def test_more_operators_match_onnxruntime() -> None:
     _close(got.detach().numpy(), want)
 
 
-def test_unsupported_operator_is_a_clear_input_error() -> None:
-    node = helper.make_node("Hardmax", ["x"], ["y"])
+def _one_node(op_type: str, opset: int, outputs: int = 1, **attrs: object) -> onnx.ModelProto:
+    node = helper.make_node(op_type, ["x"], [f"y{k}" for k in range(outputs)], **attrs)
     graph = helper.make_graph(
         [node],
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+        [helper.make_tensor_value_info(f"y{k}", TensorProto.FLOAT, None) for k in range(outputs)],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    assert "Hardmax" not in OPS
-    with pytest.raises(InputError, match="Hardmax"):
-        to_torch(model)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def test_unsupported_operator_is_a_clear_input_error() -> None:
+    assert "Unique" not in OPS
+    with pytest.raises(InputError, match="Unique"):
+        to_torch(_one_node("Unique", 17))
+
+
+def test_a_schema_version_outside_the_opsets_is_refused() -> None:
+    """Softmax before opset 13 flattened its input to 2-D: the executor's function (13+) would be
+    silently wrong, so the model is refused, naming the version."""
+    with pytest.raises(InputError, match=r"Softmax-11 \(implemented: 13\) of opset 11"):
+        to_torch(_one_node("Softmax", 11))
+    to_torch(_one_node("Softmax", 17))
+
+
+def test_split_into_as_many_parts_as_outputs() -> None:
+    """Split-13 without sizes: the node's output count decides the parts."""
+    x = torch.arange(8.0).reshape(2, 4)
+    parts = to_torch(_one_node("Split", 13, outputs=2, axis=1))(x)
+    assert [p.tolist() for p in parts] == [[[0, 1], [4, 5]], [[2, 3], [6, 7]]]
+
+
+def test_an_output_the_function_does_not_make_is_an_error() -> None:
+    """MaxPool's Indices are not produced: asking for them fails naming the node, not later."""
+    model = _one_node("MaxPool", 17, outputs=2, kernel_shape=[2])
+    with pytest.raises(RuntimeError, match="does not produce"):
+        to_torch(model)(torch.zeros(1, 2, 4))

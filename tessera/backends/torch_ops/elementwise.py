@@ -1,101 +1,125 @@
-"""Elementwise math and activations beyond the core set (ONNX opset 13+ semantics), differentiable
-where the operator is."""
+"""Elementwise arithmetic and math (ONNX opset 13+ semantics, numpy broadcasting): the binary and
+variadic operators, unary math, rounding, Clip and the casts."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from tessera.backends.torch_ops import Inputs, op
+from tessera.backends.torch_ops import Inputs, given, op, torch_dtype
 
 
-@op("Sin")
-def _sin(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.sin(x[0])
+@op("Add")
+def _add(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return x[0] + x[1]
 
 
-@op("Cos")
-def _cos(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.cos(x[0])
+@op("Sub")
+def _sub(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return x[0] - x[1]
 
 
-@op("Tan")
-def _tan(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.tan(x[0])
+@op("Mul")
+def _mul(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return x[0] * x[1]
 
 
-@op("HardSigmoid")
-def _hard_sigmoid(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.clamp(a.get("alpha", 0.2) * x[0] + a.get("beta", 0.5), 0.0, 1.0)
+@op("Div")
+def _div(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    if x[0].is_floating_point():
+        return x[0] / x[1]
+    return torch.div(x[0], x[1], rounding_mode="trunc")  # ONNX integer Div truncates
 
 
-@op("HardSwish")
-def _hard_swish(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    # ONNX: x * max(0, min(1, x / 6 + 1/2)), torch's hardswish exactly.
-    return F.hardswish(x[0])
+@op("Mod")
+def _mod(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    """fmod=0: the remainder takes the divisor's sign (integers only); fmod=1: the dividend's (C)."""
+    if a.get("fmod", 0):
+        return torch.fmod(x[0], x[1])
+    if x[0].is_floating_point():
+        raise ValueError("Mod of floating-point tensors needs fmod=1 (the ONNX spec)")
+    return torch.remainder(x[0], x[1])
 
 
-@op("Softplus")
-def _softplus(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.log1p(torch.exp(-x[0].abs())) + torch.relu(x[0])  # log(1 + e^x), stable
+@op("Pow")
+def _pow(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return torch.pow(x[0], x[1]).to(x[0].dtype)  # the result has the base's type
 
 
-@op("Softsign")
-def _softsign(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return x[0] / (1 + x[0].abs())
+def _unary(fn: Callable[[Tensor], Tensor]) -> Callable[[Inputs, Mapping[str, Any]], Tensor]:
+    def apply(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+        return fn(x[0])
+
+    return apply
 
 
-@op("Mish")
-def _mish(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return F.mish(x[0])
+# Unary math: the torch function computes the ONNX definition exactly.
+UNARY: dict[str, Callable[[Tensor], Tensor]] = {
+    "Abs": torch.abs,
+    "Neg": torch.neg,
+    "Reciprocal": torch.reciprocal,
+    "Sqrt": torch.sqrt,
+    "Exp": torch.exp,
+    "Log": torch.log,
+    "Erf": torch.erf,
+    "Sin": torch.sin,
+    "Cos": torch.cos,
+    "Tan": torch.tan,
+    "Floor": torch.floor,
+    "Ceil": torch.ceil,
+    "Round": torch.round,  # half to even, as ONNX
+    "Sign": torch.sign,
+}
+for _name, _fn in UNARY.items():
+    op(_name)(_unary(_fn))
 
 
-@op("Elu")
-def _elu(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return F.elu(x[0], alpha=a.get("alpha", 1.0))
+def _fold(fn: Callable[[Tensor, Tensor], Tensor], x: Inputs) -> Tensor:
+    out = x[0]
+    for y in x[1:]:
+        out = fn(out, y)
+    return out
 
 
-@op("Selu")
-def _selu(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    alpha, gamma = a.get("alpha", 1.67326319217681884765625), a.get("gamma", 1.05070102214813232421875)
-    return gamma * torch.where(x[0] > 0, x[0], alpha * torch.expm1(x[0]))
+@op("Max")
+def _max(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return _fold(torch.maximum, x)
 
 
-@op("Floor")
-def _floor(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.floor(x[0])
+@op("Min")
+def _min(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return _fold(torch.minimum, x)
 
 
-@op("Ceil")
-def _ceil(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.ceil(x[0])
+@op("Sum")
+def _sum(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return _fold(torch.add, x)
 
 
-@op("Round")
-def _round(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.round(x[0])  # half to even, as ONNX
-
-
-@op("Sign")
-def _sign(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.sign(x[0])
+@op("Mean")
+def _mean(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return _fold(torch.add, x) / len(x)
 
 
 @op("Clip")
 def _clip(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     """Bounds as inputs (opset 11+; absent: unbounded) or attributes (older opsets)."""
-    low = x[1] if len(x) > 1 and x[1] is not None else a.get("min")
-    high = x[2] if len(x) > 2 and x[2] is not None else a.get("max")
+    low = given(x, 1) if given(x, 1) is not None else a.get("min")
+    high = given(x, 2) if given(x, 2) is not None else a.get("max")
     out = x[0]
     if low is not None:
         out = torch.maximum(out, torch.as_tensor(low, dtype=out.dtype))
     if high is not None:
         out = torch.minimum(out, torch.as_tensor(high, dtype=out.dtype))
     return out
+
+
+@op("Cast")
+def _cast(x: Inputs, a: Mapping[str, Any]) -> Tensor:
+    return x[0].to(torch_dtype(a["to"]))
 
 
 @op("CastLike")
