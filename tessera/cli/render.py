@@ -10,6 +10,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
 
 # Set by `tessera --no-progress` (and honoured by library code that shows progress).
 NO_PROGRESS_ENV = "TESSERA_NO_PROGRESS"
@@ -35,7 +36,26 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+# Columns of plain output (stdout not a terminal): wide enough that no table row is wrapped.
+PLAIN_WIDTH = 1000
+
+
 class _Console(Console):
+    def print(self, *objects: Any, **kwargs: Any) -> None:
+        """Tables as plain text when stdout is not a terminal: columns separated by spaces, no box
+        characters (a script reading ``tessera inspect m.onnx | grep`` sees words and numbers)."""
+        if self.is_terminal or not any(isinstance(o, Table) for o in objects):
+            super().print(*objects, **kwargs)
+            return
+        for table in objects:
+            if isinstance(table, Table):
+                table.box = None
+                table.pad_edge = False
+        with self.capture() as captured:
+            super().print(*objects, **kwargs)
+        # rich pads every cell to its column's width: no trailing blanks in plain text
+        self.out("\n".join(line.rstrip() for line in captured.get().splitlines()), highlight=False)
+
     def on_broken_pipe(self) -> None:
         """A reader that went away (``tessera inspect m.onnx | head -1``): rich exits 1 here; raise
         BrokenPipeError instead, which the entry point turns into exit 0 as for plain output."""
@@ -46,8 +66,12 @@ class _Console(Console):
 
 
 def console() -> Console:
-    """A console on stdout; colour and markup only when stdout is a terminal and NO_COLOR is unset."""
-    return _Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    """A console on stdout; colour and markup only when stdout is a terminal and NO_COLOR is unset,
+    tables boxed only on a terminal (plain text otherwise, rows never wrapped)."""
+    out = _Console(file=sys.stdout, highlight=False, soft_wrap=True)
+    if not out.is_terminal:
+        out.width = PLAIN_WIDTH
+    return out
 
 
 def human_count(n: float, unit: str = "") -> str:

@@ -30,7 +30,7 @@ def validate(plan_path: str, model: str | None, as_json: bool) -> None:
 
 
 def _validate(plan_path: str, model: str | None, as_json: bool) -> None:
-    plan = load_plan(plan_path)
+    plan = load_plan(plan_path, command="validate")
     if plan.model is None:  # a cp plan made from an LLM config (--llm), not from an ONNX model
         check_plan_llm_config(plan, plan_path, must_exist=True)
         summary = {"valid": True, "plan": plan_path, "kind": plan.kind, "llm_config": plan.llm_config.path}

@@ -21,6 +21,9 @@ from tessera.core.errors import InputError
 # Values a config may hold once its aliases are expanded: a cluster spec or LLM config holds a few
 # hundred; nested aliases (a "billion laughs" document of a few hundred bytes) expand past any bound.
 MAX_EXPANDED_VALUES = 1_000_000
+# Bytes a config file may hold: the presets are a few KB, and YAML reads at about 1 MB/s (libyaml's
+# parser, PyYAML's constructor in Python), so a 50 MB file would take a minute before any check.
+MAX_CONFIG_BYTES = 2**20
 
 # libyaml's parser where PyYAML was built with it (many times faster on a large file); the
 # constructor, and so the duplicate-key check, is Python's either way.
@@ -109,7 +112,15 @@ def resolve_config(
 def read_yaml(path: Path, *, what: str) -> tuple[Any, bytes]:
     """Safe-load a YAML file (duplicate keys rejected); returns the data and the raw bytes."""
     try:
-        raw = path.read_bytes()
+        with open(path, "rb") as stream:
+            raw = stream.read(MAX_CONFIG_BYTES + 1)
+        if len(raw) > MAX_CONFIG_BYTES:
+            size = path.stat().st_size if path.is_file() else len(raw)
+            raise InputError(
+                f"not {_a(what)}: {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} (1 MiB) a config "
+                "file may hold",
+                source=path,
+            )
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"not {_a(what)}: not UTF-8 text", source=path) from None
@@ -124,6 +135,9 @@ def read_yaml(path: Path, *, what: str) -> tuple[Any, bytes]:
         raise InputError(f"not valid YAML: {problem}{where}", source=path) from None
     except RecursionError:
         raise InputError(f"not {_a(what)}: nested too deeply", source=path) from None
+    except ValueError as err:  # a scalar PyYAML resolves but cannot build: 2024-02-30, 5000 digits
+        why = "an integer too long to read" if "integer string conversion" in str(err) else str(err)
+        raise InputError(f"not valid YAML: {why[:120]}", source=path) from None
     if (why := too_large(data)) is not None:
         raise InputError(f"not {_a(what)}: {why}", source=path)
     return data, raw
@@ -136,6 +150,7 @@ def too_large(data: Any, limit: int = MAX_EXPANDED_VALUES) -> str | None:
     expanded: dict[int, int] = {}
     stack: list[tuple[Any, bool]] = [(data, False)]
     open_: set[int] = set()
+    distinct = 1  # values as written, each alias's target once
     while stack:
         value, done = stack.pop()
         children = list(value.keys()) + list(value.values()) if isinstance(value, dict) else value
@@ -145,6 +160,8 @@ def too_large(data: Any, limit: int = MAX_EXPANDED_VALUES) -> str | None:
         if done:
             open_.discard(key)
             expanded[key] = 1 + sum(expanded.get(id(c), 1) for c in children)
+            if distinct > limit:
+                return f"it holds more than {limit:,} values"
             if expanded[key] > limit:
                 return f"it expands to more than {limit:,} values (aliases nested inside aliases)"
             continue
@@ -153,6 +170,7 @@ def too_large(data: Any, limit: int = MAX_EXPANDED_VALUES) -> str | None:
         if key in open_:
             return "a value contains itself (a recursive alias)"
         open_.add(key)
+        distinct += len(children)
         stack.append((value, True))
         stack.extend((c, False) for c in children if isinstance(c, dict | list))
     return None

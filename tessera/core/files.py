@@ -29,11 +29,11 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _temp_file(target.parent, target)
     try:
-        # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
-        os.fchmod(fd, target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
-        with os.fdopen(fd, "wb") as f:
+        with os.fdopen(fd, "wb") as f:  # closes the descriptor whatever fails below
+            # mkstemp makes the file 0600; give it the mode a plain open() would (or the old file's).
+            os.fchmod(f.fileno(), target.stat().st_mode & 0o7777 if target.exists() else 0o666 & ~_umask())
             f.write(payload)
-            f.flush()
+            f.flush()  # a full disk (ENOSPC) or quota (EDQUOT) shows here or in fsync
             os.fsync(f.fileno())
         os.replace(tmp, target)
     except BaseException:

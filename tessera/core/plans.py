@@ -34,14 +34,27 @@ from pydantic import (
 from tessera import __version__
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
+from tessera.core.plan_files import read_plan_json
 from tessera.core.rewrite import REWRITES, apply_rewrites, unknown_rewrite
 from tessera.core.schedule import ScheduleKind
+from tessera.core.specs import MAX_DEVICES
 
 SCHEMA_VERSION = 1
-# What a cp plan may say: the dtypes a decoder is served in (tessera.planners.cp.llm.DTYPE_BYTES)
-# and the largest context, 1024M tokens (the cp planner's token counts: tessera.planners.cp.workload).
+# What a cp plan may say: what `plan --kind cp` accepts (its options and LLM configs use these), so
+# validate passes nothing launch cannot build in bounded time. Dtypes: planners.cp.llm.DTYPE_BYTES;
+# token counts 1..1024M; sizes beyond any published model; a degree at most specs.MAX_DEVICES.
 LLM_DTYPES = ("fp32", "fp16", "bf16", "fp8", "int8")
 MAX_CONTEXT = 2**30
+MAX_BATCH = 2**16
+LLM_SIZE_LIMITS: dict[str, int] = {
+    "layers": 2**16,
+    "hidden": 2**20,
+    "heads": 2**16,
+    "kv_heads": 2**16,
+    "head_dim": 2**16,
+    "ffn": 2**22,
+    "vocab": 2**24,
+}
 
 
 class _Strict(BaseModel):
@@ -301,28 +314,41 @@ class CpPlan(_PlanBase):
 
     @model_validator(mode="after")
     def _llm_and_workload_are_usable(self) -> CpPlan:
-        """What the executor builds from: the decoder's sizes (positive integers, kv_heads
-        dividing heads), the batch, a context within the planner's range and the KV block."""
-        for key in ("layers", "hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab"):
-            value = self.llm.get(key)
-            if type(value) is not int or value < 1:
-                raise ValueError(f"llm.{key} must be a positive integer, got {value!r}")
+        """What the executor builds from, within what the planner accepts: the decoder's sizes
+        (positive integers within :data:`LLM_SIZE_LIMITS`, kv_heads dividing heads), the degree,
+        the batch, a context and output lengths within the planner's range, and the KV block."""
+        for key, limit in LLM_SIZE_LIMITS.items():
+            _bounded(f"llm.{key}", self.llm.get(key), limit)
         if self.llm["heads"] % self.llm["kv_heads"]:
             raise ValueError(f"llm.kv_heads {self.llm['kv_heads']} must divide llm.heads {self.llm['heads']}")
         if self.llm.get("dtype") not in LLM_DTYPES:
             raise ValueError(
-                f"llm.dtype must be one of {', '.join(LLM_DTYPES)}, got {self.llm.get('dtype')!r}"
+                f"llm.dtype must be one of {', '.join(LLM_DTYPES)}, got {_short(self.llm.get('dtype'))}"
             )
-        batch = self.workload.get("batch")
-        if type(batch) is not int or batch < 1:
-            raise ValueError(f"workload.batch must be a positive integer, got {batch!r}")
+        _bounded("degree", self.degree, MAX_DEVICES, what="devices")
+        _bounded("workload.batch", self.workload.get("batch"), MAX_BATCH, what="requests")
         context = self.workload.get("context")
         if type(context) is int and context > MAX_CONTEXT:
             raise ValueError(f"workload.context {context} is beyond the planner's {MAX_CONTEXT} tokens")
+        _bounded("workload.context", context, MAX_CONTEXT, what="tokens")
+        lengths = self.workload.get("output_len")
+        if lengths is not None:  # what the plan was predicted for (launch decodes --new-tokens)
+            if not isinstance(lengths, dict):
+                raise ValueError(f"workload.output_len must be an object, got {_short(lengths)}")
+            low = _bounded("workload.output_len.min", lengths.get("min"), MAX_CONTEXT, what="tokens")
+            high = _bounded("workload.output_len.max", lengths.get("max"), MAX_CONTEXT, what="tokens")
+            if low > high:
+                raise ValueError(f"workload.output_len.min {low} is more than its max {high}")
+            if context + high - 1 > MAX_CONTEXT:
+                raise ValueError(
+                    f"workload.context {context} plus output lengths up to {high} is "
+                    f"{context + high - 1} positions; a request may hold at most {MAX_CONTEXT}"
+                )
         cost = self.predicted.get("cost_model")
-        block = cost.get("kv_block", 1) if isinstance(cost, dict) else 1  # absent: the default
-        if type(block) is not int or block < 1:
-            raise ValueError(f"predicted.cost_model.kv_block must be a positive integer, got {block!r}")
+        if cost is not None and not isinstance(cost, dict):
+            raise ValueError(f"predicted.cost_model must be an object, got {_short(cost)}")
+        block = cost.get("kv_block", 1) if cost else 1  # absent: the default
+        _bounded("predicted.cost_model.kv_block", block, MAX_CONTEXT, what="tokens")
         return self
 
     @model_validator(mode="after")
@@ -360,6 +386,22 @@ class CpPlan(_PlanBase):
         elif any(span != (0, context) for span in spans):
             raise ValueError(f"{self.strategy} kv_shards must each hold positions 0..{context}, got {spans}")
         return self
+
+
+def _bounded(where: str, value: Any, limit: int, *, what: str = "") -> int:
+    """``value`` when it is an integer in ``1..limit``; else ValueError naming ``where``."""
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{where} must be a positive integer, got {_short(value)}")
+    if value > limit:
+        unit = f" {what}" if what else ""
+        raise ValueError(f"{where} {_short(value)} is more than {limit}{unit}, the most a cp plan may hold")
+    return value
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` cut short: a number of thousands of digits must not flood the one-line error."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}... ({len(text)} characters)"
 
 
 Plan = PlacementPlan | GppPlan | CpPlan
@@ -404,41 +446,10 @@ def parse_plan(data: dict[str, Any], *, label: str) -> Plan:
         raise InputError(_first_error(exc), source=label) from None
 
 
-def load_plan(path: str | os.PathLike[str]) -> Plan:
-    label = str(path)
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError("no such file", source=label) from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read plan: {exc}", source=label) from None
-    try:
-        data = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}", source=label
-        ) from None
-    except RecursionError:
-        raise InputError("not a plausible plan: nested too deeply", source=label) from None
-    except ValueError as exc:  # a duplicate key, NaN, an integer of more than 4300 digits
-        why = "an integer too long to read" if "integer string conversion" in str(exc) else str(exc)
-        raise InputError(f"not a plausible plan: {why}", source=label) from None
-    return parse_plan(data, label=label)
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """A JSON object whose key is given twice is refused (Python's reader keeps the last one)."""
-    data = dict(pairs)
-    if len(data) != len(pairs):
-        seen: set[str] = set()
-        duplicate = next(k for k, _ in pairs if k in seen or seen.add(k))  # type: ignore[func-returns-value]
-        raise ValueError(f"duplicate key {duplicate!r} in one object")
-    return data
-
-
-def _no_constant(name: str) -> Any:
-    """``NaN``, ``Infinity`` and ``-Infinity`` are not JSON (Python's reader takes them)."""
-    raise ValueError(f"{name} is not a JSON value")
+def load_plan(path: str | os.PathLike[str], *, command: str | None = None) -> Plan:
+    """Read and validate a plan file; InputError naming it for anything else. ``command`` (e.g.
+    ``validate``) words the message for a file that is no plan at all (an ONNX model, a binary)."""
+    return parse_plan(read_plan_json(path, command=command), label=str(path))
 
 
 def _first_error(exc: ValidationError) -> str:
@@ -549,15 +560,23 @@ def cp_plan_problems(plan: CpPlan) -> list[str]:
         from tessera.core.specs import ClusterSpec
 
         try:
-            known = {d.id for d in ClusterSpec.from_json_dict(plan.cluster).devices()}
+            spec = ClusterSpec.from_json_dict(plan.cluster)
         except Exception as exc:  # noqa: BLE001 - reported as a problem
             return [f"cluster: {' '.join(str(exc).split())}"]
+        known = {d.id for d in spec.devices()}
+        resolved = spec.to_json_dict()  # the executor reads these keys (the devices' kinds, nodes)
+        problems += [
+            f"cluster.{key} is not what the cluster's nodes resolve to"
+            for key in ("num_nodes", "num_devices", "devices")
+            if key in plan.cluster and plan.cluster[key] != resolved[key]
+        ]
         problems += [f"device {d!r} is not in the plan's cluster" for d in devices if d not in known]
         if plan.degree > len(known):
             problems.append(
                 f"degree {plan.degree} is more than the {len(known)} device(s) of the plan's cluster"
             )
-    memory = plan.predicted.get("memory_per_device") or {}
+    memory = plan.predicted.get("memory_per_device")
+    memory = memory if isinstance(memory, dict) else {}
     total, capacity = memory.get("total"), memory.get("capacity")
     if isinstance(total, int | float) and isinstance(capacity, int | float) and total > capacity:
         problems.append(f"predicted memory per device {total} bytes exceeds its capacity {capacity}")

@@ -32,6 +32,7 @@ from tessera.core.units import UnitError, parse_bandwidth, parse_bytes, parse_fl
 __all__ = [
     "DTYPES",
     "DEFAULT_KERNEL_LAUNCH_OVERHEAD",
+    "MAX_DEVICES",
     "ClusterSpec",
     "Device",
     "DeviceSlot",
@@ -55,6 +56,11 @@ DEFAULT_KERNEL_LAUNCH_OVERHEAD: dict[str, float] = {"gpu": 5e-6, "cpu": 1e-6}
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
+MAX_DEVICES = 2**16
+"""The most devices a cluster spec may hold (65,536), counting every node of every group: each is
+resolved into a :class:`Device` and planners iterate over them, so a typo such as ``count:
+100000000`` is refused at once instead of hanging ``plan``. It also bounds every ``count``."""
+
 
 # ---------------------------------------------------------------------------------------------------
 # Field types
@@ -66,6 +72,8 @@ def _unit(parse: Callable[..., Any], *, allow_zero: bool) -> BeforeValidator:
             return parse(value, allow_zero=allow_zero)
         except UnitError as err:
             raise ValueError(err.detail) from None
+        except OverflowError:  # an integer beyond any float
+            raise ValueError(f"a number of {len(str(value))} digits is not a finite quantity") from None
 
     return BeforeValidator(validate)
 
@@ -78,11 +86,36 @@ def _check_name(value: str) -> str:
     return value
 
 
-Bytes = Annotated[int, _unit(parse_bytes, allow_zero=False)]
-Bandwidth = Annotated[float, _unit(parse_bandwidth, allow_zero=False)]
-FlopRate = Annotated[float, _unit(parse_flops, allow_zero=False)]
-Seconds = Annotated[float, _unit(parse_seconds, allow_zero=True)]
-Count = Annotated[int, Field(strict=True, ge=1)]
+def _within(low: float, high: float, unit: str) -> AfterValidator:
+    def check(value: float) -> float:
+        if not low <= value <= high:
+            raise ValueError(
+                f"{value:g} {unit} is outside {low:g}..{high:g} {unit}, the range tessera computes with"
+            )
+        return value
+
+    return AfterValidator(check)
+
+
+# Far beyond any device, both ways (a planner must still plan an absurdly slow device), but such
+# that the times planners divide out of these stay finite floats: a rate of 5e-324 FLOP/s (a
+# subnormal) made every cp prediction infinite, and an int beyond 1.8e308 bytes cannot be a float.
+_RANGE = (1e-250, 1e250)
+Bytes = Annotated[int, _unit(parse_bytes, allow_zero=False), _within(1, _RANGE[1], "bytes")]
+Bandwidth = Annotated[float, _unit(parse_bandwidth, allow_zero=False), _within(*_RANGE, "bytes/s")]
+FlopRate = Annotated[float, _unit(parse_flops, allow_zero=False), _within(*_RANGE, "FLOP/s")]
+Seconds = Annotated[float, _unit(parse_seconds, allow_zero=True), _within(0, _RANGE[1], "s")]
+
+
+def _within_max_devices(value: int) -> int:
+    if value > MAX_DEVICES:
+        raise ValueError(f"{value:,} is more than the {MAX_DEVICES:,} devices a cluster may hold in all")
+    return value
+
+
+Count = Annotated[int, Field(strict=True, ge=1, le=MAX_DEVICES)]  # cores of a cpu device
+# How many nodes or devices: each at most MAX_DEVICES (the total is checked on the spec).
+DeviceCount = Annotated[int, Field(strict=True, ge=1), AfterValidator(_within_max_devices)]
 Name = Annotated[str, Field(strict=True), AfterValidator(_check_name)]
 
 
@@ -141,7 +174,7 @@ class DeviceSlot(_SpecModel):
     """``count`` devices of device type ``type`` in every instance of a node group."""
 
     type: Name
-    count: Count = 1
+    count: DeviceCount = 1
 
 
 class NodeGroup(_SpecModel):
@@ -149,8 +182,8 @@ class NodeGroup(_SpecModel):
     the name ends in a digit)."""
 
     name: Name
-    count: Count = 1
-    devices: list[DeviceSlot] = Field(min_length=1)
+    count: DeviceCount = 1
+    devices: list[DeviceSlot] = Field(min_length=1, max_length=MAX_DEVICES)
 
 
 class Link(_SpecModel):
@@ -206,8 +239,8 @@ class ClusterSpec(_SpecModel):
     """A cluster: named device types, groups of identical nodes holding devices, and the links."""
 
     name: Name
-    device_types: dict[Name, DeviceType] = Field(min_length=1)
-    nodes: list[NodeGroup] = Field(min_length=1)
+    device_types: dict[Name, DeviceType] = Field(min_length=1, max_length=MAX_DEVICES)
+    nodes: list[NodeGroup] = Field(min_length=1, max_length=MAX_DEVICES)
     links: Links = Field(default_factory=Links)
 
     @model_validator(mode="after")
@@ -229,6 +262,18 @@ class ClusterSpec(_SpecModel):
                 if slot.type in seen:
                     raise ValueError(f"{path}: device type {slot.type!r} is listed twice in this node")
                 seen.add(slot.type)
+        total = sum(group.count * sum(slot.count for slot in group.devices) for group in self.nodes)
+        if total > MAX_DEVICES:
+            largest = max(
+                range(len(self.nodes)),
+                key=lambda g: self.nodes[g].count * sum(s.count for s in self.nodes[g].devices),
+            )
+            group = self.nodes[largest]
+            raise ValueError(
+                f"nodes[{largest}].count: the cluster has {total:,} devices in all ({group.count:,} "
+                f"node(s) x {sum(s.count for s in group.devices):,} device(s) in nodes[{largest}]); "
+                f"tessera plans for at most {MAX_DEVICES:,}"
+            )
         instances: set[str] = set()
         for g, group in enumerate(self.nodes):
             for i in range(group.count):

@@ -401,7 +401,17 @@ def _collective(
     algorithms); ``bytes`` is the per-GPU volume of thesis §4.4.
     """
     n = len(group)
-    links = [cluster.link_between(a, b) for a in group for b in group if a.id != b.id]
+    # The links a pair of the group's devices takes: intra-node where a node holds two of them,
+    # inter-node where they span two nodes (one pair of each kind, not all N² pairs).
+    first_on: dict[int, Device] = {}
+    pairs: list[tuple[Device, Device]] = []
+    for device in group:
+        first = first_on.setdefault(device.node_index, device)
+        if first is not device and not pairs:
+            pairs.append((first, device))
+    if len(first_on) > 1:
+        pairs.append(tuple(list(first_on.values())[:2]))  # type: ignore[arg-type]
+    links = [cluster.link_between(a, b) for a, b in pairs]
     bandwidth = min(link.bandwidth for link in links)
     latency = max(link.latency for link in links)
     steps = 2 * (n - 1) if op == "all_reduce" else n - 1

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 # Private helpers of the cluster-spec reader: the same strict YAML and the same one-line messages.
 from tessera.core import config_files
 from tessera.core.errors import InputError
+from tessera.core.plans import LLM_SIZE_LIMITS
 
 __all__ = [
     "DTYPE_BYTES",
@@ -41,14 +42,15 @@ class LlmConfig(config_files.ConfigModel):
     SwiGLU, as in Llama) instead of two (fc1, fc2: GELU, as in GPT-2).
     """
 
+    # Sizes within what a cp plan may hold (LLM_SIZE_LIMITS: beyond any published model).
     name: str = Field(min_length=1)
-    layers: int = Field(strict=True, ge=1)
-    hidden: int = Field(strict=True, ge=1)
-    heads: int = Field(strict=True, ge=1)
-    kv_heads: int | None = Field(default=None, strict=True, ge=1)
-    head_dim: int | None = Field(default=None, strict=True, ge=1)
-    ffn: int = Field(strict=True, ge=1)
-    vocab: int = Field(strict=True, ge=1)
+    layers: int = Field(strict=True, ge=1, le=LLM_SIZE_LIMITS["layers"])
+    hidden: int = Field(strict=True, ge=1, le=LLM_SIZE_LIMITS["hidden"])
+    heads: int = Field(strict=True, ge=1, le=LLM_SIZE_LIMITS["heads"])
+    kv_heads: int | None = Field(default=None, strict=True, ge=1, le=LLM_SIZE_LIMITS["kv_heads"])
+    head_dim: int | None = Field(default=None, strict=True, ge=1, le=LLM_SIZE_LIMITS["head_dim"])
+    ffn: int = Field(strict=True, ge=1, le=LLM_SIZE_LIMITS["ffn"])
+    vocab: int = Field(strict=True, ge=1, le=LLM_SIZE_LIMITS["vocab"])
     dtype: Literal["fp32", "fp16", "bf16", "fp8", "int8"] = "fp16"
     gated_ffn: bool = False
     tied_embeddings: bool = False

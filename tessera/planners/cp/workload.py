@@ -19,7 +19,7 @@ from typing import Any, Literal
 import numpy as np
 
 from tessera.core.errors import InputError
-from tessera.core.plans import MAX_CONTEXT
+from tessera.core.plans import MAX_BATCH, MAX_CONTEXT
 
 __all__ = [
     "MAX_BATCH",
@@ -37,8 +37,8 @@ _SCALE = {"": 1, "k": 1024, "m": 1024 * 1024}
 MAX_TOKENS = MAX_CONTEXT
 """The largest token count (context, output length) accepted: 1024M, beyond any model's positions
 (the plan schema's bound on a cp plan's context, :data:`tessera.core.plans.MAX_CONTEXT`)."""
-MAX_BATCH = 2**16
-"""The largest ``--batch`` accepted (the DP Monte Carlo holds trials × batch output lengths)."""
+# MAX_BATCH: the largest ``--batch`` accepted, 65536 (the DP Monte Carlo holds trials × batch output
+# lengths); a cp plan's bound (tessera.core.plans, where the schema reads it).
 _TOKEN_RANGE = f"1..{MAX_TOKENS} (1024M)"
 
 
