@@ -11,7 +11,7 @@ Details: docs/backends.md.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -28,6 +28,9 @@ from tessera.backends.torch_ops import (
     schema_versions,
 )
 from tessera.core.errors import InputError
+
+# Replaces a node's outputs: hook(its inputs, its outputs) -> outputs (OnnxModule.run).
+NodeHook = Callable[[Sequence["Tensor | None"], tuple[Tensor, ...]], Sequence[Tensor]]
 
 # Node inputs (op_type, position) that are statistics, not weights: never trained.
 FROZEN_INPUTS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
@@ -101,6 +104,11 @@ class OnnxModule(nn.Module):
             (OPS[n.op_type], tuple(n.input), tuple(n.output), node_attributes(n), n.name or n.op_type)
             for n in g.node
         ]
+        self._types = [(n.name or n.op_type, n.op_type) for n in g.node]
+
+    def node_types(self) -> dict[str, str]:
+        """``{node name: op type}`` in execution order (the names :meth:`run`'s hooks take)."""
+        return dict(self._types)
 
     def onnx_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(initializer name, parameter) for every trainable initializer, in model order."""
@@ -111,16 +119,43 @@ class OnnxModule(nn.Module):
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         if len(inputs) != len(self.input_names):
             raise TypeError(f"{self.label}: expected {len(self.input_names)} inputs, got {len(inputs)}")
-        env: dict[str, Tensor] = dict(zip(self.input_names, inputs, strict=True))
+        env = self._interpret(dict(zip(self.input_names, inputs, strict=True)), {})
+        return tuple(env[t] for t in self.output_names)
+
+    def run(
+        self,
+        feeds: Mapping[str, Tensor],
+        *,
+        after: Mapping[str, NodeHook] | None = None,
+        only: frozenset[str] | None = None,
+    ) -> dict[str, Tensor]:
+        """Forward by name: ``{input: tensor}`` → ``{output: tensor}``. ``after`` maps node names to
+        hooks ``hook(inputs, outputs) -> outputs`` that replace what the node computed (the decoder
+        swaps an attention core's output for attention over its KV cache this way); ``only`` runs
+        just those nodes (the others must not be needed; a hooked node whose inputs were skipped is
+        not run: its hook gets None for them and no outputs)."""
+        env = self._interpret({n: feeds[n] for n in self.input_names}, after or {}, only)
+        return {t: env[t] for t in self.output_names}
+
+    def _interpret(
+        self, env: dict[str, Tensor], after: Mapping[str, NodeHook], only: frozenset[str] | None = None
+    ) -> dict[str, Tensor]:
         for name, (kind, key) in self._init_keys.items():
             env[name] = self.params[key] if kind == "param" else getattr(self, key)
         for fn, ins, outs, attrs, node in self._nodes:
-            args = [env[t] if t else None for t in ins]
+            if only is not None and node not in only:
+                continue
+            args = [env.get(t) if t else None for t in ins]
+            if node in after and any(t and t not in env for t in ins):  # inputs skipped by ``only``
+                env.update(zip(outs, after[node](args, ()), strict=False))
+                continue
             try:
                 result = fn(args, attrs)
             except Exception as exc:  # name the node: an interpreter error is useless without it
                 raise RuntimeError(f"{self.label}: node {node!r}: {type(exc).__name__}: {exc}") from exc
             results = result if isinstance(result, tuple) else (result,)
+            if node in after:
+                results = tuple(after[node](args, results))
             if any(outs[len(results) :]):
                 raise RuntimeError(
                     f"{self.label}: node {node!r}: the executor does not produce {outs[len(results) :]}"
@@ -128,12 +163,7 @@ class OnnxModule(nn.Module):
             for t, value in zip(outs, results, strict=False):
                 if t:
                     env[t] = value
-        return tuple(env[t] for t in self.output_names)
-
-    def run(self, feeds: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Forward by name: ``{input: tensor}`` → ``{output: tensor}``."""
-        outs = self(*(feeds[n] for n in self.input_names))
-        return dict(zip(self.output_names, outs, strict=True))
+        return env
 
 
 def to_torch(model: onnx.ModelProto, *, label: str = "<model>") -> OnnxModule:

@@ -11,9 +11,11 @@ from rich.table import Table
 
 from tessera.cli.options import OutputFile, check_outputs, json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, human_bytes, human_count
+from tessera.core.errors import InputError
 from tessera.core.files import write_output
 from tessera.core.graph import Graph, write_model
 from tessera.core.structure import branch_structure
+from tessera.planners.cp.recognize import recognize_decoder
 
 
 def inspect_report(graph: Graph) -> dict[str, Any]:
@@ -38,7 +40,19 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
         "defaulted_dims": graph.defaulted_dims,
         "unknown_shapes": list(graph.unknown_shapes),  # operators counted as 0 FLOPs
         "branches": structure.to_json(),
+        "decoder": _decoder(graph),
     }
+
+
+def _decoder(graph: Graph) -> dict[str, Any] | None:
+    """The decoder-only transformer ``plan --kind cp`` sees in ``graph`` (``recognized``: false and
+    ``why`` when it has attention that is not one); None for a model without a Softmax."""
+    if not any(op.op_type == "Softmax" for op in graph.ops()):
+        return None
+    try:
+        return {"recognized": True, **recognize_decoder(graph).to_json()}
+    except InputError as err:
+        return {"recognized": False, "why": err.message}
 
 
 @click.command()
@@ -104,6 +118,28 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
             f"  {seg['branches']} branches, {seg['nodes']} nodes: "
             f"{escape(seg['start'] or 'inputs')} → {escape(seg['end'] or 'outputs')}"
         )
+    if (decoder := report["decoder"]) is not None:
+        out.print(f"decoder: {escape(_describe(decoder))}")
     if graph.defaulted_dims:
         dims = ", ".join(f"{k}={v}" for k, v in graph.defaulted_dims.items())
         out.print(f"symbolic dims bound to 1: {escape(dims)} (override with --input-shape)")
+
+
+def _describe(decoder: dict[str, Any]) -> str:
+    if not decoder["recognized"]:
+        return f"not recognized ({decoder['why']})"
+    rotary = decoder["rotary"]
+    parts = [
+        f"{decoder['layers']} layers, hidden {decoder['hidden']}, {decoder['heads']} heads "
+        f"({decoder['kv_heads']} KV) of {decoder['head_dim']}, FFN {decoder['ffn']}"
+        + (" gated" if decoder["gated_ffn"] else ""),
+        f"vocab {decoder['vocab']}" + (" tied" if decoder["tied_embeddings"] else ""),
+        f"rotary {rotary['dim']}"
+        if rotary
+        else f"{decoder['positions']} learned positions"
+        if decoder["positions"]
+        else "no position table",
+        f"{decoder['norm'] or 'no norm found'}, {decoder['qkv']} QKV"
+        + (", parallel residual" if decoder["parallel_residual"] else ""),
+    ]
+    return "; ".join(parts)

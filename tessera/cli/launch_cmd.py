@@ -27,11 +27,12 @@ from tessera.planners.cp.workload import MAX_TOKENS
 _KIND_OPTIONS: dict[str, frozenset[str]] = {
     "gpp": frozenset({"steps", "lr", "data", "distributed"}),
     "spp": frozenset({"steps", "lr", "data", "distributed"}),
-    "cp": frozenset({"new_tokens", "prompt_lens", "attention", "distributed"}),
+    "cp": frozenset({"new_tokens", "prompt_lens", "prompts", "attention", "distributed"}),
     "placement": frozenset({"repeat", "data"}),
 }
 _DISTRIBUTED = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "timeout_s")
 
+MAX_PROMPTS_BYTES = 64 * 2**20  # a --prompts file: far beyond any batch of contexts launch decodes here
 MAX_TIMEOUT_S = 86400.0
 """The longest ``--timeout`` accepted: a day (the workers' timers and process-group timeouts overflow
 on absurd values, and a hang should not be waited out for longer)."""
@@ -124,6 +125,12 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     "(default: the plan's context).",
 )
 @click.option(
+    "--prompts",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="[cp] A file of requests, one per line as space-separated token ids (at most the plan's batch).",
+)
+@click.option(
     "--attention",
     type=click.Choice(["torch", "triton"]),
     default="torch",
@@ -153,6 +160,7 @@ def launch(  # noqa: PLR0913
     timeout_s: float,
     new_tokens: int,
     prompt_lens: str | None,
+    prompts: str | None,
     attention: str,
     repeat: int,
     as_json: bool,
@@ -165,6 +173,8 @@ def launch(  # noqa: PLR0913
     plan's batch greedily (NEW_TOKENS per request) and reports tokens/s and per-token latency.
     Exit codes: 0 done, 2 bad plan/model/data, 4 a worker failed (the rank and reason are printed).
     """
+    if prompts is not None and prompt_lens is not None:
+        raise click.UsageError("--prompts gives the requests' tokens, their lengths too: drop --prompt-lens")
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
     runner = RUNNERS.get(plan.kind)
@@ -191,6 +201,7 @@ def launch(  # noqa: PLR0913
         lr=lr,
         new_tokens=new_tokens,
         prompt_lens=_prompt_lens(prompt_lens),
+        prompts=None if prompts is None else read_prompts(prompts),
         attention=attention,
         repeat=repeat,
     )
@@ -227,6 +238,36 @@ def _prompt_lens(text: str | None) -> tuple[int, ...] | None:
     if not lens:
         raise InputError(f"--prompt-lens {text!r}: expected integers such as 64,17,1")
     return lens
+
+
+def read_prompts(path: str) -> tuple[tuple[int, ...], ...]:
+    """``--prompts FILE``: one request per non-blank line, its token ids separated by spaces."""
+    try:
+        with open(path, "rb") as stream:
+            raw = stream.read(MAX_PROMPTS_BYTES + 1)
+    except OSError as exc:
+        raise InputError(f"cannot read prompts: {exc.strerror or exc}", source=path) from None
+    if len(raw) > MAX_PROMPTS_BYTES:
+        raise InputError(f"more than {MAX_PROMPTS_BYTES // 2**20} MiB of prompts", source=path)
+    try:
+        lines = [
+            (i, line.split()) for i, line in enumerate(raw.decode("utf-8").splitlines(), 1) if line.strip()
+        ]
+    except UnicodeDecodeError:
+        raise InputError("not a prompts file: not UTF-8 text", source=path) from None
+    prompts = []
+    for number, words in lines:
+        bad = next((w for w in words if not w.isdigit() or len(w) > 12), None)
+        if bad is not None:
+            raise InputError(
+                f"line {number}: {bad[:20]!r} is not a token id (a non-negative integer)", source=path
+            )
+        prompts.append(tuple(int(w) for w in words))
+    if not prompts:
+        raise InputError(
+            "no prompts: expected one request per line, as space-separated token ids", source=path
+        )
+    return tuple(prompts)
 
 
 def _ratio(x: float | None) -> str:

@@ -309,6 +309,7 @@ class CpPlan(_PlanBase):
     kv_shards: list[KvShard] = Field(default_factory=list)
     collectives: list[dict[str, Any]] = Field(default_factory=list)
     alternatives: list[dict[str, Any]] = Field(default_factory=list)
+    serving: dict[str, Any] = Field(default_factory=dict)  # {"vllm": ...}: planners/cp/serving.py
 
     _HEADLINE: ClassVar[str] = "tokens_per_s"
 

@@ -17,6 +17,7 @@ from tessera.core.plans import CpPlan
 from tessera.executor.cp_memory import check_host_memory, host_memory_need
 from tessera.executor.decode_worker import CpWorkerSpec, DecodeOptions, cp_worker
 from tessera.executor.decoder import llm_ints, make_prompts, onnx_decoder_weights
+from tessera.executor.graph_decode_worker import graph_decoder
 from tessera.executor.kv_layout import DEFAULT_KV_BLOCK, KvLayout
 from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, local_ranks
 from tessera.executor.report import RunReport, gathered, ratios, slowest, steady_mean
@@ -105,9 +106,24 @@ def check_cp_plan(plan: CpPlan, options: DecodeOptions, source: str | None = Non
         why = triton_unavailable_reason(device)
         if why is not None:
             raise InputError(f"--attention triton is unavailable on the plan's {device} workers: {why}")
-    batch = int(plan.workload["batch"])
-    context = int(plan.workload["context"])
-    given = options.prompt_lens or (context,)
+    return _prompt_lens(plan, options, source)
+
+
+def _prompt_lens(plan: CpPlan, options: DecodeOptions, source: str | None) -> list[int]:
+    """Each request's prompt length: ``--prompts``' lines, else ``--prompt-lens`` cycled over the
+    plan's batch, else the plan's context."""
+    batch, n = int(plan.workload["batch"]), plan.degree
+    requests = batch if options.prompts is None else len(options.prompts)
+    if requests > batch:
+        raise InputError(
+            f"--prompts: {requests} requests, more than the plan's batch of {batch}", source=source
+        )
+    if plan.strategy == "dp" and requests < n:
+        raise InputError(f"dp over {n} ranks needs at least {n} requests ({requests} given)", source=source)
+    if options.prompts is not None:
+        given = tuple(len(p) for p in options.prompts)
+    else:
+        given = options.prompt_lens or (int(plan.workload["context"]),)
     if any(p < 1 for p in given):
         raise InputError(f"--prompt-lens {list(given)}: every prompt needs at least 1 token")
     if any(p + options.new_tokens - 1 > MAX_TOKENS for p in given):
@@ -115,9 +131,7 @@ def check_cp_plan(plan: CpPlan, options: DecodeOptions, source: str | None = Non
             f"--prompt-lens {max(given)} with --new-tokens {options.new_tokens}: a request may hold at "
             f"most {MAX_TOKENS} positions (1024M)"
         )
-    if plan.strategy == "dp" and batch < n:
-        raise InputError(f"dp over {n} ranks needs at least {n} requests (batch {batch})", source=source)
-    return [int(given[b % len(given)]) for b in range(batch)]
+    return [int(given[b % len(given)]) for b in range(requests)]
 
 
 def run_cp_plan(
@@ -163,12 +177,13 @@ def run_cp_plan(
         devices=devices,
         llm=dict(plan.llm),
         model_path=model.path,
-        prompts=make_prompts(model.vocab, prompt_lens, options.seed),
+        prompts=_prompts(options, model.vocab, prompt_lens),
         options=options,
         kv_shards=shards,
         kv_block=block,
         timeout_s=launch.timeout_s,
         backend=backend,
+        graph=model.graph,
     )
 
     def describe(rank: int) -> str:
@@ -178,14 +193,28 @@ def run_cp_plan(
     return cp_report(plan, plan_path, backend, options, prompt_lens, model.source, gathered(results))
 
 
+def _prompts(options: DecodeOptions, vocab: int, prompt_lens: list[int]) -> list[list[int]]:
+    """The requests' token ids: ``--prompts`` (checked against the vocabulary), else seeded random."""
+    if options.prompts is None:
+        return make_prompts(vocab, prompt_lens, options.seed)
+    for i, prompt in enumerate(options.prompts):
+        if any(not 0 <= t < vocab for t in prompt):
+            bad = next(t for t in prompt if not 0 <= t < vocab)
+            raise InputError(
+                f"--prompts: request {i + 1} has token id {bad}, outside the vocabulary 0..{vocab - 1}"
+            )
+    return [list(p) for p in options.prompts]
+
+
 @dataclass(frozen=True)
 class _Model:
     """What the launcher needs of the decoder the workers will build."""
 
     path: str | None  # the ONNX model (resolved), None for seeded random weights
     vocab: int
-    max_positions: int | None  # the position table's length; None: sinusoidal (no limit)
+    max_positions: int | None  # the position table's length; None: rotary or sinusoidal (no limit)
     source: str
+    graph: bool = False  # decoded from its own graph (else the GPT decoder maps its weights)
 
 
 def _checked_model(plan: CpPlan, model_path: str | None, options: DecodeOptions, plan_path: str) -> _Model:
@@ -196,9 +225,24 @@ def _checked_model(plan: CpPlan, model_path: str | None, options: DecodeOptions,
     if model_path is None:
         raise InputError("the plan names an ONNX model; give its path", source=plan_path)
     path = str(Path(model_path).resolve())
-    weights = onnx_decoder_weights(path, plan.llm)
+    try:
+        decoder = graph_decoder(path)
+    except InputError:
+        if not _zoo_gpt(path):
+            raise
+        # tessera's zoo GPT fixes its sequence length: the GPT decoder maps its weights (issue #27).
+        weights = onnx_decoder_weights(path, plan.llm)
+        return _Model(path, weights.vocab, weights.max_positions, weights.source, graph=False)
     # The workers build their own: only these facts are kept (no copy held while they run).
-    return _Model(path, weights.vocab, weights.max_positions, weights.source)
+    return _Model(path, decoder.vocab, decoder.max_positions, f"{path} (its own graph)", graph=True)
+
+
+def _zoo_gpt(path: str) -> bool:
+    """Whether ``path`` is a GPT of tessera's zoo (its metadata says so)."""
+    import onnx
+
+    model = onnx.load(path, load_external_data=False)
+    return any(p.key == "tessera.model" and p.value == "gpt" for p in model.metadata_props)
 
 
 def _kv_layout(plan: CpPlan, shards: list[tuple[int, int]], block: int, plan_path: str) -> KvLayout | None:

@@ -33,6 +33,7 @@ from tessera.executor.decoder import (
     to_device,
     tp_shard,
 )
+from tessera.executor.graph_decode_worker import GraphDecodeWorker
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.launcher import (
     WATCHDOG_FACTOR,
@@ -52,6 +53,7 @@ class DecodeOptions:
 
     new_tokens: int = 8
     prompt_lens: tuple[int, ...] | None = None
+    prompts: tuple[tuple[int, ...], ...] | None = None  # the requests' token ids (--prompts), in order
     seed: int = 0
     attention: str = "torch"
 
@@ -71,6 +73,7 @@ class CpWorkerSpec:
     kv_block: int
     timeout_s: float
     backend: str
+    graph: bool = False  # decode from the model's own graph (GraphDecodeWorker), else the GPT decoder
 
 
 class DecodeWorker:
@@ -117,6 +120,21 @@ class DecodeWorker:
         self.kv_cache_bytes = 2 * len(self.w.layers) * len(self.cached) * hkv * cap * d * 4
         self.tokens: dict[int, list[int]] = {b: [] for b in self.dense}
         self.comm_s = 0.0
+
+    @property
+    def kv_positions(self) -> int:
+        return int(self.kv_len.sum())
+
+    def kv_positions_by_request(self) -> dict[int, int]:
+        return dict(zip(self.cached, self.kv_len.tolist(), strict=True))
+
+    def request_range(self) -> list[int]:
+        """``[first, end)`` of the requests whose tokens this rank computes."""
+        return [self.lo, self.hi] if self.strategy != "tp" else [0, len(self.spec.prompts)]
+
+    def reported_tokens(self) -> dict[int, list[int]]:
+        """dp, cp: this rank's requests; tp: every request, from rank 0 only."""
+        return self.tokens if self.strategy != "tp" or self.rank == 0 else {}
 
     # -- communication --
 
@@ -236,7 +254,9 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
     try:
         watchdog.arm("start-up")
         dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
-        worker = DecodeWorker(spec, rank, device)
+        worker: DecodeWorker | GraphDecodeWorker = (
+            GraphDecodeWorker(spec, rank, device) if spec.graph else DecodeWorker(spec, rank, device)
+        )
         watchdog.arm("prefill")
         dist.barrier()
         t0 = time.perf_counter()
@@ -257,14 +277,12 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
         result: dict[str, Any] = {
             "rank": rank,
             "device": spec.devices[rank],
-            "requests": [worker.lo, worker.hi] if spec.strategy != "tp" else [0, len(spec.prompts)],
+            "requests": worker.request_range(),
             "prefill_s": prefill_s,
             "steps": steps,
-            "tokens": {b: t for b, t in worker.tokens.items() if spec.strategy != "tp" or rank == 0},
-            "kv_positions": int(worker.kv_len.sum()),
-            "kv_positions_by_request": {
-                str(b): n for b, n in zip(worker.cached, worker.kv_len.tolist(), strict=True)
-            },
+            "tokens": worker.reported_tokens(),
+            "kv_positions": worker.kv_positions,
+            "kv_positions_by_request": {str(b): n for b, n in worker.kv_positions_by_request().items()},
             "kv_cache_bytes": worker.kv_cache_bytes,
             "weight_bytes": worker.weight_bytes,
             "peak_rss_bytes": memory_status("VmHWM"),

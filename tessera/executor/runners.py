@@ -30,6 +30,7 @@ class LaunchRequest:
     lr: float = 0.01  # gpp, spp
     new_tokens: int = 8  # cp
     prompt_lens: tuple[int, ...] | None = None  # cp
+    prompts: tuple[tuple[int, ...], ...] | None = None  # cp: token ids of each request (--prompts)
     attention: str = "torch"  # cp
     repeat: int = 7  # placement
 
@@ -57,6 +58,7 @@ def run_decode(plan: Plan, request: LaunchRequest) -> RunReport:
     options = DecodeOptions(
         new_tokens=request.new_tokens,
         prompt_lens=request.prompt_lens,
+        prompts=request.prompts,
         seed=request.seed,
         attention=request.attention,
     )

@@ -10,7 +10,8 @@ import json
 import logging
 import os
 import warnings
-from dataclasses import asdict, dataclass
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
@@ -18,7 +19,7 @@ import torch
 from corpus.models import MODELS
 from torch.utils.flop_counter import FlopCounterMode
 
-CORPUS_VERSION = 1  # bump when the models or the export calls change
+CORPUS_VERSION = 4  # bump when the models or the export calls change
 EXPORTERS = ("legacy", "dynamo")  # legacy: TorchScript, opset 17; dynamo: torch.export, opset 20
 BATCHES = ("dynamic", "static")
 
@@ -52,25 +53,38 @@ def cache_dir() -> Path:
     return root / key
 
 
+def reference(model: str) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The seeded torch module an export was made from, in eval mode, and its example input."""
+    spec = MODELS[model]
+    torch.manual_seed(0)
+    return spec.build().eval(), spec.example()
+
+
+def torch_flops(module: torch.nn.Module, x: torch.Tensor) -> int:
+    """FLOPs of one forward as torch's FlopCounterMode counts them (a multiply-accumulate is 2)."""
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        module(x)
+    return counter.get_total_flops()
+
+
 def entry(model: str, exporter: str, batch: str) -> Entry:
     """The export (made once, then read from the cache)."""
     folder = cache_dir()
-    meta = folder / f"{model}-{exporter}-{batch}.json"
+    stem = f"{model}-{exporter}-{batch}"
+    meta, onnx_path = folder / f"{stem}.json", folder / f"{stem}.onnx"
     if meta.is_file():
         data = json.loads(meta.read_text())
-        return Entry(**{**data, "shape": tuple(data["shape"])})
+        if data["error"] is not None or onnx_path.is_file():  # paths are re-rooted: the folder may move
+            return Entry(**{**data, "shape": tuple(data["shape"]), "path": data["path"] and str(onnx_path)})
     folder.mkdir(parents=True, exist_ok=True)
     spec = MODELS[model]
-    torch.manual_seed(0)
-    module, x = spec.build().eval(), spec.example()
-    with FlopCounterMode(display=False) as counter, torch.no_grad():
-        module(x)
-    onnx_path = folder / f"{model}-{exporter}-{batch}.onnx"
-    error = _export(module, x, spec.input, exporter, batch == "dynamic", onnx_path)
+    module, x = reference(model)
+    flops = torch_flops(module, x)
+    axes = ("batch", "sequence") if spec.decoder else ("batch",)
+    error = _export(module, x, spec.input, exporter, axes if batch == "dynamic" else (), onnx_path)
     made = Entry(
-        model, exporter, batch, spec.input, tuple(x.shape), counter.get_total_flops(),
-        None if error else str(onnx_path), error,
-    )  # fmt: skip
+        model, exporter, batch, spec.input, tuple(x.shape), flops, None if error else str(onnx_path), error
+    )
     tmp = meta.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(asdict(made)))
     tmp.replace(meta)
@@ -78,9 +92,10 @@ def entry(model: str, exporter: str, batch: str) -> Entry:
 
 
 def _export(
-    module: torch.nn.Module, x: torch.Tensor, name: str, exporter: str, dynamic: bool, path: Path
+    module: torch.nn.Module, x: torch.Tensor, name: str, exporter: str, axes: tuple[str, ...], path: Path
 ) -> str | None:
-    """Export to ``path`` atomically; the exporter's error in one line if it fails."""
+    """Export to ``path`` atomically, the leading ``axes`` of the input dynamic (a decoder's batch and
+    sequence, another model's batch); the exporter's error in one line if it fails."""
     tmp = path.with_suffix(f".tmp{os.getpid()}.onnx")
     quiet = contextlib.redirect_stdout(io.StringIO())
     try:
@@ -88,13 +103,19 @@ def _export(
             warnings.simplefilter("ignore")
             logging.disable(logging.WARNING)
             if exporter == "legacy":
-                axes = {name: {0: "batch"}, "output": {0: "batch"}} if dynamic else None
+                dims = dict(enumerate(axes))
                 torch.onnx.export(
-                    module, (x,), str(tmp), dynamo=False, opset_version=17,
-                    input_names=[name], output_names=["output"], dynamic_axes=axes,
+                    module, (x,), str(tmp), dynamo=False, opset_version=17, input_names=[name],
+                    output_names=["output"], dynamic_axes={name: dims, "output": dims} if axes else None,
                 )  # fmt: skip
             else:
-                shapes = ({0: torch.export.Dim("batch", min=1, max=64)},) if dynamic else None
+                # Sequences of 2..32 tokens: within every corpus decoder's positions.
+                bounds = {"batch": (1, 64), "sequence": (2, 32)}
+                dims = {
+                    i: torch.export.Dim(axis, min=bounds[axis][0], max=bounds[axis][1])
+                    for i, axis in enumerate(axes)
+                }
+                shapes = (dims,) if axes else None
                 torch.onnx.export(
                     module, (x,), str(tmp), dynamo=True, opset_version=20, verbose=False,
                     input_names=[name], output_names=["output"], dynamic_shapes=shapes,
@@ -111,3 +132,38 @@ def _export(
 
 
 ENTRIES = [(m, e, b) for m in MODELS for e in EXPORTERS for b in BATCHES]
+Key = tuple[str, str, str]  # (model, exporter, batch)
+
+
+@dataclass
+class Corpus:
+    """Every export of the corpus, made or read from the cache; the reference modules built on demand."""
+
+    entries: dict[Key, Entry]
+    _modules: dict[str, tuple[torch.nn.Module, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def paths(self) -> dict[Key, Path]:
+        """The exports written, by (model, exporter, batch)."""
+        return {key: Path(made.path) for key, made in self.entries.items() if made.path is not None}
+
+    @property
+    def failures(self) -> dict[Key, str]:
+        """What an exporter could not export, and its error in one line."""
+        return {key: made.error for key, made in self.entries.items() if made.error is not None}
+
+    def input_shapes(self, key: Key) -> dict[str, tuple[int, ...]]:
+        """The example input's shape by input name (``load_graph``'s ``input_shapes``)."""
+        made = self.entries[key]
+        return {made.input: made.shape}
+
+    def reference(self, model: str) -> tuple[torch.nn.Module, torch.Tensor]:
+        """The torch module ``model``'s exports were made from, and its example input (built once)."""
+        if model not in self._modules:
+            self._modules[model] = reference(model)
+        return self._modules[model]
+
+
+def build_corpus(keys: Sequence[Key] = tuple(ENTRIES)) -> Corpus:
+    """Make (or read from the cache) every export in ``keys``."""
+    return Corpus({key: entry(*key) for key in keys})

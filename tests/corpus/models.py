@@ -1,10 +1,12 @@
 """Third-party models for the real-export corpus: small, seeded, randomly initialised models from the
-configs of transformers (GPT-2, Llama with grouped-query attention, BERT, ViT, ResNet) and a
+configs of transformers (GPT-2, Llama with grouped-query attention, Qwen2 with QKV bias, Phi with a
+parallel residual and partial rotary, BERT, ViT, ResNet) and a
 MobileNetV3-small-style CNN built from its blocks (torchvision's CPU build is not available here).
 Each is wrapped to take one tensor and return one, as a user would export it."""
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -15,6 +17,9 @@ from torch import nn
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # configs only: nothing is fetched
 
 BATCH, SEQ, IMAGE, VOCAB = 2, 16, 32, 128
+# Decoders' weights: std 0.2, not transformers' 0.02, so that greedy decoding of random weights
+# picks varied tokens (at 0.02 every step picks the same one, and a decode test could not fail).
+DECODER_INIT = 0.2
 
 
 class _Logits(nn.Module):
@@ -28,38 +33,72 @@ class _Logits(nn.Module):
         return getattr(self.model(**{self.key: x}, **self.extra), self.field)
 
 
-def _eager(config):  # the attention a legacy export traces; SDPA's mask code does not export
-    config._attn_implementation = "eager"
-    return config
+class _DecoderLogits(nn.Module):
+    """A causal LM's logits for ``input_ids`` with an all-ones attention mask. Without a mask,
+    transformers 5 looks for packed sequences in the position ids (``torch.diff``, which the legacy
+    exporter cannot export); a user exporting for inference passes a mask."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones_like(input_ids)
+        return self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
 
-def gpt2() -> nn.Module:
+def gpt2(attention: str = "eager") -> nn.Module:
     import transformers
 
-    config = _eager(transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32))
-    return _Logits(transformers.GPT2LMHeadModel(config), "input_ids", "logits", use_cache=False)
-
-
-def llama_gqa() -> nn.Module:
-    import transformers
-
-    config = _eager(
-        transformers.LlamaConfig(
-            num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
-            intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64,
-        )
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=32, bos_token_id=0, eos_token_id=0,
+        attn_implementation=attention, initializer_range=DECODER_INIT,
     )  # fmt: skip
-    return _Logits(transformers.LlamaForCausalLM(config), "input_ids", "logits", use_cache=False)
+    return _DecoderLogits(transformers.GPT2LMHeadModel(config))  # LM head tied to the embedding
+
+
+def llama_gqa(attention: str = "eager") -> nn.Module:
+    import transformers
+
+    config = transformers.LlamaConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation=attention,
+        initializer_range=DECODER_INIT,
+    )  # fmt: skip
+    return _DecoderLogits(transformers.LlamaForCausalLM(config))
+
+
+def qwen2(attention: str = "eager") -> nn.Module:
+    """Grouped-query attention (8 heads, 2 KV heads) with biased Q/K/V projections, RMSNorm, SwiGLU."""
+    import transformers
+
+    config = transformers.Qwen2Config(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=8, num_key_value_heads=2,
+        intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation=attention,
+        tie_word_embeddings=True, initializer_range=DECODER_INIT,
+    )  # fmt: skip
+    return _DecoderLogits(transformers.Qwen2ForCausalLM(config))
+
+
+def phi(attention: str = "eager") -> nn.Module:
+    """A parallel-residual block (attention and MLP both read one LayerNorm), rotary on half of each
+    head (partial_rotary_factor 0.5), biased projections, GELU MLP, untied LM head with a bias."""
+    import transformers
+
+    config = transformers.PhiConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        vocab_size=VOCAB, max_position_embeddings=64, partial_rotary_factor=0.5,
+        attn_implementation=attention, initializer_range=DECODER_INIT,
+    )  # fmt: skip
+    return _DecoderLogits(transformers.PhiForCausalLM(config))
 
 
 def bert() -> nn.Module:
     import transformers
 
-    config = _eager(
-        transformers.BertConfig(
-            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-            vocab_size=VOCAB, max_position_embeddings=32,
-        )
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        vocab_size=VOCAB, max_position_embeddings=32, attn_implementation="eager",
     )  # fmt: skip
     return _Logits(transformers.BertModel(config), "input_ids", "last_hidden_state")
 
@@ -67,11 +106,9 @@ def bert() -> nn.Module:
 def vit() -> nn.Module:
     import transformers
 
-    config = _eager(
-        transformers.ViTConfig(
-            num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
-            image_size=IMAGE, patch_size=8, num_labels=10,
-        )
+    config = transformers.ViTConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128,
+        image_size=IMAGE, patch_size=8, num_labels=10, attn_implementation="eager",
     )  # fmt: skip
     return _Logits(transformers.ViTForImageClassification(config), "pixel_values", "logits")
 
@@ -130,7 +167,7 @@ class Spec:
     build: Callable[[], nn.Module]
     input: str  # the exported input's name
     example: Callable[[], torch.Tensor]
-    decoder: bool = False
+    decoder: bool = False  # a causal LM: its dynamic exports have a dynamic sequence axis too
 
 
 def _ids() -> torch.Tensor:
@@ -143,7 +180,11 @@ def _image() -> torch.Tensor:
 
 MODELS: dict[str, Spec] = {
     "gpt2": Spec(gpt2, "input_ids", _ids, decoder=True),
+    "gpt2-sdpa": Spec(functools.partial(gpt2, "sdpa"), "input_ids", _ids, decoder=True),
     "llama-gqa": Spec(llama_gqa, "input_ids", _ids, decoder=True),
+    "llama-gqa-sdpa": Spec(functools.partial(llama_gqa, "sdpa"), "input_ids", _ids, decoder=True),
+    "qwen2": Spec(qwen2, "input_ids", _ids, decoder=True),
+    "phi-sdpa": Spec(functools.partial(phi, "sdpa"), "input_ids", _ids, decoder=True),
     "bert": Spec(bert, "input_ids", _ids),
     "vit": Spec(vit, "pixel_values", _image),
     "resnet": Spec(resnet, "pixel_values", _image),

@@ -8,6 +8,7 @@ import os
 from typing import Any
 
 import click
+from rich.markup import escape
 from rich.table import Table
 
 from tessera.cli.options import FigureFile, OptionGroup, check_outputs, load_model_option
@@ -51,6 +52,18 @@ OPTIONS = OptionGroup(
         "--sweep-context", metavar="LIST", help="[cp] Also predict these contexts, e.g. 1K,10K,100K,1M."
     ),
     click.option("--plot", type=FigureFile(), help="[cp] Draw the sweep (SVG)."),
+    click.option(
+        "--strategy",
+        type=click.Choice(["auto", *STRATEGIES]),
+        default="auto",
+        show_default=True,
+        help="[cp] Parallelize by cp, tp or dp; auto: the fastest predicted.",
+    ),
+    click.option(
+        "--degree",
+        type=click.IntRange(min=1),
+        help="[cp] Devices to decode on (default: the fastest predicted).",
+    ),
 )
 
 
@@ -69,6 +82,8 @@ def run(  # noqa: C901, PLR0913
     dtype: str | None,
     sweep_context: str | None,
     plot: str | None,
+    strategy: str = "auto",
+    degree: int | None = None,
 ) -> None:
     """Cache-parallel decode plan: load the decoder (or its config), plan, write, print."""
     spec = load_cluster(cluster)
@@ -114,6 +129,8 @@ def run(  # noqa: C901, PLR0913
         model=model_ref,
         source=source,
         positions=position_limit(graph, config.hidden) if model is not None else None,
+        strategy=None if strategy == "auto" else strategy,
+        degree=degree,
     )
     if plan is not None and output:
         write_plan(plan, output)
@@ -133,14 +150,14 @@ def run(  # noqa: C901, PLR0913
         return
     out = console()
     if plan is not None:
-        _print_cp_plan(out, plan, output)
+        _print_cp_plan(out, plan, output, pinned=strategy != "auto" or degree is not None)
     if rows:
         _print_sweep(out, rows, unit="tokens/s per layer" if layers == 1 else "tokens/s")
     if plot:
         out.print(f"plot written to {plot}")
 
 
-def _print_cp_plan(out: Any, plan: Any, output: str | None) -> None:
+def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = False) -> None:
     p = plan.predicted
     llm = plan.llm
     out.print(
@@ -151,7 +168,8 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None) -> None:
         + (f", {p['layers_evaluated']} layer(s) evaluated" if p["per_layer"] else "")
     )
     out.print(
-        f"best: [bold]{plan.strategy.upper()} x{plan.degree}[/bold]  {p['tokens_per_s']:.6g} tokens/s, "
+        f"{'chosen' if pinned else 'best'}: [bold]{plan.strategy.upper()} x{plan.degree}[/bold]  "
+        f"{p['tokens_per_s']:.6g} tokens/s, "
         f"{p['per_token_latency_s'] * 1e3:.4g} ms per token, "
         f"memory {human_bytes(p['memory_per_device']['total'])} of "
         f"{human_bytes(p['memory_per_device']['capacity'])} per device"
@@ -159,6 +177,14 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None) -> None:
     for c in plan.collectives:
         out.print(
             f"  per layer: {c['op']} {human_bytes(c['bytes'])} over {len(c['group'])} devices ({c['what']})"
+        )
+    vllm = plan.serving.get("vllm")
+    if vllm is not None:
+        serve = " ".join(["vllm serve MODEL", *vllm["args"]])
+        out.print(
+            f"vLLM: {escape(serve)} ({escape(vllm['why'])})"
+            if vllm["expressible"]
+            else f"vLLM: not expressible: {escape(vllm['why'])}"
         )
     table = Table(
         title="all strategies (per-device step: GPU compute, communication, host)", title_justify="left"

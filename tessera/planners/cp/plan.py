@@ -20,20 +20,26 @@ from tessera.core.plans import CpPlan, KvShard, LlmConfigRef, ModelRef
 from tessera.core.specs import ClusterSpec
 from tessera.planners.cp.cost import STRATEGIES, CostParams, Estimate, Strategy, estimate_all
 from tessera.planners.cp.llm import LlmConfig, LlmSource
+from tessera.planners.cp.serving import vllm_config
 from tessera.planners.cp.workload import MAX_TOKENS, OutputLengths, Workload
 
 __all__ = ["SweepRow", "best_estimate", "plan_cp", "plan_cp_request", "sweep_context", "sweep_to_json"]
 
 
-def best_estimate(estimates: list[Estimate]) -> Estimate | None:
-    """The feasible estimate with the most tokens/s (ties: fewer devices, then TP, CP, DP order)."""
-    feasible = [e for e in estimates if e.feasible]
+def best_estimate(
+    estimates: list[Estimate], *, strategy: str | None = None, degree: int | None = None
+) -> Estimate | None:
+    """The feasible estimate with the most tokens/s (ties: fewer devices, then TP, CP, DP order),
+    of ``strategy`` and at ``degree`` when given."""
+    feasible = [
+        e for e in estimates if e.feasible and strategy in (None, e.strategy) and degree in (None, e.degree)
+    ]
     if not feasible:
         return None
     return min(feasible, key=lambda e: (-e.tokens_per_s, e.degree, STRATEGIES.index(e.strategy)))
 
 
-def plan_cp(
+def plan_cp(  # noqa: PLR0913 - the --kind cp options
     llm: LlmConfig,
     cluster: ClusterSpec,
     workload: Workload,
@@ -42,6 +48,8 @@ def plan_cp(
     source: LlmSource | None = None,
     layers: int | None = None,
     params: CostParams | None = None,
+    strategy: str | None = None,
+    degree: int | None = None,
 ) -> CpPlan:
     """The best decode parallelization of ``llm`` for ``workload`` on ``cluster`` (thesis ch. 4).
 
@@ -49,15 +57,20 @@ def plan_cp(
     workload; ``layers`` evaluates that many layers without embedding and LM head (the thesis's
     per-layer measurement, §4.5.1). Returns a :class:`CpPlan`. Raises
     :class:`~tessera.core.errors.InfeasibleError` when no strategy fits in device memory, naming the
-    smallest memory one would need.
+    smallest memory one would need. ``strategy`` (cp, tp or dp) and ``degree`` restrict the choice
+    (``plan --strategy``/``--degree``); InputError when the cluster offers no such degree.
     """
     p = params or CostParams()
     if layers is not None and not 1 <= layers <= llm.layers:
         raise ValueError(f"layers must be in 1..{llm.layers}; got {layers}")
     estimates = estimate_all(llm, cluster, workload, layers=layers, params=p)
-    best = best_estimate(estimates)
+    chosen = [e for e in estimates if strategy in (None, e.strategy) and degree in (None, e.degree)]
+    if not chosen:
+        offered = sorted({e.degree for e in estimates})
+        raise InputError(f"--degree {degree}: the cluster offers degrees {', '.join(map(str, offered))}")
+    best = best_estimate(chosen)
     if best is None:
-        raise InfeasibleError(_infeasible_message(estimates, workload))
+        raise InfeasibleError(_infeasible_message(chosen, workload))
     return CpPlan(
         model=model,
         llm_config=None
@@ -81,6 +94,7 @@ def plan_cp(
         kv_shards=_kv_shards(best, workload, p.kv_block),
         collectives=[c.to_json() for c in best.collectives],
         alternatives=[e.summary() for e in estimates if e is not best],
+        serving={"vllm": vllm_config(best.strategy, best.degree, llm.heads, int(llm.kv_heads or llm.heads))},
     )
 
 
@@ -180,6 +194,8 @@ def plan_cp_request(  # noqa: PLR0913
     model: ModelRef | None = None,
     source: LlmSource | None = None,
     positions: int | None = None,
+    strategy: str | None = None,
+    degree: int | None = None,
 ) -> tuple[CpPlan | None, list[SweepRow]]:
     """What ``tessera plan --kind cp`` asks: the plan at ``context`` (None: the sweep alone) and the
     prediction at each of ``sweep_contexts``. ``positions``: the model's position table, when it has
@@ -202,6 +218,15 @@ def plan_cp_request(  # noqa: PLR0913
         raise InputError(f"{needs}; a request may hold at most {MAX_TOKENS} (1024M)")
     plan = None
     if context is not None:
-        plan = plan_cp(llm, cluster, workload, model=model, source=source, layers=layers)
+        plan = plan_cp(
+            llm,
+            cluster,
+            workload,
+            model=model,
+            source=source,
+            layers=layers,
+            strategy=strategy,
+            degree=degree,
+        )
     rows = sweep_context(llm, cluster, workload, contexts, layers=layers) if contexts else []
     return plan, rows

@@ -64,3 +64,38 @@ def test_metadata_that_contradicts_the_structure() -> None:
             prop.value = "8"
     with pytest.raises(InputError, match=r"tessera.heads=8 disagrees .* gives 4"):
         recognize_llm(load_graph(model))
+
+
+def _attention_like(score_op: str) -> onnx.ModelProto:
+    """x → {q, k, v} projections → q·kᵀ → ``score_op`` → Softmax → ·v: attention but for one op."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    weights = [numpy_helper.from_array(np.ones((8, 8), np.float32), name) for name in ("wq", "wk", "wv")]
+    nodes = [
+        helper.make_node("MatMul", ["x", "wq"], ["q"], name="q_proj"),
+        helper.make_node("MatMul", ["x", "wk"], ["k"], name="k_proj"),
+        helper.make_node("MatMul", ["x", "wv"], ["v"], name="v_proj"),
+        helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="k_t"),
+        helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+        helper.make_node(score_op, ["scores"], ["scored"], name="odd_op"),
+        helper.make_node("Softmax", ["scored"], ["p"], axis=-1, name="softmax"),
+        helper.make_node("MatMul", ["p", "v"], ["y"], name="pv"),
+    ]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 8])], weights,
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_failed_match_names_the_node_and_the_condition() -> None:
+    with pytest.raises(
+        InputError, match=r"fails at node odd_op: a Relu before the Softmax, not a Q·Kᵀ MatMul"
+    ):
+        recognize_llm(load_graph(_attention_like("Relu")))
+
+
+def test_attention_without_a_mask_is_not_causal() -> None:
+    with pytest.raises(InputError, match=r"no causal self-attention found .* Softmax softmax"):
+        recognize_llm(load_graph(_attention_like("Identity")))

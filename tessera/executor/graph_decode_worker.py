@@ -1,0 +1,166 @@
+"""One rank's share of a greedy decode run from the model's own ONNX graph (:mod:`graph_decoder`).
+
+The graph's dense part runs as exported; each attention core attends over this rank's KV cache:
+``dp`` ranks decode their own requests whole; ``tp`` ranks decode every request and attend with
+their share of the heads (outputs all-gathered); ``cp`` ranks decode every request and attend over
+the positions their KV shard holds, the partials merged exactly (log-sum-exp) after an all-gather.
+Requests at the same position run as one batch. See docs/executor.md ("Decoding from the graph").
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from tessera.core.graph import load_graph
+from tessera.executor.graph_decoder import GraphDecoder
+from tessera.executor.kv_layout import KvLayout, request_slices
+from tessera.kernels import merge_partials
+from tessera.planners.cp.recognize import recognize_decoder
+
+__all__ = ["GraphDecodeWorker", "attention_partial", "graph_decoder"]
+
+# Sequence length the model is loaded at to recognize it (any: decoding feeds other lengths).
+_PROBE_SEQUENCE = 8
+
+
+def graph_decoder(model_path: str) -> GraphDecoder:
+    """The decode step of the decoder exported at ``model_path`` (InputError when it is none)."""
+    graph = load_graph(model_path)
+    token = next(iter(graph.inputs))
+    graph = load_graph(model_path, input_shapes={token: (1, _PROBE_SEQUENCE)})
+    return GraphDecoder(graph, recognize_decoder(graph))
+
+
+def attention_partial(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float
+) -> tuple[Tensor, Tensor]:
+    """Causal attention of queries ``q`` ``[H, S, D]`` at positions ``q_pos`` over keys/values
+    ``[H, T, D]`` at ``k_pos``: ``(o [H, S, D], lse [H, S])``, normalized within these keys (o = 0,
+    lse = -inf for a query that sees none of them), mergeable with :func:`merge_partials`."""
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(scores - safe[..., None]) @ v.float(), lse
+
+
+class GraphDecodeWorker:
+    """One rank: its decoder, its requests and its KV cache (``tokens`` after :meth:`prefill`/:meth:`step`)."""
+
+    def __init__(self, spec: Any, rank: int, device: torch.device) -> None:
+        self.spec, self.rank, self.world, self.strategy = spec, rank, spec.world_size, spec.strategy
+        self.decoder = graph_decoder(spec.model_path)
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in self.decoder.module.parameters())
+        batch = len(spec.prompts)
+        self.lo, self.hi = request_slices(batch, self.world)[rank]
+        self.requests = list(range(self.lo, self.hi)) if self.strategy == "dp" else list(range(batch))
+        self.prompt_lens = [len(p) for p in spec.prompts]
+        total = [n + spec.options.new_tokens - 1 for n in self.prompt_lens]
+        if self.strategy == "cp":
+            layout = KvLayout(spec.kv_shards, spec.kv_block)
+            self.owner = {b: layout.owners(total[b]) for b in self.requests}
+        else:
+            self.owner = {b: np.full(total[b], rank, dtype=np.int64) for b in self.requests}
+        # Requests at one position decode as one batch; the same groups, in the same order, on every
+        # rank that decodes them (tp, cp), so their collectives pair up.
+        groups: dict[int, list[int]] = {}
+        for b in self.requests:
+            groups.setdefault(self.prompt_lens[b], []).append(b)
+        self.groups = [groups[n] for n in sorted(groups)]
+        self.cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (request, layer) -> K, V, pos
+        self.tokens: dict[int, list[int]] = {b: [] for b in self.requests}
+        self.comm_s = 0.0
+
+    # -- the decode --
+
+    def prefill(self) -> None:
+        """Each group's prompts in one pass; the first generated token of each."""
+        for group in self.groups:
+            prompts = torch.tensor([self.spec.prompts[b] for b in group], dtype=torch.long)
+            self._next(group, prompts, 0)
+
+    def step(self, step: int) -> None:
+        """Feed each request's last token (position ``prompt_len + step``), append one token."""
+        for group in self.groups:
+            last = torch.tensor([[self.tokens[b][-1]] for b in group], dtype=torch.long)
+            self._next(group, last, self.prompt_lens[group[0]] + step)
+
+    def _next(self, group: list[int], tokens: Tensor, past: int) -> None:
+        logits = self.decoder.logits(tokens, past, self._attend(group))
+        for b, t in zip(group, torch.argmax(logits[:, -1], dim=-1).tolist(), strict=True):
+            self.tokens[b].append(int(t))
+
+    def _attend(self, group: list[int]) -> Callable[[int, Tensor, Tensor, Tensor, float, int], Tensor]:
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, past: int) -> Tensor:
+            q_pos = torch.arange(past, past + q.shape[2])
+            if self.strategy == "tp":
+                heads = slice(*_share(q.shape[1], self.rank, self.world))
+                q, k, v = q[:, heads], k[:, heads], v[:, heads]
+            parts = [self._partial(b, layer, q[i], k[i], v[i], q_pos, scale) for i, b in enumerate(group)]
+            o = torch.stack([p[0] for p in parts])
+            if self.world == 1 or self.strategy == "dp":
+                return o
+            if self.strategy == "tp":  # every rank's heads, in order
+                return torch.cat(self._all_gather(o), dim=1)
+            lse = torch.stack([p[1] for p in parts])
+            return merge_partials(torch.stack(self._all_gather(o)), torch.stack(self._all_gather(lse)))[0]
+
+        return attend
+
+    def _partial(
+        self, b: int, layer: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
+    ) -> tuple[Tensor, Tensor]:
+        """Store the new keys this rank holds for request ``b``, attend ``q`` over all it holds."""
+        mine = torch.from_numpy(self.owner[b][q_pos.numpy()] == self.rank)
+        new = (k[:, mine], v[:, mine], q_pos[mine])
+        held = self.cache.get((b, layer))
+        if held is not None:
+            new = tuple(
+                torch.cat([a, n], dim=-2 if n.dim() > 1 else 0) for a, n in zip(held, new, strict=True)
+            )
+        self.cache[(b, layer)] = new  # type: ignore[assignment]
+        keys, values, positions = self.cache[(b, layer)]
+        return attention_partial(q, keys, values, q_pos, positions, scale)
+
+    def _all_gather(self, t: Tensor) -> list[Tensor]:
+        parts = [torch.empty_like(t) for _ in range(self.world)]
+        t0 = time.perf_counter()
+        dist.all_gather(parts, t.contiguous())
+        self.comm_s += time.perf_counter() - t0
+        return parts
+
+    # -- what the report reads --
+
+    @property
+    def kv_positions(self) -> int:
+        return sum(self.kv_positions_by_request().values())
+
+    def kv_positions_by_request(self) -> dict[int, int]:
+        layer0 = {b: held[2].numel() for (b, layer), held in self.cache.items() if layer == 0}
+        return {b: layer0.get(b, 0) for b in self.requests}
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(
+            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self.cache.values()
+        )
+
+    def request_range(self) -> list[int]:
+        """``[first, end)`` of the requests this rank decodes (dp: its own; tp, cp: all)."""
+        return [self.lo, self.hi] if self.strategy == "dp" else [0, len(self.spec.prompts)]
+
+    def reported_tokens(self) -> dict[int, list[int]]:
+        """dp: this rank's requests; tp and cp: every request, from rank 0 only (all ranks agree)."""
+        return self.tokens if self.strategy == "dp" or self.rank == 0 else {}
+
+
+def _share(n: int, rank: int, world: int) -> tuple[int, int]:
+    per = n // world
+    return rank * per, (rank + 1) * per

@@ -1,0 +1,182 @@
+"""Decode from a decoder's own ONNX graph: everything the exporter wrote (embeddings, norms, rotary,
+MLP, head) runs as written in the torch interpreter, and each recognized attention core's output is
+replaced by attention over a KV cache, which the caller's ``attend`` owns (whole, a rank's heads, or a
+rank's KV shard: executor/decode_worker.py). Positions: the graph's position ``Range``s are offset by
+the tokens already cached. Matching and limits: docs/executor.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from tessera.backends.torch_module import NodeHook, OnnxModule, to_torch
+from tessera.core.errors import InputError
+from tessera.core.graph import Graph
+from tessera.core.weights import is_lazy, materialize
+from tessera.planners.cp.attention import Matcher
+from tessera.planners.cp.recognize import Decoder
+
+__all__ = ["Attend", "GraphDecoder"]
+
+# attend(layer, q, k, v, scale, past) -> o: q, k, v, o [B, H, S, D] (K and V as the graph hands them
+# to the core: rotary applied, grouped-query heads repeated); S new tokens after ``past`` cached ones.
+Attend = Callable[[int, Tensor, Tensor, Tensor, float, int], Tensor]
+_POSITION_OPS = ("Range", "CumSum")
+
+
+@dataclass(frozen=True)
+class _Core:
+    qk: str  # the Q·Kᵀ MatMul: its inputs are Q [B, H, S, D] and Kᵀ [B, H, D, S]
+    av: str  # the ·V MatMul: its output is replaced
+    scale: float  # what the graph multiplies Q·Kᵀ by before the Softmax (masks dropped)
+
+
+class GraphDecoder:
+    """An exported decoder's graph as a decode step: ``logits(tokens, past, attend)``."""
+
+    def __init__(self, graph: Graph, decoder: Decoder) -> None:
+        self.label = graph.source
+        tokens = [name for name, info in graph.inputs.items() if info.dtype.startswith("int")]
+        if len(graph.inputs) != 1 or len(tokens) != 1:
+            raise InputError(
+                f"decoding feeds one input of token ids; the model has {len(graph.inputs)} input(s) "
+                f"({', '.join(graph.inputs)}): export it with input_ids alone (an all-ones attention "
+                "mask inside the exported forward)",
+                source=self.label,
+            )
+        self.token_input = tokens[0]
+        declared = graph.declared_shapes.get(self.token_input)
+        if declared is not None and len(declared) == 2 and isinstance(declared[1], int) and declared[1] > 0:
+            raise InputError(
+                f"input {self.token_input!r} has a fixed sequence length of {declared[1]}, but decoding feeds "
+                "one token at a time: export with a dynamic sequence axis (dynamic_axes="
+                f"{{{self.token_input!r}: {{0: 'batch', 1: 'sequence'}}}}, or dynamic_shapes= with the "
+                "dynamo exporter)",
+                source=self.label,
+            )
+        self.logits_output = next(iter(graph.outputs))
+        model = materialize(graph.model) if is_lazy(graph.model) else graph.model
+        self.module: OnnxModule = to_torch(model, label=self.label).train(False)
+        self.vocab = decoder.config.vocab
+        self.max_positions = decoder.positions  # a learned table's rows; None: no limit
+        matcher = Matcher(graph)
+        self.cores = [
+            _Core(core.qk_matmul, core.av_matmul, _score_scale(matcher, core.softmax, core.qk_matmul))
+            for core in decoder.cores
+        ]
+        self.needed = _needed(graph, decoder, self.logits_output)
+        self.positions = [name for name in self._position_nodes() if name in self.needed]
+
+    @torch.no_grad()
+    def logits(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
+        """``[B, S, vocab]`` logits of ``tokens`` ``[B, S]`` at positions ``past .. past + S - 1``."""
+        hooks: dict[str, NodeHook] = {name: _offset(past) for name in self.positions}
+        for layer, core in enumerate(self.cores):
+            held: dict[str, Tensor] = {}
+            hooks[core.qk] = _keep(held)
+            hooks[core.av] = _attend(held, attend, layer, core.scale, past)
+        feeds = {self.token_input: tokens}
+        out = self.module.run(feeds, after=hooks, only=self.needed)[self.logits_output]
+        if out.dim() != 3 or out.shape[-1] != self.vocab:
+            raise InputError(
+                f"output {self.logits_output!r} is {tuple(out.shape)}, not [batch, sequence, {self.vocab}] "
+                "logits",
+                source=self.label,
+            )
+        return out
+
+    def _position_nodes(self) -> list[str]:
+        """The ``Range``/``CumSum`` nodes that count the sequence's positions (0..S-1, or 1..S): found
+        by running the graph at two lengths and keeping the nodes whose output follows the length."""
+        seen: dict[str, list[bool]] = {}
+
+        def whole(
+            args: Sequence[Tensor | None], outs: tuple[Tensor, ...], node: str, s: int
+        ) -> tuple[Tensor, ...]:
+            flat = outs[0].reshape(-1)
+            counts = flat.numel() == s and bool(
+                torch.equal(flat, torch.arange(s, dtype=flat.dtype))
+                or torch.equal(flat, torch.arange(1, s + 1, dtype=flat.dtype))
+            )
+            seen.setdefault(node, []).append(counts)
+            return outs
+
+        candidates = [name for name, op in self.module.node_types().items() if op in _POSITION_OPS]
+        for s in (3, 5):
+            hooks: dict[str, NodeHook] = {
+                name: (lambda a, o, name=name, s=s: whole(a, o, name, s)) for name in candidates
+            }
+            for core in self.cores:  # the probe runs the graph as written: its own attention
+                hooks.pop(core.av, None)
+            self.module.run({self.token_input: torch.zeros(1, s, dtype=torch.long)}, after=hooks)
+        return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)]
+
+
+def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:
+    """The nodes the logits need once each core's output is attention over Q, K and V: the masks,
+    scores and Softmaxes of the graph's own attention are not run (nor the positions they index)."""
+    replaced = {core.av_matmul: core.qk_matmul for core in decoder.cores}
+    needed: set[str] = set()
+    stack = [output]
+    while stack:
+        node = graph.producer.get(stack.pop())
+        if node is None or node in needed:
+            continue
+        needed.add(node)
+        inputs = graph.op(node).inputs
+        if node in replaced:  # ·V: V, and the Q·Kᵀ MatMul that hands Q and Kᵀ to the hook
+            needed.add(replaced[node])
+            inputs = (inputs[1], *graph.op(replaced[node]).inputs)
+        stack.extend(t for t in inputs if t)
+    return frozenset(needed)
+
+
+def _offset(past: int) -> NodeHook:
+    return lambda args, outs: (outs[0] + past, *outs[1:])
+
+
+def _keep(held: dict[str, Tensor]) -> NodeHook:
+    def hook(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        assert args[0] is not None and args[1] is not None
+        held["q"], held["kt"] = args[0], args[1]
+        return outs
+
+    return hook
+
+
+def _attend(held: dict[str, Tensor], attend: Attend, layer: int, scale: float, past: int) -> NodeHook:
+    def hook(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        v = args[1]
+        assert v is not None
+        q, k = held.pop("q"), held.pop("kt").transpose(-1, -2)
+        return (attend(layer, q, k, v, scale, past).to(v.dtype),)
+
+    return hook
+
+
+def _score_scale(m: Matcher, softmax: str, qk: str) -> float:
+    """The product of the scalar constants the scores are multiplied by (or divided by) between the
+    Q·Kᵀ MatMul and the Softmax; masks (Add, Where) are dropped: the cache's attention is causal."""
+    scale, tensor = 1.0, m.g.op(softmax).inputs[0]
+    for _ in range(12):
+        op = m.producer(tensor)
+        if op is None or op.name == qk:
+            return scale
+        data = op.inputs[1:] if op.op_type == "Where" else op.inputs
+        path = next(t for t in data if t and not m.is_constant(t) and m.reaches_scores(t, qk))
+        if op.op_type in ("Mul", "Div"):
+            other = next((t for t in op.inputs if t != path), None)
+            value = None if other is None else m.array(other)
+            if value is None or np.asarray(value).size != 1:
+                raise InputError(
+                    f"node {op.name} scales the attention scores by a non-constant", source=m.g.source
+                )
+            factor = float(np.asarray(value).reshape(()))
+            scale = scale * factor if op.op_type == "Mul" else scale / factor
+        tensor = path
+    raise InputError(f"cannot read the attention scale before {softmax}", source=m.g.source)

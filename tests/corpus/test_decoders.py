@@ -1,0 +1,131 @@
+"""The corpus's decoders (issue #27): every export of GPT-2, Llama-GQA, Qwen2 and Phi, both exporters,
+eager and SDPA attention, is recognized by ``plan --kind cp`` with the sizes its transformers config
+was built with, ``inspect`` reports the block structure (rotary, norm, residual, QKV), and cp, tp and
+dp launches on 2 CPU ranks, decoding from the export's own graph, continue given prompts with exactly
+the greedy tokens of onnxruntime running the whole graph without a cache."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from cli_runner import run_cli
+from corpus.exports import ENTRIES, Corpus
+from corpus.models import MODELS
+
+from tessera.core.graph import load_graph
+from tessera.planners.cp.recognize import recognize_decoder
+
+pytestmark = [pytest.mark.corpus]
+
+DECODERS = [e for e in ENTRIES if MODELS[e[0]].decoder]
+
+
+def _configured(corpus: Corpus, model: str) -> dict[str, object]:
+    """What the decoder was built with, read from its transformers config."""
+    config = corpus.reference(model)[0].model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps the factor here
+    rotary = rope.get("partial_rotary_factor", 1.0) if config.model_type != "gpt2" else None
+    return {
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "ffn": getattr(config, "intermediate_size", None)
+        or getattr(config, "n_inner", None)
+        or 4 * config.hidden_size,
+        "gated_ffn": config.model_type in ("llama", "qwen2"),
+        "vocab": config.vocab_size,
+        "tied_embeddings": bool(config.tie_word_embeddings),
+        "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
+        "norm": {"gpt2": "layernorm", "phi": "layernorm"}.get(config.model_type, "rmsnorm"),
+        "parallel_residual": config.model_type == "phi",
+        "qkv": "fused" if config.model_type == "gpt2" else "separate",
+    }
+
+
+@pytest.mark.parametrize("key", DECODERS, ids=["-".join(e) for e in DECODERS])
+def test_every_decoder_export_is_recognized_with_its_configured_sizes(key, corpus: Corpus) -> None:
+    made = corpus.entries[key]
+    assert made.path is not None, made.error  # every decoder exports (with an all-ones mask)
+    decoder = recognize_decoder(load_graph(made.path, input_shapes=corpus.input_shapes(key)))
+    found = decoder.to_json()
+    want = _configured(corpus, made.model)
+    assert {k: found[k] for k in want} == want
+    assert len(found["attention"]) == want["layers"]
+    if made.batch == "dynamic" and made.model.startswith("gpt2"):  # learned positions: n_positions rows
+        assert decoder.positions == corpus.reference(made.model)[0].model.config.n_positions
+
+
+@pytest.mark.parametrize("key", [e for e in DECODERS if e[2] == "dynamic"], ids=lambda e: "-".join(e))
+def test_inspect_reports_the_decoder_and_plan_cp_accepts_it(key, corpus: Corpus, tmp_path) -> None:
+    made = corpus.entries[key]
+    report = run_cli("inspect", made.path, "--json")
+    assert report.code == 0, report.err
+    decoder = json.loads(report.out)["decoder"]
+    assert decoder["recognized"] and decoder["kv_heads"] == _configured(corpus, made.model)["kv_heads"]
+    plan = run_cli(
+        "plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "2", "--context", "24",
+        "--output-len", "4", "-o", str(tmp_path / "cp.json"),
+    )  # fmt: skip
+    assert plan.code == 0, plan.err
+    llm = json.loads((tmp_path / "cp.json").read_text())["llm"]
+    assert (llm["heads"], llm["kv_heads"]) == (decoder["heads"], decoder["kv_heads"])
+
+
+@pytest.mark.parametrize("key", [e for e in ENTRIES if e[0] == "bert"], ids=lambda e: "-".join(e))
+def test_an_encoder_export_is_refused_naming_its_softmax(key, corpus: Corpus) -> None:
+    made = corpus.entries[key]
+    result = run_cli("plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "2",
+                     "--context", "16", "--input-shape", f"input_ids={'x'.join(map(str, made.shape))}")  # fmt: skip
+    assert result.code == 2 and "no causal self-attention found" in result.err and "Softmax" in result.err
+
+
+def _reference_tokens(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy tokens of onnxruntime running the whole exported graph on the growing sequence (fp32,
+    no cache): the original model's tokens."""
+    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    name = session.get_inputs()[0].name
+    out = []
+    for prompt in prompts:
+        sequence, tokens = list(prompt), []
+        for _ in range(new_tokens):
+            logits = session.run(None, {name: np.array([sequence], dtype=np.int64)})[0]
+            tokens.append(int(logits[0, -1].argmax()))
+            sequence.append(tokens[-1])
+        out.append(tokens)
+    return out
+
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 64, 1, 12, 90], [33, 2, 120, 8, 8, 51], [77, 19, 4, 4, 101, 60]]
+NEW_TOKENS = 5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("key", [e for e in DECODERS if e[2] == "dynamic"], ids=lambda e: "-".join(e))
+def test_cp_tp_and_dp_launches_continue_prompts_with_the_reference_tokens(
+    key, corpus: Corpus, tmp_path
+) -> None:
+    made = corpus.entries[key]
+    want = _reference_tokens(made.path, PROMPTS, NEW_TOKENS)
+    assert len({t for tokens in want for t in tokens}) > 3  # varied tokens: a wrong decode shows
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(" ".join(map(str, p)) + "\n" for p in PROMPTS))
+    for strategy in ("cp", "tp", "dp"):
+        plan = tmp_path / f"{strategy}.json"
+        planned = run_cli(
+            "plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "4", "--context", "10",
+            "--output-len", str(NEW_TOKENS), "--strategy", strategy, "--degree", "2", "-o", str(plan),
+        )  # fmt: skip
+        assert planned.code == 0, planned.err
+        launched = run_cli(
+            "launch", str(plan), "--model", made.path, "--prompts", str(prompts), "--new-tokens", str(NEW_TOKENS),
+            "--json", "--timeout", "60",
+        )  # fmt: skip
+        assert launched.code == 0, launched.err
+        assert json.loads(launched.out)["tokens"] == want, strategy
