@@ -486,9 +486,40 @@ def _symbolic_shapes(model: onnx.ModelProto) -> onnx.ModelProto | None:
         # Where inference stays incomplete, the tool saves the model as sym_shape_infer_temp.onnx in
         # the working directory before raising: a temporary one, never the user's.
         with _quiet_stdio(), tempfile.TemporaryDirectory() as scratch, contextlib.chdir(scratch):
-            return SymbolicShapeInference.infer_shapes(model, auto_merge=True)
+            stripped = _external_as_inputs(model)
+            inferred = SymbolicShapeInference.infer_shapes(stripped, auto_merge=True)
+        return inferred if stripped is model else _restore_initializers(inferred, model)
     except Exception:  # noqa: BLE001 - an optional second opinion: unsupported ops, odd graphs
         return None
+
+
+def _external_as_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy whose initializers kept outside the file (external or lazy data, which the tool cannot
+    read) are graph inputs of the same type and shape: weights' shapes are all inference needs."""
+    external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
+    if not external:
+        return model
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)
+    names = {t.name for t in external}
+    kept = [t for t in copy.graph.initializer if t.name not in names]
+    del copy.graph.initializer[:]
+    copy.graph.initializer.extend(kept)
+    copy.graph.input.extend(
+        onnx.helper.make_tensor_value_info(t.name, t.data_type, list(t.dims)) for t in external
+    )
+    return copy
+
+
+def _restore_initializers(inferred: onnx.ModelProto, model: onnx.ModelProto) -> onnx.ModelProto:
+    """``model`` with the value infos ``inferred`` found (its inputs and initializers as they were)."""
+    result = onnx.ModelProto()
+    result.CopyFrom(model)
+    del result.graph.value_info[:]
+    result.graph.value_info.extend(inferred.graph.value_info)
+    del result.graph.output[:]
+    result.graph.output.extend(inferred.graph.output)
+    return result
 
 
 @contextlib.contextmanager

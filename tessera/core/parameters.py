@@ -49,7 +49,10 @@ def parameter_owners(
     nodes = {n.name: n for n in g.node}
     position = {n.name: i for i, n in enumerate(g.node)}
     leaves = [t.name for t in g.initializer] + [
-        out for n in g.node if n.op_type in ("Constant", "ConstantOfShape") for out in n.output
+        out
+        for n in g.node
+        if n.op_type in ("Constant", "ConstantOfShape") and n.name in constant_nodes  # not zeros_like(x)
+        for out in n.output
     ]
     owners: dict[str, list[str]] = {}
     for leaf in leaves:

@@ -12,7 +12,6 @@ from typing import Any
 
 from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan
-from tessera.executor.decoder import llm_ints
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.launcher import available_memory_bytes
 
@@ -21,9 +20,19 @@ WORKER_BASE_BYTES = 256 * 2**20
 measure about 350 MiB of peak RSS, part of it shared libraries."""
 
 
+def llm_ints(llm: dict[str, Any]) -> tuple[int, int, int, int, int, int, int]:
+    """A plan's ``llm`` block as (layers, hidden, heads, kv_heads, head_dim, ffn, vocab)."""
+    heads = int(llm["heads"])
+    kv_heads = int(llm.get("kv_heads") or heads)
+    head_dim = int(llm.get("head_dim") or int(llm["hidden"]) // heads)
+    return (
+        int(llm["layers"]), int(llm["hidden"]), heads, kv_heads, head_dim, int(llm["ffn"]), int(llm["vocab"]),
+    )  # fmt: skip
+
+
 def weight_elements(llm: dict[str, Any], positions: int | None) -> int:
-    """Elements of the tensors :mod:`~tessera.executor.decoder`'s weight builders make
-    (fp32 whatever the plan's dtype; a tied LM head is a copy of its own)."""
+    """Elements of the decoder's weights (fp32 whatever the plan's dtype; a tied LM head counted
+    as a copy of its own: an upper estimate)."""
     layers, hidden, heads, kv_heads, head_dim, ffn, vocab = llm_ints(llm)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     ffn_matrices = 3 if llm.get("gated_ffn") else 2
@@ -52,20 +61,18 @@ def host_memory_need(
     on_gpu: bool,
 ) -> dict[str, int]:
     """Bytes the workers of ``ranks`` will allocate on this host, by what for (an upper estimate,
-    computed from the plan without building anything): ``weights`` as built (fp32; an ONNX model's
-    file is held while its tensors are made; a TP rank cuts its share from the full weights),
-    ``kv_cache`` (the decode worker's buffers), ``prefill`` (one request's causal attention
-    scores ``heads × S × S``, three live at once, its prompt's K/V and FFN activations),
+    computed from the plan without building anything): ``weights`` as built (fp32; the model is
+    held while the torch module copies its tensors: twice), ``kv_cache`` (K and V as the graph hands
+    them to attention: grouped-query heads repeated, so ``heads`` of them; a TP rank its share),
+    ``prefill`` (one request's causal attention scores ``heads × S × S``, three live at once, its
+    prompt's K/V and FFN activations),
     ``layout`` (each request's position owners) and ``workers`` (:data:`WORKER_BASE_BYTES` each).
     On a GPU the KV cache and the prefill live on the device, not here."""
     layers, hidden, heads, kv_heads, head_dim, ffn, _ = llm_ints(plan.llm)
     n = plan.degree
-    weights = 4 * weight_elements(plan.llm, positions)
-    built = 2 * weights if onnx else weights
-    hq, hkv = heads, kv_heads
-    if plan.strategy == "tp":
-        built = max(built, weights + weights // n)
-        hq, hkv = heads // n, kv_heads // n
+    del onnx  # an ONNX model and an --llm config's GPT are both built as a model, then a module
+    built = 2 * 4 * weight_elements(plan.llm, positions)
+    hq = hkv = heads // n if plan.strategy == "tp" else heads
     total = [p + new_tokens - 1 for p in prompt_lens]
     slices = request_slices(len(total), plan.degree)
     need = {"weights": 0, "kv_cache": 0, "prefill": 0, "layout": 0, "workers": 0}

@@ -8,15 +8,17 @@ the tokens, tokens/s and per-token latency measured against the plan's predictio
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from tessera.core.errors import InputError
 from tessera.core.plans import CpPlan
-from tessera.executor.cp_memory import check_host_memory, host_memory_need
+from tessera.executor.cp_memory import check_host_memory, host_memory_need, llm_ints
 from tessera.executor.decode_worker import CpWorkerSpec, DecodeOptions, cp_worker
-from tessera.executor.decoder import llm_ints, make_prompts, onnx_decoder_weights
 from tessera.executor.graph_decode_worker import graph_decoder
 from tessera.executor.kv_layout import DEFAULT_KV_BLOCK, KvLayout
 from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, local_ranks
@@ -183,7 +185,6 @@ def run_cp_plan(
         kv_block=block,
         timeout_s=launch.timeout_s,
         backend=backend,
-        graph=model.graph,
     )
 
     def describe(rank: int) -> str:
@@ -191,6 +192,14 @@ def run_cp_plan(
 
     results = launch_workers(cp_worker, (spec,), plan.degree, launch, describe_rank=describe)
     return cp_report(plan, plan_path, backend, options, prompt_lens, model.source, gathered(results))
+
+
+def make_prompts(vocab: int, lengths: Sequence[int], seed: int = 0) -> list[list[int]]:
+    """Request ``b``'s prompt: ``lengths[b]`` ids uniform in ``[0, vocab)`` from
+    ``numpy.random.default_rng([seed, b])`` (the same in every process)."""
+    return [
+        np.random.default_rng([seed, b]).integers(0, vocab, size=n).tolist() for b, n in enumerate(lengths)
+    ]
 
 
 def _prompts(options: DecodeOptions, vocab: int, prompt_lens: list[int]) -> list[list[int]]:
@@ -214,35 +223,20 @@ class _Model:
     vocab: int
     max_positions: int | None  # the position table's length; None: rotary or sinusoidal (no limit)
     source: str
-    graph: bool = False  # decoded from its own graph (else the GPT decoder maps its weights)
 
 
 def _checked_model(plan: CpPlan, model_path: str | None, options: DecodeOptions, plan_path: str) -> _Model:
-    """The plan's decoder; an ONNX model that cannot be mapped is refused before any worker starts."""
+    """The plan's decoder; an ONNX model that cannot be decoded from its graph is refused before
+    any worker starts. An ``--llm`` plan's GPT (models.gpt.llm_gpt) is built by the workers."""
     if plan.model is None:
-        source = f"seeded random (seed {options.seed}; --llm config {plan.llm.get('name', '?')})"
+        source = f"seeded random (seed {options.seed}; --llm config {plan.llm.get('name', '?')}, sinusoidal positions)"
         return _Model(None, int(plan.llm["vocab"]), None, source)
     if model_path is None:
         raise InputError("the plan names an ONNX model; give its path", source=plan_path)
     path = str(Path(model_path).resolve())
-    try:
-        decoder = graph_decoder(path)
-    except InputError:
-        if not _zoo_gpt(path):
-            raise
-        # tessera's zoo GPT fixes its sequence length: the GPT decoder maps its weights (issue #27).
-        weights = onnx_decoder_weights(path, plan.llm)
-        return _Model(path, weights.vocab, weights.max_positions, weights.source, graph=False)
+    decoder = graph_decoder(path)
     # The workers build their own: only these facts are kept (no copy held while they run).
-    return _Model(path, decoder.vocab, decoder.max_positions, f"{path} (its own graph)", graph=True)
-
-
-def _zoo_gpt(path: str) -> bool:
-    """Whether ``path`` is a GPT of tessera's zoo (its metadata says so)."""
-    import onnx
-
-    model = onnx.load(path, load_external_data=False)
-    return any(p.key == "tessera.model" and p.value == "gpt" for p in model.metadata_props)
+    return _Model(path, decoder.vocab, decoder.max_positions, f"{path} (its own graph)")
 
 
 def _kv_layout(plan: CpPlan, shards: list[tuple[int, int]], block: int, plan_path: str) -> KvLayout | None:

@@ -14,27 +14,33 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from tessera.core.graph import load_graph
+from tessera.core.weights import materialize
 from tessera.executor.graph_decoder import GraphDecoder
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.kernels import merge_partials
+from tessera.models.gpt import llm_gpt
 from tessera.planners.cp.recognize import recognize_decoder
 
-__all__ = ["GraphDecodeWorker", "attention_partial", "graph_decoder"]
+__all__ = ["DecodeWorker", "attention_partial", "graph_decoder"]
 
 # Sequence length the model is loaded at to recognize it (any: decoding feeds other lengths).
 _PROBE_SEQUENCE = 8
 
 
-def graph_decoder(model_path: str) -> GraphDecoder:
-    """The decode step of the decoder exported at ``model_path`` (InputError when it is none)."""
-    graph = load_graph(model_path)
+def graph_decoder(model: str | onnx.ModelProto, *, label: str | None = None) -> GraphDecoder:
+    """The decode step of the decoder ``model`` (a path or a model; InputError when it is none).
+    Recognized at its declared sequence length, or at a few tokens when the length is symbolic."""
+    graph = load_graph(model, label=label)
     token = next(iter(graph.inputs))
-    graph = load_graph(model_path, input_shapes={token: (1, _PROBE_SEQUENCE)})
+    declared = graph.declared_shapes.get(token) or ()
+    if not (len(declared) == 2 and isinstance(declared[1], int)):
+        graph = load_graph(model, input_shapes={token: (1, _PROBE_SEQUENCE)}, label=label)
     return GraphDecoder(graph, recognize_decoder(graph))
 
 
@@ -51,12 +57,19 @@ def attention_partial(
     return torch.exp(scores - safe[..., None]) @ v.float(), lse
 
 
-class GraphDecodeWorker:
+class DecodeWorker:
     """One rank: its decoder, its requests and its KV cache (``tokens`` after :meth:`prefill`/:meth:`step`)."""
 
     def __init__(self, spec: Any, rank: int, device: torch.device) -> None:
+        from tessera.kernels import get_partial_attention
+
         self.spec, self.rank, self.world, self.strategy = spec, rank, spec.world_size, spec.strategy
-        self.decoder = graph_decoder(spec.model_path)
+        self.kernel = get_partial_attention(spec.options.attention)  # a decode step's shard attention
+        if spec.model_path is not None:
+            self.decoder = graph_decoder(spec.model_path)
+        else:  # an --llm plan: the GPT of its config, seeded random weights
+            model = materialize(llm_gpt(spec.llm, spec.options.seed))
+            self.decoder = graph_decoder(model, label=f"--llm {spec.llm.get('name', 'config')}")
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.decoder.module.parameters())
         batch = len(spec.prompts)
         self.lo, self.hi = request_slices(batch, self.world)[rank]
@@ -127,6 +140,9 @@ class GraphDecodeWorker:
             )
         self.cache[(b, layer)] = new  # type: ignore[assignment]
         keys, values, positions = self.cache[(b, layer)]
+        if q.shape[1] == 1:  # a decode step: every key held is at or before the query (--attention)
+            o, lse = self.kernel(q[None, :, 0], keys[None], values[None], scale=scale)
+            return o[0, :, None], lse[0, :, None]
         return attention_partial(q, keys, values, q_pos, positions, scale)
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:

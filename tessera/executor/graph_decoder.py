@@ -50,15 +50,6 @@ class GraphDecoder:
                 source=self.label,
             )
         self.token_input = tokens[0]
-        declared = graph.declared_shapes.get(self.token_input)
-        if declared is not None and len(declared) == 2 and isinstance(declared[1], int) and declared[1] > 0:
-            raise InputError(
-                f"input {self.token_input!r} has a fixed sequence length of {declared[1]}, but decoding feeds "
-                "one token at a time: export with a dynamic sequence axis (dynamic_axes="
-                f"{{{self.token_input!r}: {{0: 'batch', 1: 'sequence'}}}}, or dynamic_shapes= with the "
-                "dynamo exporter)",
-                source=self.label,
-            )
         self.logits_output = next(iter(graph.outputs))
         model = materialize(graph.model) if is_lazy(graph.model) else graph.model
         self.module: OnnxModule = to_torch(model, label=self.label).train(False)
@@ -70,7 +61,26 @@ class GraphDecoder:
             for core in decoder.cores
         ]
         self.needed = _needed(graph, decoder, self.logits_output)
-        self.positions = [name for name in self._position_nodes() if name in self.needed]
+        try:
+            found = self._position_nodes()
+        except RuntimeError as exc:  # the graph runs only at the sequence length it was exported at
+            declared = graph.declared_shapes.get(self.token_input) or ()
+            fixed = f" of {declared[1]}" if len(declared) == 2 and isinstance(declared[1], int) else ""
+            why = " ".join(str(exc).removeprefix(f"{self.label}: ").split())[:160]
+            raise InputError(
+                f"the model runs only at its exported sequence length{fixed} ({why}), "
+                "but decoding feeds one token at a time: export with a dynamic sequence axis (dynamic_axes="
+                f"{{{self.token_input!r}: {{0: 'batch', 1: 'sequence'}}}}, or dynamic_shapes= with the dynamo "
+                "exporter)",
+                source=self.label,
+            ) from None
+        self.positions = [name for name in found if name in self.needed]
+        if not self.positions and (decoder.positions is not None or decoder.rotary_dim is not None):
+            raise InputError(
+                "cannot find where the graph counts token positions (a Range or CumSum over the sequence "
+                "that its position embedding reads): decoding could not place new tokens",
+                source=self.label,
+            )
 
     @torch.no_grad()
     def logits(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:

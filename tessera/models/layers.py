@@ -202,12 +202,28 @@ def layer_norm(g: GraphBuilder, x: str, dim: int, name: str, *, epsilon: float =
         return g.op("LayerNormalization", [x, scale, bias], "layer_norm", axis=-1, epsilon=epsilon)
 
 
-def ffn(g: GraphBuilder, x: str, hidden: int, inner: int, name: str = "ffn", *, std: float = 0.02) -> str:
-    """The transformer feed-forward block: linear ``fc1`` -> GELU -> linear ``fc2``."""
+def ffn(  # noqa: PLR0913
+    g: GraphBuilder,
+    x: str,
+    hidden: int,
+    inner: int,
+    name: str = "ffn",
+    *,
+    std: float = 0.02,
+    std_down: float | None = None,
+    gated: bool = False,
+) -> str:
+    """The transformer feed-forward block: linear ``fc1`` -> GELU -> linear ``fc2``; ``gated``:
+    SwiGLU, ``fc2(silu(gate(x)) * fc1(x))`` (Llama). ``std_down``: of ``fc2`` (default ``std``)."""
     with g.scope(name):
         h = linear(g, x, hidden, inner, "fc1", std=std)
-        h = gelu(g, h)
-        return linear(g, h, inner, hidden, "fc2", std=std)
+        if gated:
+            gate = linear(g, x, hidden, inner, "gate", std=std)
+            silu = g.op("Mul", [gate, g.op("Sigmoid", [gate], "gate_sigmoid")], "silu")
+            h = g.op("Mul", [silu, h], "gated")
+        else:
+            h = gelu(g, h)
+        return linear(g, h, inner, hidden, "fc2", std=std if std_down is None else std_down)
 
 
 # --- attention ---------------------------------------------------------------------------------
@@ -219,11 +235,12 @@ def attention(  # noqa: PLR0913
     *,
     hidden: int,
     heads: int,
-    seq: int,
+    seq: int | None,
     kv_heads: int | None = None,
     causal: bool = False,
     name: str = "attn",
     std: float = 0.02,
+    head_dim: int | None = None,
 ) -> str:
     """Multi-head self-attention on ``[batch, seq, hidden]`` from MatMul/Reshape/Transpose/Softmax.
 
@@ -236,32 +253,40 @@ def attention(  # noqa: PLR0913
     ``kv_heads < heads`` is grouped-query attention: K and V are projected to ``kv_heads`` heads
     and each is shared by ``heads / kv_heads`` query heads (``k_repeat``/``v_repeat``: Reshape,
     Expand, Reshape), so the attention core is the same as for multi-head attention.
+
+    ``seq`` None: any sequence length (the GPT decodes token by token): the causal mask's shape and
+    the grouped-query repeats follow the input. ``head_dim``: default ``hidden / heads``.
     """
     kv_heads = heads if kv_heads is None else kv_heads
-    if hidden % heads or heads % kv_heads:
+    if heads % kv_heads or (head_dim is None and hidden % heads):
         raise ValueError(
             f"heads ({heads}) must divide hidden ({hidden}) and kv_heads ({kv_heads}) must divide heads"
         )
-    head_dim = hidden // heads
+    head_dim = hidden // heads if head_dim is None else head_dim
+    width = heads * head_dim
     with g.scope(name):
-        q = linear(g, x, hidden, hidden, "q", std=std)
+        q = linear(g, x, hidden, width, "q", std=std)
         k = linear(g, x, hidden, kv_heads * head_dim, "k", std=std)
         v = linear(g, x, hidden, kv_heads * head_dim, "v", std=std)
         q = _split_heads(g, q, heads, head_dim, "q_heads", perm=(0, 2, 1, 3))
         k = _split_heads(g, k, kv_heads, head_dim, "k_heads", perm=(0, 2, 3, 1))
         v = _split_heads(g, v, kv_heads, head_dim, "v_heads", perm=(0, 2, 1, 3))
         if kv_heads != heads:
-            k = _repeat_kv(g, k, kv_heads, heads, (head_dim, seq), "k_repeat")
-            v = _repeat_kv(g, v, kv_heads, heads, (seq, head_dim), "v_repeat")
+            length = -1 if seq is None else seq  # Reshape's -1: whatever the input holds
+            k = _repeat_kv(g, k, kv_heads, heads, (head_dim, length), "k_repeat")
+            v = _repeat_kv(g, v, kv_heads, heads, (length, head_dim), "v_repeat")
         scores = g.op("MatMul", [q, k], "qk_matmul")
         scores = g.op(
             "Mul", [scores, scalar_const(g, "qk_scale/factor", 1.0 / math.sqrt(head_dim))], "qk_scale"
         )
         if causal:
             fill = helper.make_tensor("value", TensorProto.FLOAT, [1], [-1e9])
-            masked = g.op(
-                "ConstantOfShape", [shape_const(g, "mask_fill/shape", (seq, seq))], "mask_fill", value=fill
+            square = (
+                g.op("Shape", [scores], "mask_shape", start=-2)  # [S, S] of the scores
+                if seq is None
+                else shape_const(g, "mask_fill/shape", (seq, seq))
             )
+            masked = g.op("ConstantOfShape", [square], "mask_fill", value=fill)
             # Strictly upper triangle (future positions) keeps -1e9, the rest becomes 0.
             mask = g.op(
                 "Trilu",
@@ -274,8 +299,8 @@ def attention(  # noqa: PLR0913
         context = g.op("MatMul", [probs, v], "av_matmul")
         with g.scope("merge_heads"):
             context = g.op("Transpose", [context], "transpose", perm=[0, 2, 1, 3])
-            context = g.op("Reshape", [context, shape_const(g, "shape", (0, 0, hidden))], "reshape")
-        return linear(g, context, hidden, hidden, "out", std=std)
+            context = g.op("Reshape", [context, shape_const(g, "shape", (0, 0, width))], "reshape")
+        return linear(g, context, width, hidden, "out", std=std)
 
 
 def _split_heads(g: GraphBuilder, x: str, heads: int, head_dim: int, name: str, perm: Sequence[int]) -> str:
@@ -289,7 +314,8 @@ def _repeat_kv(g: GraphBuilder, x: str, kv_heads: int, heads: int, tail: tuple[i
     group = heads // kv_heads
     with g.scope(name):
         x = g.op("Reshape", [x, shape_const(g, "unsqueeze_shape", (0, kv_heads, 1, *tail))], "unsqueeze")
-        x = g.op("Expand", [x, shape_const(g, "expand_shape", (1, kv_heads, group, *tail))], "expand")
+        ones = tuple(1 if d == -1 else d for d in tail)  # Expand: 1 keeps the input's length
+        x = g.op("Expand", [x, shape_const(g, "expand_shape", (1, kv_heads, group, *ones))], "expand")
         return g.op("Reshape", [x, shape_const(g, "shape", (0, heads, *tail))], "reshape")
 
 
@@ -300,23 +326,38 @@ def transformer_layer(  # noqa: PLR0913
     hidden: int,
     heads: int,
     ffn_dim: int,
-    seq: int,
+    seq: int | None,
     kv_heads: int | None = None,
     causal: bool = False,
     pre_norm: bool = True,
     epsilon: float = 1e-5,
+    head_dim: int | None = None,
+    gated: bool = False,
+    fan_in: bool = False,
 ) -> str:
     """One transformer layer in the current scope: attention and FFN, each with a residual.
 
     ``pre_norm`` (GPT-2, MMT): ``x + attn(ln1(x))``, then ``x + ffn(ln2(x))``.
-    Post-norm (BERT): ``ln1(x + attn(x))``, then ``ln2(x + ffn(x))``.
+    Post-norm (BERT): ``ln1(x + attn(x))``, then ``ln2(x + ffn(x))``. ``fan_in``: weights drawn
+    with std ``1/sqrt(rows)`` instead of 0.02 (activations stay O(1): clear greedy tokens).
     """
+    std, std_down = (hidden**-0.5, ffn_dim**-0.5) if fan_in else (0.02, 0.02)
 
     def attn(h: str) -> str:
-        return attention(g, h, hidden=hidden, heads=heads, seq=seq, kv_heads=kv_heads, causal=causal)
+        return attention(
+            g,
+            h,
+            hidden=hidden,
+            heads=heads,
+            seq=seq,
+            kv_heads=kv_heads,
+            causal=causal,
+            std=std,
+            head_dim=head_dim,
+        )
 
     def feed_forward(h: str) -> str:
-        return ffn(g, h, hidden, ffn_dim)
+        return ffn(g, h, hidden, ffn_dim, std=std, std_down=std_down, gated=gated)
 
     for index, (body, block) in enumerate((("attn", attn), ("ffn", feed_forward)), start=1):
         norm = f"ln{index}"

@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 from cli_runner import run_cli
+from decode_reference import greedy_tokens
 
-from tessera.core.plans import load_plan
-from tessera.executor.decoder import decoder_weights, reference_decode
 from tessera.models import build
 
 
@@ -58,8 +57,7 @@ def test_given_prompts_are_decoded_in_order_as_the_reference(tmp_path: Path, gpt
         "launch", str(plan), "--model", str(gpt), "--prompts", str(given), "--new-tokens", "4", "--json"
     )
     assert res.code == 0, res.err
-    weights = decoder_weights(load_plan(plan), str(gpt))
-    assert json.loads(res.out)["tokens"] == reference_decode(weights, prompts, 4)
+    assert json.loads(res.out)["tokens"] == greedy_tokens(gpt, prompts, 4)
 
 
 @pytest.mark.parametrize(

@@ -336,7 +336,7 @@ def test_recompute_and_bytes_per_param_from_the_command_line(tmp_path) -> None:
 def test_sequential_plans_with_skip_edges_are_valid(cluster, zoo_graph) -> None:
     # A residual crossing two stages makes an edge 0->2 next to the chain 0->1->2: the first
     # chain check refused every such spp plan that plan itself wrote.
-    g = zoo_graph("gpt")
+    g = zoo_graph("bert")
     plan, _, _ = plan_gpp(g, cluster("dgx-a100"), PartitionOptions(mini_batch=16), kind="spp")
     edges = {(e.src, e.dst) for e in plan.edges}
     assert any(dst > src + 1 for src, dst in edges)

@@ -119,3 +119,13 @@ def test_operators_whose_shapes_stay_unknown_are_named(
     assert len(warning) == 1 and str(path) in warning[0]
     assert "4 operator(s)" in warning[0] and "NonZero 'nonzero'" in warning[0] and "and 1 more" in warning[0]
     assert "count as 0" in warning[0] and "--input-shape" in warning[0]
+
+
+def test_lazy_weights_do_not_stop_the_symbolic_inference() -> None:
+    """onnxruntime's symbolic inference cannot read lazy (or external) weights: they are given to it
+    as inputs of their shape, so the paper GPT's positions (a Range over the input's length) resolve."""
+    from tessera.models import build
+
+    graph = load_graph(build("gpt", "paper"))
+    assert graph.unknown_shapes == ()
+    assert graph.tensors["embed/position/range"].shape == (1024,)

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
-import onnxruntime as ort
 import pytest
 from cli_runner import run_cli
 from corpus.exports import ENTRIES, Corpus
 from corpus.models import MODELS
+from decode_reference import greedy_tokens
 
 from tessera.core.graph import load_graph
 from tessera.planners.cp.recognize import recognize_decoder
@@ -86,22 +85,6 @@ def test_an_encoder_export_is_refused_naming_its_softmax(key, corpus: Corpus) ->
     assert result.code == 2 and "no causal self-attention found" in result.err and "Softmax" in result.err
 
 
-def _reference_tokens(path: str, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """Greedy tokens of onnxruntime running the whole exported graph on the growing sequence (fp32,
-    no cache): the original model's tokens."""
-    session = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
-    name = session.get_inputs()[0].name
-    out = []
-    for prompt in prompts:
-        sequence, tokens = list(prompt), []
-        for _ in range(new_tokens):
-            logits = session.run(None, {name: np.array([sequence], dtype=np.int64)})[0]
-            tokens.append(int(logits[0, -1].argmax()))
-            sequence.append(tokens[-1])
-        out.append(tokens)
-    return out
-
-
 PROMPTS = [[5, 17, 3, 99, 42, 7, 64, 1, 12, 90], [33, 2, 120, 8, 8, 51], [77, 19, 4, 4, 101, 60]]
 NEW_TOKENS = 5
 
@@ -112,7 +95,7 @@ def test_cp_tp_and_dp_launches_continue_prompts_with_the_reference_tokens(
     key, corpus: Corpus, tmp_path
 ) -> None:
     made = corpus.entries[key]
-    want = _reference_tokens(made.path, PROMPTS, NEW_TOKENS)
+    want = greedy_tokens(made.path, PROMPTS, NEW_TOKENS)
     assert len({t for tokens in want for t in tokens}) > 3  # varied tokens: a wrong decode shows
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("".join(" ".join(map(str, p)) + "\n" for p in PROMPTS))

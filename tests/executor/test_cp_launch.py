@@ -4,8 +4,8 @@ Plans come from the real planner (``tessera plan --kind cp``); where the cost mo
 another strategy for these tiny models (on CPUs DP wins: no collectives), the test pins the choice
 with :func:`pin_choice` so the plan is the planner's own plan of that strategy and degree.
 Prompts have different lengths per request, so KV shards are uneven and later shards are empty for
-short requests. Exactness: the tokens equal :func:`reference_decode` (each request alone, whole
-KV cache, plain softmax), and its prefill equals ONNX Runtime on the zoo GPT.
+short requests. Exactness: the tokens equal onnxruntime's greedy tokens of the model's whole graph
+(each request alone, no cache: ``decode_reference``); an ``--llm`` plan's model is its config's GPT.
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from cli_runner import run_cli
+from decode_reference import free_session, plan_tokens
 
 import tessera.planners.cp.plan as cp_planner
 from tessera.cli.launch_cmd import _cp_summary
@@ -26,13 +28,7 @@ from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
 from tessera.executor.cp_run import check_cp_plan, run_cp_plan
 from tessera.executor.decode_worker import DecodeOptions
-from tessera.executor.decoder import (
-    decoder_weights,
-    make_prompts,
-    onnx_decoder_weights,
-    prefill,
-    reference_decode,
-)
+from tessera.executor.graph_decode_worker import attention_partial, graph_decoder
 from tessera.executor.kv_layout import KvLayout
 from tessera.executor.launcher import FAULT_ENV, LaunchOptions
 from tessera.models import build
@@ -95,29 +91,37 @@ def llm_config(tmp_path: Path, *, gated: bool = False, tied: bool = False) -> Pa
 def expected_tokens(
     plan_path: Path, model: Path | None, lens: list[int], seed: int, n: int
 ) -> list[list[int]]:
-    weights = decoder_weights(load_plan(plan_path), None if model is None else str(model), seed)
-    return reference_decode(weights, make_prompts(weights.vocab, lens, seed), n)
+    return plan_tokens(load_plan(plan_path), model, lens, seed, n)
 
 
 # -- without workers -------------------------------------------------------------------------------
 
 
-def test_reference_prefill_equals_onnx_runtime(gpt: Path) -> None:
-    """The initializer mapping is right: the decoder's prefill logits are the ONNX model's."""
-    import onnxruntime as ort
+def test_the_graph_decoders_prefill_is_onnx_runtimes(gpt: Path) -> None:
+    """The zoo GPT decoded from its graph: attention over a whole cache gives onnxruntime's logits,
+    at the prompt and one token after it (positions offset by the cached tokens)."""
+    decoder = graph_decoder(str(gpt))
+    cache: dict[int, tuple[torch.Tensor, ...]] = {}
 
-    weights = onnx_decoder_weights(gpt, {"layers": 2, "hidden": 32, "heads": 4, "kv_heads": 2,
-                                         "head_dim": 8, "ffn": 128, "vocab": 128})  # fmt: skip
-    session = ort.InferenceSession(str(gpt), providers=["CPUExecutionProvider"])
-    prompt = make_prompts(128, [23], seed=5)[0]
-    ids = np.zeros((1, 96), dtype=np.int64)
-    ids[0, :23] = prompt
-    logits = session.run(None, {"input_ids": ids})[0][0, 22]  # causal: padding after 23 is unseen
-    import torch
+    def attend(layer: int, q, k, v, scale: float, past: int) -> torch.Tensor:
+        held = cache.get(layer, (k[0, :, :0], v[0, :, :0], torch.arange(0)))
+        positions = torch.arange(past, past + q.shape[2])
+        keys, values, at = (
+            torch.cat([a, b], dim=-2 if b.dim() > 1 else 0)
+            for a, b in zip(held, (k[0], v[0], positions), strict=True)
+        )
+        cache[layer] = (keys, values, at)
+        return attention_partial(q[0], keys, values, positions, at, scale)[0][None]
 
-    ours, _ = prefill(weights, torch.tensor(prompt))
-    np.testing.assert_allclose(ours.numpy(), logits, rtol=1e-4, atol=1e-5)
-    assert reference_decode(weights, [prompt], 1) == [[int(np.argmax(logits))]]
+    session = free_session(gpt)
+    prompt = [5, 17, 3, 99, 42, 7, 64, 1]
+    ours = decoder.logits(torch.tensor([prompt]), 0, attend)[0]
+    np.testing.assert_allclose(
+        ours.numpy(), session.run(None, {"input_ids": np.array([prompt])})[0][0], rtol=1e-4, atol=1e-5
+    )
+    ours = decoder.logits(torch.tensor([[11]]), len(prompt), attend)[0, -1]
+    want = session.run(None, {"input_ids": np.array([[*prompt, 11]])})[0][0, -1]
+    np.testing.assert_allclose(ours.numpy(), want, rtol=1e-4, atol=1e-5)
 
 
 def test_kv_layout_follows_the_plan_then_deals_blocks() -> None:
@@ -132,16 +136,8 @@ def test_kv_layout_follows_the_plan_then_deals_blocks() -> None:
         KvLayout([(0, 16), (20, 40)])
 
 
-def test_unmappable_model_and_unsupported_strategy_are_refused(tmp_path: Path, gpt: Path) -> None:
+def test_unsupported_strategy_is_refused(tmp_path: Path, gpt: Path) -> None:
     plan = load_plan(make_plan(tmp_path, [str(gpt)], "local-cpu-split", 2, 20))
-    model = build("gpt", "tiny", seed=3, kv_heads=2, seq=96)
-    for init in model.graph.initializer:
-        if init.name == "layer1/ffn/fc2/weight":
-            init.name = "layer1/ffn/down/weight"
-    odd = tmp_path / "odd.onnx"
-    odd.write_bytes(model.SerializeToString())
-    with pytest.raises(InputError, match=r"cannot map .* no initializer 'layer1/ffn/fc2/weight'"):
-        onnx_decoder_weights(odd, plan.llm)
     with pytest.raises(InputError, match="runs cp, tp, dp plans"):
         check_cp_plan(plan.model_copy(update={"strategy": "cp+tp"}), DecodeOptions())
 
@@ -192,7 +188,7 @@ def test_onnx_gpt_cp_on_4_ranks(tmp_path: Path, gpt: Path, monkeypatch) -> None:
     run = run_cp_plan(plan, str(gpt), DecodeOptions(new_tokens=5, prompt_lens=tuple(lens), seed=2),
                       LaunchOptions(timeout_s=60))  # fmt: skip
     assert run.tokens == expected_tokens(plan_path, gpt, lens, 2, 5)
-    assert [r["requests"] for r in run.ranks] == [[0, 2], [2, 4], [4, 5], [5, 6]]
+    assert [r["requests"] for r in run.ranks] == [[0, 6]] * 4  # every cp rank runs the whole graph
     assert run.ranks[3]["kv_positions_by_request"]["1"] == 0
 
 

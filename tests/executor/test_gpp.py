@@ -125,7 +125,8 @@ def test_routing_splits_and_concatenates_across_micro_batch_sizes_and_replicas(c
 
 def test_batchless_tensor_travels_whole_once_per_consumer_micro_batch(gpt) -> None:
     graph, path = gpt
-    plan = make_plan(graph, [(graph.order[:2], ["d0"], 2), (graph.order[2:], ["d1"], 4)], 8)
+    cut = graph.order.index("embed/position/gather") + 1  # the [seq, hidden] positions go to stage 1
+    plan = make_plan(graph, [(graph.order[:cut], ["d0"], 2), (graph.order[cut:], ["d1"], 4)], 8)
     routing = build_routing(plan, graph, tensor_layouts(graph, path))
     pos = [m for msgs in routing.incoming.values() for m in msgs if m.tensor == "embed/position/gather"]
     assert len(pos) == 2 and all(m.src_rows is None and m.grad for m in pos)

@@ -107,12 +107,15 @@ class Matcher:
         """``(weight, in_dim, out_dim)`` when ``op`` is a MatMul/Gemm by a 2-D weight initializer."""
         if op.op_type not in ("MatMul", "Gemm") or len(op.inputs) < 2:
             return None
-        weight = op.inputs[1]
+        weight, transposed = op.inputs[1], op.op_type == "Gemm" and bool(int(op.attributes.get("transB", 0)))
+        source = self.producer(weight)
+        if source is not None and source.op_type == "Transpose" and source.inputs[0] in self.g.initializers:
+            weight, transposed = source.inputs[0], not transposed  # a tied head: the embedding transposed
         info = self.g.initializers.get(weight)
         if info is None or info.shape is None or len(info.shape) != 2:
             return None
         rows, cols = info.shape
-        if op.op_type == "Gemm" and int(op.attributes.get("transB", 0)):
+        if transposed:
             rows, cols = cols, rows
         return weight, int(rows), int(cols)
 

@@ -123,14 +123,22 @@ class _Layers:
                 queue += [x for x in p.inputs if x]
         return None
 
-    def vocab(self, hidden: int, after: int) -> tuple[int | None, bool]:
-        """``(vocab, tied)``: from the LM head after position ``after``, else the token embedding."""
+    def vocab(self, hidden: int) -> tuple[int | None, bool]:
+        """``(vocab, tied)``: from the LM head (the projection the first output is computed by),
+        else the token embedding."""
         embedding = self.embedding(hidden)
-        head = None
-        for name in self.g.order[after + 1 :]:
-            w = self.m.weight_of(self.g.op(name))
-            if w is not None and w[1] == hidden:
-                head = w
+        head, tensor = None, next(iter(self.g.outputs))
+        for _ in range(8):
+            op = self.m.producer(tensor)
+            if op is None:
+                break
+            if (w := self.m.weight_of(op)) is not None:
+                head = w if w[1] == hidden else None
+                break
+            live = [t for t in op.inputs if t and not self.m.is_constant(t)]
+            if op.op_type not in ("Add", "Mul", "Div", "Reshape", "Cast", "Identity", "Squeeze") or not live:
+                break
+            tensor = live[0]
         if head is None:
             return (None, False) if embedding is None else (embedding[1], True)
         return head[2], embedding is not None and self._same(head[0], embedding[0])
@@ -226,8 +234,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
                 f"rotary dim, ffn, gated, parallel = {sizes}, layer 0 has {want}",
                 source=graph.source,
             )
-    last = max(m.position[n] for n in (cores[-1].out_projection or cores[-1].av_matmul,))
-    vocab, tied = layers.vocab(first.hidden, last)
+    vocab, tied = layers.vocab(first.hidden)
     if vocab is None:
         raise InputError(
             "cannot read the vocabulary size: no token-embedding Gather and no LM head", source=graph.source

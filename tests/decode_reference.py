@@ -1,0 +1,55 @@
+"""The ground truth of a decode: greedy tokens of onnxruntime running a decoder's whole ONNX graph on
+the growing sequence (fp32, no KV cache), each request alone."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+
+from tessera.core.plans import CpPlan
+from tessera.core.weights import materialize
+from tessera.executor.cp_run import make_prompts
+from tessera.models.gpt import llm_gpt
+
+
+def greedy_tokens(
+    model: str | Path | onnx.ModelProto, prompts: Sequence[Sequence[int]], n: int
+) -> list[list[int]]:
+    """``n`` greedy tokens after each prompt (argmax, first index on ties)."""
+    session = free_session(model)
+    name = session.get_inputs()[0].name
+    out = []
+    for prompt in prompts:
+        sequence, tokens = list(prompt), []
+        for _ in range(n):
+            logits = session.run(None, {name: np.array([sequence], dtype=np.int64)})[0]
+            tokens.append(int(logits[0, -1].argmax()))
+            sequence.append(tokens[-1])
+        out.append(tokens)
+    return out
+
+
+def free_session(model: str | Path | onnx.ModelProto) -> ort.InferenceSession:
+    """An onnxruntime session of ``model`` with its sequence axis left free: a model that declares
+    a fixed length but computes any (tessera's zoo GPT) runs at every length."""
+    proto = model if isinstance(model, onnx.ModelProto) else onnx.load(str(model))
+    free = onnx.ModelProto()
+    free.CopyFrom(proto)
+    for value in (*free.graph.input, *free.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        if len(dims) >= 2:
+            dims[1].dim_param = "sequence"  # clears a fixed dim_value
+    return ort.InferenceSession(free.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def plan_tokens(
+    plan: CpPlan, model: str | Path | None, lens: Sequence[int], seed: int, n: int
+) -> list[list[int]]:
+    """What a launch of ``plan`` must produce for ``launch --prompt-lens lens --seed seed``: the
+    seeded prompts, decoded by the plan's ONNX model, or by its ``--llm`` config's GPT."""
+    decoder = materialize(llm_gpt(plan.llm, seed)) if model is None else model
+    return greedy_tokens(decoder, make_prompts(int(plan.llm["vocab"]), lens, seed), n)
