@@ -128,12 +128,14 @@ def place(  # noqa: PLR0913
                 "plan": json.loads(dump_plan(plan)),
                 "search_s": search_s,
                 "timings": result.report["timings"],
+                "measured_candidates": result.report["measured_candidates"],
+                "final_timings_cached": result.report["final_timings_cached"],
                 "verify": verified,
                 "output": output,
             }
         )
     else:
-        _print_summary(plan, search_s, verified, output)
+        _print_summary(plan, search_s, verified, output, result.report)
     if verified is not None and not verified["ok"]:
         raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {worst_output(verified)}")
 
@@ -151,7 +153,11 @@ def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
 
 
 def _print_summary(
-    plan: PlacementPlan, search_s: float, verified: dict[str, Any] | None, output: str | None
+    plan: PlacementPlan,
+    search_s: float,
+    verified: dict[str, Any] | None,
+    output: str | None,
+    run: dict[str, Any],
 ) -> None:
     from rich.markup import escape
     from rich.table import Table
@@ -163,7 +169,7 @@ def _print_summary(
         escape(
             f"placed {plan.model.path} ({plan.model.num_nodes} operators) on {', '.join(s['backends'])}: "
             f"{len(plan.groups)} group(s), {s['kind']}-level search in {search_s:.1f} s "
-            f"({s['candidates']} candidates, {s['measured_candidates']} measured); chosen: {s['chosen']}"
+            f"({s['candidates']} candidates, {run['measured_candidates']} measured); chosen: {s['chosen']}"
         )
     )
     table = Table(title="groups per backend")
@@ -192,6 +198,9 @@ def _print_summary(
                 f"{m['speedup_over_best_single']:.2f}x"
             )
         )
+    if m.get("decision"):
+        cached = " (medians read from the profile cache)" if run.get("final_timings_cached") else ""
+        out.print(escape(f"{m['decision']}{cached}"))
     if verified is not None:
         out.print(
             ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER: ")

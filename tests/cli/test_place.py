@@ -157,3 +157,19 @@ def test_place_with_tvm(tmp_path: Path) -> None:
     assert result.code == 0, result.err
     plan = json.loads(result.out)["plan"]
     assert set(plan["measured"]["single_backend_latency_s"]) == {"onnxruntime", "tvm"}
+
+
+def test_repeat_runs_on_a_warm_cache_write_byte_identical_plans(workdir: Path, placed) -> None:
+    """The final choice reads the medians the first run stored: same model, seed and cache, same
+    plan, byte for byte (no live timing decides twice)."""
+    plans = []
+    for i in range(2):
+        out = workdir / f"again{i}.json"
+        result = run_cli("place", str(workdir / "model.onnx"), "--backends", BACKENDS,
+                         "--cache", str(workdir / "p.sqlite"), "-o", str(out))  # fmt: skip
+        assert result.code == 0, result.err
+        plans.append(out.read_bytes())
+    assert plans[0] == plans[1] == placed[0].read_bytes()
+    measured = load_plan(placed[0]).measured
+    assert measured["compared_with"] == ["onnxruntime", "openvino"] and measured["noise_margin"] == 0.05
+    assert "noise margin" in measured["decision"]

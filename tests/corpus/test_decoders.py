@@ -112,3 +112,15 @@ def test_cp_tp_and_dp_launches_continue_prompts_with_the_reference_tokens(
         )  # fmt: skip
         assert launched.code == 0, launched.err
         assert json.loads(launched.out)["tokens"] == want, strategy
+
+
+@pytest.mark.parametrize("key", [e for e in DECODERS if e[2] == "static"], ids=lambda e: "-".join(e))
+def test_a_decoder_with_a_fixed_sequence_is_refused_at_plan_time_with_the_fix(
+    key, corpus: Corpus, tmp_path
+) -> None:
+    made = corpus.entries[key]
+    out = tmp_path / "cp.json"
+    result = run_cli("plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "2",
+                     "--context", "8", "--output-len", "4", "-o", str(out))  # fmt: skip
+    assert result.code == 2 and "fixed sequence length of 16" in result.err, result.err
+    assert "export with a dynamic sequence axis" in result.err and not out.exists()

@@ -13,12 +13,13 @@ from rich.table import Table
 
 from tessera.cli.options import FigureFile, OptionGroup, check_outputs, load_model_option
 from tessera.cli.render import console, emit_json, human_bytes
+from tessera.core.errors import InputError
 from tessera.core.plans import ModelRef, dump_plan, write_plan
 from tessera.core.specs import load_cluster
 from tessera.planners.cp.cost import STRATEGIES
 from tessera.planners.cp.llm import LlmSource, load_llm_config
 from tessera.planners.cp.plan import plan_cp_request, sweep_to_json
-from tessera.planners.cp.recognize import position_limit, recognize_llm
+from tessera.planners.cp.recognize import position_limit, recognize_decoder
 from tessera.planners.cp.workload import parse_output_lengths, parse_token_count, parse_token_counts
 
 OPTIONS = OptionGroup(
@@ -108,7 +109,11 @@ def run(  # noqa: C901, PLR0913
     model_ref = None
     if model is not None:
         graph = load_model_option(model, input_shapes)
-        config = recognize_llm(graph)
+        decoder = recognize_decoder(graph)
+        why = decoder.fixed_length_message(next(iter(graph.inputs)))
+        if why is not None:  # launch could not decode it: refused now (exit 2)
+            raise InputError(why, source=graph.source)
+        config = decoder.config
         source = LlmSource(kind="onnx", path=graph.source, sha256=graph.sha256)
         model_ref = ModelRef.of(graph)
     else:

@@ -39,6 +39,18 @@ class Decoder:
     norm: str | None  # layernorm or rmsnorm (also decomposed); None when none was found
     parallel_residual: bool  # attention and FFN read one normed input (GPT-J, Phi)
     qkv: str  # fused (one projection) or separate
+    fixed_length: int | None = None  # the sequence length the graph is tied to; None: any length
+
+    def fixed_length_message(self, token_input: str) -> str | None:
+        """Why the model cannot be decoded token by token (its positions are baked in), with the fix."""
+        if self.fixed_length is None:
+            return None
+        return (
+            f"input {token_input!r} has a fixed sequence length of {self.fixed_length} and the graph's positions "
+            "do not follow the input's length, but decoding feeds one token at a time: export with a dynamic "
+            f"sequence axis (dynamic_axes={{{token_input!r}: {{0: 'batch', 1: 'sequence'}}}}, or dynamic_shapes= "
+            "with the dynamo exporter)"
+        )
 
     def to_json(self) -> dict[str, Any]:
         """What ``inspect --json`` reports under ``decoder``."""
@@ -266,7 +278,35 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         norm=layers.norm(first),
         parallel_residual=ffns[0][2],
         qkv="fused" if len(first.projections) == 1 else "separate",
+        fixed_length=_fixed_length(graph, m),
     )
+
+
+def _fixed_length(graph: Graph, m: Matcher) -> int | None:
+    """The declared sequence length when the graph cannot follow another: the token input's axis 1
+    is a number and no ``Range``/``CumSum`` counts positions from a ``Shape`` (exporters bake the
+    positions of a fixed length into constants; tessera's zoo GPT computes them from the input)."""
+    token = next((n for n, info in graph.inputs.items() if info.dtype.startswith("int")), None)
+    declared = graph.declared_shapes.get(token) if token is not None else None
+    if not declared or len(declared) != 2 or not isinstance(declared[1], int):
+        return None
+    counters = [op for op in graph.ops() if op.op_type in ("Range", "CumSum")]
+    return None if any(_from_shape(m, op) for op in counters) else declared[1]
+
+
+def _from_shape(m: Matcher, op: OpNode) -> bool:
+    """Whether ``op``'s inputs are computed (within a few ops) from a ``Shape``."""
+    stack, seen = [(t, 0) for t in op.inputs if t], set()
+    while stack:
+        tensor, depth = stack.pop()
+        producer = m.producer(tensor)
+        if producer is None or depth > 8 or tensor in seen:
+            continue
+        seen.add(tensor)
+        if producer.op_type == "Shape":
+            return True
+        stack += [(t, depth + 1) for t in producer.inputs if t]
+    return False
 
 
 def _check_cores(graph: Graph, cores: list[AttentionCore], failed: list) -> None:

@@ -29,6 +29,7 @@ from tessera.backends.composite import (
     reference_outputs,
 )
 from tessera.backends.measure import Measurer, time_runs
+from tessera.backends.profile_cache import device_fingerprint
 from tessera.backends.registry import BackendRegistry, default_registry
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
@@ -48,6 +49,7 @@ from tessera.planners.placement.evolution import (
     graph_level_backend,
     offload_groups,
 )
+from tessera.planners.placement.final import NOISE_MARGIN, final_choice, remembered_latencies, whole_model_key
 from tessera.planners.placement.memo import SearchMemo
 
 log = logging.getLogger(__name__)
@@ -237,7 +239,17 @@ def plan_placement(  # noqa: C901
     # CPU streams: with 24 other small ones alive, tiny bert on OpenVINO ran 0.097 ms instead of 0.077.
     compiled.clear()
     gc.collect()
-    measured = latencies(runs, rounds=options.rounds, min_rounds=options.min_rounds)
+    keys = {b: whole_model_key(graph.sha256, [(b, whole)]) for b in runs if b != "placement"}
+    if "placement" in runs:
+        keys["placement"] = whole_model_key(graph.sha256, [(b, n) for b, n, _ in chosen_groups])
+    versions = ";".join(f"{b}={registry.backend(b).version or 'unknown'}" for b in sorted(backends))
+    measured, cached = remembered_latencies(
+        measurer.cache,
+        keys,
+        versions,
+        device_fingerprint(options.device),
+        lambda: latencies(runs, rounds=options.rounds, min_rounds=options.min_rounds),
+    )
     if same_as is not None:
         measured = {"placement": measured.get(same_as, math.inf), **measured}
     timings["measure_s"] = time.perf_counter() - t0
@@ -252,7 +264,8 @@ def plan_placement(  # noqa: C901
             "(the warnings above say why)",
             source=graph.source,
         )
-    if best_single is not None and singles[best_single] < latency:
+    decision = final_choice(latency, contenders)
+    if not decision.keep_placement and best_single is not None:
         chosen_groups = [(best_single, whole, "whole model")]
         chosen = f"single backend: {best_single}"
         latency = singles[best_single]
@@ -290,9 +303,13 @@ def plan_placement(  # noqa: C901
         "best_single_backend": best_single,
         "wrong_outputs": sorted(wrong_whole),
         "speedup_over_best_single": (singles[best_single] / latency) if best_single else None,
+        "compared_with": sorted(contenders),
+        "noise_margin": NOISE_MARGIN,
+        "decision": decision.note,
         "timing": (
-            f"median of {options.min_rounds}-{options.rounds} interleaved rounds in one process "
-            "(more when contenders are close)"
+            f"median of {options.min_rounds}-{options.rounds} interleaved rounds in one process (more "
+            "when contenders are close), stored in the profile cache: a run that finds every contender "
+            "there reads them instead"
         ),
     }
     search_doc: dict[str, Any] = {
@@ -303,7 +320,6 @@ def plan_placement(  # noqa: C901
         "max_states": options.max_states,
         "screen_ratio": options.screen_ratio,
         "candidates": len(candidates),
-        "measured_candidates": len(costs.measured),
         "screened_candidates": costs.screened,
         "dp_states": op_level.states,
         "max_group_ops": options.max_group_ops,
@@ -319,7 +335,13 @@ def plan_placement(  # noqa: C901
         measured=measured_doc,
         search=search_doc,
     )
-    report = {"timings": timings, "op_level_groups": len(op_groups)}
+    # Facts of this run, not of the plan (a warm repeat run writes the same plan).
+    report = {
+        "timings": timings,
+        "op_level_groups": len(op_groups),
+        "measured_candidates": len(costs.measured),
+        "final_timings_cached": cached,
+    }
     return PlacementResult(plan, chosen_groups, measured, report)
 
 
