@@ -11,7 +11,7 @@ Details: docs/backends.md.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
 import onnx
@@ -36,16 +36,23 @@ NodeHook = Callable[[Sequence["Tensor | None"], tuple[Tensor, ...]], Sequence[Te
 FROZEN_INPUTS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
 
 
+def unsupported_operators(nodes: Iterable[tuple[str, str, str]]) -> dict[str, list[str]]:
+    """Of the ``(name, op type, domain)`` nodes, those the executor has no function for (:data:`OPS`;
+    other domains included): ``{op type: [node, …]}``, in op-type order."""
+    found: dict[str, list[str]] = {}
+    for name, op_type, domain in nodes:
+        if domain not in ("", "ai.onnx") or op_type not in OPS:
+            found.setdefault(op_type, []).append(name)
+    return dict(sorted(found.items()))
+
+
 def check_supported(model: onnx.ModelProto, label: str) -> None:
     """InputError naming what of ``model`` this executor cannot run: operators it has no function
     for (custom domains included) and schema versions older than the ones it implements (opsets
     before MIN_OPSET: Softmax-11 flattened its input to 2-D), so a launcher can refuse a model before
     any worker starts. Versions after MAX_OPSET run on the newest function (docs/operators.md)."""
     g = model.graph
-    missing = sorted(
-        {n.op_type for n in g.node if n.domain not in ("", "ai.onnx")}
-        | {n.op_type for n in g.node if n.op_type not in OPS}
-    )
+    missing = list(unsupported_operators((n.name, n.op_type, n.domain) for n in g.node))
     if missing:
         raise InputError(
             f"operator(s) {', '.join(missing)} not supported by the torch executor "

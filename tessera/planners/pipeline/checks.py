@@ -11,7 +11,7 @@ from typing import Any
 
 import networkx as nx
 
-from tessera.backends.torch_ops import OPS
+from tessera.backends.torch_module import unsupported_operators
 from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.plans import PLAN_CHECKS
 from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
@@ -131,14 +131,10 @@ def _schedule_kind_problems(st: Any, m: int) -> list[str]:
 
 
 def untrainable_operators(graph: Any) -> dict[str, list[str]]:
-    """Operators the training executor has no function for (:data:`tessera.backends.torch_ops.OPS`;
-    other domains included): ``{op type: [node, …]}``, in op-type order."""
-    found: dict[str, list[str]] = {}
-    for name in graph.order:
-        op = graph.op(name)
-        if op.domain not in ("", "ai.onnx") or op.op_type not in OPS:
-            found.setdefault(op.op_type, []).append(name)
-    return dict(sorted(found.items()))
+    """Operators the training executor has no function for (``tessera.backends.torch_module``'s
+    :func:`unsupported_operators` of the graph's nodes): ``{op type: [node, …]}``."""
+    ops = (graph.op(name) for name in graph.order)
+    return unsupported_operators((op.name, op.op_type, op.domain) for op in ops)
 
 
 def untrainable_message(graph: Any) -> str | None:
