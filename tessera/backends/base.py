@@ -78,6 +78,9 @@ class Backend(ABC):
     name: str = ""
     #: the Python distribution whose version is the backend's version
     distribution: str = ""
+    #: False for a backend that computes in a lower precision than the model (``place`` uses it only
+    #: under ``--tolerance``); its name says the precision (``openvino-bf16``)
+    exact: bool = True
 
     @abstractmethod
     def available(self) -> tuple[bool, str]:

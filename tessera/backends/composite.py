@@ -225,6 +225,40 @@ def reference_outputs(graph: Graph, feeds: Mapping[str, np.ndarray]) -> dict[str
     return runnable.run(dict(feeds))
 
 
+def relative_error(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> float:
+    """The largest output error relative to that output's scale: ``max |got - want| / max |want|``
+    over every output (the measure ``place --tolerance`` bounds; inf for a shape mismatch)."""
+    worst = 0.0
+    for name, expected in want.items():
+        expected = np.asarray(expected, dtype=np.float64)
+        actual = np.asarray(got[name], dtype=np.float64)
+        if actual.shape != expected.shape:
+            return math.inf
+        if expected.size:
+            scale = max(float(np.abs(expected).max()), 1e-30)
+            worst = max(worst, float(np.abs(actual - expected).max()) / scale)
+    return worst
+
+
+def within_tolerance(
+    got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], tolerance: float | None
+) -> bool:
+    """Whether :func:`relative_error` is at most ``tolerance`` (None: never: an exact run is asked for)."""
+    return tolerance is not None and relative_error(got, want) <= tolerance
+
+
+def verify_outputs(
+    got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray], tolerance: float | None
+) -> dict[str, Any]:
+    """:func:`compare_outputs`' report; a plan placed under a ``tolerance`` is ok when its
+    :func:`relative_error` is within it (its reduced-precision groups are not fp32-exact)."""
+    report = compare_outputs(got, want)
+    if tolerance is not None:
+        report.update(tolerance=tolerance, relative_error=relative_error(got, want))
+        report["ok"] = report["relative_error"] <= tolerance
+    return report
+
+
 def compare_outputs(
     got: Mapping[str, np.ndarray],
     want: Mapping[str, np.ndarray],

@@ -69,8 +69,10 @@ class OpenVinoBackend(Backend):
 
     def __init__(self, precision: str = "f32") -> None:
         # The CPU plugin defaults to bf16 on CPUs with native bf16 (AMX, AVX512-BF16); fp32 models
-        # keep fp32 semantics unless asked otherwise.
+        # keep fp32 semantics unless asked otherwise: ``openvino`` is f32, ``openvino-bf16`` bf16.
         self.precision = precision
+        if precision != "f32":
+            self.name, self.exact = f"openvino-{precision}", False
 
     def available(self) -> tuple[bool, str]:
         try:
@@ -83,6 +85,13 @@ class OpenVinoBackend(Backend):
             return False, f"openvino {ov.get_version()} cannot start: {exc}"
         if DEVICE not in devices:
             return False, f"openvino has no {DEVICE} plugin (devices: {', '.join(devices) or 'none'})"
+        if self.precision != "f32":
+            native = self.core.get_property(DEVICE, "OPTIMIZATION_CAPABILITIES")
+            if self.precision.upper() not in native:
+                return (
+                    False,
+                    f"this CPU has no native {self.precision} (OpenVINO's CPU plugin: {', '.join(native)})",
+                )
         return True, ""
 
     @cached_property

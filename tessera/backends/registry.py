@@ -370,10 +370,10 @@ def _builtin(name: str) -> Callable[[], Backend]:
             from tessera.backends.onnxruntime import OnnxRuntimeBackend
 
             return OnnxRuntimeBackend()
-        if name == "openvino":
+        if name in ("openvino", "openvino-bf16"):
             from tessera.backends.openvino import OpenVinoBackend
 
-            return OpenVinoBackend()
+            return OpenVinoBackend("bf16" if name == "openvino-bf16" else "f32")
         if name == "tvm":
             from tessera.backends.tvm import TvmBackend
 
@@ -398,6 +398,8 @@ def builtin_rules() -> dict[str, list[PatternRule]]:
         "onnxruntime": [ElementwiseFusionRule(name="ort-fusion", max_ops=8)],
         # Graph compilers take whole regions between a seed and its post-dominators.
         "openvino": [GraphCompilerRule(name="openvino-region", max_ops=64)],
+        # The same compiler in bf16 (the CPU plugin's inference precision): place uses it under --tolerance.
+        "openvino-bf16": [GraphCompilerRule(name="openvino-bf16-region", max_ops=64)],
         # TVM's FuseOps: an anchor (conv/matmul) with its elementwise epilogue.
         "tvm": [ElementwiseFusionRule(name="tvm-fuse-ops", max_ops=16)],
         # cuDNN/cuBLAS are operator libraries: one operator per kernel (plus YAML-enumerated fusions).
@@ -407,7 +409,7 @@ def builtin_rules() -> dict[str, list[PatternRule]]:
 
 
 def builtin_registry() -> BackendRegistry:
-    """The five built-in backends with their rules (no YAML, no plugins)."""
+    """The built-in backends (five runtimes, OpenVINO also in bf16) with their rules (no YAML, no plugins)."""
     registry = BackendRegistry()
     for name, rules in builtin_rules().items():
         registry.register_backend(name, _builtin(name), rules=rules, origin="builtin")

@@ -67,6 +67,13 @@ def _ms(seconds: float | None) -> str:
 @click.option(
     "--verify", is_flag=True, help="Check the placed model's outputs against onnxruntime (exit 4 if not)."
 )
+@click.option(
+    "--tolerance",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=None,
+    help="Largest relative output error allowed (max |error| / max |fp32 output|): lets reduced-precision "
+    "backends (openvino-bf16) run groups. Default: exact fp32.",
+)
 @output_option
 @json_option
 def place(  # noqa: PLR0913
@@ -79,6 +86,7 @@ def place(  # noqa: PLR0913
     seed: int,
     max_states: int,
     verify: bool,
+    tolerance: float | None,
     output: str | None,
     as_json: bool,
 ) -> None:
@@ -98,7 +106,13 @@ def place(  # noqa: PLR0913
     if backend_list is not None and not backends:
         raise InputError("--backends names no backend")
     options = PlacementOptions(
-        device=device, backends=backends, search=search, budget_s=budget_s, seed=seed, max_states=max_states
+        device=device,
+        backends=backends,
+        search=search,
+        budget_s=budget_s,
+        seed=seed,
+        max_states=max_states,
+        tolerance=tolerance,
     )
     if cache_path is not None and not cache_path.strip():
         raise InputError("--cache '' names no file")
@@ -141,7 +155,7 @@ def place(  # noqa: PLR0913
 
 
 def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
-    from tessera.backends.composite import CompositeModel, compare_outputs, random_feeds, reference_outputs
+    from tessera.backends.composite import CompositeModel, random_feeds, reference_outputs, verify_outputs
 
     feeds = random_feeds(graph, seed)
     model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
@@ -149,7 +163,7 @@ def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
         outputs = model.run(feeds)
     except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
         raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
-    return compare_outputs(outputs, reference_outputs(graph, feeds))
+    return verify_outputs(outputs, reference_outputs(graph, feeds), plan.measured.get("tolerance"))
 
 
 def _print_summary(
@@ -198,12 +212,19 @@ def _print_summary(
                 f"{m['speedup_over_best_single']:.2f}x"
             )
         )
+    if m.get("tolerance") is not None and m.get("best_fp32_single_backend"):
+        out.print(
+            escape(
+                f"under --tolerance {m['tolerance']:g}: {m['speedup_over_best_fp32']:.2f}x the best fp32 single "
+                f"backend ({m['best_fp32_single_backend']}), relative error {m['error']['max_rel']:.3g}"
+            )
+        )
     if m.get("decision"):
         cached = " (medians read from the profile cache)" if run.get("final_timings_cached") else ""
         out.print(escape(f"{m['decision']}{cached}"))
     if verified is not None:
         out.print(
-            ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER: ")
+            ("outputs match onnxruntime" if verified["ok"] else "OUTPUTS DIFFER")
             + escape(f" ({worst_output(verified)})")
         )
     if output:

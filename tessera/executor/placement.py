@@ -58,7 +58,10 @@ class PlacementRun(RunReport):
 
 
 def worst_output(report: dict[str, Any]) -> str:
-    """One line on the output that differs most from onnxruntime's (``compare_outputs``' report)."""
+    """One line on the output that differs most from onnxruntime's (``compare_outputs``' report;
+    ``verify_outputs``' under a tolerance: the relative error and the tolerance)."""
+    if report.get("tolerance") is not None:
+        return f"relative error {report['relative_error']:.3g}, --tolerance {report['tolerance']:g}"
     bad = [(k, v) for k, v in report["outputs"].items() if not v.get("ok")]
     name, row = bad[0] if bad else next(iter(report["outputs"].items()))
     return (
@@ -82,11 +85,11 @@ def run_placement_plan(
     outputs that differ are the report's :attr:`~PlacementRun.failure`."""
     from tessera.backends.composite import (
         CompositeModel,
-        compare_outputs,
         latencies,
         load_feeds,
         random_feeds,
         reference_outputs,
+        verify_outputs,
     )
 
     feeds = load_feeds(graph, data) if data else random_feeds(graph, seed)
@@ -97,7 +100,7 @@ def run_placement_plan(
         outputs = model.run(feeds)
     except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
         raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
-    verified = compare_outputs(outputs, reference_outputs(graph, feeds))
+    verified = verify_outputs(outputs, reference_outputs(graph, feeds), plan.measured.get("tolerance"))
     latency = latencies({"placement": lambda: model.run(feeds)}, rounds=repeat)["placement"]
     measured = {"latency_s": latency, "rounds": repeat}
     predicted = {"latency_s": plan.predicted.get("latency_s")}

@@ -172,4 +172,4 @@ def test_repeat_runs_on_a_warm_cache_write_byte_identical_plans(workdir: Path, p
     assert plans[0] == plans[1] == placed[0].read_bytes()
     measured = load_plan(placed[0]).measured
     assert measured["compared_with"] == ["onnxruntime", "openvino"] and measured["noise_margin"] == 0.05
-    assert "noise margin" in measured["decision"]
+    assert measured["best_single_backend"] in measured["decision"]  # what decided, in words

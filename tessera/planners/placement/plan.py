@@ -19,14 +19,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tessera.backends.composite import (
-    VERIFY_ATOL,
-    VERIFY_RTOL,
     CompileCache,
     CompositeModel,
     compare_outputs,
     latencies,
     random_feeds,
     reference_outputs,
+    relative_error,
+    within_tolerance,
 )
 from tessera.backends.measure import Measurer, time_runs
 from tessera.backends.profile_cache import device_fingerprint
@@ -49,7 +49,13 @@ from tessera.planners.placement.evolution import (
     graph_level_backend,
     offload_groups,
 )
-from tessera.planners.placement.final import NOISE_MARGIN, final_choice, remembered_latencies, whole_model_key
+from tessera.planners.placement.final import (
+    NOISE_MARGIN,
+    FinalChoice,
+    final_choice,
+    remembered_latencies,
+    whole_model_key,
+)
 from tessera.planners.placement.memo import SearchMemo
 
 log = logging.getLogger(__name__)
@@ -70,6 +76,7 @@ class PlacementOptions:
     region_cuts: int = 6  # regions: spans between this many narrow cuts, up to the whole model
     rounds: int = 9  # interleaved timing rounds of the final comparison (at most)
     min_rounds: int = 3  # ... and at least, when the ranking is already clear
+    tolerance: float | None = None  # max relative output error: reduced-precision backends may run
     evolution: EvolutionOptions = field(default_factory=EvolutionOptions)
 
 
@@ -88,10 +95,12 @@ def runs_on(backend_device: str, device: str) -> bool:
     return kind == device or (device == "gpu" and kind == "cuda")
 
 
-def resolve_backends(registry: BackendRegistry, device: str, wanted: Sequence[str] | None) -> list[str]:
+def resolve_backends(
+    registry: BackendRegistry, device: str, wanted: Sequence[str] | None, *, tolerance: float | None = None
+) -> list[str]:
     """The backends to place on: ``wanted`` (each must exist, be available and run on ``device``) or
-    every available backend whose device is ``device``. Raises :class:`InputError` naming what is
-    missing."""
+    every available backend whose device is ``device``; reduced-precision ones (``openvino-bf16``)
+    only with a ``tolerance``. Raises :class:`InputError` naming what is missing."""
     if wanted:
         out = []
         for name in wanted:
@@ -99,6 +108,11 @@ def resolve_backends(registry: BackendRegistry, device: str, wanted: Sequence[st
             ok, reason = registry.entry(name).available()
             if not ok:
                 raise InputError(f"backend {name!r} is unavailable: {reason}")
+            if tolerance is None and not registry.backend(name).exact:
+                raise InputError(
+                    f"backend {name!r} computes in reduced precision: give --tolerance (the largest relative "
+                    "output error allowed)"
+                )
             where = registry.backend(name).device
             if not runs_on(where, device):
                 raise InputError(f"backend {name!r} runs on {where}, not on the requested --device {device}")
@@ -109,7 +123,11 @@ def resolve_backends(registry: BackendRegistry, device: str, wanted: Sequence[st
         if entry.factory is None:
             continue
         ok, reason = entry.available()
-        if ok and runs_on(entry.backend().device, device):
+        if (
+            ok
+            and runs_on(entry.backend().device, device)
+            and (tolerance is not None or entry.backend().exact)
+        ):
             out.append(entry.name)
         elif not ok:
             why.append(f"{entry.name}: {reason}")
@@ -133,7 +151,7 @@ def plan_placement(  # noqa: C901
     measurer = measurer or Measurer(seed=options.seed)
     if options.search not in ("op", "graph"):
         raise InputError(f"search must be 'op' or 'graph', not {options.search!r}")
-    backends = resolve_backends(registry, options.device, options.backends)
+    backends = resolve_backends(registry, options.device, options.backends, tolerance=options.tolerance)
     feeds, reference = reference_run(graph, options.seed)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -176,7 +194,7 @@ def plan_placement(  # noqa: C901
             op_groups: list[Group] = [
                 (g.candidate.backend, g.candidate.nodes, g.candidate.via) for g in op_level.groups
             ]
-            wrong = wrong_groups(graph, op_groups, feeds, registry, compiled)
+            wrong = wrong_groups(graph, op_groups, feeds, registry, compiled, tolerance=options.tolerance)
         except Exception as exc:  # noqa: BLE001 - no placement of parts runs: whole models still can
             log.warning(
                 "no placement of %s's parts could be built and run (%s: %s); comparing whole-model "
@@ -227,7 +245,7 @@ def plan_placement(  # noqa: C901
     for b in backends:
         try:
             single = CompositeModel(graph, [(b, whole)], registry=registry, cache=compiled)
-            correct = compare_outputs(single.run(feeds), reference)["ok"]
+            correct = within(single.run(feeds), reference, registry.backend(b), options.tolerance)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run the whole model
             log.info("%s does not run the whole model: %s", b, exc)
             continue
@@ -265,10 +283,33 @@ def plan_placement(  # noqa: C901
             source=graph.source,
         )
     decision = final_choice(latency, contenders)
+    if same_as is not None and same_as == decision.best_single:
+        decision = FinalChoice(
+            False, same_as, f"the search placed the whole model on {same_as}, the fastest single backend"
+        )
     if not decision.keep_placement and best_single is not None:
         chosen_groups = [(best_single, whole, "whole model")]
         chosen = f"single backend: {best_single}"
         latency = singles[best_single]
+    error = _error_of(graph, chosen_groups, registry, feeds, reference)
+    exact = {b: t for b, t in contenders.items() if registry.backend(b).exact}
+    if (
+        error["max_rel"] > (options.tolerance or 0.0)
+        and exact
+        and any(not registry.backend(b).exact for b, _, _ in chosen_groups)
+    ):  # the groups were each within the budget, their errors together are not: exact instead
+        fallback = min(exact, key=lambda b: (exact[b], b))
+        log.warning(
+            "the placement's error %.3g exceeds --tolerance; %s runs the whole model",
+            error["max_rel"],
+            fallback,
+        )
+        chosen_groups, chosen, latency = (
+            [(fallback, whole, "whole model")],
+            f"single backend: {fallback}",
+            exact[fallback],
+        )
+        error = _error_of(graph, chosen_groups, registry, feeds, reference)
 
     groups = []
     predicted_total = 0.0
@@ -304,6 +345,9 @@ def plan_placement(  # noqa: C901
         "wrong_outputs": sorted(wrong_whole),
         "speedup_over_best_single": (singles[best_single] / latency) if best_single else None,
         "compared_with": sorted(contenders),
+        "tolerance": options.tolerance,
+        "error": error,
+        **_fp32_comparison(exact, latency, options.tolerance),
         "noise_margin": NOISE_MARGIN,
         "decision": decision.note,
         "timing": (
@@ -370,6 +414,36 @@ def reference_run(graph: Graph, seed: int) -> tuple[dict[str, Any], dict[str, An
             f"run it ({type(exc).__name__}: {why})",
             source=graph.source,
         ) from None
+
+
+def _fp32_comparison(exact: dict[str, float], latency: float, tolerance: float | None) -> dict[str, Any]:
+    """Under a tolerance: the fastest fp32 single backend and the speed-up over it."""
+    if tolerance is None or not exact:
+        return {}
+    best = min(exact, key=lambda b: (exact[b], b))
+    return {"best_fp32_single_backend": best, "speedup_over_best_fp32": exact[best] / latency}
+
+
+def _error_of(
+    graph: Graph,
+    groups: Sequence[Group],
+    registry: BackendRegistry,
+    feeds: dict[str, Any],
+    reference: dict[str, Any],
+) -> dict[str, float]:
+    """``{max_abs, max_rel}`` of the placed model's outputs against the fp32 onnxruntime reference."""
+    outputs = CompositeModel(graph, [(b, n) for b, n, _ in groups], registry=registry).run(feeds)
+    diffs = compare_outputs(outputs, reference)["outputs"].values()
+    return {"max_abs": max((d.get("max_abs_diff", math.inf) for d in diffs), default=0.0),
+            "max_rel": relative_error(outputs, reference)}  # fmt: skip
+
+
+def within(got: dict[str, Any], want: dict[str, Any], backend: Any, tolerance: float | None) -> bool:
+    """Whether ``backend``'s outputs ``got`` are onnxruntime's ``want``: to fp32 precision, or for a
+    reduced-precision backend within ``tolerance`` (:func:`relative_error`)."""
+    if backend.exact or tolerance is None:
+        return bool(compare_outputs(got, want)["ok"])
+    return within_tolerance(got, want, tolerance)
 
 
 def find_candidates(
@@ -444,7 +518,13 @@ def _graph_level(  # noqa: PLR0913
         placements[bits] = groups
         try:
             model = CompositeModel(graph, [(b, n) for b, n, _ in groups], registry=registry, cache=compiled)
-            if not compare_outputs(model.run(feeds), reference)["ok"]:
+            outputs = model.run(feeds)
+            exact = all(registry.backend(b).exact for b, _, _ in groups)
+            if not (
+                compare_outputs(outputs, reference)["ok"]
+                if exact
+                else within_tolerance(outputs, reference, options.tolerance)
+            ):
                 return math.inf  # a placement with wrong outputs is unfit
             return time_runs(lambda: model.run(feeds), warmup=2, repeat=7).median_s
         except Exception as exc:  # noqa: BLE001 - an individual that does not build is unfit
@@ -472,17 +552,18 @@ def _graph_level(  # noqa: PLR0913
     return placements[result.best], info
 
 
-def wrong_groups(
+def wrong_groups(  # noqa: PLR0913
     graph: Graph,
     groups: Sequence[Group],
     feeds: dict[str, Any],
     registry: BackendRegistry,
     compiled: CompileCache,
+    *,
+    tolerance: float | None = None,
 ) -> list[tuple[str, frozenset[str]]]:
     """Groups (not on onnxruntime) whose outputs differ from onnxruntime's on the same group inputs,
-    running the placement once on ``feeds``."""
-    import numpy as np
-
+    running the placement once on ``feeds`` (a reduced-precision backend's: by more than
+    ``tolerance``, relative)."""
     model = CompositeModel(graph, [(b, n) for b, n, _ in groups], registry=registry, cache=compiled)
     env: dict[str, Any] = dict(feeds)
     wrong = []
@@ -494,10 +575,7 @@ def wrong_groups(
             if key not in compiled:
                 compiled[key] = registry.backend("onnxruntime").compile(graph.extract(step.nodes))
             want = compiled[key].run(ins)
-            if not all(
-                np.allclose(out[t], want[t], rtol=VERIFY_RTOL, atol=VERIFY_ATOL, equal_nan=True)
-                for t in step.outputs
-            ):
+            if not within({t: out[t] for t in step.outputs}, want, registry.backend(step.backend), tolerance):
                 wrong.append((step.backend, step.nodes))
         env.update({t: out[t] for t in step.outputs})
     return wrong

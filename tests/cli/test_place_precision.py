@@ -1,0 +1,81 @@
+"""Precision as a placement dimension (issue #30): ``place --tolerance REL`` lets reduced-precision
+backends (``openvino-bf16``) run groups while the placed model's error against the fp32 onnxruntime
+reference stays within REL; without it placement is exact fp32 as before."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_runner import run_cli
+
+from tessera.backends.composite import relative_error, verify_outputs
+from tessera.backends.registry import default_registry
+from tessera.core.plans import load_plan
+
+BF16, WHY = default_registry().entry("openvino-bf16").available()
+needs_bf16 = pytest.mark.skipif(not BF16, reason=f"openvino-bf16 unavailable: {WHY}")
+BACKENDS = "onnxruntime,openvino,openvino-bf16"
+
+
+@pytest.fixture(scope="module")
+def mlp(tmp_path_factory) -> Path:
+    """A small model of MatMuls (the test MLP of test_place): bf16 speeds its MatMuls up."""
+    from cli.test_place import mlp
+
+    path = tmp_path_factory.mktemp("precision") / "mlp.onnx"
+    path.write_bytes(mlp().model.SerializeToString())
+    return path
+
+
+def test_relative_error_is_against_each_outputs_scale() -> None:
+    want = {"a": np.array([1.0, -4.0]), "b": np.array([0.001, 0.002])}
+    got = {"a": np.array([1.2, -4.0]), "b": np.array([0.001, 0.0021])}
+    assert relative_error(got, want) == pytest.approx(0.05)  # a: 0.2 / 4; b: 0.0001 / 0.002
+    assert verify_outputs(got, want, 0.06)["ok"] and not verify_outputs(got, want, 0.04)["ok"]
+    assert not verify_outputs(got, want, None)["ok"]  # fp32 exact by default
+
+
+def test_a_reduced_precision_backend_needs_a_tolerance(mlp: Path, tmp_path: Path) -> None:
+    result = run_cli("place", str(mlp), "--backends", "openvino-bf16", "--cache", str(tmp_path / "c.sqlite"))
+    assert result.code == 2 and "computes in reduced precision: give --tolerance" in result.err
+
+
+@pytest.mark.slow
+@needs_bf16
+def test_under_a_tolerance_bf16_runs_within_it_and_launch_reports_the_error(
+    mlp: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "placed.json"
+    placed = run_cli("place", str(mlp), "--backends", BACKENDS, "--tolerance", "0.25",
+                     "--cache", str(tmp_path / "c.sqlite"), "-o", str(out), "--verify", "--json")  # fmt: skip
+    assert placed.code == 0, placed.err  # whichever runs fastest, within the budget
+    measured = load_plan(out).measured
+    assert measured["tolerance"] == 0.25 and measured["error"]["max_rel"] <= 0.25
+    assert "openvino-bf16" in measured["compared_with"]
+    assert measured["best_fp32_single_backend"] in ("onnxruntime", "openvino")
+    # bf16 alone: its error is real (about 10% on this softmax of random MatMuls) and within the budget
+    placed = run_cli("place", str(mlp), "--backends", "openvino-bf16", "--tolerance", "0.25",
+                     "--cache", str(tmp_path / "c.sqlite"), "-o", str(out), "--verify")  # fmt: skip
+    assert placed.code == 0, placed.err
+    plan = load_plan(out)
+    assert {g.backend for g in plan.groups} == {"openvino-bf16"}
+    assert 1e-5 < plan.measured["error"]["max_rel"] <= 0.25
+    launched = run_cli("launch", str(out), "--repeat", "2", "--json")
+    assert launched.code == 0, launched.err
+    report = json.loads(launched.out)
+    assert report["verify"]["ok"] and report["verify"]["relative_error"] <= 0.25
+
+
+@pytest.mark.slow
+@needs_bf16
+def test_a_budget_bf16_cannot_meet_keeps_every_group_exact(mlp: Path, tmp_path: Path) -> None:
+    out = tmp_path / "tight.json"
+    placed = run_cli("place", str(mlp), "--backends", BACKENDS, "--tolerance", "1e-7",
+                     "--cache", str(tmp_path / "c.sqlite"), "-o", str(out))  # fmt: skip
+    assert placed.code == 0, placed.err
+    plan = load_plan(out)
+    assert all(g.backend != "openvino-bf16" for g in plan.groups)
+    assert plan.measured["error"]["max_rel"] < 1e-3
