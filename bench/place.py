@@ -20,6 +20,7 @@ import math
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import onnx
@@ -29,7 +30,7 @@ from tessera.backends.measure import Measurer
 from tessera.backends.profile_cache import ProfileCache
 from tessera.backends.registry import default_registry
 from tessera.core.files import write_atomic
-from tessera.core.graph import load_graph
+from tessera.core.graph import Graph, load_graph
 from tessera.models import build
 from tessera.planners.placement import PlacementOptions, plan_placement
 
@@ -64,12 +65,33 @@ def ms(x: float | None) -> str:
     return "-" if x is None or not math.isfinite(x) else f"{x * 1e3:.3f}"
 
 
-def bench(name: str, cache_dir: Path) -> dict[str, object]:
+def load_model(name: str) -> Graph:
+    """A benchmark model: a zoo model (tiny), a mid-size variant (MID) or an onnx light model."""
     if name in MID:
-        source = build(MID[name][0], "tiny", **MID[name][1])
-    else:
-        source = build(name, "tiny") if name in ZOO else str(LIGHT_DIR / f"{name}.onnx")
-    graph = load_graph(source)
+        return load_graph(build(MID[name][0], "tiny", **MID[name][1]))
+    return load_graph(build(name, "tiny") if name in ZOO else str(LIGHT_DIR / f"{name}.onnx"))
+
+
+def run(
+    default: list[str],
+    rows_of: Callable[[str, Path], list[dict[str, object]]],
+    render: Callable[[list[dict[str, object]]], str],
+    out: Path,
+) -> None:
+    """Benchmark the models named on the command line (or ``default``), one profile-cache folder for
+    the run; ``out`` is rewritten after each model, the table printed at the end."""
+    logging.basicConfig(level=logging.ERROR)
+    rows: list[dict[str, object]] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in sys.argv[1:] or default:
+            print(f"{name} ...", file=sys.stderr, flush=True)
+            rows += rows_of(name, Path(tmp))
+            write_atomic(out, render(rows))
+    print(render(rows))
+
+
+def bench(name: str, cache_dir: Path) -> dict[str, object]:
+    graph = load_model(name)
     cache = ProfileCache(cache_dir / f"{name}.sqlite")
     options = PlacementOptions(backends=SEARCH_BACKENDS)
     t0 = time.perf_counter()
@@ -160,15 +182,7 @@ def render(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.ERROR)
-    names = sys.argv[1:] or ZOO + list(MID) + LIGHT
-    rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            print(f"{name} ...", file=sys.stderr, flush=True)
-            rows.append(bench(name, Path(tmp)))
-            write_atomic(OUT, render(rows))
-    print(render(rows))
+    run(ZOO + list(MID) + LIGHT, lambda name, cache_dir: [bench(name, cache_dir)], render, OUT)
 
 
 if __name__ == "__main__":

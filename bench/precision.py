@@ -12,19 +12,13 @@ model, shared by its three runs.
 
 from __future__ import annotations
 
-import logging
-import sys
-import tempfile
 import time
 from pathlib import Path
 
-from place import LIGHT, LIGHT_DIR, MID, ms
+from place import LIGHT, MID, load_model, ms, run
 
 from tessera.backends.measure import Measurer
 from tessera.backends.profile_cache import ProfileCache
-from tessera.core.files import write_atomic
-from tessera.core.graph import load_graph
-from tessera.models import build
 from tessera.planners.placement import PlacementOptions, plan_placement
 
 ZOO = ["resnext", "bert", "gpt", "mmt"]
@@ -34,11 +28,7 @@ OUT = Path(__file__).parent / "results" / "precision.md"
 
 
 def bench(name: str, cache_dir: Path) -> list[dict[str, object]]:
-    if name in MID:
-        source = build(MID[name][0], "tiny", **MID[name][1])
-    else:
-        source = build(name, "tiny") if name in ZOO else str(LIGHT_DIR / f"{name}.onnx")
-    graph = load_graph(source)
+    graph = load_model(name)
     cache = ProfileCache(cache_dir / f"{name}.sqlite")
     rows = []
     for tolerance in BUDGETS:
@@ -98,15 +88,7 @@ def render(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    logging.basicConfig(level=logging.ERROR)
-    names = sys.argv[1:] or ZOO + list(MID) + LIGHT
-    rows: list[dict[str, object]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            print(f"{name} ...", file=sys.stderr, flush=True)
-            rows += bench(name, Path(tmp))
-            write_atomic(OUT, render(rows))
-    print(render(rows))
+    run(ZOO + list(MID) + LIGHT, bench, render, OUT)
 
 
 if __name__ == "__main__":

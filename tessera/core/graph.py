@@ -261,7 +261,7 @@ class Graph:
         ins, outs = self.boundary(members)
         node_protos = [self._node_proto[n] for n in self.order if n in members]
         used = {t for n in node_protos for t in (*n.input, *self.op(n.name).implicit_inputs) if t}
-        inits = [self._initializer_proto[t] for t in sorted(used) if t in self._initializer_proto]
+        inits = [self.initializer_protos[t] for t in sorted(used) if t in self.initializer_protos]
         value_info = [
             self._value_info(t)
             for n in node_protos
@@ -285,7 +285,8 @@ class Graph:
         return {n.name: n for n in self.model.graph.node}
 
     @cached_property
-    def _initializer_proto(self) -> dict[str, onnx.TensorProto]:
+    def initializer_protos(self) -> dict[str, onnx.TensorProto]:
+        """The model's initializers by name (as stored: lazy or external data not read)."""
         return {t.name: t for t in self.model.graph.initializer}
 
     def _value_info(self, tensor: str) -> onnx.ValueInfoProto:

@@ -57,7 +57,6 @@ def host_memory_need(
     *,
     layout: KvLayout | None,
     positions: int | None,
-    onnx: bool,
     on_gpu: bool,
 ) -> dict[str, int]:
     """Bytes the workers of ``ranks`` will allocate on this host, by what for (an upper estimate,
@@ -70,7 +69,6 @@ def host_memory_need(
     On a GPU the KV cache and the prefill live on the device, not here."""
     layers, hidden, heads, kv_heads, head_dim, ffn, _ = llm_ints(plan.llm)
     n = plan.degree
-    del onnx  # an ONNX model and an --llm config's GPT are both built as a model, then a module
     built = 2 * 4 * weight_elements(plan.llm, positions)
     hq = hkv = heads // n if plan.strategy == "tp" else heads
     total = [p + new_tokens - 1 for p in prompt_lens]

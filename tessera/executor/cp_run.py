@@ -169,7 +169,6 @@ def run_cp_plan(
         local_ranks(launch, plan.degree),
         layout=layout,
         positions=model.max_positions,
-        onnx=plan.model is not None,
         on_gpu=backend == "nccl",
     )
     check_host_memory(need, plan_path)

@@ -29,18 +29,11 @@ from tessera.planners.cp.recognize import recognize_decoder
 
 __all__ = ["DecodeWorker", "attention_partial", "graph_decoder"]
 
-# Sequence length the model is loaded at to recognize it (any: decoding feeds other lengths).
-_PROBE_SEQUENCE = 8
-
 
 def graph_decoder(model: str | onnx.ModelProto, *, label: str | None = None) -> GraphDecoder:
-    """The decode step of the decoder ``model`` (a path or a model; InputError when it is none).
-    Recognized at its declared sequence length, or at a few tokens when the length is symbolic."""
+    """The decode step of the decoder ``model`` (a path or a model; InputError when it is none),
+    recognized as loaded (symbolic dimensions bound to 1, as ``plan`` recognizes it)."""
     graph = load_graph(model, label=label)
-    token = next(iter(graph.inputs))
-    declared = graph.declared_shapes.get(token) or ()
-    if not (len(declared) == 2 and isinstance(declared[1], int)):
-        graph = load_graph(model, input_shapes={token: (1, _PROBE_SEQUENCE)}, label=label)
     return GraphDecoder(graph, recognize_decoder(graph))
 
 

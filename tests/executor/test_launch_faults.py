@@ -110,7 +110,7 @@ def test_the_estimate_covers_what_a_tiny_launch_builds(tiny_plan: Path) -> None:
     plan = load_plan(tiny_plan)
     need = cp_memory.host_memory_need(
         plan, [16] * 4, 8, range(2), layout=KvLayout([(0, 4096), (4096, 8192)]), positions=None,
-        onnx=False, on_gpu=False,
+        on_gpu=False,
     )  # fmt: skip
     model = materialize(llm_gpt(plan.llm))  # what the workers build
     weights = sum(numpy_helper.to_array(t).nbytes for t in model.graph.initializer if t.data_type == 1)

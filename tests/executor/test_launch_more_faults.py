@@ -21,21 +21,10 @@ from pathlib import Path
 import pytest
 from cli_runner import run_cli
 from executor.processes import start_launch, still_running, workers_of
+from executor.test_launch_faults import TINY_LLM
 
 import tessera.core.files as files
 import tessera.executor.launcher as launcher
-
-TINY_LLM = """\
-name: tiny
-layers: 2
-hidden: 64
-heads: 4
-kv_heads: 4
-head_dim: 16
-ffn: 256
-vocab: 256
-dtype: fp32
-"""
 
 
 @pytest.fixture

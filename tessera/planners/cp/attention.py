@@ -124,7 +124,7 @@ class Matcher:
         if tensor not in self._arrays:
             value = None
             if tensor in self.g.initializers:
-                proto = next((t for t in self.g.model.graph.initializer if t.name == tensor), None)
+                proto = self.g.initializer_protos.get(tensor)
                 # Weights kept outside the model (lazy or external data) are not read here.
                 inline = proto is not None and proto.data_location != onnx.TensorProto.EXTERNAL
                 value = _to_array(proto) if inline else None
@@ -202,15 +202,12 @@ class Matcher:
             data = op.inputs[1:] if op.op_type == "Where" else op.inputs
             live = [t for t in data if t and not self.is_constant(t)]
             # Of two live operands (scores + mask) the scores are the one a MatMul is found behind.
-            path = next((t for t in live if self._reaches_matmul(t)), None)
+            path = next((t for t in live if self.reaches_scores(t, None)), None)
             if path is None:
                 raise NotAttention(op.name, "no Q·Kᵀ MatMul behind the Softmax's input")
             side += [t for t in op.inputs if t and t != path]
             tensor = path
         raise NotAttention(softmax.name, "no Q·Kᵀ MatMul within 12 element-wise ops before it")
-
-    def _reaches_matmul(self, tensor: str) -> bool:
-        return self.reaches_scores(tensor, None)
 
     def reaches_scores(self, tensor: str, qk: str | None) -> bool:
         """Whether ``tensor`` is computed, through score ops, from a Q·Kᵀ MatMul (``qk``, or any)."""

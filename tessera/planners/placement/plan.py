@@ -10,6 +10,7 @@ References: Collage paper §4, thesis §2.4. Details: docs/placement.md.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 import math
@@ -239,13 +240,17 @@ def plan_placement(  # noqa: C901
     whole = frozenset(graph.order)
     # One group on one backend is that backend alone: timed once, as that backend.
     same_as = chosen_groups[0][0] if len(chosen_groups) == 1 and chosen_groups[0][1] == whole else None
+    outputs: dict[str, dict[str, Any]] = {}  # each contender's outputs on feeds: its error, once
     if same_as is None:
         runs["placement"] = lambda: composite.run(feeds)
+        with contextlib.suppress(Exception):  # a failing placement is timed as inf, never chosen
+            outputs["placement"] = composite.run(feeds)
     wrong_whole: list[str] = []
     for b in backends:
         try:
             single = CompositeModel(graph, [(b, whole)], registry=registry, cache=compiled)
-            correct = within(single.run(feeds), reference, registry.backend(b), options.tolerance)
+            outputs[b] = single.run(feeds)
+            correct = within(outputs[b], reference, registry.backend(b), options.tolerance)
         except Exception as exc:  # noqa: BLE001 - a backend that cannot run the whole model
             log.info("%s does not run the whole model: %s", b, exc)
             continue
@@ -287,11 +292,13 @@ def plan_placement(  # noqa: C901
         decision = FinalChoice(
             False, same_as, f"the search placed the whole model on {same_as}, the fastest single backend"
         )
+    chosen_key = "placement" if same_as is None else same_as
     if not decision.keep_placement and best_single is not None:
         chosen_groups = [(best_single, whole, "whole model")]
         chosen = f"single backend: {best_single}"
         latency = singles[best_single]
-    error = _error_of(graph, chosen_groups, registry, feeds, reference)
+        chosen_key = best_single
+    error = _error_of(outputs[chosen_key], reference)
     exact = {b: t for b, t in contenders.items() if registry.backend(b).exact}
     if (
         error["max_rel"] > (options.tolerance or 0.0)
@@ -309,7 +316,7 @@ def plan_placement(  # noqa: C901
             f"single backend: {fallback}",
             exact[fallback],
         )
-        error = _error_of(graph, chosen_groups, registry, feeds, reference)
+        error = _error_of(outputs[fallback], reference)
 
     groups = []
     predicted_total = 0.0
@@ -424,15 +431,8 @@ def _fp32_comparison(exact: dict[str, float], latency: float, tolerance: float |
     return {"best_fp32_single_backend": best, "speedup_over_best_fp32": exact[best] / latency}
 
 
-def _error_of(
-    graph: Graph,
-    groups: Sequence[Group],
-    registry: BackendRegistry,
-    feeds: dict[str, Any],
-    reference: dict[str, Any],
-) -> dict[str, float]:
+def _error_of(outputs: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
     """``{max_abs, max_rel}`` of the placed model's outputs against the fp32 onnxruntime reference."""
-    outputs = CompositeModel(graph, [(b, n) for b, n, _ in groups], registry=registry).run(feeds)
     diffs = compare_outputs(outputs, reference)["outputs"].values()
     return {"max_abs": max((d.get("max_abs_diff", math.inf) for d in diffs), default=0.0),
             "max_rel": relative_error(outputs, reference)}  # fmt: skip
