@@ -27,6 +27,7 @@ from tessera.backends.torch_ops import (
     schema_version,
     schema_versions,
 )
+from tessera.backends.torch_program import build_program
 from tessera.core.errors import InputError
 
 # Replaces a node's outputs: hook(its inputs, its outputs) -> outputs (OnnxModule.run).
@@ -112,6 +113,8 @@ class OnnxModule(nn.Module):
             for n in g.node
         ]
         self._types = [(n.name or n.op_type, n.op_type) for n in g.node]
+        # forward's program (fused, generated code); run() interprets the nodes (hooks need them)
+        self.program = build_program(model, self.input_names, tuple(self._init_keys), label)
 
     def node_types(self) -> dict[str, str]:
         """``{node name: op type}`` in execution order (the names :meth:`run`'s hooks take)."""
@@ -126,8 +129,13 @@ class OnnxModule(nn.Module):
     def forward(self, *inputs: Tensor) -> tuple[Tensor, ...]:
         if len(inputs) != len(self.input_names):
             raise TypeError(f"{self.label}: expected {len(self.input_names)} inputs, got {len(inputs)}")
-        env = self._interpret(dict(zip(self.input_names, inputs, strict=True)), {})
-        return tuple(env[t] for t in self.output_names)
+        return self.program(*inputs, *self._initializer_values())
+
+    def _initializer_values(self) -> list[Tensor]:
+        return [
+            self.params[key] if kind == "param" else getattr(self, key)
+            for kind, key in self._init_keys.values()
+        ]
 
     def run(
         self,
@@ -147,8 +155,7 @@ class OnnxModule(nn.Module):
     def _interpret(
         self, env: dict[str, Tensor], after: Mapping[str, NodeHook], only: frozenset[str] | None = None
     ) -> dict[str, Tensor]:
-        for name, (kind, key) in self._init_keys.items():
-            env[name] = self.params[key] if kind == "param" else getattr(self, key)
+        env.update(zip(self._init_keys, self._initializer_values(), strict=True))
         for fn, ins, outs, attrs, node in self._nodes:
             if only is not None and node not in only:
                 continue

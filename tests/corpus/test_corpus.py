@@ -1,5 +1,6 @@
 """Real exports end to end (issue #26): every corpus export that torch.onnx could write loads and
-computes its torch module's outputs in onnxruntime (at batch 3 too when its batch is dynamic), is
+computes its torch module's outputs in onnxruntime (at batch 3 too when its batch is dynamic) and in the
+training executor's program (with the node interpreter's gradients), is
 counted within -10%/+25% of torch's FlopCounterMode, placed with verified outputs, refused at plan time
 with the fix when its batch axis is fixed, and otherwise trained by a 1-stage and a forced 2-stage plan
 on 2 CPU ranks with single-process training's losses (1e-5 relative) — de-duplicated or tied weights
@@ -18,6 +19,7 @@ import torch
 from cli_runner import run_cli
 from corpus.exports import ENTRIES, Corpus, Entry
 
+from tessera.backends.torch_module import OnnxModule
 from tessera.core.errors import InfeasibleError
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
@@ -61,6 +63,28 @@ def test_loads_and_computes_the_torch_modules_outputs(key, corpus: Corpus) -> No
             want = module(example).numpy()
         model = graph.model if example is x else made.path  # as tessera loaded it; the file as exported
         np.testing.assert_allclose(_run(model, made.input, example), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("key", ENTRIES, ids=IDS)
+def test_the_executors_program_computes_the_torch_modules_outputs_and_the_interpreters_gradients(
+    key, corpus: Corpus
+) -> None:
+    made = _exported(corpus, key)
+    graph = load_graph(made.path, input_shapes=corpus.input_shapes(key))
+    module, x = corpus.reference(made.model)
+    with torch.no_grad():
+        want = module(x)
+    executor = OnnxModule(graph.model, label=made.name)
+    grads = []
+    for out in (executor(x)[0], executor.run({made.input: x})[graph.model.graph.output[0].name]):
+        torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
+        executor.zero_grad()
+        out.square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in executor.onnx_parameters() if p.grad is not None})
+    program, interpreter = grads
+    assert program.keys() == interpreter.keys() and program
+    for name, grad in program.items():
+        torch.testing.assert_close(grad, interpreter[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("key", ENTRIES, ids=IDS)

@@ -1,0 +1,80 @@
+"""An ONNX (sub-)model as a ``torch.fx.GraphModule``: the program the torch executor runs.
+
+One call per step of :func:`~tessera.backends.torch_fusion.steps_of` (ONNX nodes, exporter patterns
+fused), Constant nodes held as the program's buffers; the graph inputs, then the initializers, are
+its arguments, so the module that owns the parameters (``OnnxModule``) keeps them. ``print(program.code)``
+shows it. ``torch.compile`` of it is :func:`compiled`. Details: docs/executor.md.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import onnx
+import torch
+from torch import Tensor, fx, nn
+
+from tessera.backends.torch_fusion import Step, constant_tensor, steps_of
+
+
+def build_program(
+    model: onnx.ModelProto, inputs: Sequence[str], initializers: Sequence[str], label: str
+) -> fx.GraphModule:
+    """The program computing ``model``'s outputs from ``inputs`` then ``initializers`` (by name)."""
+    steps, constants = steps_of(model)
+    root = nn.Module()
+    graph = fx.Graph()
+    env: dict[str, fx.Node] = {}
+    for name in (*inputs, *initializers):
+        env[name] = graph.placeholder(_identifier(name))
+    for s in steps:
+        if s.op_type == "Constant" and s.outputs[0] in constants:
+            attr = f"k{len(root._buffers)}"
+            root.register_buffer(attr, constant_tensor(constants[s.outputs[0]]))
+            env[s.outputs[0]] = graph.get_attr(attr)
+            continue
+        args = tuple(env[t] if t else None for t in s.inputs)
+        named = [k for k, t in enumerate(s.outputs) if t]
+        if named == [0]:
+            env[s.outputs[0]] = graph.call_function(_call(s, label, 0), args)
+            continue
+        call = graph.call_function(_call(s, label, named[-1] + 1 if named else 0), args)
+        for k in named:
+            env[s.outputs[k]] = graph.call_function(operator.getitem, (call, k))
+    graph.output(tuple(env[vi.name] for vi in model.graph.output))
+    graph.eliminate_dead_code()
+    return fx.GraphModule(root, graph, class_name="OnnxProgram")
+
+
+def compiled(program: fx.GraphModule) -> Callable[..., Any]:
+    """``torch.compile`` of the program (dynamic shapes: micro-batch sizes vary)."""
+    return torch.compile(program, dynamic=True)
+
+
+def _call(step: Step, label: str, outputs: int) -> Callable[..., Any]:
+    """The step as a function of its inputs: one tensor back, or a tuple of ``outputs`` (> 1)."""
+    fn, attrs, node = step.fn, step.attrs, step.nodes[0]
+
+    def call(*args: Tensor | None) -> Any:
+        try:
+            result = fn(args, attrs)
+        except Exception as exc:  # name the node: an error in the program is useless without it
+            raise RuntimeError(f"{label}: node {node!r}: {type(exc).__name__}: {exc}") from exc
+        if not outputs:
+            return result[0] if isinstance(result, tuple) else result
+        results = result if isinstance(result, tuple) else (result,)
+        if len(results) < outputs:
+            raise RuntimeError(f"{label}: node {node!r}: the executor does not produce output {len(results)}")
+        return results
+
+    call.__name__ = call.__qualname__ = f"onnx_{step.op_type}"
+    call.__module__ = __name__
+    return call
+
+
+def _identifier(name: str) -> str:
+    key = re.sub(r"\W", "_", name) or "_"
+    return f"_{key}" if key[0].isdigit() else key
