@@ -15,6 +15,7 @@ import click
 
 from tessera import __version__
 from tessera.cli.backends_cmd import backends
+from tessera.cli.calibrate_cmd import calibrate
 from tessera.cli.inspect_cmd import inspect
 from tessera.cli.launch_cmd import launch
 from tessera.cli.place_cmd import place
@@ -49,6 +50,7 @@ def cli(verbose: int, no_progress: bool) -> None:
 
 
 cli.add_command(backends)
+cli.add_command(calibrate)
 cli.add_command(inspect)
 cli.add_command(launch)
 cli.add_command(place)

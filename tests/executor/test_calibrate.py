@@ -1,0 +1,143 @@
+"""``tessera calibrate`` end to end: one real run on this machine (2 ranks, a short budget) writes
+a spec that loads, holds sane numbers and plans; the fit and the launch overhead on their own."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import pytest
+from cli_runner import run_cli
+
+from tessera.cli.calibrate_cmd import summary
+from tessera.core.cost import CostModel
+from tessera.core.errors import LaunchError
+from tessera.core.graph import load_graph
+from tessera.core.specs import DeviceType, load_cluster
+from tessera.executor.calibrate import Calibration, fit_link, launch_overhead, machine_cores
+from tessera.executor.calibrate_worker import CHAIN_NODES, chain_model
+
+
+@pytest.fixture(scope="module")
+def calibrated(tmp_path_factory):
+    """One real run over an existing file: (its --json report, the spec path, the old file's inode)."""
+    folder = tmp_path_factory.mktemp("calibrate")
+    path = folder / "spec.yaml"
+    path.write_text("old: file\n")
+    old_inode = path.stat().st_ino
+    result = run_cli("calibrate", "--seconds", "1", "--out", str(path), "--json")
+    assert result.code == 0, result.err
+    return json.loads(result.out), path, old_inode
+
+
+def test_the_spec_loads_with_sane_numbers(calibrated):
+    report, path, _ = calibrated
+    spec = load_cluster(path)
+    assert spec.name.startswith("calibrated-") and spec.num_devices == 2
+    (device,) = spec.device_types.values()
+    assert device.kind == "cpu" and device.cores == max(1, machine_cores() // 2)
+    for value in (
+        device.flops["fp32"],
+        device.memory,
+        device.memory_bandwidth,
+        device.kernel_launch_overhead,
+    ):
+        assert math.isfinite(value) and value > 0
+    link = spec.links.intra_node
+    assert 1e-6 <= link.latency <= 1e-2
+    assert 1e7 <= link.bandwidth <= 1e11
+    assert report["spec"] == spec.to_json_dict() and report["output"] == str(path)
+
+
+def test_the_report_holds_every_measurement(calibrated):
+    report, _, _ = calibrated
+    m = report["measured"]
+    numbers = [
+        m["matmul"]["flops_per_s"],
+        m["bandwidth"]["copy_bytes_per_s"],
+        m["bandwidth"]["sum_bytes_per_s"],
+        m["per_op"]["forward_s"],
+        m["per_op"]["forward_backward_s"],
+        *m["p2p"]["one_way_s"],
+        *m["allreduce"]["seconds"],
+        *m["allreduce"]["ring_model_s"],
+    ]
+    assert all(math.isfinite(x) and x > 0 for x in numbers)
+    assert len(report["per_rank"]) == 2 and m["p2p"]["pairs"] == [[0, 1]]
+    text = summary(report)
+    assert "flops.fp32" in text and "links.intra_node" in text and "all-reduce (2 ranks)" in text
+
+
+def test_the_file_is_the_measurements_spec_and_nothing_else(calibrated):
+    """The same measurements give the same file (no date, no run-dependent text): rebuilt from the
+    report, the YAML is the file's, byte for byte."""
+    report, path, _ = calibrated
+    machine = report["machine"]
+    cal = Calibration(
+        host=machine["host"],
+        cpu=machine["cpu"],
+        cores=machine["cores"],
+        ranks=report["ranks"],
+        threads=report["threads_per_rank"],
+        seconds=report["seconds"],
+        torch_version=machine["torch"],
+        memory_total=machine["memory_total_bytes"],
+        wall_s=0.0,
+        measured=report["measured"],
+        ranks_raw=report["per_rank"],
+    )
+    assert cal.spec_yaml() == path.read_text()
+    assert "eval" not in path.read_text()
+
+
+def test_an_existing_file_is_replaced_atomically(calibrated):
+    _, path, old_inode = calibrated
+    assert path.stat().st_ino != old_inode  # a new file renamed over the old one, not rewritten in place
+    assert "old: file" not in path.read_text()
+    assert os.listdir(path.parent) == [path.name]  # no temporary file left
+
+
+def test_plan_accepts_the_spec(calibrated, tmp_path):
+    _, path, _ = calibrated
+    model = tmp_path / "candle.onnx"
+    assert run_cli("zoo", "build", "candle_uno", "--size", "tiny", "-o", str(model)).code == 0
+    result = run_cli("plan", str(model), "--cluster", str(path), "--mini-batch", "8", "--json")
+    assert result.code == 0, result.err
+    assert json.loads(result.out)["cluster"]["name"] == load_cluster(path).name
+
+
+def test_fit_link_recovers_latency_and_bandwidth():
+    sizes = [4, 2**10, 2**16, 2**20, 2**22, 2**24]
+    noise = [1.03, 0.98, 1.01, 0.99, 1.02, 0.97]
+    times = [(50e-6 + n / 2e9) * e for n, e in zip(sizes, noise, strict=True)]
+    latency, bandwidth = fit_link(sizes, times)
+    assert latency == pytest.approx(50e-6, rel=0.05)
+    assert bandwidth == pytest.approx(2e9, rel=0.05)
+
+
+def test_fit_link_refuses_times_that_do_not_grow():
+    with pytest.raises(LaunchError, match="do not grow"):
+        fit_link([4, 2**20, 2**24], [3e-3, 2e-3, 1e-3])
+
+
+def test_the_launch_overhead_makes_the_cost_model_match_the_measured_time_per_node():
+    per_op, flops, bandwidth = 4e-6, 1.5e11, 1.2e10
+    overhead = launch_overhead(per_op, flops, bandwidth)
+    spec_device = {
+        "kind": "cpu",
+        "memory": 2**30,
+        "flops": {"fp32": flops},
+        "memory_bandwidth": bandwidth,
+        "kernel_launch_overhead": overhead,
+    }
+    cost = CostModel.for_device(DeviceType(**spec_device))
+    ops = load_graph(chain_model(CHAIN_NODES[0])).ops()
+    mean = sum(cost.forward_time(op, 1) + cost.backward_time(op, 1) for op in ops) / len(ops)
+    assert mean == pytest.approx(per_op, rel=1e-9)
+    assert 0 < overhead < per_op / 2  # the roofline of a tiny node is small but not nothing
+
+
+def test_a_time_per_node_below_the_roofline_is_refused():
+    with pytest.raises(LaunchError, match="did not come out positive"):
+        launch_overhead(1e-12, 1e9, 1e6)
