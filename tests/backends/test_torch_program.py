@@ -73,7 +73,7 @@ def _compare(model: onnx.ModelProto) -> None:
     for run_program in (True, False):
         x = sample.clone().requires_grad_(True)
         module.zero_grad()
-        outs = module(x) if run_program else tuple(module.run({"x": x}).values())
+        outs = module(x) if run_program else tuple(module.run({"x": x}, interpret=True).values())
         sum(o.square().sum() for o in outs).backward()
         results.append(
             ([o.detach() for o in outs], x.grad, [p.grad.clone() for _, p in module.onnx_parameters()])

@@ -76,7 +76,10 @@ def test_the_executors_program_computes_the_torch_modules_outputs_and_the_interp
         want = module(x)
     executor = OnnxModule(graph.model, label=made.name)
     grads = []
-    for out in (executor(x)[0], executor.run({made.input: x})[graph.model.graph.output[0].name]):
+    for out in (
+        executor(x)[0],
+        executor.run({made.input: x}, interpret=True)[graph.model.graph.output[0].name],
+    ):
         torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
         executor.zero_grad()
         out.square().mean().backward()
