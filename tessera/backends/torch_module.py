@@ -144,17 +144,19 @@ class OnnxModule(nn.Module):
         after: Mapping[str, NodeHook] | None = None,
         only: frozenset[str] | None = None,
         interpret: bool = False,
+        tensors: Iterable[str] | None = None,
     ) -> dict[str, Tensor]:
         """Forward by name: ``{input: tensor}`` → ``{output: tensor}``, through the program unless
         ``interpret`` or either of these asks for the nodes one by one: ``after`` maps node names to
         hooks ``hook(inputs, outputs) -> outputs`` that replace what the node computed (the decoder
         swaps an attention core's output for attention over its KV cache this way); ``only`` runs
         just those nodes (the others must not be needed; a hooked node whose inputs were skipped is
-        not run: its hook gets None for them and no outputs)."""
-        if not (after or only is not None or interpret):
+        not run: its hook gets None for them and no outputs). ``tensors``: return these tensors
+        (any the graph computes, interpreted) instead of the outputs."""
+        if not (after or only is not None or interpret or tensors is not None):
             return dict(zip(self.output_names, self(*(feeds[n] for n in self.input_names)), strict=True))
         env = self._interpret({n: feeds[n] for n in self.input_names}, after or {}, only)
-        return {t: env[t] for t in self.output_names}
+        return {t: env[t] for t in (self.output_names if tensors is None else tensors)}
 
     def _interpret(
         self, env: dict[str, Tensor], after: Mapping[str, NodeHook], only: frozenset[str] | None = None

@@ -309,6 +309,7 @@ def _summary(report: dict[str, Any]) -> str:
         )
         + f"; final loss {m['final_loss']:.6g}"
     )
+    lines.append(_fidelity_line(report["fidelity"]))
     lines.append(
         "(busy: forward + backward compute, slowest replica, mean over steps after the first; "
         "peak mem: weights + gradients + activations in flight, slowest replica; on GPU the allocator's peak"
@@ -320,6 +321,21 @@ def _summary(report: dict[str, Any]) -> str:
         + ")"
     )
     return "\n".join(lines)
+
+
+def _fidelity_line(fidelity: dict[str, Any]) -> str:
+    """``fidelity: iteration +12%; stage 0 busy 4.26/3.90 ms, all-reduce …`` (measured/predicted)."""
+
+    def ms(part: dict[str, Any]) -> str:
+        p = part["predicted_s"]
+        return f"{part['measured_s'] * 1e3:.2f}/{'-' if p is None else f'{p * 1e3:.2f}'} ms"
+
+    e = fidelity["iteration"]["error"]
+    stages = "; ".join(
+        f"stage {st['id']} busy {ms(st['busy'])}, all-reduce {ms(st['allreduce'])}, idle {ms(st['idle'])}"
+        for st in fidelity["stages"]
+    )
+    return f"fidelity (measured/predicted): iteration {'-' if e is None else f'{e:+.0%}'}; {stages}"
 
 
 def _cp_summary(report: dict[str, Any]) -> str:

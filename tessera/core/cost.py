@@ -171,11 +171,14 @@ def transfer_time(link: Link, nbytes: float) -> float:
 
 
 def allreduce_time(nbytes: float, devices: int, link: Link | None) -> float:
-    """Ring all-reduce: 2(p−1)/p · n / bandwidth + 2(p−1) · latency; 0 for one device."""
+    """Ring all-reduce: 2(p−1)/p · n / bandwidth + 2(p−1) · latency, at the link's all-reduce
+    bandwidth and latency where it has them (else its point-to-point ones); 0 for one device."""
     if devices <= 1 or nbytes <= 0 or link is None:
         return 0.0
     p = devices
-    return 2 * (p - 1) / p * nbytes / link.bandwidth + 2 * (p - 1) * link.latency
+    bandwidth = link.allreduce_bandwidth or link.bandwidth
+    latency = link.latency if link.allreduce_latency is None else link.allreduce_latency
+    return 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency
 
 
 def ceil_div(a: int, b: int) -> int:

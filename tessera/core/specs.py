@@ -187,10 +187,14 @@ class NodeGroup(_SpecModel):
 
 
 class Link(_SpecModel):
-    """A link between two devices: bandwidth per direction (bytes/s) and latency (s)."""
+    """A link between two devices: bandwidth per direction (bytes/s) and latency (s); optionally
+    the alpha-beta of one step of the collective library's ring all-reduce over it, where that is
+    not the point-to-point one (gloo's all-reduce on a CPU host: ``tessera calibrate`` fits both)."""
 
     bandwidth: Bandwidth
     latency: Seconds = 0.0
+    allreduce_bandwidth: Bandwidth | None = None
+    allreduce_latency: Seconds | None = None
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` over the link: latency + size / bandwidth (the alpha-beta model)."""
@@ -363,7 +367,17 @@ class ClusterSpec(_SpecModel):
         """
 
         def link(value: Link | None) -> dict[str, float] | None:
-            return None if value is None else {"bandwidth": value.bandwidth, "latency": value.latency}
+            if value is None:
+                return None
+            ring = {
+                "allreduce_bandwidth": value.allreduce_bandwidth,
+                "allreduce_latency": value.allreduce_latency,
+            }
+            return {
+                "bandwidth": value.bandwidth,
+                "latency": value.latency,
+                **{k: v for k, v in ring.items() if v is not None},
+            }
 
         return {
             "name": self.name,

@@ -28,6 +28,7 @@ from tessera.executor.calibrate_worker import (
     CHAIN_NODES,
     CHAIN_WIDTH,
     COPY_BYTES,
+    LOADED_BYTES,
     CalibrateWorkerSpec,
     calibrate_worker,
     chain_model,
@@ -191,8 +192,10 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
     one_way = [statistics.median(p["one_way_s"][i] for p in pairs) for i in range(len(p2p_bytes))]
     latency, bandwidth = fit_link(p2p_bytes, one_way)
     link = Link(bandwidth=bandwidth, latency=latency)
+    loaded = [r["p2p_loaded"]["one_way_s"] for r in raw if r.get("p2p_loaded") is not None]
     allreduce_bytes = raw[0]["allreduce"]["bytes"]
     allreduce = [max(r["allreduce"]["seconds"][i] for r in raw) for i in range(len(allreduce_bytes))]
+    ring_latency, ring_bandwidth = fit_ring(allreduce_bytes, allreduce, ranks)
     from tessera.core.cost import allreduce_time
 
     return {
@@ -214,13 +217,25 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "pairs": [p["pair"] for p in pairs],
             "latency_s": latency,
             "bandwidth_bytes_per_s": bandwidth,
+            # While both ranks compute, as a pipeline's do: the latency the spec gets.
+            "loaded_latency_s": max(statistics.median(loaded), latency) if loaded else latency,
         },
         "allreduce": {
             "bytes": allreduce_bytes,
             "seconds": allreduce,
             "ring_model_s": [allreduce_time(n, ranks, link) for n in allreduce_bytes],
+            "latency_s": ring_latency,
+            "bandwidth_bytes_per_s": ring_bandwidth,
         },
     }
+
+
+def fit_ring(nbytes: Sequence[float], seconds: Sequence[float], ranks: int) -> tuple[float, float]:
+    """``(latency, bandwidth)`` of one ring step such that ``core.cost.allreduce_time`` gives the
+    measured all-reduce times: ``t = 2(p−1)·latency + 2(p−1)/p · n / bandwidth``."""
+    a, inverse_b = fit_link(nbytes, seconds)  # t = a + n / inverse_b
+    steps = 2 * (ranks - 1)
+    return a / steps, steps / ranks * inverse_b
 
 
 def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -371,8 +386,13 @@ def _comments(cal: Calibration) -> list[str]:
         f"  memory: {MEMORY_FRACTION:.0%} of this machine's {bytes_text(cal.memory_total)} over {cal.ranks} ranks",
         f"  links.intra_node: gloo send/recv between ranks {pairs} (pairs at once), half the round trip:",
         f"    {p2p_text(p2p)};",
-        "    latency + bytes / bandwidth fitted to them (least squares of the relative error)",
-        f"  all-reduce, not a field (gloo, {cal.ranks} ranks; the planner's ring model with this link):",
+        "    latency + bytes / bandwidth fitted to them (least squares of the relative error):",
+        f"    {seconds_text(p2p['latency_s'])} + bytes / {bandwidth_text(p2p['bandwidth_bytes_per_s'])};",
+        f"    the latency written is the one-way cost of a {size_text(LOADED_BYTES)} message while both "
+        f"ranks compute",
+        f"    (a pipeline's case: gloo's I/O threads then wait for a core): {seconds_text(p2p['loaded_latency_s'])}",
+        f"  allreduce_*: gloo all-reduce over {cal.ranks} ranks (the slowest rank's median; the ring model",
+        "    with the point-to-point link in brackets), fitted as the ring's per-step latency and bandwidth:",
         *(f"    {size_text(n)} {seconds_text(t)} (ring model {seconds_text(p)})" for n, t, p in reduces),
     ]
     if cal.shares_cores:
@@ -403,7 +423,9 @@ def _spec_yaml(cal: Calibration) -> str:
         f"  - {{name: local, count: 1, devices: [{{type: {DEVICE_TYPE}, count: {cal.ranks}}}]}}",
         "links:",
         f"  intra_node: {{bandwidth: {bandwidth_text(p2p['bandwidth_bytes_per_s'])}, "
-        f"latency: {seconds_text(p2p['latency_s'])}}}",
+        f"latency: {seconds_text(p2p['loaded_latency_s'])},",
+        f"               allreduce_bandwidth: {bandwidth_text(m['allreduce']['bandwidth_bytes_per_s'])}, "
+        f"allreduce_latency: {seconds_text(m['allreduce']['latency_s'])}}}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -15,7 +15,7 @@ from datetime import timedelta
 from typing import Any
 
 # Fractions of the --seconds budget each phase may spend (the start-up of the workers is extra).
-BUDGET = {"matmul": 0.2, "bandwidth": 0.15, "per_op": 0.25, "p2p": 0.25, "allreduce": 0.15}
+BUDGET = {"matmul": 0.2, "bandwidth": 0.15, "per_op": 0.2, "p2p": 0.2, "p2p_loaded": 0.1, "allreduce": 0.15}
 MIN_REPEATS = 3
 MAX_REPEATS = 1000
 MATMUL_SIZES = (256, 512, 1024, 2048)
@@ -25,6 +25,8 @@ CHAIN_NODES = (40, 200)  # two chain lengths: the per-node cost is the slope bet
 CHAIN_WIDTH = 8  # the chain's tensor is [1, CHAIN_WIDTH]
 P2P_BYTES = (4, 2**10, 2**16, 2**20, 2**22, 2**24)  # 4 B … 16 MiB
 ALLREDUCE_BYTES = (4, 2**16, 2**20, 2**24)
+LOADED_COMPUTE_S = 1e-3  # the loaded phase: each side computes this long per message
+LOADED_BYTES = 2**12
 CHAIN_OPSET = 17
 
 
@@ -54,6 +56,7 @@ def calibrate_worker(spec: CalibrateWorkerSpec) -> dict[str, Any]:
         "bandwidth": measure_bandwidth,
         "per_op": measure_per_op,
         "p2p": lambda budget: measure_p2p(rank, spec.world_size, budget),
+        "p2p_loaded": lambda budget: measure_p2p_loaded(rank, spec.world_size, budget),
         "allreduce": lambda budget: measure_allreduce(rank, budget),
     }
     result: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads()}
@@ -247,6 +250,46 @@ def measure_p2p(rank: int, world_size: int, budget_s: float) -> dict[str, Any] |
     if not sender:
         return None
     return {"bytes": list(P2P_BYTES), "one_way_s": one_way, "pair": [rank, peer]}
+
+
+def measure_p2p_loaded(rank: int, world_size: int, budget_s: float) -> dict[str, Any] | None:
+    """A pipeline's messages, between ranks 2k and 2k+1: the even rank computes
+    :data:`LOADED_COMPUTE_S`, then sends (``isend``) a small message and goes on computing; the odd
+    rank receives it, then computes as long. The odd rank reports the time per message beyond its
+    compute: the one-way cost of a message while both ranks (and gloo's I/O threads) want the cores."""
+    import torch
+    import torch.distributed as dist
+
+    peer = _pair_of(rank, world_size)
+    if peer is None:
+        return None
+    sender = rank < peer
+    a = torch.randn(128, 128)
+
+    def compute() -> None:
+        start = time.perf_counter()
+        while time.perf_counter() - start < LOADED_COMPUTE_S:
+            a @ a
+
+    messages = _agree_repeats(rank, 2 * LOADED_COMPUTE_S, budget_s, min(rank, peer), peer)
+    sends = []
+    start = time.perf_counter()
+    for k in range(messages + 1):
+        buf = torch.zeros(LOADED_BYTES // 4)
+        if sender:
+            compute()
+            sends.append(dist.isend(buf, peer, tag=k))
+        else:
+            dist.recv(buf, peer, tag=k)
+            if k == 0:  # the first message waits for the sender's first compute
+                start = time.perf_counter()
+            compute()
+    for work in sends:
+        work.wait()
+    if sender:
+        return None
+    beyond = (time.perf_counter() - start) / messages - LOADED_COMPUTE_S
+    return {"bytes": LOADED_BYTES, "one_way_s": max(beyond, 0.0), "messages": messages, "pair": [peer, rank]}
 
 
 def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:

@@ -54,6 +54,7 @@ class GppRun(RunReport):
                 "data": self.options.data or f"synthetic (seed {self.options.seed})",
             },
             "stages": self.stages,
+            "fidelity": fidelity(self.measured, self.predicted, self.stages, self.ranks),
         }
 
 
@@ -139,6 +140,38 @@ def gpp_report(
     )
 
 
+def fidelity(
+    measured: dict[str, Any],
+    predicted: dict[str, Any],
+    stages: list[dict[str, Any]],
+    ranks: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """Measured against predicted, part by part: the iteration, and per stage its busy (forward +
+    backward compute), all-reduce (of the replica that reached it last: the others also wait for
+    it) and idle time (the rest of the iteration: transfers, pipeline bubbles, waiting on peers,
+    the optimizer step, drawing the data); ``error`` = measured / predicted − 1 (None
+    where the plan predicts nothing). Docs: docs/executor.md ("Fidelity")."""
+    iteration = measured["iteration_time_s"]
+    p_iteration = predicted.get("iteration_time_s")
+    rows = []
+    for st in stages:
+        mine = [r for r in ranks if r["stage"] == st["id"]]
+        allreduce = min(r["allreduce_s"] for r in mine)  # the last replica to arrive waits least
+        p_allreduce = st.get("predicted_allreduce_s")
+        parts = {"busy": (st["busy_s"], st["predicted_busy_s"]), "allreduce": (allreduce, p_allreduce)}
+        p_idle = None
+        if p_iteration and st["predicted_busy_s"] is not None:
+            p_idle = max(p_iteration - st["predicted_busy_s"] - (p_allreduce or 0.0), 0.0)
+        parts["idle"] = (max(iteration - st["busy_s"] - allreduce, 0.0), p_idle)
+        rows.append({"id": st["id"], **{k: _part(m, p) for k, (m, p) in parts.items()}})
+    return {"iteration": _part(iteration, p_iteration), "stages": rows}
+
+
+def _part(measured: float, predicted: float | None) -> dict[str, float | None]:
+    ratio = over(measured, predicted)
+    return {"measured_s": measured, "predicted_s": predicted, "error": None if ratio is None else ratio - 1}
+
+
 def _replicas(per_rank: list[dict[str, Any]], stage: int) -> list[dict[str, Any]]:
     return [r for r in per_rank if r["stage"] == stage]
 
@@ -170,6 +203,7 @@ def _stage_row(st: Stage, per_rank: list[dict[str, Any]], n_steps: int) -> dict[
         "busy_s": busy,
         "predicted_busy_s": p_busy,
         "busy_ratio": over(busy, p_busy),
+        "predicted_allreduce_s": st.predicted.get("allreduce_time_s"),
         "peak_memory_bytes": tensors,
         "predicted_peak_memory_bytes": p_mem,
         "memory_ratio": over(tensors, p_mem),

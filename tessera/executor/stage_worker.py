@@ -147,17 +147,18 @@ class StageWorker:
 
     # -- the two actions --
 
-    def forward(
-        self, j: int, step: int, inputs: Mapping[str, np.ndarray], targets: Mapping[str, np.ndarray]
-    ) -> None:
-        unit = Unit(self.stage_id, self.replica, j)
-        lo, hi = self.routing.ranges[self.stage_id][j][self.replica]
+    def _received(
+        self, unit: Unit, inputs: Mapping[str, np.ndarray], rows: tuple[int, int], step: int
+    ) -> tuple[dict[str, Tensor], dict[int, Tensor]]:
+        """The stage's inputs of micro-batch ``unit``: rows of the data, or received from producers
+        (leaves that need a gradient back, by message id)."""
+        lo, hi = rows
+        j = unit.micro_batch
         by_tensor: dict[str, list[Message]] = {}
         for msg in self.routing.incoming.get(unit, []):
             by_tensor.setdefault(msg.tensor, []).append(msg)
         feeds: dict[str, Tensor] = {}
         leaves: dict[int, Tensor] = {}
-        t0 = time.perf_counter()
         for t in self.routing.stage_inputs[self.stage_id]:
             if t in self.graph_inputs:
                 feeds[t] = torch.from_numpy(inputs[t][lo:hi]).to(self.device)
@@ -177,14 +178,31 @@ class StageWorker:
                 leaves[msg.id] = buf
                 pieces.append(buf)
             feeds[t] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+        return feeds, leaves
+
+    def forward(
+        self, j: int, step: int, inputs: Mapping[str, np.ndarray], targets: Mapping[str, np.ndarray]
+    ) -> None:
+        unit = Unit(self.stage_id, self.replica, j)
+        lo, hi = self.routing.ranges[self.stage_id][j][self.replica]
+        t0 = time.perf_counter()
+        feeds, leaves = self._received(unit, inputs, (lo, hi), step)
         t1 = time.perf_counter()
         held: dict[int, int] = {}
+        # Activation memory is counted in the first step only (every step holds the same): the
+        # hook costs a Python call per saved tensor, which later steps' busy time should not carry.
+        counting = step == 0
 
         def pack(t: Tensor) -> Tensor:
             _storages([t], held, self._param_storages)
             return t
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hooks = (
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+            if counting
+            else contextlib.nullcontext()
+        )
+        with hooks:
             if self.recompute:
                 # early_stop off: torch ends a recomputation early by raising through the
                 # module, whose per-operator error reports would catch it.
@@ -208,10 +226,12 @@ class StageWorker:
             out = outputs[msg.tensor]
             piece = out if msg.src_rows is None else out[msg.src_rows[0] : msg.src_rows[1]]
             self._send(piece, self.routing.rank_of(msg.dst), self._tag(msg, False, step))
-        _storages([*leaves.values(), *outputs.values()], held, self._param_storages)
+        if counting:
+            _storages([*leaves.values(), *outputs.values()], held, self._param_storages)
         self.saved[j] = _Saved(leaves, outputs, loss, sum(held.values()))
-        live = sum(x.activation_bytes for x in self.saved.values())
-        self.peak_activation_bytes = max(self.peak_activation_bytes, live)
+        if counting:
+            live = sum(x.activation_bytes for x in self.saved.values())
+            self.peak_activation_bytes = max(self.peak_activation_bytes, live)
         self.busy += t2 - t1
         self.wait += t1 - t0
 
@@ -288,7 +308,8 @@ class StageWorker:
             self.opt.step()
             self.opt.zero_grad(set_to_none=True)
         total = torch.tensor([self.loss_sum], dtype=torch.float64, device=self.device)
-        dist.all_reduce(total)  # also the end-of-iteration synchronization of every rank
+        if self.routing.world_size > 1:
+            dist.all_reduce(total)  # also the end-of-iteration synchronization of every rank
         return {
             "step": step,
             "loss": float(total.item()),

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tessera.core.cost import allreduce_time
 from tessera.core.errors import EXIT_BAD_INPUT, InputError
 from tessera.core.specs import (
     DEFAULT_KERNEL_LAUNCH_OVERHEAD,
@@ -402,3 +403,17 @@ def test_shared_network_interfaces_round_trip(v100: ClusterSpec) -> None:
     data["links"]["nics"] = "per-rack"
     with pytest.raises(InputError, match="nics"):
         ClusterSpec.from_json_dict(data, source="plan.json")
+
+
+def test_a_links_all_reduce_alpha_beta_is_optional_round_trips_and_prices_the_ring(v100: ClusterSpec) -> None:
+    data = v100.to_json_dict()
+    assert set(data["links"]["intra_node"]) == {"bandwidth", "latency"}  # unset: not written
+    data["links"]["intra_node"].update(allreduce_bandwidth=1e9, allreduce_latency=1e-4)
+    back = ClusterSpec.from_json_dict(json.loads(json.dumps(data)), source="plan.json")
+    link = back.links.intra_node
+    assert (link.allreduce_bandwidth, link.allreduce_latency) == (1e9, 1e-4)
+    assert back.to_json_dict()["links"]["intra_node"] == data["links"]["intra_node"]
+    # A ring of 4: 2·3 steps of the all-reduce latency, 2·3/4 of the bytes at its bandwidth.
+    assert allreduce_time(4e6, 4, link) == pytest.approx(6 * 1e-4 + 1.5 * 4e6 / 1e9)
+    plain = v100.links.intra_node
+    assert allreduce_time(4e6, 4, plain) == pytest.approx(6 * plain.latency + 1.5 * 4e6 / plain.bandwidth)

@@ -11,11 +11,11 @@ import pytest
 from cli_runner import run_cli
 
 from tessera.cli.calibrate_cmd import summary
-from tessera.core.cost import CostModel
+from tessera.core.cost import CostModel, allreduce_time
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
-from tessera.core.specs import DeviceType, load_cluster
-from tessera.executor.calibrate import Calibration, fit_link, launch_overhead, machine_cores
+from tessera.core.specs import DeviceType, Link, load_cluster
+from tessera.executor.calibrate import Calibration, fit_link, fit_ring, launch_overhead, machine_cores
 from tessera.executor.calibrate_worker import CHAIN_NODES, chain_model
 
 
@@ -47,6 +47,14 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     link = spec.links.intra_node
     assert 1e-6 <= link.latency <= 1e-2
     assert 1e7 <= link.bandwidth <= 1e11
+    # The latency written is the loaded one (both ranks computing), at least the idle fit's; the
+    # ring's own alpha-beta reproduces the measured all-reduces it was fitted to.
+    p2p, reduce = report["measured"]["p2p"], report["measured"]["allreduce"]
+    assert link.latency == pytest.approx(p2p["loaded_latency_s"], rel=1e-3)
+    assert link.latency >= p2p["latency_s"] * 0.999
+    assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
+    for n, seconds in zip(reduce["bytes"], reduce["seconds"], strict=True):
+        assert allreduce_time(n, 2, link) == pytest.approx(seconds, rel=1.0)
     assert report["spec"] == spec.to_json_dict() and report["output"] == str(path)
 
 
@@ -114,6 +122,14 @@ def test_fit_link_recovers_latency_and_bandwidth():
     latency, bandwidth = fit_link(sizes, times)
     assert latency == pytest.approx(50e-6, rel=0.05)
     assert bandwidth == pytest.approx(2e9, rel=0.05)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_fit_ring_recovers_the_ring_steps_latency_and_bandwidth(ranks: int):
+    link = Link(bandwidth=5e9, latency=1e-5, allreduce_bandwidth=1.5e9, allreduce_latency=8e-5)
+    sizes = [4, 2**16, 2**20, 2**24]
+    latency, bandwidth = fit_ring(sizes, [allreduce_time(n, ranks, link) for n in sizes], ranks)
+    assert latency == pytest.approx(8e-5, rel=1e-6) and bandwidth == pytest.approx(1.5e9, rel=1e-6)
 
 
 def test_fit_link_refuses_times_that_do_not_grow():

@@ -60,7 +60,31 @@ def test_two_rank_launch_reports_loss_times_and_memory_against_predicted(chain_p
     assert report["ratio"]["iteration_time"] == pytest.approx(report["measured"]["iteration_time_s"] / 0.01)
     for st in report["stages"]:
         assert st["busy_s"] > 0 and st["peak_memory_bytes"] > 0 and st["memory_ratio"] > 0
+    _check_fidelity(report)
+    text = run_cli("launch", str(plan_path), "--steps", "2")
+    assert text.code == 0, text.err
+    line = next(x for x in text.out.splitlines() if x.startswith("fidelity (measured/predicted): iteration "))
+    assert "stage 0 busy " in line and "stage 1 busy " in line and "all-reduce " in line and "idle " in line
     assert _worker_children() == []
+
+
+def _check_fidelity(report: dict) -> None:
+    """Every stage's busy, all-reduce and idle time add up to the iteration, measured and predicted."""
+    fidelity = report["fidelity"]
+    iteration = fidelity["iteration"]
+    assert iteration["measured_s"] == report["measured"]["iteration_time_s"]
+    assert iteration["predicted_s"] == pytest.approx(0.01)
+    assert iteration["error"] == pytest.approx(iteration["measured_s"] / 0.01 - 1)
+    assert [st["id"] for st in fidelity["stages"]] == [st["id"] for st in report["stages"]]
+    for st, row in zip(report["stages"], fidelity["stages"], strict=True):
+        assert (
+            row["busy"]["measured_s"] == st["busy_s"] and row["busy"]["predicted_s"] == st["predicted_busy_s"]
+        )
+        parts = [row[k]["measured_s"] for k in ("busy", "allreduce", "idle")]
+        assert all(x >= 0 for x in parts)
+        assert sum(parts) == pytest.approx(max(iteration["measured_s"], parts[0] + parts[1]))
+        # The hand-built plan predicts busy 5 ms of a 10 ms iteration and no all-reduce.
+        assert row["idle"]["predicted_s"] == pytest.approx(0.005) and row["allreduce"]["predicted_s"] is None
 
 
 @pytest.mark.slow

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from tessera.cli.options import FigureFile, OptionGroup, OutputFile, check_outputs, load_model_option
 from tessera.cli.plan.gantt import write_gantt
 from tessera.cli.render import progress_bar
+from tessera.core.cost import allreduce_time
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
 from tessera.core.graph import Graph
@@ -22,10 +23,15 @@ from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.core.units import format_bytes
 from tessera.planners.pipeline.checks import untrainable_message
+from tessera.planners.pipeline.links import ring_link
 from tessera.planners.pipeline.plan import RewriteChoice, pipeline_options, plan_gpp_best
 from tessera.planners.pipeline.profile import MeasuredCosts, open_cache, profile_graph
 from tessera.planners.pipeline.search import planned_device_type
+from tessera.planners.pipeline.stage_profile import StageProfiler
 from tessera.planners.pipeline.types import Pipeline
+
+if TYPE_CHECKING:
+    from tessera.backends.profile_cache import ProfileCache
 
 
 class RecomputeChoice(click.Choice):
@@ -220,16 +226,21 @@ def run_pipeline_plan(  # noqa: PLR0913
         recompute=recompute,
         bytes_per_param=bytes_per_param,
     )
-    measure = (lambda g: profile_costs(g, cluster, cache, devices)) if profile else None
-    choice = plan_gpp_best(
-        graph,
-        cluster,
-        options,
-        kind=kind,
-        baseline=not no_baseline,
-        rewrite_auto=rewrite_auto,
-        measure=measure,
-    )
+    store = open_cache(cache) if profile else None
+    try:
+        choice = plan_gpp_best(
+            graph,
+            cluster,
+            options,
+            kind=kind,
+            baseline=not no_baseline,
+            rewrite_auto=rewrite_auto,
+            measure=(lambda g: profile_costs(g, cluster, store, devices)) if store else None,
+            refine=(lambda g: stage_profiler(g, cluster, store, devices).refine) if store else None,
+        )
+    finally:
+        if store is not None:
+            store.close()
     plan, pipe, sim = choice.plan
     if (why := untrainable_message(graph)) is not None:  # a plan to simulate; launch would refuse it
         click.echo(f"tessera: warning: {graph.source}: launch cannot train this model: {why}", err=True)
@@ -265,27 +276,33 @@ def _compared(choice: RewriteChoice) -> str:
     return "rewrite auto: " + "; ".join(parts)
 
 
+def stage_profiler(
+    graph: Graph, cluster: ClusterSpec, store: ProfileCache, devices: int | None
+) -> StageProfiler:
+    """``--profile``'s second part: the chosen plan's stages measured as the executor runs them,
+    with the end-of-iteration all-reduce of the ranks (the link's ring model) in every step."""
+    used = cluster.devices()[: devices or cluster.num_devices]
+    sync = allreduce_time(8, len(used), ring_link(cluster, used))
+    return StageProfiler(graph, planned_device_type(cluster, devices), store, sync_s=sync)
+
+
 def profile_costs(
     graph: Graph,
     cluster: ClusterSpec,
-    cache: str | os.PathLike[str] | None = None,
+    store: ProfileCache,
     devices: int | None = None,
 ) -> MeasuredCosts:
     """``--profile``: measure every operator on this machine (progress bar on a terminal; one summary
     line on stderr); ``devices``: how many of the cluster's devices the plan uses."""
     device_type = planned_device_type(cluster, devices)
-    store = open_cache(cache)
-    try:
-        with progress_bar() as bar:
-            task = bar.add_task("profiling operators", total=None)
-            measured = profile_graph(
-                graph,
-                device_type,
-                cache=store,
-                progress=lambda done, total: bar.update(task, completed=done, total=total),
-            )
-    finally:
-        store.close()
+    with progress_bar() as bar:
+        task = bar.add_task("profiling operators", total=None)
+        measured = profile_graph(
+            graph,
+            device_type,
+            cache=store,
+            progress=lambda done, total: bar.update(task, completed=done, total=total),
+        )
     r = measured.report
     roofline = measured.roofline_types()
     fallback = (

@@ -33,6 +33,7 @@ from tessera.planners.pipeline import checks  # noqa: F401 - registers the C1–
 from tessera.planners.pipeline.profile import MeasuredCosts
 from tessera.planners.pipeline.search import build_tree, partition, planned_device_type
 from tessera.planners.pipeline.spp import method_name, plan_sequential, sequential_record
+from tessera.planners.pipeline.stage_profile import RefineFn
 from tessera.planners.pipeline.types import PartitionOptions, Pipeline
 from tessera.planners.sim import SimResult, simulate_pipeline
 
@@ -52,11 +53,15 @@ def plan_gpp(
     kind: str = "gpp",
     baseline: bool = True,
     measured: MeasuredCosts | None = None,
+    refine: RefineFn | None = None,
 ) -> PlanResult:
     """Plan (GPP, or SPP with ``kind="spp"``), simulate it, and (for GPP) the SPP baseline.
 
     ``measured``: operator times from :func:`~tessera.planners.pipeline.profile.profile_graph` instead of
-    the roofline's (the plan's ``predicted.cost_model`` then says where they were measured).
+    the roofline's (the plan's ``predicted.cost_model`` then says where they were measured);
+    ``refine``: the chosen pipeline (and the baseline) with its stages' times measured as the
+    executor runs them (:class:`~tessera.planners.pipeline.stage_profile.StageProfiler`), which
+    the prediction is then simulated with.
     """
     if kind not in ("gpp", "spp"):
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
@@ -67,14 +72,20 @@ def plan_gpp(
         cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
     except ValueError as exc:  # bytes per parameter below what weights and gradients take
         raise InputError(f"--bytes-per-param: {exc}") from None
-    plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost)
+    plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost, refine)
     if measured is not None:
         plan.predicted["cost_model"] = measured.to_json()
     return plan, pipe, sim
 
 
-def _build(
-    graph: Graph, cluster: ClusterSpec, options: PartitionOptions, kind: str, baseline: bool, cost: CostModel
+def _build(  # noqa: PLR0913
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    kind: str,
+    baseline: bool,
+    cost: CostModel,
+    refine: RefineFn | None = None,
 ) -> tuple[GppPlan, Pipeline, SimResult]:
     tree = build_tree(graph, cost, options.max_units)
     spp: Pipeline | None = None
@@ -87,6 +98,8 @@ def _build(
             if kind == "spp":
                 raise
             spp_error = exc.message
+    if spp is not None and refine is not None:
+        spp = refine(spp)
     spp_sim = simulate_pipeline(spp) if spp is not None else None
     if kind == "spp":
         assert spp is not None and spp_sim is not None
@@ -95,6 +108,8 @@ def _build(
         return plan, spp, spp_sim
     try:
         pipe = partition(graph, cluster, options, tree=tree, cost=cost)
+        if refine is not None:
+            pipe = refine(pipe)
         sim = simulate_pipeline(pipe)
     except InfeasibleError:
         if spp is None:
@@ -171,6 +186,7 @@ def _to_plan(
                     "time_per_sample_s": _r(st.time_per_sample),
                     "busy_s": _r(sim.busy[st.id]),
                     "peak_memory_bytes": _r(sim.peak_memory[st.id]),
+                    **({"step_time_s": _r(st.step_time)} if st.step_time else {}),
                 },
             )
         )
@@ -228,7 +244,7 @@ def pipeline_options(
     """The search's options from what a user gives (``tessera plan``'s values); InputError names the
     value that cannot be planned with. ``memory_limit`` may only lower the devices' memory;
     ``bytes_per_param``: weights + gradients + optimizer state per parameter (default 16: Adam,
-    mixed precision)."""
+    mixed precision on GPUs, fp32 on CPUs)."""
     if schedule not in SCHEDULE_CHOICES:
         raise InputError(f"--schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CHOICES)}")
     if recompute not in ("never", "auto", "all"):
@@ -258,6 +274,9 @@ def pipeline_options(
         k=k if schedule == "kfkb" else 1,
         recompute=recompute,  # type: ignore[arg-type]
         bytes_per_param=bytes_per_param,
+        # CPUs train in fp32 (tessera's executor does, and CPU mixed precision is not a thing):
+        # weights, gradients, activations and messages are counted at 4 bytes.
+        precision="fp32" if device_type.kind == "cpu" else "mixed",
     )
 
 
@@ -283,11 +302,13 @@ def plan_gpp_best(
     baseline: bool = True,
     rewrite_auto: bool = False,
     measure: Callable[[Graph], MeasuredCosts] | None = None,
+    refine: Callable[[Graph], RefineFn] | None = None,
 ) -> RewriteChoice:
     """:func:`plan_gpp` of ``graph`` and, with ``rewrite_auto``, of ``graph`` rewritten by every
     rewrite that changes it (:func:`tessera.core.rewrite.applicable`); the fastest as simulated is
     kept (a tie keeps the model as given). ``measure``: operator times for a candidate model
-    (``--profile``), else the roofline's. InfeasibleError when no candidate fits."""
+    (``--profile``), else the roofline's; ``refine``: its stages measured (:func:`plan_gpp`).
+    InfeasibleError when no candidate fits."""
     candidates = [graph]
     if rewrite_auto:
         names, _ = applicable(graph.model, label=graph.source)
@@ -299,7 +320,10 @@ def plan_gpp_best(
     for g in candidates:
         measured = measure(g) if measure is not None else None
         try:
-            results.append(plan_gpp(g, cluster, options, kind=kind, baseline=baseline, measured=measured))
+            stages = refine(g) if refine is not None else None
+            results.append(
+                plan_gpp(g, cluster, options, kind=kind, baseline=baseline, measured=measured, refine=stages)
+            )
             kept.append(g)
         except InfeasibleError as err:  # --rewrite auto: the other model may fit
             infeasible = infeasible or err

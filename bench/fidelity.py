@@ -1,0 +1,251 @@
+"""Fidelity of the predictions (issue #28): plans' predicted iteration time against what ``launch``
+measures, on CPU gloo ranks of this machine, with the cluster spec ``tessera calibrate`` writes.
+
+Per model (the zoo's tiny models and real exports of the corpus), six training plans: one device at
+one and at four micro-batches, two devices at two micro-batch sizes (GPP), the sequential (SPP)
+plan, and GPipe's schedule. Each is planned twice, with the roofline of the calibrated spec and
+with ``--profile`` (operators measured, then the chosen plan's stages measured as the executor runs
+them), and launched once. Per model: mean |measured/predicted - 1| and Kendall's tau between the
+predicted and the measured order. Placement plans (``tessera place``) in the same run: predicted
+against launched latency.
+
+    .venv/bin/python bench/fidelity.py          # writes bench/results/fidelity.md (~10 min)
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+from cli_runner import run_cli  # noqa: E402
+from corpus.exports import entry  # noqa: E402
+
+from tessera.backends.profile_cache import ProfileCache  # noqa: E402
+from tessera.core.files import write_atomic  # noqa: E402
+from tessera.core.graph import load_graph  # noqa: E402
+from tessera.core.specs import load_cluster  # noqa: E402
+from tessera.executor.gpp_run import run_gpp_plan  # noqa: E402
+from tessera.executor.launcher import LaunchOptions  # noqa: E402
+from tessera.executor.training import TrainOptions  # noqa: E402
+from tessera.models import build  # noqa: E402
+from tessera.planners.pipeline.plan import plan_gpp  # noqa: E402
+from tessera.planners.pipeline.profile import profile_graph  # noqa: E402
+from tessera.planners.pipeline.search import planned_device_type  # noqa: E402
+from tessera.planners.pipeline.types import PartitionOptions  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "fidelity.md"
+STEPS = 8
+MODELS = [  # (label, source, mini-batch)
+    ("mmt (zoo)", "zoo:mmt", 16),
+    ("gpt (zoo)", "zoo:gpt", 16),
+    ("candle_uno (zoo)", "zoo:candle_uno", 64),
+    ("BERT export", "bert:legacy:dynamic", 16),
+    ("ViT export", "vit:dynamo:dynamic", 16),
+    ("ResNet export", "resnet:dynamo:dynamic", 16),
+    ("GPT-2 export", "gpt2:legacy:dynamic", 16),
+]
+
+
+def variants(b: int) -> list[tuple[str, str, dict]]:
+    """(label, kind, PartitionOptions fields) of the six plans of a model at mini-batch ``b``."""
+    return [
+        ("1 device, 1 micro-batch", "gpp", {"num_devices": 1, "micro_batch_sizes": (b,)}),
+        ("1 device, 4 micro-batches", "gpp", {"num_devices": 1, "micro_batch_sizes": (b // 4,)}),
+        ("2 devices, micro-batch B/2", "gpp", {"num_devices": 2, "micro_batch_sizes": (b // 2,)}),
+        ("2 devices, micro-batch B/4", "gpp", {"num_devices": 2, "micro_batch_sizes": (b // 4,)}),
+        ("2 devices, SPP", "spp", {"num_devices": 2, "micro_batch_sizes": (b // 4,)}),
+        ("2 devices, GPipe", "gpp", {"num_devices": 2, "micro_batch_sizes": (b // 4,), "schedule": "gpipe"}),
+    ]
+
+
+def model_path(source: str, folder: Path) -> tuple[str, dict | None]:
+    if source.startswith("zoo:"):
+        path = folder / f"{source[4:]}.onnx"
+        path.write_bytes(build(source[4:], "tiny", 0).SerializeToString())
+        return str(path), None
+    made = entry(*source.split(":"))
+    return str(made.path), {made.input: (1, *made.shape[1:])}
+
+
+def structure(plan) -> str:
+    stages = plan.stages
+    if len(stages) == 1:
+        return f"1 stage x{len(stages[0].devices)}" + (" (DP)" if len(stages[0].devices) > 1 else "")
+    return f"{len(stages)} stages"
+
+
+def model_rows(label: str, source: str, b: int, cluster, cache: ProfileCache, folder: Path) -> list[dict]:
+    path, shapes = model_path(source, folder)
+    graph = load_graph(path, input_shapes=shapes) if shapes else load_graph(path)
+    from tessera.cli.plan.pipeline import stage_profiler
+
+    measured = profile_graph(graph, planned_device_type(cluster, 1), cache=cache)
+    rows = []
+    for name, kind, fields in variants(b):
+        options = PartitionOptions(mini_batch=b, precision="fp32", **fields)
+        roofline, _, _ = plan_gpp(graph, cluster, options, kind=kind, baseline=False)
+        refine = stage_profiler(graph, cluster, cache, options.num_devices).refine
+        plan, _, _ = plan_gpp(
+            graph, cluster, options, kind=kind, baseline=False, measured=measured, refine=refine
+        )
+        run = run_gpp_plan(plan, graph, path, TrainOptions(steps=STEPS), LaunchOptions(timeout_s=300))
+        report = run.to_json()
+        rows.append(
+            {
+                "model": label,
+                "plan": name,
+                "structure": structure(plan),
+                "micro_batches": "/".join(str(s.micro_batch_size) for s in plan.stages),
+                "roofline_ms": roofline.predicted["iteration_time_s"] * 1e3,
+                "predicted_ms": plan.predicted["iteration_time_s"] * 1e3,
+                "measured_ms": report["measured"]["iteration_time_s"] * 1e3,
+                "stages": report["fidelity"]["stages"],
+            }
+        )
+        print(
+            label, name, f"{rows[-1]['measured_ms']:.2f} / {rows[-1]['predicted_ms']:.2f} ms", file=sys.stderr
+        )
+    return rows
+
+
+def placement_rows(folder: Path) -> list[dict]:
+    """``tessera place`` then ``tessera launch --json`` of the placement: latency predicted vs measured."""
+    rows = []
+    for label, source in (("bert (zoo)", "zoo:bert"), ("ResNet export", "resnet:dynamo:dynamic")):
+        path, shapes = model_path(source, folder)
+        plan = folder / f"{Path(path).stem}.place.json"
+        args = ["place", path, "-o", str(plan), "--cache", str(folder / "place.sqlite")]
+        for name, shape in (shapes or {}).items():
+            args += ["--input-shape", f"{name}={'x'.join(map(str, shape))}"]
+        result = run_cli(*args)
+        assert result.code == 0, result.err
+        launched = run_cli("launch", str(plan), "--json")
+        assert launched.code == 0, launched.err
+        report = json.loads(launched.out)
+        rows.append(
+            {
+                "model": label,
+                "plan": "placement",
+                "structure": ", ".join(report["backends"]) if "backends" in report else "-",
+                "micro_batches": "-",
+                "roofline_ms": float("nan"),
+                "predicted_ms": report["predicted"]["latency_s"] * 1e3,
+                "measured_ms": report["measured"]["latency_s"] * 1e3,
+                "stages": [],
+            }
+        )
+    return rows
+
+
+def kendall_tau(predicted: list[float], measured: list[float], tie: float = 0.05) -> float:
+    """Kendall's tau-b-like agreement of the two orders; pairs whose predictions differ by less than
+    ``tie`` (relative) are ties (the issue: plans within the noise may tie) and left out."""
+    concordant = discordant = 0
+    for i, j in itertools.combinations(range(len(predicted)), 2):
+        dp, dm = predicted[i] - predicted[j], measured[i] - measured[j]
+        if abs(dp) <= tie * max(predicted[i], predicted[j]):
+            continue
+        concordant += dp * dm > 0
+        discordant += dp * dm < 0
+    total = concordant + discordant
+    return (concordant - discordant) / total if total else 1.0
+
+
+def calibrated(folder: Path) -> Path:
+    spec = folder / "calibrated.yaml"
+    result = run_cli("calibrate", "-o", str(spec))
+    assert result.code == 0, result.err
+    return spec
+
+
+def main() -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp)
+        spec = calibrated(folder)
+        spec_text = spec.read_text()
+        cluster = load_cluster(str(spec))
+        cache = ProfileCache(folder / "profiles.sqlite")
+        rows = []
+        only = sys.argv[1:]  # labels to run (all by default), e.g. `bench/fidelity.py mmt`
+        for label, source, b in MODELS:
+            if not only or any(o in label for o in only):
+                rows += model_rows(label, source, b, cluster, cache, folder)
+        if not only or "placement" in only:
+            rows += placement_rows(folder)
+    write_atomic(OUT, render(rows, spec_text))
+    print(OUT.read_text())
+
+
+def _error(r: dict, key: str = "predicted_ms") -> float:
+    return r["measured_ms"] / r[key] - 1
+
+
+def render(rows: list[dict], spec_text: str) -> str:
+    lines = [
+        "# Fidelity: predicted against launched (CPU, gloo)",
+        "",
+        f"Machine: {platform.processor() or platform.machine()}, 2 cores; every rank one process with one "
+        f"thread; {STEPS} SGD steps per launch, iteration = mean over steps 2..{STEPS} of the slowest rank. "
+        "Cluster spec: `tessera calibrate` in the same run (below). 'roofline' = the plan's prediction "
+        "with the calibrated spec's roofline; 'profiled' = `--profile` (operators measured for the "
+        "search, then the chosen plan's stages measured as the executor runs them: its program, its "
+        "micro-batch, one thread, the optimizer step and the data drawn each step).",
+        "",
+        "Generated by `.venv/bin/python bench/fidelity.py`.",
+        "",
+        "| model | plan | structure | micro-batch | roofline ms | profiled ms | measured ms | "
+        "error (profiled) | error (roofline) | per stage: busy / all-reduce / idle, measured vs predicted ms |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        parts = "<br>".join(
+            f"{st['id']}: "
+            + ", ".join(
+                f"{st[k]['measured_s'] * 1e3:.2f}/{(st[k]['predicted_s'] or 0) * 1e3:.2f}"
+                for k in ("busy", "allreduce", "idle")
+            )
+            for st in r["stages"]
+        )
+        roof = f"{r['roofline_ms']:.2f}" if np.isfinite(r["roofline_ms"]) else "-"
+        roof_err = f"{_error(r, 'roofline_ms'):+.0%}" if np.isfinite(r["roofline_ms"]) else "-"
+        lines.append(
+            f"| {r['model']} | {r['plan']} | {r['structure']} | {r['micro_batches']} | {roof} | "
+            f"{r['predicted_ms']:.2f} | {r['measured_ms']:.2f} | {_error(r):+.0%} | {roof_err} | {parts} |"
+        )
+    lines += ["", "## Per model", "", "| model | plans | mean abs error (profiled) | mean abs error (roofline) | "
+              "Kendall tau (profiled) |", "|---|---|---|---|---|"]  # fmt: skip
+    summary = []
+    for model in dict.fromkeys(r["model"] for r in rows if r["plan"] != "placement"):
+        mine = [r for r in rows if r["model"] == model and r["plan"] != "placement"]
+        mean = float(np.mean([abs(_error(r)) for r in mine]))
+        roof = float(np.mean([abs(_error(r, "roofline_ms")) for r in mine]))
+        tau = kendall_tau([r["predicted_ms"] for r in mine], [r["measured_ms"] for r in mine])
+        summary.append((mean, roof, tau))
+        lines.append(f"| {model} | {len(mine)} | {mean:.0%} | {roof:.0%} | {tau:+.2f} |")
+    placements = [r for r in rows if r["plan"] == "placement"]
+    lines += [
+        "",
+        f"Over all training plans: mean |measured/predicted - 1| {np.mean([s[0] for s in summary]):.0%} "
+        f"profiled, {np.mean([s[1] for s in summary]):.0%} roofline; Kendall tau from "
+        f"{min(s[2] for s in summary):+.2f} to {max(s[2] for s in summary):+.2f}.",
+        "Placements: " + ("; ".join(f"{r['model']} {_error(r):+.0%}" for r in placements) or "-") + ".",
+        "",
+        "## The calibrated cluster spec",
+        "",
+        "```yaml",
+        spec_text.rstrip(),
+        "```",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

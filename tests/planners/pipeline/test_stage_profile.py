@@ -1,0 +1,84 @@
+"""``plan --profile`` measures the chosen plan's stages as the executor runs them (the stage's
+program, its replicas' micro-batch, the optimizer step and the data drawn each step), caches them so
+a warm run writes the same plan, and predicts with them; CPU plans count fp32 training."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+from cli_runner import run_cli
+
+from tessera.backends.profile_cache import ProfileCache
+from tessera.core.specs import load_cluster
+from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
+from tessera.planners.pipeline.stage_profile import StageProfileOptions, StageProfiler
+from tessera.planners.sim import simulate_pipeline
+
+QUICK = StageProfileOptions(budget_s=0.02, min_repeats=2, max_repeats=3, warmup=1)
+
+
+def _pipe(zoo_graph, devices: int = 2):
+    graph = zoo_graph("mmt")
+    cluster = load_cluster("local-cpu-split")
+    options = dataclasses.replace(
+        pipeline_options(cluster, mini_batch=8, devices=devices), micro_batch_sizes=(4,), memory_limit=3e6
+    )
+    _, pipe, _ = plan_gpp(graph, cluster, options, baseline=False)
+    return graph, cluster, options, pipe
+
+
+def test_stages_are_measured_then_read_back_from_the_cache(zoo_graph, tmp_path: Path) -> None:
+    graph, cluster, _, pipe = _pipe(zoo_graph)
+    device = cluster.devices()[0].type
+    cache = ProfileCache(tmp_path / "p.sqlite")
+    first = StageProfiler(graph, device, cache, QUICK, sync_s=1e-4)
+    refined = first.refine(pipe)
+    assert first.measured == len(pipe.stages) >= 1
+    for old, new in zip(pipe.stages, refined.stages, strict=True):
+        assert new.nodes == old.nodes and new.micro_batch_size == old.micro_batch_size
+        assert new.forward_time > 0 and new.backward_time > 0 and new.step_time > 1e-4  # + the sync
+    again = StageProfiler(graph, device, cache, QUICK, sync_s=1e-4)
+    assert again.refine(pipe) == refined and again.measured == 0
+    # The simulator runs the step after the all-reduce: the iteration grows by at least the
+    # slowest stage's step.
+    bare = simulate_pipeline(dataclasses.replace(refined, stages=[
+        dataclasses.replace(st, step_time=0.0) for st in refined.stages
+    ]))  # fmt: skip
+    assert simulate_pipeline(refined).iteration_time >= bare.iteration_time + min(
+        st.step_time for st in refined.stages
+    )
+
+
+def test_a_recomputing_stage_pays_its_forward_again_in_the_backward(zoo_graph, tmp_path: Path) -> None:
+    graph, cluster, _, pipe = _pipe(zoo_graph, devices=1)
+    profiler = StageProfiler(graph, cluster.devices()[0].type, ProfileCache(tmp_path / "p.sqlite"), QUICK)
+    plain = profiler.refine(pipe).stages[0]
+    again = profiler.refine(
+        dataclasses.replace(pipe, stages=[dataclasses.replace(pipe.stages[0], recompute=True)])
+    ).stages[0]
+    assert again.backward_time == pytest.approx(plain.backward_time + plain.forward_time)
+
+
+def test_cpu_plans_count_fp32_training_and_gpu_plans_mixed_precision() -> None:
+    assert pipeline_options(load_cluster("local-cpu-split"), mini_batch=8).precision == "fp32"
+    assert pipeline_options(load_cluster("dgx-a100"), mini_batch=8).precision == "mixed"
+
+
+@pytest.mark.slow
+def test_a_profiled_plan_predicts_with_its_stages_and_a_warm_rerun_is_byte_identical(
+    zoo, tmp_path: Path
+) -> None:
+    model = tmp_path / "candle.onnx"
+    model.write_bytes(zoo("candle_uno").SerializeToString())
+    args = ["plan", str(model), "--cluster", "local-cpu-split", "--mini-batch", "8", "--profile"]
+    args += ["--cache", str(tmp_path / "p.sqlite"), "--no-baseline"]
+    first = run_cli(*args, "-o", str(tmp_path / "a.json"))
+    assert first.code == 0, first.err
+    second = run_cli(*args, "-o", str(tmp_path / "b.json"))
+    assert second.code == 0, second.err
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    plan = json.loads((tmp_path / "a.json").read_text())
+    assert all(st["predicted"]["step_time_s"] > 0 for st in plan["stages"])
