@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -133,9 +133,36 @@ class StageWorker:
     def _tag(self, msg: Message, backward: bool, step: int) -> int:
         return msg.id * 4 + (step % 2) * 2 + int(backward)
 
-    def _send(self, tensor: Tensor, dst: int, tag: int) -> None:
-        payload = tensor.detach().contiguous()
-        self._sends.append((dist.isend(payload, dst, tag=tag), payload))
+    def _send(
+        self, pieces: list[tuple[Message, Tensor]], peer: Callable[[Message], Unit], backward: bool, step: int
+    ) -> None:
+        """Send ``pieces`` packed: one message per peer unit and dtype (the pieces flattened in
+        message-id order, tagged with the first's), since every message costs a latency that a
+        pipeline pays on its critical path (docs/executor.md, "Fidelity")."""
+        for (unit, _), members in _packs(pieces, peer, self.routing).items():
+            payload = torch.cat([t.detach().reshape(-1) for _, t in members])
+            tag = self._tag(members[0][0], backward, step)
+            self._sends.append((dist.isend(payload, self.routing.rank_of(unit), tag=tag), payload))
+
+    def _recv_packed(
+        self, msgs: list[Message], peer: Callable[[Message], Unit], backward: bool, step: int, what: str
+    ) -> dict[int, Tensor]:
+        """Receive what :meth:`_send` packed for ``msgs``: message id → its piece (a view)."""
+        got: dict[int, Tensor] = {}
+        for (unit, dtype), members in _packs([(m, None) for m in msgs], peer, self.routing).items():
+            shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m, _ in members]
+            sizes = [int(np.prod(shape)) for shape in shapes]
+            first = members[0][0]
+            flat = self._recv(
+                (sum(sizes),),
+                dtype,
+                self.routing.rank_of(unit),
+                self._tag(first, backward, step),
+                f"{what} of {', '.join(repr(m.tensor) for m, _ in members)}",
+            )
+            for (m, _), piece, shape in zip(members, flat.split(sizes), shapes, strict=True):
+                got[m.id] = piece.view(shape)
+        return got
 
     def _recv(self, shape: tuple[int, ...], dtype: str, src: int, tag: int, what: str) -> Tensor:
         buf = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=self.device)
@@ -159,20 +186,20 @@ class StageWorker:
             by_tensor.setdefault(msg.tensor, []).append(msg)
         feeds: dict[str, Tensor] = {}
         leaves: dict[int, Tensor] = {}
+        got = self._recv_packed(
+            self.routing.incoming.get(unit, []),
+            lambda m: m.src,
+            False,
+            step,
+            f"micro-batch {j} (step {step})",
+        )
         for t in self.routing.stage_inputs[self.stage_id]:
             if t in self.graph_inputs:
                 feeds[t] = torch.from_numpy(inputs[t][lo:hi]).to(self.device)
                 continue
             pieces = []
             for msg in sorted(by_tensor[t], key=lambda m: m.dst_rows or (0, 0)):
-                lay = self.routing.layouts[t]
-                buf = self._recv(
-                    lay.shape(msg.samples),
-                    lay.dtype,
-                    self.routing.rank_of(msg.src),
-                    self._tag(msg, False, step),
-                    f"{t!r} of micro-batch {j} (step {step})",
-                )
+                buf = got[msg.id].clone()  # a leaf of its own (its gradient goes back)
                 if msg.grad:
                     buf.requires_grad_(True)
                 leaves[msg.id] = buf
@@ -222,10 +249,11 @@ class StageWorker:
         if loss is not None:
             self.loss_sum += float(loss.detach())
         t2 = time.perf_counter()
+        sends = []
         for msg in self.routing.outgoing.get(unit, []):
             out = outputs[msg.tensor]
-            piece = out if msg.src_rows is None else out[msg.src_rows[0] : msg.src_rows[1]]
-            self._send(piece, self.routing.rank_of(msg.dst), self._tag(msg, False, step))
+            sends.append((msg, out if msg.src_rows is None else out[msg.src_rows[0] : msg.src_rows[1]]))
+        self._send(sends, lambda m: m.dst, False, step)
         if counting:
             _storages([*leaves.values(), *outputs.values()], held, self._param_storages)
         self.saved[j] = _Saved(leaves, outputs, loss, sum(held.values()))
@@ -240,19 +268,13 @@ class StageWorker:
         saved = self.saved.pop(j)
         t0 = time.perf_counter()
         grads: dict[str, Tensor] = {}
-        for msg in self.routing.outgoing.get(unit, []):
-            if not msg.grad:
-                continue
+        back = [m for m in self.routing.outgoing.get(unit, []) if m.grad]
+        got = self._recv_packed(
+            back, lambda m: m.dst, True, step, f"the gradients of micro-batch {j} (step {step})"
+        )
+        for msg in back:
             out = saved.outputs[msg.tensor]
-            piece = self._recv(
-                tuple(out.shape)
-                if msg.src_rows is None
-                else (msg.src_rows[1] - msg.src_rows[0], *out.shape[1:]),
-                self.routing.layouts[msg.tensor].dtype,
-                self.routing.rank_of(msg.dst),
-                self._tag(msg, True, step),
-                f"the gradient of {msg.tensor!r} of micro-batch {j} (step {step})",
-            )
+            piece = got[msg.id]
             g = grads.get(msg.tensor)
             if g is None:
                 g = grads[msg.tensor] = torch.zeros_like(out, requires_grad=False)
@@ -273,11 +295,12 @@ class StageWorker:
         if roots:
             torch.autograd.backward(roots, root_grads)
         t2 = time.perf_counter()
+        sends = []
         for msg in self.routing.incoming.get(unit, []):
             if msg.grad:
                 leaf = saved.leaves[msg.id]
-                g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-                self._send(g, self.routing.rank_of(msg.src), self._tag(msg, True, step))
+                sends.append((msg, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)))
+        self._send(sends, lambda m: m.src, True, step)
         self.busy += t2 - t1
         self.wait += t1 - t0
 
@@ -318,6 +341,17 @@ class StageWorker:
             "wait_s": self.wait,
             "allreduce_s": allreduce,
         }
+
+
+def _packs(
+    pieces: list[tuple[Message, Any]], peer: Callable[[Message], Unit], routing: Routing
+) -> dict[tuple[Unit, str], list[tuple[Message, Any]]]:
+    """``pieces`` by (peer unit, dtype), each in message-id order: what sender and receiver both
+    compute from the routing, so a packed message is cut where it was joined."""
+    packs: dict[tuple[Unit, str], list[tuple[Message, Any]]] = {}
+    for msg, piece in sorted(pieces, key=lambda x: x[0].id):
+        packs.setdefault((peer(msg), routing.layouts[msg.tensor].dtype), []).append((msg, piece))
+    return packs
 
 
 def _all_reduce_grads(params: list[Tensor], group: Any) -> None:
