@@ -120,7 +120,17 @@ def summary(report: dict[str, Any]) -> str:
         (
             "p2p one way",
             f"{seconds_text(p2p['latency_s'])} + bytes / {bandwidth_text(p2p['bandwidth_bytes_per_s'])}",
-            f"links.intra_node {bandwidth_text(link['bandwidth'])}, {seconds_text(link['latency'])}",
+            f"links.intra_node.bandwidth {bandwidth_text(link['bandwidth'])}",
+        ),
+        (
+            "p2p, computing",
+            f"{seconds_text(p2p['loaded_latency_s'])} a message while both ranks compute",
+            f"links.intra_node.latency {seconds_text(link['latency'])}",
+        ),
+        (
+            "all-reduce ring",
+            f"{seconds_text(reduce['latency_s'])} + bytes / {bandwidth_text(reduce['bandwidth_bytes_per_s'])} a step",
+            "links.intra_node.allreduce_*",
         ),
         (
             "memory",
