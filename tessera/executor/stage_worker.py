@@ -122,6 +122,7 @@ class StageWorker:
         tied = {id(p) for _, params in self.shared_groups for p in params}
         self.dp_params = [p for p in self.params if id(p) not in tied]
         self._sends: list[tuple[Any, Tensor]] = []
+        self._posted: dict[tuple[int, int], tuple[Any, Tensor]] = {}  # (src, tag) → (irecv, buffer)
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -164,9 +165,33 @@ class StageWorker:
                 got[m.id] = piece.view(shape)
         return got
 
+    def _post_receives(self, step: int) -> None:
+        """Post every receive of the step before its first action (``irecv``), so each message is
+        copied in as it arrives while this rank computes, not when its action asks for it."""
+        self._posted = {}
+        for kind, j in self.actions:
+            unit = Unit(self.stage_id, self.replica, j)
+            if kind == "F":
+                msgs, peer, backward = self.routing.incoming.get(unit, []), _source, False
+            else:
+                msgs, peer, backward = (
+                    [m for m in self.routing.outgoing.get(unit, []) if m.grad],
+                    _target,
+                    True,
+                )
+            for (other, dtype), members in _packs([(m, None) for m in msgs], peer, self.routing).items():
+                size = sum(int(np.prod(self.routing.layouts[m.tensor].shape(m.samples))) for m, _ in members)
+                src, tag = self.routing.rank_of(other), self._tag(members[0][0], backward, step)
+                buf = torch.empty((size,), dtype=getattr(torch, np.dtype(dtype).name), device=self.device)
+                self._posted[(src, tag)] = (dist.irecv(buf, src, tag=tag), buf)
+
     def _recv(self, shape: tuple[int, ...], dtype: str, src: int, tag: int, what: str) -> Tensor:
-        buf = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=self.device)
         try:
+            posted = self._posted.pop((src, tag), None)
+            if posted is not None:
+                posted[0].wait()
+                return posted[1]
+            buf = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=self.device)
             dist.recv(buf, src, tag=tag)
         except Exception as exc:  # say what was awaited from whom: the peer is the likely culprit
             raise RuntimeError(f"waiting for {what} from rank {src}: {' '.join(str(exc).split())}") from exc
@@ -188,7 +213,7 @@ class StageWorker:
         leaves: dict[int, Tensor] = {}
         got = self._recv_packed(
             self.routing.incoming.get(unit, []),
-            lambda m: m.src,
+            _source,
             False,
             step,
             f"micro-batch {j} (step {step})",
@@ -253,7 +278,7 @@ class StageWorker:
         for msg in self.routing.outgoing.get(unit, []):
             out = outputs[msg.tensor]
             sends.append((msg, out if msg.src_rows is None else out[msg.src_rows[0] : msg.src_rows[1]]))
-        self._send(sends, lambda m: m.dst, False, step)
+        self._send(sends, _target, False, step)
         if counting:
             _storages([*leaves.values(), *outputs.values()], held, self._param_storages)
         self.saved[j] = _Saved(leaves, outputs, loss, sum(held.values()))
@@ -269,9 +294,7 @@ class StageWorker:
         t0 = time.perf_counter()
         grads: dict[str, Tensor] = {}
         back = [m for m in self.routing.outgoing.get(unit, []) if m.grad]
-        got = self._recv_packed(
-            back, lambda m: m.dst, True, step, f"the gradients of micro-batch {j} (step {step})"
-        )
+        got = self._recv_packed(back, _target, True, step, f"the gradients of micro-batch {j} (step {step})")
         for msg in back:
             out = saved.outputs[msg.tensor]
             piece = got[msg.id]
@@ -300,7 +323,7 @@ class StageWorker:
             if msg.grad:
                 leaf = saved.leaves[msg.id]
                 sends.append((msg, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)))
-        self._send(sends, lambda m: m.src, True, step)
+        self._send(sends, _source, True, step)
         self.busy += t2 - t1
         self.wait += t1 - t0
 
@@ -312,6 +335,7 @@ class StageWorker:
         self.busy = self.wait = self.loss_sum = 0.0
         self.saved: dict[int, _Saved] = {}
         inputs, targets = self.data.batch(step)
+        self._post_receives(step)
         for kind, j in self.actions:
             beat()
             if kind == "F":
@@ -341,6 +365,14 @@ class StageWorker:
             "wait_s": self.wait,
             "allreduce_s": allreduce,
         }
+
+
+def _source(msg: Message) -> Unit:
+    return msg.src
+
+
+def _target(msg: Message) -> Unit:
+    return msg.dst
 
 
 def _packs(
