@@ -74,6 +74,13 @@ def _ms(seconds: float | None) -> str:
     help="Largest relative output error allowed (max |error| / max |fp32 output|): lets reduced-precision "
     "backends (openvino-bf16) run groups. Default: exact fp32.",
 )
+@click.option(
+    "--data",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="Inputs to check the outputs on (.npz, one array per model input at the model's shapes), "
+    "e.g. real samples for --tolerance. Default: seeded random inputs.",
+)
 @output_option
 @json_option
 def place(  # noqa: PLR0913
@@ -87,6 +94,7 @@ def place(  # noqa: PLR0913
     max_states: int,
     verify: bool,
     tolerance: float | None,
+    data: str | None,
     output: str | None,
     as_json: bool,
 ) -> None:
@@ -113,6 +121,7 @@ def place(  # noqa: PLR0913
         seed=seed,
         max_states=max_states,
         tolerance=tolerance,
+        data=data,
     )
     if cache_path is not None and not cache_path.strip():
         raise InputError("--cache '' names no file")
@@ -131,7 +140,7 @@ def place(  # noqa: PLR0913
         )
     search_s = time.perf_counter() - start
     plan = result.plan
-    verified = _verify(graph, plan, seed) if verify else None
+    verified = _verify(graph, plan, seed, data) if verify else None
     if output:
         write_plan(plan, output)
     if as_json:
@@ -154,10 +163,16 @@ def place(  # noqa: PLR0913
         raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {worst_output(verified)}")
 
 
-def _verify(graph: Graph, plan: PlacementPlan, seed: int) -> dict[str, Any]:
-    from tessera.backends.composite import CompositeModel, random_feeds, reference_outputs, verify_outputs
+def _verify(graph: Graph, plan: PlacementPlan, seed: int, data: str | None) -> dict[str, Any]:
+    from tessera.backends.composite import (
+        CompositeModel,
+        load_feeds,
+        random_feeds,
+        reference_outputs,
+        verify_outputs,
+    )
 
-    feeds = random_feeds(graph, seed)
+    feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
     model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
     try:
         outputs = model.run(feeds)

@@ -79,3 +79,26 @@ def test_a_budget_bf16_cannot_meet_keeps_every_group_exact(mlp: Path, tmp_path: 
     plan = load_plan(out)
     assert all(g.backend != "openvino-bf16" for g in plan.groups)
     assert plan.measured["error"]["max_rel"] < 1e-3
+
+
+def test_outputs_are_checked_on_the_data_file_given(mlp: Path, tmp_path: Path) -> None:
+    from tessera.core.graph import load_graph
+    from tessera.planners.placement.plan import reference_run
+
+    graph = load_graph(str(mlp))
+    rng = np.random.default_rng(7)
+    arrays = {n: (100 * rng.standard_normal(i.shape)).astype(i.dtype) for n, i in graph.inputs.items()}
+    data = tmp_path / "calibration.npz"
+    np.savez(data, **arrays)
+    feeds, reference = reference_run(graph, 0, str(data))
+    for name, array in arrays.items():
+        np.testing.assert_array_equal(feeds[name], array)
+    assert reference.keys() == set(graph.outputs)
+    out = tmp_path / "placed.json"
+    placed = run_cli("place", str(mlp), "--backends", "onnxruntime", "--data", str(data),
+                     "--cache", str(tmp_path / "c.sqlite"), "-o", str(out), "--verify")  # fmt: skip
+    assert placed.code == 0, placed.err
+    assert load_plan(out).measured["inputs"].startswith("calibration.npz (sha256 ")
+    np.savez(data, wrong=np.zeros(3))
+    refused = run_cli("place", str(mlp), "--data", str(data), "--cache", str(tmp_path / "c.sqlite"))
+    assert refused.code == 2 and str(data) in refused.err and "no array for model input" in refused.err

@@ -24,6 +24,7 @@ from tessera.backends.composite import (
     CompositeModel,
     compare_outputs,
     latencies,
+    load_feeds,
     random_feeds,
     reference_outputs,
     relative_error,
@@ -77,6 +78,7 @@ class PlacementOptions:
     region_cuts: int = 6  # regions: spans between this many narrow cuts, up to the whole model
     rounds: int = 9  # interleaved timing rounds of the final comparison (at most)
     min_rounds: int = 3  # ... and at least, when the ranking is already clear
+    data: str | None = None  # an .npz of inputs the outputs are checked on (default: seeded random)
     tolerance: float | None = None  # max relative output error: reduced-precision backends may run
     evolution: EvolutionOptions = field(default_factory=EvolutionOptions)
 
@@ -153,7 +155,7 @@ def plan_placement(  # noqa: C901
     if options.search not in ("op", "graph"):
         raise InputError(f"search must be 'op' or 'graph', not {options.search!r}")
     backends = resolve_backends(registry, options.device, options.backends, tolerance=options.tolerance)
-    feeds, reference = reference_run(graph, options.seed)
+    feeds, reference = reference_run(graph, options.seed, options.data)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     support = SupportTable(registry)
@@ -354,6 +356,7 @@ def plan_placement(  # noqa: C901
         "compared_with": sorted(contenders),
         "tolerance": options.tolerance,
         "error": error,
+        "inputs": inputs_label(options.data, options.seed),
         **_fp32_comparison(exact, latency, options.tolerance),
         "noise_margin": NOISE_MARGIN,
         "decision": decision.note,
@@ -396,10 +399,11 @@ def plan_placement(  # noqa: C901
     return PlacementResult(plan, chosen_groups, measured, report)
 
 
-def reference_run(graph: Graph, seed: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Seeded inputs and onnxruntime's outputs of the whole model, which every placement is checked
-    against. A model that cannot give them (no operators, lazy placeholder weights, a model onnxruntime
-    cannot load or run) is refused here, before any measuring, as an :class:`InputError`."""
+def reference_run(graph: Graph, seed: int, data: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Inputs (seeded, or ``data``'s arrays) and onnxruntime's outputs of the whole model, which every
+    placement is checked against. A model that cannot give them (no operators, lazy placeholder
+    weights, a model onnxruntime cannot load or run) or a data file that does not fit the model is
+    refused here, before any measuring, as an :class:`InputError`."""
     from tessera.core.weights import is_lazy
 
     if not graph.order:
@@ -410,8 +414,8 @@ def reference_run(graph: Graph, seed: int) -> tuple[dict[str, Any], dict[str, An
             "(tessera.models.materialize)",
             source=graph.source,
         )
+    feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
     try:
-        feeds = random_feeds(graph, seed)
         return feeds, reference_outputs(graph, feeds)
     except Exception as exc:  # noqa: BLE001 - ORT's and numpy's many refusals of a model
         why = " ".join(str(exc).split())
@@ -421,6 +425,18 @@ def reference_run(graph: Graph, seed: int) -> tuple[dict[str, Any], dict[str, An
             f"run it ({type(exc).__name__}: {why})",
             source=graph.source,
         ) from None
+
+
+def inputs_label(data: str | None, seed: int) -> str:
+    """What the outputs were checked on, for the plan: ``random (seed 0)`` or the data file's name and
+    the start of its sha256 (not its path: plans stay byte-identical wherever the file lies)."""
+    if data is None:
+        return f"random (seed {seed})"
+    import hashlib
+    from pathlib import Path
+
+    digest = hashlib.sha256(Path(data).read_bytes()).hexdigest()[:16]
+    return f"{Path(data).name} (sha256 {digest})"
 
 
 def _fp32_comparison(exact: dict[str, float], latency: float, tolerance: float | None) -> dict[str, Any]:
