@@ -116,6 +116,13 @@ class OnnxModule(nn.Module):
         # forward's program (fused, generated code); run() interprets the nodes (hooks need them)
         self.program = build_program(model, self.input_names, tuple(self._init_keys), label)
 
+    def compile_program(self) -> None:
+        """Run forward through ``torch.compile`` of the program (inductor, dynamic shapes). Slower
+        than the fx program on this CPU and not bit-identical to it (docs/executor.md)."""
+        from tessera.backends.torch_program import compiled
+
+        self.program = compiled(self.program)
+
     def node_types(self) -> dict[str, str]:
         """``{node name: op type}`` in execution order (the names :meth:`run`'s hooks take)."""
         return dict(self._types)

@@ -25,8 +25,8 @@ from tessera.planners.cp.workload import MAX_TOKENS
 
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
 _KIND_OPTIONS: dict[str, frozenset[str]] = {
-    "gpp": frozenset({"steps", "lr", "data", "distributed"}),
-    "spp": frozenset({"steps", "lr", "data", "distributed"}),
+    "gpp": frozenset({"steps", "lr", "data", "compile_", "distributed"}),
+    "spp": frozenset({"steps", "lr", "data", "compile_", "distributed"}),
     "cp": frozenset({"new_tokens", "prompt_lens", "prompts", "attention", "distributed"}),
     "placement": frozenset({"repeat", "data"}),
 }
@@ -62,7 +62,7 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     names = sorted(specific - allowed) + ([] if "distributed" in allowed else list(_DISTRIBUTED))
     for name in names:
         if ctx.get_parameter_source(name) is not click.core.ParameterSource.DEFAULT:
-            flag = "--" + name.removesuffix("_s").replace("_", "-")
+            flag = "--" + name.removesuffix("_s").rstrip("_").replace("_", "-")
             raise click.UsageError(f"{flag} does not apply to a {kind} plan")
 
 
@@ -100,6 +100,12 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     type=click.Path(dir_okay=False, path_type=str),
     default=None,
     help="An .npz with one array per model input (rows = samples), optionally target:<output> arrays.",
+)
+@click.option(
+    "--compile",
+    "compile_",
+    is_flag=True,
+    help="[gpp/spp] Run every stage through torch.compile of its program (slower here; not bit-exact).",
 )
 @click.option(
     "--timeout",
@@ -157,6 +163,7 @@ def launch(  # noqa: PLR0913
     lr: float,
     seed: int,
     data: str | None,
+    compile_: bool,
     timeout_s: float,
     new_tokens: int,
     prompt_lens: str | None,
@@ -199,6 +206,7 @@ def launch(  # noqa: PLR0913
         data=data,
         steps=steps,
         lr=lr,
+        compile=compile_,
         new_tokens=new_tokens,
         prompt_lens=_prompt_lens(prompt_lens),
         prompts=None if prompts is None else read_prompts(prompts),

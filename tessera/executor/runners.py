@@ -28,6 +28,7 @@ class LaunchRequest:
     data: str | None = None  # gpp, spp, placement: an .npz of inputs (and targets)
     steps: int = 5  # gpp, spp
     lr: float = 0.01  # gpp, spp
+    compile: bool = False  # gpp, spp: torch.compile every stage's program
     new_tokens: int = 8  # cp
     prompt_lens: tuple[int, ...] | None = None  # cp
     prompts: tuple[tuple[int, ...], ...] | None = None  # cp: token ids of each request (--prompts)
@@ -45,7 +46,9 @@ def run_pipeline(plan: Plan, request: LaunchRequest) -> RunReport:
     from tessera.executor.training import TrainOptions
 
     graph = _graph(request)
-    options = TrainOptions(steps=request.steps, lr=request.lr, seed=request.seed, data=request.data)
+    options = TrainOptions(
+        steps=request.steps, lr=request.lr, seed=request.seed, data=request.data, compile=request.compile
+    )
     return run_gpp_plan(plan, graph, graph.source, options, request.launch, plan_path=request.plan_path)
 
 

@@ -88,6 +88,8 @@ class StageWorker:
             )
         sub = graph.extract(self.stage.nodes, name=f"stage{self.stage_id}")
         self.module: OnnxModule = to_torch(sub, label=f"stage {self.stage_id}").to(device)
+        if spec.options.compile:
+            self.module.compile_program()
         self.params = [p for _, p in self.module.onnx_parameters()]
         # Activation recomputation (the stage's recompute): the forward keeps only its inputs and
         # outputs, and the backward runs it again (torch.utils.checkpoint).

@@ -33,6 +33,7 @@ class TrainOptions:
     lr: float = 0.01
     seed: int = 0
     data: str | None = None
+    compile: bool = False  # stages run torch.compile of their program (launch --compile)
 
 
 class TrainingData:

@@ -123,6 +123,18 @@ def test_placement_plans_run_their_composite_model(tmp_path: Path, chain_plan) -
     assert res.code == 0, res.err
     report = json.loads(res.out)
     assert report["kind"] == "placement"
+    refused = run_cli("launch", str(path), "--compile")
+    assert refused.code == 2 and "--compile does not apply to a placement plan" in refused.err
+
+
+@pytest.mark.slow
+def test_compiled_stages_train_as_the_fx_program_does(chain_plan) -> None:
+    graph, plan_path = chain_plan
+    res = run_cli("launch", str(plan_path), "--steps", "2", "--lr", "0.05", "--compile", "--json")
+    assert res.code == 0, res.err
+    ref = train_reference(graph, 2, 4, lr=0.05)
+    # inductor fuses and reorders: close to the fx program's training, not bit-identical
+    np.testing.assert_allclose([s["loss"] for s in json.loads(res.out)["steps"]], ref.losses, rtol=1e-4)
 
 
 def test_bad_launch_options_are_input_errors(chain_plan) -> None:
