@@ -123,6 +123,8 @@ class StageWorker:
                     self.shared_groups.append((group, params))
         tied = {id(p) for _, params in self.shared_groups for p in params}
         self.dp_params = [p for p in self.params if id(p) not in tied]
+        groups = [(self.dp_group, self.dp_params)] if self.dp_group is not None and self.dp_params else []
+        self.buckets = [_Bucket(params, group) for group, params in [*groups, *self.shared_groups]]
         self._sends: list[tuple[Any, Tensor]] = []
         self._posted: dict[tuple[int, int], tuple[Any, Tensor]] = {}  # (src, tag) → (irecv, buffer)
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
@@ -348,14 +350,12 @@ class StageWorker:
             work.wait()
         self._sends.clear()
         t0 = time.perf_counter()
-        if self.dp_group is not None and self.dp_params:
-            _all_reduce_grads(self.dp_params, self.dp_group)
-        for group, params in self.shared_groups:
-            _all_reduce_grads(params, group)
+        for bucket in self.buckets:
+            bucket.all_reduce()
         allreduce = time.perf_counter() - t0
         if self.opt is not None:
             self.opt.step()
-            self.opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=not self.buckets)  # buckets' views stay, zeroed
         total = torch.tensor([self.loss_sum], dtype=torch.float64, device=self.device)
         if self.routing.world_size > 1:
             dist.all_reduce(total)  # also the end-of-iteration synchronization of every rank
@@ -388,15 +388,23 @@ def _packs(
     return packs
 
 
-def _all_reduce_grads(params: list[Tensor], group: Any) -> None:
-    """Sum ``params``' gradients over ``group`` in one flat all-reduce (a missing gradient is 0)."""
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+class _Bucket:
+    """The gradients ``params`` sum over ``group``, as views of one flat buffer (DDP's
+    ``gradient_as_bucket_view``): the backward accumulates into it in place and one all-reduce sums
+    it, with no copy in or out. A gradient nobody wrote stays 0."""
+
+    def __init__(self, params: list[Tensor], group: Any) -> None:
+        self.group = group
+        self.flat = torch.zeros(
+            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
+        )
+        offset = 0
+        for p in params:
+            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+
+    def all_reduce(self) -> None:
+        dist.all_reduce(self.flat, group=self.group)
 
 
 def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
