@@ -236,7 +236,10 @@ def run_pipeline_plan(  # noqa: PLR0913
             baseline=not no_baseline,
             rewrite_auto=rewrite_auto,
             measure=(lambda g: profile_costs(g, cluster, store, devices)) if store else None,
-            refine=(lambda g: stage_profiler(g, cluster, store, devices).refine) if store else None,
+            # Stages are measured on this CPU: for GPU clusters the operators' times stay.
+            refine=(lambda g: stage_profiler(g, cluster, store, devices).refine)
+            if store and planned_device_type(cluster, devices).kind == "cpu"
+            else None,
         )
     finally:
         if store is not None:
