@@ -93,7 +93,7 @@ class StageProfiler:
         step: ``executor.training.TrainingData``), cached like the stages."""
         from tessera.backends.profile_cache import Profile
 
-        key = _digest([self.graph.sha256, "data", mini_batch])
+        key = _digest([self._model_key(), "data", mini_batch])
         got = self.cache.get(DATA_BACKEND, self.version, self.fingerprint, key)
         if got is not None and got.ok:
             return got.median_s
@@ -116,7 +116,7 @@ class StageProfiler:
         """The stage of ``nodes`` at ``samples`` samples per micro-batch: cached, else measured."""
         from tessera.backends.profile_cache import Profile
 
-        key = _digest([self.graph.sha256, sorted(nodes), samples])
+        key = _digest([self._model_key(), sorted(nodes), samples])
         cached = [self.cache.get(b, self.version, self.fingerprint, key) for b in STAGE_BACKENDS]
         if all(c is not None and c.ok for c in cached):
             return StageTimes(*(c.median_s for c in cached))  # type: ignore[union-attr]
@@ -129,6 +129,11 @@ class StageProfiler:
                 )
             )
         return StageTimes(*(statistics.median(values) for values in runs))
+
+    def _model_key(self) -> list[object]:
+        """What the model's stages depend on: its bytes, the shapes given and the rewrites applied."""
+        g = self.graph
+        return [g.sha256, sorted((k, list(v)) for k, v in g.input_shapes.items()), list(g.rewrites)]
 
     def _measure(self, nodes: list[str], samples: int) -> tuple[list[float], list[float], list[float]]:
         import torch
