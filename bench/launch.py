@@ -155,14 +155,12 @@ def render(rows: list[dict]) -> str:
         "",
         "## Reading the table",
         "",
-        "- The roofline model predicts these tiny models' iterations in about a millisecond or less; "
-        "on the CPU each operator costs the interpreter (one Python call per ONNX node, autograd "
-        "bookkeeping) far more than its flops, and every stage-to-stage transfer or all-reduce is a "
-        f"gloo TCP message of ~0.1 ms. Measured iterations are {spread} the predictions: the error "
-        "is per-operator and per-message overhead the cost model does not have, not the pipeline "
-        "structure. It is not uniform either: the planner's 1-stage data-parallel plans (one "
-        "all-reduce of every gradient per step) lose more against their prediction than its "
-        "2-stage sequential plan for the same model.",
+        "- The roofline model of the `local-cpu-split` preset predicts these tiny models' iterations in "
+        "about a millisecond or less; on the CPU each operator costs the executor (a torch call per "
+        "operator, autograd bookkeeping) more than its flops, and every stage-to-stage message or "
+        f"all-reduce is a gloo message of 0.1-1 ms. Measured iterations are {spread} the predictions. "
+        "With a spec from `tessera calibrate` and `plan --profile` (stages measured as the executor runs "
+        "them) the error is tens of percent: bench/results/fidelity.md.",
         "- Plans with more ranks than the 2 cores (the hand-built 3-stage DAGs) time-share cores, "
         "so their iteration time also includes oversubscription.",
         "- Memory: weights + gradients + activations of the micro-batches in flight as the executor "
