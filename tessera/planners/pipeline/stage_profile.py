@@ -181,7 +181,11 @@ class StageProfiler:
                 feeds[name] = torch.zeros(shape, dtype=_torch_dtype(info.dtype))
         with torch.no_grad():
             values = self._model.run(feeds, tensors=names)
-        return [v.detach().clone().requires_grad_(v.is_floating_point()) for v in values.values()]
+        # As in a worker: the model's own inputs (data) need no gradient, received activations do.
+        return [
+            v.detach().clone().requires_grad_(v.is_floating_point() and name not in self.graph.inputs)
+            for name, v in values.items()
+        ]
 
 
 def _one_step(
