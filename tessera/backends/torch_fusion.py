@@ -8,6 +8,7 @@ Why and what it gains: docs/executor.md ("The executor's program").
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -66,7 +67,10 @@ class Step:
 def steps_of(model: onnx.ModelProto) -> tuple[list[Step], dict[str, np.ndarray]]:
     """The model's nodes as fused steps, and the Constant nodes' values (tensor name → array)."""
     g = model.graph
-    constants: dict[str, np.ndarray] = {t.name: numpy_helper.to_array(t) for t in g.initializer}
+    # The patterns' scalars (√2, 1, 0.5) may be initializers: only one-element ones are read.
+    constants: dict[str, np.ndarray] = {
+        t.name: numpy_helper.to_array(t) for t in g.initializer if math.prod(t.dims) == 1
+    }
     steps: list[Step] = []
     for n in g.node:
         attrs = node_attributes(n)
@@ -78,7 +82,8 @@ def steps_of(model: onnx.ModelProto) -> tuple[list[Step], dict[str, np.ndarray]]
     steps = _statistics_unread(steps, kept)
     steps = _fuse_gelu(steps, constants, kept)
     steps = _fuse_linear(steps, {t.name: tuple(t.dims) for t in g.initializer}, kept)
-    return steps, {k: v for k, v in constants.items() if k not in {t.name for t in g.initializer}}
+    initializers = {t.name for t in g.initializer}
+    return steps, {k: v for k, v in constants.items() if k not in initializers}
 
 
 def _readers(steps: Iterable[Step]) -> Counter[str]:

@@ -10,7 +10,6 @@ Details: docs/backends.md.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 
 import numpy as np
@@ -27,7 +26,7 @@ from tessera.backends.torch_ops import (
     schema_version,
     schema_versions,
 )
-from tessera.backends.torch_program import build_program
+from tessera.backends.torch_program import build_program, identifier
 from tessera.core.errors import InputError
 
 # Replaces a node's outputs: hook(its inputs, its outputs) -> outputs (OnnxModule.run).
@@ -100,7 +99,7 @@ class OnnxModule(nn.Module):
         for t in g.initializer:
             array = numpy_helper.to_array(t)
             value = torch.from_numpy(np.array(array, copy=True))
-            key = _sanitize(t.name, used)
+            key = identifier(t.name, used)
             self.onnx_names[key] = t.name
             if value.is_floating_point() and value.dim() > 0 and t.name not in frozen:
                 self.params[key] = nn.Parameter(value)
@@ -196,14 +195,3 @@ class OnnxModule(nn.Module):
 def to_torch(model: onnx.ModelProto, *, label: str = "<model>") -> OnnxModule:
     """Convert ``model`` (whole or extracted) into an :class:`OnnxModule`."""
     return OnnxModule(model, label=label)
-
-
-def _sanitize(name: str, used: set[str]) -> str:
-    key = re.sub(r"\W", "_", name) or "_"
-    if key[0].isdigit():
-        key = f"_{key}"
-    base, i = key, 1
-    while key in used:
-        key, i = f"{base}_{i}", i + 1
-    used.add(key)
-    return key

@@ -8,6 +8,7 @@ shows it. ``torch.compile`` of it is :func:`compiled`. Details: docs/executor.md
 
 from __future__ import annotations
 
+import keyword
 import operator
 import re
 from collections.abc import Callable, Sequence
@@ -28,8 +29,9 @@ def build_program(
     root = nn.Module()
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
+    used = {"self", *keyword.kwlist}  # the generated forward's own names
     for name in (*inputs, *initializers):
-        env[name] = graph.placeholder(_identifier(name))
+        env[name] = graph.placeholder(identifier(name, used))
     for s in steps:
         if s.op_type == "Constant" and s.outputs[0] in constants:
             attr = f"k{len(root._buffers)}"
@@ -75,6 +77,14 @@ def _call(step: Step, label: str, outputs: int) -> Callable[..., Any]:
     return call
 
 
-def _identifier(name: str) -> str:
+def identifier(name: str, used: set[str]) -> str:
+    """``name`` as a Python identifier not in ``used`` (and added to it): ``layer0/attn/q`` →
+    ``layer0_attn_q``, then ``layer0_attn_q_1`` for another name that reads the same."""
     key = re.sub(r"\W", "_", name) or "_"
-    return f"_{key}" if key[0].isdigit() else key
+    if key[0].isdigit():
+        key = f"_{key}"
+    base, i = key, 1
+    while key in used:
+        key, i = f"{base}_{i}", i + 1
+    used.add(key)
+    return key

@@ -164,3 +164,13 @@ def test_an_error_in_the_program_names_the_node() -> None:
     model = _model([helper.make_node("MatMul", ["x", "x"], ["y"], name="bad_matmul")])
     with pytest.raises(RuntimeError, match="node 'bad_matmul'"):
         OnnxModule(model, label="m.onnx")(torch.ones(2, 3, 8))
+
+
+def test_tensor_names_that_read_alike_or_as_python_names_stay_apart() -> None:
+    names = ("a/b", "a_b", "self", "class")  # one identifier for the first two; the generated forward's own
+    model = _model(
+        [helper.make_node("Sum", list(names), ["y"], name="sum")],
+        inputs=tuple((n, (2,)) for n in names),
+    )
+    got = OnnxModule(model)(*(torch.full((2,), float(2**k)) for k in range(4)))
+    torch.testing.assert_close(got[0], torch.full((2,), 15.0))
