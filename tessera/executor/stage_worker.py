@@ -51,6 +51,17 @@ class WorkerSpec:
     return_weights: bool = False
 
 
+@dataclass(frozen=True)
+class _Posted:
+    """One posted receive of a packed message: the pieces of ``messages`` at ``shapes``, in order."""
+
+    work: Any
+    flat: Tensor
+    src: int
+    messages: list[Message]
+    shapes: list[tuple[int, ...]]
+
+
 @dataclass
 class _Saved:
     leaves: dict[int, Tensor]  # message id → received input piece (a leaf that collects its gradient)
@@ -126,7 +137,7 @@ class StageWorker:
         groups = [(self.dp_group, self.dp_params)] if self.dp_group is not None and self.dp_params else []
         self.buckets = [_Bucket(params, group) for group, params in [*groups, *self.shared_groups]]
         self._sends: list[tuple[Any, Tensor]] = []
-        self._posted: dict[tuple[int, int], tuple[Any, Tensor]] = {}  # (src, tag) → (irecv, buffer)
+        self._posted: dict[tuple[int, bool], list[_Posted]] = {}  # (micro-batch, backward) → receives
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -149,57 +160,47 @@ class StageWorker:
             tag = self._tag(members[0][0], backward, step)
             self._sends.append((dist.isend(payload, self.routing.rank_of(unit), tag=tag), payload))
 
-    def _recv_packed(
-        self, msgs: list[Message], peer: Callable[[Message], Unit], backward: bool, step: int, what: str
-    ) -> dict[int, Tensor]:
-        """Receive what :meth:`_send` packed for ``msgs``: message id → its piece (a view)."""
-        got: dict[int, Tensor] = {}
-        for (unit, dtype), members in _packs([(m, None) for m in msgs], peer, self.routing).items():
-            shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m, _ in members]
-            sizes = [int(np.prod(shape)) for shape in shapes]
-            first = members[0][0]
-            flat = self._recv(
-                (sum(sizes),),
-                dtype,
-                self.routing.rank_of(unit),
-                self._tag(first, backward, step),
-                f"{what} of {', '.join(repr(m.tensor) for m, _ in members)}",
-            )
-            for (m, _), piece, shape in zip(members, flat.split(sizes), shapes, strict=True):
-                got[m.id] = piece.view(shape)
-        return got
-
     def _post_receives(self, step: int) -> None:
-        """Post every receive of the step before its first action (``irecv``), so each message is
-        copied in as it arrives while this rank computes, not when its action asks for it."""
+        """Post every receive of the step before its first action (``irecv``, one per packed
+        message :meth:`_send` sends), so each message is copied in as it arrives while this rank
+        computes, not when its action asks for it."""
         self._posted = {}
         for kind, j in self.actions:
+            backward = kind == "B"
             unit = Unit(self.stage_id, self.replica, j)
-            if kind == "F":
-                msgs, peer, backward = self.routing.incoming.get(unit, []), _source, False
+            if backward:
+                msgs, peer = [m for m in self.routing.outgoing.get(unit, []) if m.grad], _target
             else:
-                msgs, peer, backward = (
-                    [m for m in self.routing.outgoing.get(unit, []) if m.grad],
-                    _target,
-                    True,
-                )
+                msgs, peer = self.routing.incoming.get(unit, []), _source
+            posted = self._posted[(j, backward)] = []
             for (other, dtype), members in _packs([(m, None) for m in msgs], peer, self.routing).items():
-                size = sum(int(np.prod(self.routing.layouts[m.tensor].shape(m.samples))) for m, _ in members)
-                src, tag = self.routing.rank_of(other), self._tag(members[0][0], backward, step)
-                buf = torch.empty((size,), dtype=getattr(torch, np.dtype(dtype).name), device=self.device)
-                self._posted[(src, tag)] = (dist.irecv(buf, src, tag=tag), buf)
+                pieces = [m for m, _ in members]
+                shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m in pieces]
+                flat = torch.empty(
+                    (sum(int(np.prod(shape)) for shape in shapes),),
+                    dtype=getattr(torch, np.dtype(dtype).name),
+                    device=self.device,
+                )
+                src = self.routing.rank_of(other)
+                work = dist.irecv(flat, src, tag=self._tag(pieces[0], backward, step))
+                posted.append(_Posted(work, flat, src, pieces, shapes))
 
-    def _recv(self, shape: tuple[int, ...], dtype: str, src: int, tag: int, what: str) -> Tensor:
-        try:
-            posted = self._posted.pop((src, tag), None)
-            if posted is not None:
-                posted[0].wait()
-                return posted[1]
-            buf = torch.empty(shape, dtype=getattr(torch, np.dtype(dtype).name), device=self.device)
-            dist.recv(buf, src, tag=tag)
-        except Exception as exc:  # say what was awaited from whom: the peer is the likely culprit
-            raise RuntimeError(f"waiting for {what} from rank {src}: {' '.join(str(exc).split())}") from exc
-        return buf
+    def _wait_received(self, j: int, backward: bool, what: str) -> dict[int, Tensor]:
+        """Micro-batch ``j``'s posted receives (its inputs, or with ``backward`` its outputs'
+        gradients), waited for and cut where :meth:`_send` joined them: message id → piece (a view)."""
+        got: dict[int, Tensor] = {}
+        for p in self._posted.pop((j, backward)):
+            try:
+                p.work.wait()
+            except Exception as exc:  # say what was awaited from whom: the peer is the likely culprit
+                names = ", ".join(repr(m.tensor) for m in p.messages)
+                raise RuntimeError(
+                    f"waiting for {what} of {names} from rank {p.src}: {' '.join(str(exc).split())}"
+                ) from exc
+            sizes = [int(np.prod(shape)) for shape in p.shapes]
+            for m, piece, shape in zip(p.messages, p.flat.split(sizes), p.shapes, strict=True):
+                got[m.id] = piece.view(shape)
+        return got
 
     # -- the two actions --
 
@@ -215,13 +216,7 @@ class StageWorker:
             by_tensor.setdefault(msg.tensor, []).append(msg)
         feeds: dict[str, Tensor] = {}
         leaves: dict[int, Tensor] = {}
-        got = self._recv_packed(
-            self.routing.incoming.get(unit, []),
-            _source,
-            False,
-            step,
-            f"micro-batch {j} (step {step})",
-        )
+        got = self._wait_received(j, False, f"micro-batch {j} (step {step})")
         for t in self.routing.stage_inputs[self.stage_id]:
             if t in self.graph_inputs:
                 feeds[t] = torch.from_numpy(inputs[t][lo:hi]).to(self.device)
@@ -298,7 +293,7 @@ class StageWorker:
         t0 = time.perf_counter()
         grads: dict[str, Tensor] = {}
         back = [m for m in self.routing.outgoing.get(unit, []) if m.grad]
-        got = self._recv_packed(back, _target, True, step, f"the gradients of micro-batch {j} (step {step})")
+        got = self._wait_received(j, True, f"the gradients of micro-batch {j} (step {step})")
         for msg in back:
             out = saved.outputs[msg.tensor]
             piece = got[msg.id]
