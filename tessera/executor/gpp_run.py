@@ -155,8 +155,9 @@ def fidelity(
     p_iteration = predicted.get("iteration_time_s")
     rows = []
     for st in stages:
-        mine = [r for r in ranks if r["stage"] == st["id"]]
-        allreduce = min(r["allreduce_s"] for r in mine)  # the last replica to arrive waits least
+        allreduce = min(
+            r["allreduce_s"] for r in _replicas(ranks, st["id"])
+        )  # the last replica to arrive waits least
         p_allreduce = st.get("predicted_allreduce_s")
         parts = {"busy": (st["busy_s"], st["predicted_busy_s"]), "allreduce": (allreduce, p_allreduce)}
         p_idle = None

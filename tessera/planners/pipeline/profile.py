@@ -300,7 +300,7 @@ class _Profiler:
         """(forward, backward) seconds of ``op`` at ``samples``: from the cache, else measured."""
         from tessera.backends.profile_cache import Profile
 
-        key = _digest([sig, samples])
+        key = digest([sig, samples])
         fw = self.cache.get(FORWARD_BACKEND, self.version, self.fingerprint, key)
         bw = self.cache.get(BACKWARD_BACKEND, self.version, self.fingerprint, key)
         if fw is not None and bw is not None:
@@ -360,7 +360,7 @@ class _Profiler:
                 value = self._constant_value(t)
                 entry.append(None if value is None else hashlib.sha256(value.tobytes()).hexdigest())
             roles.append(entry)
-        return _digest(
+        return digest(
             [op.op_type, op.domain, sorted(op.attributes.items()), roles, len(op.outputs), str(self.dtype)]
         )
 
@@ -496,13 +496,14 @@ class _Profiler:
         elif role == "act" and shape:
             shape[0] *= samples
         if not floating:  # integer or boolean activations: zeros are valid indices and masks
-            return torch.zeros(shape, dtype=_torch_dtype(info.dtype), device=self.device)
+            return torch.zeros(shape, dtype=torch_dtype_of(info.dtype), device=self.device)
         # Positive values: safe for Sqrt, Log, Pow and variances, and no denormals.
         t = torch.rand(shape, dtype=self.dtype, device=self.device) + 0.5
         return t.requires_grad_(role in ("act", "weight"))
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype_of(name: str) -> torch.dtype:
+    """The torch dtype of a numpy dtype name (``bool`` included)."""
     import torch
 
     if name == "bool":
@@ -521,5 +522,6 @@ def _iqr(runs: Sequence[float]) -> float:
     return q[2] - q[0]
 
 
-def _digest(obj: Any) -> str:
+def digest(obj: Any) -> str:
+    """A cache key: the sha256 of ``obj`` as compact JSON (what JSON cannot write, as its str)."""
     return hashlib.sha256(json.dumps(obj, separators=(",", ":"), default=str).encode()).hexdigest()

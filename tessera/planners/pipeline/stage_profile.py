@@ -7,8 +7,6 @@ the profile cache, so a warm run predicts the same. Why: docs/executor.md ("Fide
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import statistics
 import time
 from collections.abc import Callable
@@ -20,6 +18,7 @@ import numpy as np
 from tessera.core.cost import per_device_samples
 from tessera.core.graph import Graph
 from tessera.core.specs import DeviceType
+from tessera.planners.pipeline.profile import digest, torch_dtype_of
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
 if TYPE_CHECKING:
@@ -93,7 +92,7 @@ class StageProfiler:
         step: ``executor.training.TrainingData``), cached like the stages."""
         from tessera.backends.profile_cache import Profile
 
-        key = _digest([self._model_key(), "data", mini_batch])
+        key = digest([self._model_key(), "data", mini_batch])
         got = self.cache.get(DATA_BACKEND, self.version, self.fingerprint, key)
         if got is not None and got.ok:
             return got.median_s
@@ -116,7 +115,7 @@ class StageProfiler:
         """The stage of ``nodes`` at ``samples`` samples per micro-batch: cached, else measured."""
         from tessera.backends.profile_cache import Profile
 
-        key = _digest([self._model_key(), sorted(nodes), samples])
+        key = digest([self._model_key(), sorted(nodes), samples])
         cached = [self.cache.get(b, self.version, self.fingerprint, key) for b in STAGE_BACKENDS]
         if all(c is not None and c.ok for c in cached):
             return StageTimes(*(c.median_s for c in cached))  # type: ignore[union-attr]
@@ -176,9 +175,9 @@ class StageProfiler:
             info = self.graph.tensors[name]
             shape = [samples, *(info.shape or (1,))[1:]]
             if np.issubdtype(np.dtype(info.dtype), np.floating):
-                feeds[name] = torch.randn(shape, generator=generator).to(_torch_dtype(info.dtype))
+                feeds[name] = torch.randn(shape, generator=generator).to(torch_dtype_of(info.dtype))
             else:  # zeros are valid indices and masks
-                feeds[name] = torch.zeros(shape, dtype=_torch_dtype(info.dtype))
+                feeds[name] = torch.zeros(shape, dtype=torch_dtype_of(info.dtype))
         with torch.no_grad():
             values = self._model.run(feeds, tensors=names)
         # As in a worker: the model's own inputs (data) need no gradient, received activations do.
@@ -208,18 +207,6 @@ def _one_step(
     for x in feeds:
         x.grad = None
     return t1 - t0, t2 - t1, time.perf_counter() - t2
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    import torch
-
-    if name == "bool":
-        return torch.bool
-    return torch.from_numpy(np.zeros(0, dtype=np.dtype(name))).dtype
-
-
-def _digest(obj: object) -> str:
-    return hashlib.sha256(json.dumps(obj, separators=(",", ":"), default=str).encode()).hexdigest()
 
 
 RefineFn = Callable[[Pipeline], Pipeline]
