@@ -1,6 +1,7 @@
 """Placed (composite) models vs every single backend, and placement search time (Collage §5).
 
-For each model — the zoo's tiny models and the onnx wheel's "light" CNNs — in one process:
+For each model — the zoo's tiny models, real torch.onnx exports (``bench/exports.py``: the corpus's
+transformers models and CNNs, SqueezeNet 1.1) and the onnx wheel's "light" CNNs — in one process:
 
 1. search a placement over onnxruntime + OpenVINO with a cold profile cache (a fresh file), then
    again with the warm cache (the second number is what a user sees on every later run);
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import onnx
+from exports import EXPORTS, export_path
 
 from tessera.backends.composite import CompositeModel, latencies, random_feeds
 from tessera.backends.measure import Measurer
@@ -66,9 +68,12 @@ def ms(x: float | None) -> str:
 
 
 def load_model(name: str) -> Graph:
-    """A benchmark model: a zoo model (tiny), a mid-size variant (MID) or an onnx light model."""
+    """A benchmark model: a zoo model (tiny), a mid-size variant (MID), a real export (EXPORTS) or an
+    onnx light model."""
     if name in MID:
         return load_graph(build(MID[name][0], "tiny", **MID[name][1]))
+    if name in EXPORTS:
+        return load_graph(export_path(name))
     return load_graph(build(name, "tiny") if name in ZOO else str(LIGHT_DIR / f"{name}.onnx"))
 
 
@@ -182,7 +187,7 @@ def render(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    run(ZOO + list(MID) + LIGHT, lambda name, cache_dir: [bench(name, cache_dir)], render, OUT)
+    run(ZOO + list(MID) + EXPORTS + LIGHT, lambda name, cache_dir: [bench(name, cache_dir)], render, OUT)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Precision as a placement choice (issue #30): ``place`` exact fp32 against ``--tolerance`` 1e-3 and
 5e-2 with onnxruntime, OpenVINO and OpenVINO in bf16 (``openvino-bf16``), on the zoo's tiny models,
-mid-size transformers and the onnx wheel's light CNNs.
+mid-size transformers, real torch.onnx exports (``bench/exports.py``) and the onnx wheel's light CNNs.
 
 Per model and budget: the placed model's latency (the final comparison's medians, interleaved with
 every single backend in one process), the fastest fp32 single backend, the speed-up over it, what was
@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from exports import EXPORTS
 from place import LIGHT, MID, load_model, ms, run
 
 from tessera.backends.measure import Measurer
@@ -88,7 +89,7 @@ def render(rows: list[dict[str, object]]) -> str:
 
 
 def main() -> None:
-    run(ZOO + list(MID) + LIGHT, bench, render, OUT)
+    run(ZOO + list(MID) + EXPORTS + LIGHT, bench, render, OUT)
 
 
 if __name__ == "__main__":

@@ -126,6 +126,11 @@ class Backend(ABC):
     def compile(self, model: onnx.ModelProto) -> Runnable:
         """Build ``model`` (a standalone sub-model) into a :class:`Runnable`; raises :class:`BuildError`."""
 
+    def calibrate(self, values: Any) -> None:  # noqa: B027 - a hook: most backends have no use for it
+        """Hand over the values the model's tensors take on the calibration inputs
+        (:class:`~tessera.backends.onnxruntime_int8.TensorValues`), for a backend that quantizes on
+        them (``onnxruntime-int8``)."""
+
     def describe(self) -> dict[str, Any]:
         ok, reason = self.available()
         return {

@@ -374,6 +374,10 @@ def _builtin(name: str) -> Callable[[], Backend]:
             from tessera.backends.openvino import OpenVinoBackend
 
             return OpenVinoBackend("bf16" if name == "openvino-bf16" else "f32")
+        if name == "onnxruntime-int8":
+            from tessera.backends.onnxruntime_int8 import OnnxRuntimeInt8Backend
+
+            return OnnxRuntimeInt8Backend()
         if name == "tvm":
             from tessera.backends.tvm import TvmBackend
 
@@ -396,6 +400,9 @@ def builtin_rules() -> dict[str, list[PatternRule]]:
     return {
         # ORT's CPU graph optimizer fuses conv/matmul with following activations and bias adds.
         "onnxruntime": [ElementwiseFusionRule(name="ort-fusion", max_ops=8)],
+        # Groups quantized to int8 (QDQ) and run by ORT: regions, so that a quantized group's integer
+        # kernels hand int8 tensors on inside it; place uses it under --tolerance.
+        "onnxruntime-int8": [GraphCompilerRule(name="onnxruntime-int8-region", max_ops=64)],
         # Graph compilers take whole regions between a seed and its post-dominators.
         "openvino": [GraphCompilerRule(name="openvino-region", max_ops=64)],
         # The same compiler in bf16 (the CPU plugin's inference precision): place uses it under --tolerance.
@@ -409,7 +416,7 @@ def builtin_rules() -> dict[str, list[PatternRule]]:
 
 
 def builtin_registry() -> BackendRegistry:
-    """The built-in backends (five runtimes, OpenVINO also in bf16) with their rules (no YAML, no plugins)."""
+    """The built-in backends (five runtimes; ONNX Runtime also in int8, OpenVINO in bf16) with their rules (no YAML, no plugins)."""
     registry = BackendRegistry()
     for name, rules in builtin_rules().items():
         registry.register_backend(name, _builtin(name), rules=rules, origin="builtin")

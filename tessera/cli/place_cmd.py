@@ -72,7 +72,7 @@ def _ms(seconds: float | None) -> str:
     type=click.FloatRange(min=0, max=1, min_open=True),
     default=None,
     help="Largest relative output error allowed (max |error| / max |fp32 output|): lets reduced-precision "
-    "backends (openvino-bf16) run groups. Default: exact fp32.",
+    "backends (openvino-bf16, onnxruntime-int8) run groups. Default: exact fp32.",
 )
 @click.option(
     "--data",

@@ -91,9 +91,14 @@ def run_placement_plan(
         reference_outputs,
         verify_outputs,
     )
+    from tessera.backends.registry import default_registry
+    from tessera.planners.placement.reference import calibrate
 
     feeds = load_feeds(graph, data) if data else random_feeds(graph, seed)
     start = time.perf_counter()
+    # int8 groups are quantized on the inputs they are checked on (the plan's, given the same data)
+    backends = sorted({g.backend for g in plan.groups})
+    calibrate(default_registry(), backends, graph, feeds)
     model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
     build_s = time.perf_counter() - start
     try:

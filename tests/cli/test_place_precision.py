@@ -38,8 +38,9 @@ def test_relative_error_is_against_each_outputs_scale() -> None:
     assert not verify_outputs(got, want, None)["ok"]  # fp32 exact by default
 
 
-def test_a_reduced_precision_backend_needs_a_tolerance(mlp: Path, tmp_path: Path) -> None:
-    result = run_cli("place", str(mlp), "--backends", "openvino-bf16", "--cache", str(tmp_path / "c.sqlite"))
+@pytest.mark.parametrize("backend", ["openvino-bf16", "onnxruntime-int8"])
+def test_a_reduced_precision_backend_needs_a_tolerance(mlp: Path, tmp_path: Path, backend: str) -> None:
+    result = run_cli("place", str(mlp), "--backends", backend, "--cache", str(tmp_path / "c.sqlite"))
     assert result.code == 2 and "computes in reduced precision: give --tolerance" in result.err
 
 
@@ -83,7 +84,7 @@ def test_a_budget_bf16_cannot_meet_keeps_every_group_exact(mlp: Path, tmp_path: 
 
 def test_outputs_are_checked_on_the_data_file_given(mlp: Path, tmp_path: Path) -> None:
     from tessera.core.graph import load_graph
-    from tessera.planners.placement.plan import reference_run
+    from tessera.planners.placement.reference import reference_run
 
     graph = load_graph(str(mlp))
     rng = np.random.default_rng(7)
@@ -102,3 +103,35 @@ def test_outputs_are_checked_on_the_data_file_given(mlp: Path, tmp_path: Path) -
     np.savez(data, wrong=np.zeros(3))
     refused = run_cli("place", str(mlp), "--data", str(data), "--cache", str(tmp_path / "c.sqlite"))
     assert refused.code == 2 and str(data) in refused.err and "no array for model input" in refused.err
+
+
+@pytest.mark.slow
+def test_int8_groups_are_quantized_on_the_calibration_inputs_and_launch_checks_them(
+    mlp: Path, tmp_path: Path
+) -> None:
+    from backends.test_onnxruntime_int8 import cnn
+
+    model = tmp_path / "cnn.onnx"
+    model.write_bytes(cnn().model.SerializeToString())
+    out = tmp_path / "int8.json"
+    placed = run_cli("place", str(model), "--backends", "onnxruntime-int8", "--tolerance", "0.25",
+                     "--cache", str(tmp_path / "c.sqlite"), "-o", str(out), "--verify")  # fmt: skip
+    assert placed.code == 0, placed.err
+    plan = load_plan(out)
+    assert {g.backend for g in plan.groups} == {"onnxruntime-int8"}
+    error = plan.measured["error"]["max_rel"]
+    assert 1e-4 < error <= 0.25  # int8 really ran: fp32 would be ~1e-7
+    launched = run_cli("launch", str(out), "--repeat", "2", "--json")
+    assert launched.code == 0, launched.err
+    report = json.loads(launched.out)
+    # launch quantizes on the same (seeded) inputs: the same model, the same error
+    assert report["verify"]["ok"] and report["verify"]["relative_error"] == pytest.approx(error, rel=1e-6)
+    tight = run_cli("place", str(model), "--backends", "onnxruntime,onnxruntime-int8", "--tolerance", "1e-6",
+                    "--cache", str(tmp_path / "c.sqlite"), "-o", str(out))  # fmt: skip
+    assert tight.code == 0, tight.err
+    assert all(g.backend == "onnxruntime" for g in load_plan(out).groups)
+    # the MLP's softmax of large random logits is beyond int8 at 0.25: refused, not written wrong
+    refused = run_cli("place", str(mlp), "--backends", "onnxruntime-int8", "--tolerance", "0.25",
+                      "--cache", str(tmp_path / "c.sqlite"), "-o", str(tmp_path / "no.json"))  # fmt: skip
+    assert refused.code == 2 and "stays within --tolerance 0.25" in refused.err and str(mlp) in refused.err
+    assert not (tmp_path / "no.json").exists()

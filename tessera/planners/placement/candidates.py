@@ -190,7 +190,7 @@ def _why_not(support: SupportTable, backend: str, graph: Graph, nodes: frozenset
     if not rejected:
         return f"{backend}: no candidate proposed"
     ops = ", ".join(sorted({graph.op(n).op_type for n in rejected}))
-    return f"{backend}: does not run {ops} with these operand types"
+    return f"{backend}: does not run {ops} on its own"
 
 
 def narrow_cuts(graph: Graph, order: Sequence[str], max_cuts: int) -> list[int]:

@@ -24,10 +24,6 @@ from tessera.backends.composite import (
     CompositeModel,
     compare_outputs,
     latencies,
-    load_feeds,
-    random_feeds,
-    reference_outputs,
-    relative_error,
     within_tolerance,
 )
 from tessera.backends.measure import Measurer, time_runs
@@ -59,6 +55,15 @@ from tessera.planners.placement.final import (
     whole_model_key,
 )
 from tessera.planners.placement.memo import SearchMemo
+from tessera.planners.placement.reference import (
+    calibrate,
+    error_of,
+    fp32_comparison,
+    inputs_label,
+    reference_run,
+    within,
+    wrong_groups,
+)
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +161,7 @@ def plan_placement(  # noqa: C901
         raise InputError(f"search must be 'op' or 'graph', not {options.search!r}")
     backends = resolve_backends(registry, options.device, options.backends, tolerance=options.tolerance)
     feeds, reference = reference_run(graph, options.seed, options.data)
+    calibrate(registry, backends, graph, feeds)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     support = SupportTable(registry)
@@ -300,8 +306,14 @@ def plan_placement(  # noqa: C901
         chosen = f"single backend: {best_single}"
         latency = singles[best_single]
         chosen_key = best_single
-    error = _error_of(outputs[chosen_key], reference)
+    error = error_of(outputs[chosen_key], reference)
     exact = {b: t for b, t in contenders.items() if registry.backend(b).exact}
+    if error["max_rel"] > (options.tolerance or 0.0) and not exact and options.tolerance is not None:
+        raise InputError(
+            f"no placement on {', '.join(backends)} stays within --tolerance {options.tolerance:g} "
+            f"(relative error {error['max_rel']:.3g}): add an fp32 backend (onnxruntime) or loosen the budget",
+            source=graph.source,
+        )
     if (
         error["max_rel"] > (options.tolerance or 0.0)
         and exact
@@ -318,7 +330,7 @@ def plan_placement(  # noqa: C901
             f"single backend: {fallback}",
             exact[fallback],
         )
-        error = _error_of(outputs[fallback], reference)
+        error = error_of(outputs[fallback], reference)
 
     groups = []
     predicted_total = 0.0
@@ -357,7 +369,7 @@ def plan_placement(  # noqa: C901
         "tolerance": options.tolerance,
         "error": error,
         "inputs": inputs_label(options.data, options.seed),
-        **_fp32_comparison(exact, latency, options.tolerance),
+        **fp32_comparison(exact, latency, options.tolerance),
         "noise_margin": NOISE_MARGIN,
         "decision": decision.note,
         "timing": (
@@ -397,69 +409,6 @@ def plan_placement(  # noqa: C901
         "final_timings_cached": cached,
     }
     return PlacementResult(plan, chosen_groups, measured, report)
-
-
-def reference_run(graph: Graph, seed: int, data: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Inputs (seeded, or ``data``'s arrays) and onnxruntime's outputs of the whole model, which every
-    placement is checked against. A model that cannot give them (no operators, lazy placeholder
-    weights, a model onnxruntime cannot load or run) or a data file that does not fit the model is
-    refused here, before any measuring, as an :class:`InputError`."""
-    from tessera.core.weights import is_lazy
-
-    if not graph.order:
-        raise InputError("the model has no operators: nothing to place", source=graph.source)
-    if is_lazy(graph.model):
-        raise InputError(
-            "the model's weights are lazy placeholders (a paper-size zoo build): materialize them first "
-            "(tessera.models.materialize)",
-            source=graph.source,
-        )
-    feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
-    try:
-        return feeds, reference_outputs(graph, feeds)
-    except Exception as exc:  # noqa: BLE001 - ORT's and numpy's many refusals of a model
-        why = " ".join(str(exc).split())
-        why = why if len(why) <= 300 else why[:300] + "…"
-        raise InputError(
-            f"unsupported model: onnxruntime, the reference every placement is checked against, cannot "
-            f"run it ({type(exc).__name__}: {why})",
-            source=graph.source,
-        ) from None
-
-
-def inputs_label(data: str | None, seed: int) -> str:
-    """What the outputs were checked on, for the plan: ``random (seed 0)`` or the data file's name and
-    the start of its sha256 (not its path: plans stay byte-identical wherever the file lies)."""
-    if data is None:
-        return f"random (seed {seed})"
-    import hashlib
-    from pathlib import Path
-
-    digest = hashlib.sha256(Path(data).read_bytes()).hexdigest()[:16]
-    return f"{Path(data).name} (sha256 {digest})"
-
-
-def _fp32_comparison(exact: dict[str, float], latency: float, tolerance: float | None) -> dict[str, Any]:
-    """Under a tolerance: the fastest fp32 single backend and the speed-up over it."""
-    if tolerance is None or not exact:
-        return {}
-    best = min(exact, key=lambda b: (exact[b], b))
-    return {"best_fp32_single_backend": best, "speedup_over_best_fp32": exact[best] / latency}
-
-
-def _error_of(outputs: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
-    """``{max_abs, max_rel}`` of the placed model's outputs against the fp32 onnxruntime reference."""
-    diffs = compare_outputs(outputs, reference)["outputs"].values()
-    return {"max_abs": max((d.get("max_abs_diff", math.inf) for d in diffs), default=0.0),
-            "max_rel": relative_error(outputs, reference)}  # fmt: skip
-
-
-def within(got: dict[str, Any], want: dict[str, Any], backend: Any, tolerance: float | None) -> bool:
-    """Whether ``backend``'s outputs ``got`` are onnxruntime's ``want``: to fp32 precision, or for a
-    reduced-precision backend within ``tolerance`` (:func:`relative_error`)."""
-    if backend.exact or tolerance is None:
-        return bool(compare_outputs(got, want)["ok"])
-    return within_tolerance(got, want, tolerance)
 
 
 def find_candidates(
@@ -566,32 +515,3 @@ def _graph_level(  # noqa: PLR0913
     if result.best == (0,) * n or not math.isfinite(result.best_fitness):
         return op_groups, info
     return placements[result.best], info
-
-
-def wrong_groups(  # noqa: PLR0913
-    graph: Graph,
-    groups: Sequence[Group],
-    feeds: dict[str, Any],
-    registry: BackendRegistry,
-    compiled: CompileCache,
-    *,
-    tolerance: float | None = None,
-) -> list[tuple[str, frozenset[str]]]:
-    """Groups (not on onnxruntime) whose outputs differ from onnxruntime's on the same group inputs,
-    running the placement once on ``feeds`` (a reduced-precision backend's: by more than
-    ``tolerance``, relative)."""
-    model = CompositeModel(graph, [(b, n) for b, n, _ in groups], registry=registry, cache=compiled)
-    env: dict[str, Any] = dict(feeds)
-    wrong = []
-    for step in model.steps:
-        ins = {t: env[t] for t in step.inputs}
-        out = step.runnable.run(ins)
-        if step.backend != "onnxruntime":
-            key = ("onnxruntime", step.nodes)
-            if key not in compiled:
-                compiled[key] = registry.backend("onnxruntime").compile(graph.extract(step.nodes))
-            want = compiled[key].run(ins)
-            if not within({t: out[t] for t in step.outputs}, want, registry.backend(step.backend), tolerance):
-                wrong.append((step.backend, step.nodes))
-        env.update({t: out[t] for t in step.outputs})
-    return wrong
