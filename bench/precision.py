@@ -1,5 +1,6 @@
 """Precision as a placement choice (issue #30): ``place`` exact fp32 against ``--tolerance`` 1e-3 and
-5e-2 with onnxruntime, OpenVINO and OpenVINO in bf16 (``openvino-bf16``), on the zoo's tiny models,
+5e-2 with onnxruntime, OpenVINO, OpenVINO in bf16 (``openvino-bf16``) and onnxruntime in int8
+(``onnxruntime-int8``), on the zoo's tiny models,
 mid-size transformers, real torch.onnx exports (``bench/exports.py``) and the onnx wheel's light CNNs.
 
 Per model and budget: the placed model's latency (the final comparison's medians, interleaved with
@@ -23,7 +24,7 @@ from tessera.backends.profile_cache import ProfileCache
 from tessera.planners.placement import PlacementOptions, plan_placement
 
 ZOO = ["resnext", "bert", "gpt", "mmt"]
-BACKENDS = ("onnxruntime", "openvino", "openvino-bf16")
+BACKENDS = ("onnxruntime", "openvino", "openvino-bf16", "onnxruntime-int8")
 BUDGETS = (None, 1e-3, 5e-2)
 OUT = Path(__file__).parent / "results" / "precision.md"
 
@@ -39,7 +40,9 @@ def bench(name: str, cache_dir: Path) -> list[dict[str, object]]:
         plan = plan_placement(graph, options, measurer=Measurer(cache)).plan
         m = plan.measured
         fp32 = {
-            b: t for b, t in m["single_backend_latency_s"].items() if b != "openvino-bf16" and t is not None
+            b: t
+            for b, t in m["single_backend_latency_s"].items()
+            if t is not None and b in BACKENDS[:2]
         }
         fp32 = {b: t for b, t in fp32.items() if b not in m["wrong_outputs"]}
         best = min(fp32, key=fp32.__getitem__) if fp32 else None
@@ -71,8 +74,10 @@ def render(rows: list[dict[str, object]]) -> str:
         "the fastest single backend whose fp32 outputs match onnxruntime's; *speed-up* = its latency / the",
         "placed model's; *error* = max |out - ref| / max |ref| over the outputs against the fp32 onnxruntime",
         "reference on the seeded inputs. Exact rows search onnxruntime + OpenVINO; tolerance rows add",
-        "`openvino-bf16`. A backend in *wrong* computes the whole model differently from onnxruntime (never a",
-        "contender). Expect ±10% noise.",
+        "`openvino-bf16` and `onnxruntime-int8` (groups quantized on the calibration inputs). A backend in",
+        "*wrong* computes the whole model differently from onnxruntime, beyond the budget (never a contender).",
+        "`squeezenet` is SqueezeNet 1.1 (torchvision's architecture, Kaiming-initialised, 1x3x224x224);",
+        "`export:*` are the corpus's transformers/CNN exports (tiny configs). Expect ±10% noise.",
         "",
         "| model | nodes | budget | placed ms | fp32 best | fp32 best ms | speed-up | chosen (backends) | error | wrong | s |",
         "|---|---:|---|---:|---|---:|---:|---|---:|---|---:|",

@@ -102,7 +102,7 @@ def make_session(model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: 
     quiet_native_log()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
+    options.log_severity_level = 4  # failures come back as exceptions; ORT would also print them
     if not cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     try:

@@ -10,7 +10,7 @@ import pytest
 from backends.conftest import hand_graph
 
 from tessera.backends.composite import CompositeModel, random_feeds, reference_outputs, relative_error
-from tessera.backends.onnxruntime_int8 import OnnxRuntimeInt8Backend, TensorValues
+from tessera.backends.onnxruntime_int8 import RECIPE, OnnxRuntimeInt8Backend, TensorValues
 from tessera.backends.registry import builtin_registry
 
 
@@ -74,7 +74,7 @@ def test_it_runs_only_groups_with_something_to_quantize() -> None:
     backend = OnnxRuntimeInt8Backend()
     assert backend.supports(graph, ["conv2", "relu2"])
     assert not backend.supports(graph, ["relu2", "pool", "flat"])
-    assert not backend.exact and backend.version.endswith("+qdq-u8s8-perchannel-minmax")
+    assert not backend.exact and backend.version.endswith("+" + RECIPE)
 
 
 def test_a_probe_without_calibration_values_is_calibrated_on_seeded_inputs() -> None:
