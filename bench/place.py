@@ -45,6 +45,9 @@ MID = {
         {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 4, "ffn": 1024, "vocab": 8192, "seq": 64},
     ),
     "bert_mid": ("bert", {"layers": 4, "hidden": 256, "heads": 4, "ffn": 1024, "vocab": 8192, "seq": 64}),
+    # multi-branch: two transformer towers, seven MLP towers (parallel branches)
+    "mmt_mid": ("mmt", {"layers": 2, "seq": 64, "hidden": 256, "heads": 4, "ffn": 1024}),
+    "candle_uno_mid": ("candle_uno", {"feature_dim": 512, "hidden": 512}),
 }
 LIGHT_DIR = Path(onnx.__file__).parent / "backend/test/data/light"
 LIGHT = [
@@ -111,7 +114,9 @@ def bench(name: str, cache_dir: Path) -> dict[str, object]:
     registry = default_registry()
     # A one-group plan is that backend alone: it is timed once, as that backend.
     alone = plan.groups[0].backend if len(plan.groups) == 1 else None
-    placed = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups], registry=registry)
+    placed = CompositeModel(
+        graph, [(g.backend, g.nodes) for g in plan.groups], registry=registry, concurrent=plan.concurrent
+    )
     runs = {} if alone else {"placed": lambda: placed.run(feeds)}
     for b in BASELINES:
         try:

@@ -39,11 +39,7 @@ def bench(name: str, cache_dir: Path) -> list[dict[str, object]]:
         t0 = time.perf_counter()
         plan = plan_placement(graph, options, measurer=Measurer(cache)).plan
         m = plan.measured
-        fp32 = {
-            b: t
-            for b, t in m["single_backend_latency_s"].items()
-            if t is not None and b in BACKENDS[:2]
-        }
+        fp32 = {b: t for b, t in m["single_backend_latency_s"].items() if t is not None and b in BACKENDS[:2]}
         fp32 = {b: t for b, t in fp32.items() if b not in m["wrong_outputs"]}
         best = min(fp32, key=fp32.__getitem__) if fp32 else None
         rows.append(

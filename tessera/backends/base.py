@@ -126,6 +126,11 @@ class Backend(ABC):
     def compile(self, model: onnx.ModelProto) -> Runnable:
         """Build ``model`` (a standalone sub-model) into a :class:`Runnable`; raises :class:`BuildError`."""
 
+    def compile_threads(self, model: onnx.ModelProto, threads: int) -> Runnable:
+        """:meth:`compile` for a group that shares the cores with others running at the same time:
+        at most ``threads`` threads, where the runtime lets them be limited (the default ignores it)."""
+        return self.compile(model)
+
     def calibrate(self, values: Any) -> None:  # noqa: B027 - a hook: most backends have no use for it
         """Hand over the values the model's tensors take on the calibration inputs
         (:class:`~tessera.backends.onnxruntime_int8.TensorValues`), for a backend that quantizes on

@@ -12,7 +12,9 @@ import logging
 import math
 import random
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +22,7 @@ import networkx as nx
 import numpy as np
 from onnx import numpy_helper
 
-from tessera.backends.base import Runnable
+from tessera.backends.base import Runnable, cpu_cores
 from tessera.backends.registry import BackendRegistry, default_registry
 from tessera.core.errors import LaunchError
 from tessera.core.graph import Graph
@@ -126,9 +128,12 @@ def composite_variant(graph: Graph, backend: str, nodes: Iterable[str], mixed: b
 
 
 def build_group(graph: Graph, variant: str, nodes: Iterable[str], registry: BackendRegistry) -> Runnable:
-    """Compile ``nodes`` of ``graph`` as :func:`composite_variant` ``variant`` says."""
+    """Compile ``nodes`` of ``graph`` as :func:`composite_variant` ``variant`` says (or, for a group
+    running beside others, ``<backend>/threads=N``)."""
     sub = graph.extract(nodes)
     backend, _, how = variant.partition("/")
+    if how.startswith("threads="):
+        return registry.backend(backend).compile_threads(sub, int(how.removeprefix("threads=")))
     if how:
         return _ort_without_spinning(sub, threads=1 if ONE_THREAD in variant else 0)
     return registry.backend(backend).compile(sub)
@@ -153,8 +158,11 @@ class CompositeModel:
         registry: BackendRegistry | None = None,
         cache: CompileCache | None = None,
         mixed: bool | None = None,
+        concurrent: bool = False,
     ) -> None:
-        """``mixed``: build the groups as in a placement with several backends (default: when it has)."""
+        """``mixed``: build the groups as in a placement with several backends (default: when it has).
+        ``concurrent``: groups that do not depend on each other run at the same time, on threads, each
+        built to use its share of the cores (:meth:`run`)."""
         self.graph = graph
         registry = registry or default_registry()
         members = [frozenset(nodes) for _, nodes in groups]
@@ -178,9 +186,14 @@ class CompositeModel:
                 last_reader[t] = pos
         if mixed is None:
             mixed = len({b for b, _ in groups}) > 1
+        self.levels = _levels(graph, members, order) if concurrent else [[p] for p in range(len(order))]
+        share = {
+            p: max(1, cpu_cores() // len(level)) for level in self.levels if len(level) > 1 for p in level
+        }
         for pos, i in enumerate(order):
             backend, nodes = groups[i][0], members[i]
-            key = (composite_variant(graph, backend, nodes, mixed), nodes)
+            variant = f"{backend}/threads={share[pos]}" if pos in share else None
+            key = (variant or composite_variant(graph, backend, nodes, mixed), nodes)
             runnable = cache.get(key) if cache is not None else None
             if runnable is None:
                 try:
@@ -198,6 +211,22 @@ class CompositeModel:
         self.steps = steps
         # What run() walks: bound methods and name tuples, so a call builds nothing but the feeds.
         self._program = [(s.runnable.run, s.inputs, s.outputs, s.release) for s in steps]
+        self._pool: ThreadPoolExecutor | None = None
+        if any(len(level) > 1 for level in self.levels):
+            workers = min(cpu_cores(), max(len(level) for level in self.levels))
+            self._pool = ThreadPoolExecutor(workers, "tessera-group")
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+            # A tensor is dropped after the last level that reads it (positions do not order levels).
+            last_level = {t: k for k, level in enumerate(self.levels) for p in level for t in steps[p].inputs}
+            self._level_release = [
+                [t for t, k in last_level.items() if k == level and t not in self.output_names]
+                for level in range(len(self.levels))
+            ]
+
+    @property
+    def concurrent(self) -> bool:
+        """Whether some groups run at the same time."""
+        return self._pool is not None
 
     @property
     def backends(self) -> list[str]:
@@ -206,15 +235,47 @@ class CompositeModel:
     def run(self, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The model's outputs for ``feeds`` (one array per model input)."""
         env: dict[str, Any] = {name: feeds[name] for name in self.input_names}
-        for run, inputs, outputs, release in self._program:
-            results = run({t: env[t] for t in inputs})
-            for t in outputs:
-                env[t] = results[t]
-            for t in release:
-                env.pop(t, None)
+        if self._pool is not None:
+            self._run_levels(env)
+        else:
+            for run, inputs, outputs, release in self._program:
+                results = run({t: env[t] for t in inputs})
+                for t in outputs:
+                    env[t] = results[t]
+                for t in release:
+                    env.pop(t, None)
         return {
             name: env[name] if name in env else self._constant_outputs[name] for name in self.output_names
         }
+
+    def _run_levels(self, env: dict[str, Any]) -> None:
+        """Level by level: the groups of a level run at the same time (the runtimes release the GIL)."""
+        assert self._pool is not None
+        for level, release in zip(self.levels, self._level_release, strict=True):
+            calls = [(self._program[p][0], {t: env[t] for t in self._program[p][1]}) for p in level]
+            if len(calls) == 1:
+                results = [calls[0][0](calls[0][1])]
+            else:
+                results = list(self._pool.map(lambda call: call[0](call[1]), calls))
+            for p, out in zip(level, results, strict=True):
+                for t in self._program[p][2]:
+                    env[t] = out[t]
+            for t in release:
+                env.pop(t, None)
+
+
+def _levels(graph: Graph, members: Sequence[frozenset[str]], order: Sequence[int]) -> list[list[int]]:
+    """Positions in ``order`` grouped by depth in the group graph: a level's groups depend only on
+    earlier levels'."""
+    quotient = graph.quotient(members)
+    position = {i: pos for pos, i in enumerate(order)}
+    depth: dict[int, int] = {}
+    for i in order:
+        depth[i] = 1 + max((depth[j] for j in quotient.predecessors(i)), default=-1)
+    levels: dict[int, list[int]] = {}
+    for i in order:
+        levels.setdefault(depth[i], []).append(position[i])
+    return [levels[d] for d in sorted(levels)]
 
 
 def reference_outputs(graph: Graph, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:

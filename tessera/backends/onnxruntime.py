@@ -96,13 +96,20 @@ def quiet_native_log() -> None:
     ort.set_default_logger_severity(4)
 
 
-def make_session(model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: bool = True) -> Any:
+def make_session(
+    model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: bool = True, threads: int = 0
+) -> Any:
+    """An ``InferenceSession`` of ``model``; ``threads`` > 0: that many intra-op threads, not spinning
+    between runs (a group sharing the cores with others)."""
     import onnxruntime as ort
 
     quiet_native_log()
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     options.log_severity_level = 4  # failures come back as exceptions; ORT would also print them
+    if threads:
+        options.intra_op_num_threads = threads
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
     try:
@@ -117,6 +124,10 @@ def make_session(model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: 
 
 class OnnxRuntimeBackend(Backend):
     """ONNX Runtime's CPU execution provider."""
+
+    def prepared(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """The model the session runs (a subclass transforms it: ``onnxruntime-int8`` quantizes)."""
+        return model
 
     name = "onnxruntime"
     distribution = "onnxruntime"
@@ -171,8 +182,12 @@ class OnnxRuntimeBackend(Backend):
         return True
 
     def compile(self, model: onnx.ModelProto) -> OrtRunnable:
+        return self.compile_threads(model, 0)
+
+    def compile_threads(self, model: onnx.ModelProto, threads: int) -> OrtRunnable:
         self.require()
-        session = make_session(model, [self.provider])
+        model = self.prepared(model)
+        session = make_session(model, [self.provider], threads=threads)
         runnable = OrtRunnable(session, [self.provider])
         ins, outs = model_io(model)
         if runnable.input_names != ins or runnable.output_names != outs:  # pragma: no cover

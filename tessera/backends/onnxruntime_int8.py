@@ -21,7 +21,7 @@ import onnx
 import onnx.numpy_helper
 
 from tessera.backends.base import BuildError, model_io
-from tessera.backends.onnxruntime import OnnxRuntimeBackend, OrtRunnable, ort_message
+from tessera.backends.onnxruntime import OnnxRuntimeBackend, ort_message
 from tessera.core.graph import Graph
 
 #: the operators that make a group worth quantizing (the quantizer then takes every operator it can,
@@ -142,14 +142,11 @@ class OnnxRuntimeInt8Backend(OnnxRuntimeBackend):
         members = list(nodes)
         return any(graph.op(n).op_type in QUANTIZABLE for n in members) and super().supports(graph, members)
 
-    def compile(self, model: onnx.ModelProto) -> OrtRunnable:
-        if not any(n.op_type in QUANTIZABLE for n in model.graph.node):
-            return super().compile(model)  # nothing to quantize: fp32 as it is
-        return super().compile(self.quantized(model))
-
-    def quantized(self, model: onnx.ModelProto) -> onnx.ModelProto:
+    def prepared(self, model: onnx.ModelProto) -> onnx.ModelProto:
         """``model`` as this backend runs it: its constant tensors made weights, quantized on the
         calibration values of its inputs (seeded ones for a probe's; see :class:`TensorValues`)."""
+        if not any(n.op_type in QUANTIZABLE for n in model.graph.node):
+            return model  # nothing to quantize: fp32 as it is
         calibration = self.calibration or TensorValues(None, {})
         model = _with_weights(model, calibration.constants(model))
         return quantize(model, calibration.feeds(model))

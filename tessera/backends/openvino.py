@@ -138,11 +138,17 @@ class OpenVinoBackend(Backend):
         )
 
     def compile(self, model: onnx.ModelProto) -> OpenVinoRunnable:
+        return self.compile_threads(model, 0)
+
+    def compile_threads(self, model: onnx.ModelProto, threads: int) -> OpenVinoRunnable:
         self.require()
         ins, outs = model_io(model)
+        config: dict[str, Any] = {"INFERENCE_PRECISION_HINT": self.precision}
+        if threads:
+            config["INFERENCE_NUM_THREADS"] = threads
         try:
             ov_model = self.core.read_model(model.SerializeToString(deterministic=True), b"")
-            compiled = self.core.compile_model(ov_model, DEVICE, {"INFERENCE_PRECISION_HINT": self.precision})
+            compiled = self.core.compile_model(ov_model, DEVICE, config)
             return OpenVinoRunnable(compiled, ins, outs)
         except Exception as exc:  # noqa: BLE001 - openvino raises RuntimeError with multi-line text
             raise BuildError(

@@ -173,7 +173,7 @@ def _verify(graph: Graph, plan: PlacementPlan, seed: int, data: str | None) -> d
     )
 
     feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
-    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
+    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups], concurrent=plan.concurrent)
     try:
         outputs = model.run(feeds)
     except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
@@ -218,6 +218,10 @@ def _print_summary(
         escape(
             f"predicted {_ms(plan.predicted['latency_s'])}; measured {_ms(m['latency_s'])} "
             + " ".join(f"| {b} alone {_ms(t)}" for b, t in singles.items())
+            + "".join(
+                f" | parallel branches on {b} {_ms(t)}"
+                for b, t in m.get("parallel_branches_latency_s", {}).items()
+            )
         )
     )
     if m.get("best_single_backend"):

@@ -148,6 +148,8 @@ class PlacementPlan(_PlanBase):
     kind: Literal["placement"] = "placement"
     device: str = "cpu"
     groups: list[PlacementGroup] = Field(min_length=1)
+    # Groups that do not depend on each other run at the same time (the parallel branches' plan)
+    concurrent: bool = False
     measured: dict[str, Any] = Field(default_factory=dict)
     search: dict[str, Any] = Field(default_factory=dict)  # how the placement was searched (settings, counts)
 

@@ -99,7 +99,7 @@ def run_placement_plan(
     # int8 groups are quantized on the inputs they are checked on (the plan's, given the same data)
     backends = sorted({g.backend for g in plan.groups})
     calibrate(default_registry(), backends, graph, feeds)
-    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups])
+    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups], concurrent=plan.concurrent)
     build_s = time.perf_counter() - start
     try:
         outputs = model.run(feeds)

@@ -61,7 +61,7 @@ def test_the_quantized_model_has_int8_weights_and_folds_the_shared_bias() -> Non
     backend.calibrate(values)
     runnable = backend.compile(sub)
     assert runnable.input_names == ("r1",)  # b2 became a weight
-    quantized = backend.quantized(sub)
+    quantized = backend.prepared(sub)
     assert "QuantizeLinear" in _ops(quantized) and "DequantizeLinear" in _ops(quantized)
     int8 = {t.name for t in quantized.graph.initializer if t.data_type == onnx.TensorProto.INT8}
     int32 = {t.name for t in quantized.graph.initializer if t.data_type == onnx.TensorProto.INT32}
