@@ -30,7 +30,7 @@ QUANTIZABLE = frozenset({"Conv", "MatMul", "Gemm"})
 #: left in fp32: per-channel quantization of their scale fails at run time in ORT 1.32 (BatchNormalization)
 #: or costs accuracy for nothing (the normalizations run in fp32 kernels anyway)
 KEPT_FP32 = frozenset({"BatchNormalization", "InstanceNormalization", "LayerNormalization"})
-RECIPE = "qdq-u8s8-perchannel-minmax-2"  # bump with any change of quantize()'s settings
+RECIPE = "qdq.2"  # QDQ u8s8 per-channel MinMax, normalizations fp32; bump with any change of quantize()
 
 
 class TensorValues:
