@@ -127,8 +127,9 @@ class Backend(ABC):
         """Build ``model`` (a standalone sub-model) into a :class:`Runnable`; raises :class:`BuildError`."""
 
     def compile_threads(self, model: onnx.ModelProto, threads: int) -> Runnable:
-        """:meth:`compile` for a group that shares the cores with others running at the same time:
-        at most ``threads`` threads, where the runtime lets them be limited (the default ignores it)."""
+        """:meth:`compile` for a group that shares the cores with other groups or runtimes: at most
+        ``threads`` threads (0: the runtime's default count), not spinning between runs, where the
+        runtime lets that be set (this default ignores it)."""
         return self.compile(model)
 
     def calibrate(self, values: Any) -> None:  # noqa: B027 - a hook: most backends have no use for it

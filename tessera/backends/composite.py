@@ -53,6 +53,8 @@ CompileCache = dict[tuple[str, frozenset[str]], Runnable]
 # that spinning takes the cores the other runtime needs (measured: squeezenet in 11 alternating groups
 # runs 1.6x slower). In a placement with several backends onnxruntime groups are built without it.
 NO_SPIN = "/no-spin"
+#: the backends that build ONNX Runtime sessions (and so spin)
+ORT_BACKENDS = ("onnxruntime", "onnxruntime-int8")
 # A small group runs on one thread: waking a thread pool costs more than such a group's work (measured:
 # tiny mmt in 56 groups, 2.8 ms with pooled sessions, 0.9 ms with one thread each). Small = the tensors
 # the group writes hold at most this many bytes.
@@ -61,24 +63,6 @@ ONE_THREAD = "/1-thread"
 # Idle time before each contender's turn in :func:`latencies`: onnxruntime's and OpenVINO's worker
 # threads keep spinning for a while after a call and would take the cores from whoever runs next.
 SETTLE_S = 0.02
-
-
-def _ort_without_spinning(model: Any, *, threads: int = 0) -> Runnable:
-    import onnxruntime as ort
-
-    from tessera.backends.onnxruntime import OrtRunnable, quiet_native_log
-
-    quiet_native_log()
-    options = ort.SessionOptions()
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    options.log_severity_level = 3
-    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    if threads:
-        options.intra_op_num_threads = threads
-    session = ort.InferenceSession(
-        model.SerializeToString(deterministic=True), sess_options=options, providers=["CPUExecutionProvider"]
-    )
-    return OrtRunnable(session, ["CPUExecutionProvider"])
 
 
 def model_written_bytes(model: Any) -> int:
@@ -105,7 +89,7 @@ class ComposedOnnxRuntime:
 
     def compile(self, model: Any) -> Runnable:
         small = model_written_bytes(model) <= SMALL_GROUP_BYTES
-        return _ort_without_spinning(model, threads=1 if small else 0)
+        return self.base.compile_threads(model, 1 if small else 0)
 
 
 def written_bytes(graph: Graph, nodes: Iterable[str]) -> int:
@@ -121,7 +105,7 @@ def written_bytes(graph: Graph, nodes: Iterable[str]) -> int:
 def composite_variant(graph: Graph, backend: str, nodes: Iterable[str], mixed: bool) -> str:
     """How a group is built in a composite model: the backend's name, with ``/no-spin`` (and
     ``/1-thread`` for a small group) for onnxruntime next to another backend."""
-    if not mixed or backend != "onnxruntime":
+    if not mixed or backend not in ORT_BACKENDS:
         return backend
     small = written_bytes(graph, nodes) <= SMALL_GROUP_BYTES
     return backend + NO_SPIN + (ONE_THREAD if small else "")
@@ -135,7 +119,7 @@ def build_group(graph: Graph, variant: str, nodes: Iterable[str], registry: Back
     if how.startswith("threads="):
         return registry.backend(backend).compile_threads(sub, int(how.removeprefix("threads=")))
     if how:
-        return _ort_without_spinning(sub, threads=1 if ONE_THREAD in variant else 0)
+        return registry.backend(backend).compile_threads(sub, 1 if ONE_THREAD in variant else 0)
     return registry.backend(backend).compile(sub)
 
 

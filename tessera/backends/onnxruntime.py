@@ -97,10 +97,15 @@ def quiet_native_log() -> None:
 
 
 def make_session(
-    model: onnx.ModelProto, providers: list[Any], *, cpu_fallback: bool = True, threads: int = 0
+    model: onnx.ModelProto,
+    providers: list[Any],
+    *,
+    cpu_fallback: bool = True,
+    threads: int = 0,
+    spin: bool = True,
 ) -> Any:
-    """An ``InferenceSession`` of ``model``; ``threads`` > 0: that many intra-op threads, not spinning
-    between runs (a group sharing the cores with others)."""
+    """An ``InferenceSession`` of ``model``: ``threads`` intra-op threads (0: ORT's default), which
+    spin between runs unless ``spin`` is False (a group sharing the cores with other runtimes)."""
     import onnxruntime as ort
 
     quiet_native_log()
@@ -109,6 +114,7 @@ def make_session(
     options.log_severity_level = 4  # failures come back as exceptions; ORT would also print them
     if threads:
         options.intra_op_num_threads = threads
+    if not spin:
         options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     if not cpu_fallback:
         options.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
@@ -182,12 +188,15 @@ class OnnxRuntimeBackend(Backend):
         return True
 
     def compile(self, model: onnx.ModelProto) -> OrtRunnable:
-        return self.compile_threads(model, 0)
+        return self._compile(model, threads=0, spin=True)
 
     def compile_threads(self, model: onnx.ModelProto, threads: int) -> OrtRunnable:
+        return self._compile(model, threads=threads, spin=False)
+
+    def _compile(self, model: onnx.ModelProto, *, threads: int, spin: bool) -> OrtRunnable:
         self.require()
         model = self.prepared(model)
-        session = make_session(model, [self.provider], threads=threads)
+        session = make_session(model, [self.provider], threads=threads, spin=spin)
         runnable = OrtRunnable(session, [self.provider])
         ins, outs = model_io(model)
         if runnable.input_names != ins or runnable.output_names != outs:  # pragma: no cover

@@ -96,6 +96,19 @@ class TvmBackend(Backend):
 
     def __init__(self, work_dir: str | Path | None = None) -> None:
         self.work_dir = Path(work_dir) if work_dir is not None else default_work_dir()
+        self._records: str | None = None
+
+    @property
+    def version(self) -> str | None:
+        # Tuning records change what is measured: profile-cache keys carry a digest of them.
+        base = super().version
+        if base is None:
+            return None
+        if self._records is None:
+            from tessera.backends.tvm_tuning import RecordStore
+
+            self._records = RecordStore(self.work_dir).digest()
+        return f"{base}+records.{self._records}" if self._records else base
 
     def available(self) -> tuple[bool, str]:
         if importlib.util.find_spec("tvm") is None:
@@ -186,6 +199,7 @@ class TvmBackend(Backend):
         from tessera.backends.tvm_tuning import tune
 
         self.require()
+        self._records = None  # new records: a new version
         return tune(
             self.import_model(model),
             self.target,

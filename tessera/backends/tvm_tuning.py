@@ -149,6 +149,20 @@ class RecordStore:
     def exists(self) -> bool:
         return self.root.is_dir()
 
+    def digest(self) -> str:
+        """The first 12 hex digits of a sha256 over every record file (name and bytes); "" when there
+        are none."""
+        import hashlib
+
+        files = sorted(self.root.glob("*.json")) if self.exists() else []
+        if not files:
+            return ""
+        h = hashlib.sha256()
+        for f in files:
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        return h.hexdigest()[:12]
+
     def path(self, kernel: Any, target: Any) -> Path:
         from tvm.s_tir.meta_schedule.utils import shash2hex
 

@@ -68,6 +68,15 @@ def _ms(seconds: float | None) -> str:
     "--verify", is_flag=True, help="Check the placed model's outputs against onnxruntime (exit 4 if not)."
 )
 @click.option(
+    "--tvm-trials",
+    type=click.IntRange(min=0),
+    default=0,
+    show_default=True,
+    help="MetaSchedule trials (in all) to tune the model's TVM kernels before the search (with tvm among "
+    "the backends); records are kept under tessera's cache folder (tvm/records) and reused, so a kernel is "
+    "tuned once. 0: TVM's default schedules.",
+)
+@click.option(
     "--tolerance",
     type=click.FloatRange(min=0, max=1, min_open=True),
     default=None,
@@ -92,6 +101,7 @@ def place(  # noqa: PLR0913
     cache_path: str | None,
     seed: int,
     max_states: int,
+    tvm_trials: int,
     verify: bool,
     tolerance: float | None,
     data: str | None,
@@ -122,6 +132,7 @@ def place(  # noqa: PLR0913
         max_states=max_states,
         tolerance=tolerance,
         data=data,
+        tvm_trials=tvm_trials,
     )
     if cache_path is not None and not cache_path.strip():
         raise InputError("--cache '' names no file")

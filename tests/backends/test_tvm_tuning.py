@@ -43,3 +43,33 @@ def test_unreadable_record_is_ignored(tmp_path: Path, gpt) -> None:
     assert backend.compile(sub).run({sub.graph.input[0].name: np.ones((1, 16, 32), np.float32)})
     assert backend.tune(sub, trials=0).reused == ()
     assert result.kernels
+
+
+def test_records_are_part_of_the_version_profile_caches_key_on(tmp_path: Path, gpt) -> None:
+    backend = TvmBackend(work_dir=tmp_path)
+    untuned = backend.version
+    assert untuned is not None and "+records." not in untuned
+    backend.tune(gpt.extract(LINEAR[:1]), trials=2)
+    tuned = backend.version
+    assert tuned is not None and tuned.startswith(untuned + "+records.")
+    assert TvmBackend(work_dir=tmp_path).version == tuned  # the same records: the same version
+
+
+def test_place_tunes_the_models_tvm_kernels_first(tmp_path: Path) -> None:
+    from cli.test_place import mlp
+
+    from tessera.backends.measure import Measurer
+    from tessera.backends.profile_cache import ProfileCache
+    from tessera.backends.registry import builtin_registry
+    from tessera.planners.placement import PlacementOptions, plan_placement
+
+    registry = builtin_registry()
+    tvm = registry.backend("tvm")
+    tvm.work_dir = tmp_path / "tvm"
+    options = PlacementOptions(backends=("onnxruntime", "tvm"), tvm_trials=4, max_group_ops=2, rounds=3)
+    plan = plan_placement(
+        mlp(), options, registry=registry, measurer=Measurer(ProfileCache(tmp_path / "c.sqlite"))
+    )
+    assert list((tmp_path / "tvm" / "records").glob("*.json"))  # tuned before the search
+    assert "+records." in tvm.version
+    assert plan.plan.measured["single_backend_latency_s"]["tvm"] > 0

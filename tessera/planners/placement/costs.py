@@ -79,9 +79,11 @@ class CandidateCosts:
     def __post_init__(self) -> None:
         self._measured_as: dict[str, object] = {}
         if self.composed:
-            from tessera.backends.composite import ComposedOnnxRuntime
+            from tessera.backends.composite import ORT_BACKENDS, ComposedOnnxRuntime
 
-            self._measured_as["onnxruntime"] = ComposedOnnxRuntime(self.registry.backend("onnxruntime"))
+            for name in ORT_BACKENDS:
+                if name in self.registry.names():
+                    self._measured_as[name] = ComposedOnnxRuntime(self.registry.backend(name))
         self._index = {n: i for i, n in enumerate(self.graph.order)}
         owned = owned_constants(self.graph)
         self._owner = {c: v for v, cs in owned.items() for c in cs}

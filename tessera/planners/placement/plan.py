@@ -86,6 +86,7 @@ class PlacementOptions:
     min_rounds: int = 3  # ... and at least, when the ranking is already clear
     data: str | None = None  # an .npz of inputs the outputs are checked on (default: seeded random)
     tolerance: float | None = None  # max relative output error: reduced-precision backends may run
+    tvm_trials: int = 0  # MetaSchedule trials to tune the model's TVM kernels before the search
     evolution: EvolutionOptions = field(default_factory=EvolutionOptions)
 
 
@@ -163,6 +164,13 @@ def plan_placement(  # noqa: C901
     backends = resolve_backends(registry, options.device, options.backends, tolerance=options.tolerance)
     feeds, reference = reference_run(graph, options.seed, options.data)
     calibrate(registry, backends, graph, feeds)
+    if options.tvm_trials and "tvm" in backends:
+        tuned = registry.backend("tvm").tune(
+            graph.extract(graph.order), options.tvm_trials, seed=options.seed
+        )
+        log.info(
+            "tvm: %d kernels, %d tuned now with %d trials", len(tuned.kernels), len(tuned.tuned), tuned.trials
+        )
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     support = SupportTable(registry)
