@@ -161,7 +161,7 @@ def test_validate_refuses_placements_that_cannot_run(tmp_path, mmt_path):
     cases = {
         "unknown": (
             [PlacementGroup(id=0, backend="tensorrtx", nodes=nodes, pattern="p")],
-            "group 0: backend 'tensorrtx' is not a registered backend (known: cudnn, onnxruntime, openvino",
+            "group 0: backend 'tensorrtx' is not a registered backend (known: cudnn, onnxruntime, onnxruntime-int8, openvino",
         ),
         "cycle": (
             [
