@@ -131,10 +131,6 @@ def make_session(
 class OnnxRuntimeBackend(Backend):
     """ONNX Runtime's CPU execution provider."""
 
-    def prepared(self, model: onnx.ModelProto) -> onnx.ModelProto:
-        """The model the session runs (a subclass transforms it: ``onnxruntime-int8`` quantizes)."""
-        return model
-
     name = "onnxruntime"
     distribution = "onnxruntime"
     provider = "CPUExecutionProvider"
@@ -186,6 +182,10 @@ class OnnxRuntimeBackend(Backend):
                     # int64 shape/index operands (Reshape's shape, Gather's indices) are typed apart.
                     return False
         return True
+
+    def prepared(self, model: onnx.ModelProto) -> onnx.ModelProto:
+        """The model the session runs (a subclass transforms it: ``onnxruntime-int8`` quantizes)."""
+        return model
 
     def compile(self, model: onnx.ModelProto) -> OrtRunnable:
         return self._compile(model, threads=0, spin=True)
