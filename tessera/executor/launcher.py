@@ -400,24 +400,43 @@ def inject_test_fault(rank: int, step: int) -> None:
 
 class Watchdog:
     """Ends this worker when a step (or the start-up) runs past the timeout: the hang is recorded
-    in the elastic error file (so the launcher names this rank and why) and the process exits."""
+    in the elastic error file (so the launcher names this rank and why) and the process exits.
+
+    One thread for the whole run: :meth:`arm` only moves the deadline (a worker arms it every
+    step, and starting a thread each time cost 0.3 ms a step on a busy 2-core host)."""
 
     def __init__(self, timeout_s: float, rank: int) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
-        self._timer: threading.Timer | None = None
+        self._deadline: float | None = None
+        self._what = ""
+        self._moved = threading.Condition()
+        self._thread: threading.Thread | None = None
 
     def arm(self, what: str) -> None:
         beat()
-        self.disarm()
-        self._timer = threading.Timer(self.timeout_s, self._fire, args=(what,))
-        self._timer.daemon = True
-        self._timer.start()
+        with self._moved:
+            self._deadline, self._what = time.monotonic() + self.timeout_s, what
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._watch, name="tessera-watchdog", daemon=True)
+                self._thread.start()
 
     def disarm(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        with self._moved:
+            self._deadline = None
+            self._moved.notify()
+
+    def _watch(self) -> None:
+        with self._moved:
+            while True:
+                if self._deadline is None:
+                    self._moved.wait()
+                    continue
+                left = self._deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._moved.wait(left)  # woken early only by disarm; a re-arm moves the deadline out
+        self._fire(self._what)
 
     def _fire(self, what: str) -> None:
         from torch.distributed.elastic.multiprocessing.errors import ErrorHandler

@@ -52,14 +52,24 @@ class WorkerSpec:
 
 
 @dataclass(frozen=True)
-class _Posted:
-    """One posted receive of a packed message: the pieces of ``messages`` at ``shapes``, in order."""
+class _Receive:
+    """One packed message a step receives from rank ``src``: the pieces of ``messages`` at
+    ``shapes`` (``sizes`` elements each), in order, of ``dtype``."""
 
-    work: Any
-    flat: Tensor
     src: int
     messages: list[Message]
     shapes: list[tuple[int, ...]]
+    sizes: list[int]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
+class _Posted:
+    """A :class:`_Receive` posted for one step: its request and the buffer it fills."""
+
+    work: Any
+    flat: Tensor
+    receive: _Receive
 
 
 @dataclass
@@ -138,6 +148,7 @@ class StageWorker:
         self.buckets = [_Bucket(params, group) for group, params in [*groups, *self.shared_groups]]
         self._sends: list[tuple[Any, Tensor]] = []
         self._posted: dict[tuple[int, bool], list[_Posted]] = {}  # (micro-batch, backward) → receives
+        self.receives = self._receives()
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -156,15 +167,15 @@ class StageWorker:
         message-id order, tagged with the first's), since every message costs a latency that a
         pipeline pays on its critical path (docs/executor.md, "Fidelity")."""
         for (unit, _), members in _packs(pieces, peer, self.routing).items():
-            payload = torch.cat([t.detach().reshape(-1) for _, t in members])
+            flat = [t.detach().reshape(-1) for _, t in members]
+            payload = flat[0] if len(flat) == 1 and flat[0].is_contiguous() else torch.cat(flat)
             tag = self._tag(members[0][0], backward, step)
             self._sends.append((dist.isend(payload, self.routing.rank_of(unit), tag=tag), payload))
 
-    def _post_receives(self, step: int) -> None:
-        """Post every receive of the step before its first action (``irecv``, one per packed
-        message :meth:`_send` sends), so each message is copied in as it arrives while this rank
-        computes, not when its action asks for it."""
-        self._posted = {}
+    def _receives(self) -> list[tuple[tuple[int, bool], _Receive]]:
+        """Every packed message (one per :meth:`_send`) this rank receives in a step, in the order
+        of its actions: ((micro-batch, backward), what to post). The same every step."""
+        found = []
         for kind, j in self.actions:
             backward = kind == "B"
             unit = Unit(self.stage_id, self.replica, j)
@@ -172,33 +183,47 @@ class StageWorker:
                 msgs, peer = [m for m in self.routing.outgoing.get(unit, []) if m.grad], _target
             else:
                 msgs, peer = self.routing.incoming.get(unit, []), _source
-            posted = self._posted[(j, backward)] = []
             for (other, dtype), members in _packs([(m, None) for m in msgs], peer, self.routing).items():
                 pieces = [m for m, _ in members]
                 shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m in pieces]
-                flat = torch.empty(
-                    (sum(int(np.prod(shape)) for shape in shapes),),
-                    dtype=getattr(torch, np.dtype(dtype).name),
-                    device=self.device,
+                found.append(
+                    (
+                        (j, backward),
+                        _Receive(
+                            self.routing.rank_of(other),
+                            pieces,
+                            shapes,
+                            [int(np.prod(shape)) for shape in shapes],
+                            getattr(torch, np.dtype(dtype).name),
+                        ),
+                    )
                 )
-                src = self.routing.rank_of(other)
-                work = dist.irecv(flat, src, tag=self._tag(pieces[0], backward, step))
-                posted.append(_Posted(work, flat, src, pieces, shapes))
+        return found
+
+    def _post_receives(self, step: int) -> None:
+        """Post every receive of the step before its first action (``irecv``, one per packed
+        message :meth:`_send` sends), so each message is copied in as it arrives while this rank
+        computes, not when its action asks for it."""
+        self._posted = {key: [] for key, _ in self.receives}
+        for key, r in self.receives:
+            flat = torch.empty((sum(r.sizes),), dtype=r.dtype, device=self.device)
+            work = dist.irecv(flat, r.src, tag=self._tag(r.messages[0], key[1], step))
+            self._posted[key].append(_Posted(work, flat, r))
 
     def _wait_received(self, j: int, backward: bool, what: str) -> dict[int, Tensor]:
         """Micro-batch ``j``'s posted receives (its inputs, or with ``backward`` its outputs'
         gradients), waited for and cut where :meth:`_send` joined them: message id → piece (a view)."""
         got: dict[int, Tensor] = {}
-        for p in self._posted.pop((j, backward)):
+        for p in self._posted.pop((j, backward), []):
+            r = p.receive
             try:
                 p.work.wait()
             except Exception as exc:  # say what was awaited from whom: the peer is the likely culprit
-                names = ", ".join(repr(m.tensor) for m in p.messages)
+                names = ", ".join(repr(m.tensor) for m in r.messages)
                 raise RuntimeError(
-                    f"waiting for {what} of {names} from rank {p.src}: {' '.join(str(exc).split())}"
+                    f"waiting for {what} of {names} from rank {r.src}: {' '.join(str(exc).split())}"
                 ) from exc
-            sizes = [int(np.prod(shape)) for shape in p.shapes]
-            for m, piece, shape in zip(p.messages, p.flat.split(sizes), p.shapes, strict=True):
+            for m, piece, shape in zip(r.messages, p.flat.split(r.sizes), r.shapes, strict=True):
                 got[m.id] = piece.view(shape)
         return got
 
@@ -223,7 +248,8 @@ class StageWorker:
                 continue
             pieces = []
             for msg in sorted(by_tensor[t], key=lambda m: m.dst_rows or (0, 0)):
-                buf = got[msg.id].clone()  # a leaf of its own (its gradient goes back)
+                buf = got[msg.id].detach()  # a leaf of its own (its gradient goes back); no copy:
+                # each step receives into buffers of its own
                 if msg.grad:
                     buf.requires_grad_(True)
                 leaves[msg.id] = buf
@@ -351,12 +377,11 @@ class StageWorker:
         if self.opt is not None:
             self.opt.step()
             self.opt.zero_grad(set_to_none=not self.buckets)  # buckets' views stay, zeroed
-        total = torch.tensor([self.loss_sum], dtype=torch.float64, device=self.device)
-        if self.routing.world_size > 1:
-            dist.all_reduce(total)  # also the end-of-iteration synchronization of every rank
+        # No end-of-step barrier: a stage starts its next step as soon as its own is done (its
+        # next inputs wait on their producers anyway); the losses are summed once, after the run.
         return {
             "step": step,
-            "loss": float(total.item()),
+            "loss": self.loss_sum,  # this rank's part (summed over the ranks by :func:`_total_losses`)
             "iteration_s": time.perf_counter() - start,
             "busy_s": self.busy,
             "wait_s": self.wait,
@@ -402,6 +427,16 @@ class _Bucket:
         dist.all_reduce(self.flat, group=self.group)
 
 
+def _total_losses(steps: list[dict[str, Any]], world_size: int, device: torch.device) -> None:
+    """Every step's loss summed over the ranks (each computed its micro-batches' part), in place."""
+    if world_size == 1:
+        return
+    total = torch.tensor([s["loss"] for s in steps], dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    for s, value in zip(steps, total.tolist(), strict=True):
+        s["loss"] = value
+
+
 def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
     """The entry point of every rank (started by :func:`tessera.executor.launcher.launch_workers`):
     join the process group, build the stage replica, train ``spec.options.steps`` steps, and return
@@ -419,6 +454,8 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         for k in range(spec.options.steps):
             watchdog.arm(f"step {k}")
             steps.append(worker.step(k))
+        watchdog.arm("summing the losses")
+        _total_losses(steps, spec.routing.world_size, device)
         watchdog.disarm()
         result: dict[str, Any] = {
             "rank": rank,

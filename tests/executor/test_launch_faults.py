@@ -253,7 +253,9 @@ def test_a_stopped_rank_ends_the_launch_within_the_timeout(tiny_plan: Path) -> N
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 4, err
-    assert took <= timeout * 1.1, f"ended {took:.1f} s after the stop (--timeout {timeout:g})"
+    # The workers are stopped --timeout after the last beat; then the launcher's interpreter ends
+    # (torch's native libraries take ~0.6 s to tear down on this machine).
+    assert took <= timeout + 1.5, f"ended {took:.1f} s after the stop (--timeout {timeout:g})"
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err  # not c10d's socket warnings
     assert re.match(r"tessera: error: rank [01] \(cp [12]/2, .*\) is stopped", lines[0]), err

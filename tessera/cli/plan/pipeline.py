@@ -13,7 +13,6 @@ import click
 from tessera.cli.options import FigureFile, OptionGroup, OutputFile, check_outputs, load_model_option
 from tessera.cli.plan.gantt import write_gantt
 from tessera.cli.render import progress_bar
-from tessera.core.cost import allreduce_time
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
 from tessera.core.graph import Graph
@@ -23,7 +22,6 @@ from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.core.units import format_bytes
 from tessera.planners.pipeline.checks import untrainable_message
-from tessera.planners.pipeline.links import ring_link
 from tessera.planners.pipeline.plan import RewriteChoice, pipeline_options, plan_gpp_best
 from tessera.planners.pipeline.profile import MeasuredCosts, open_cache, profile_graph
 from tessera.planners.pipeline.search import planned_device_type
@@ -282,11 +280,8 @@ def _compared(choice: RewriteChoice) -> str:
 def stage_profiler(
     graph: Graph, cluster: ClusterSpec, store: ProfileCache, devices: int | None
 ) -> StageProfiler:
-    """``--profile``'s second part: the chosen plan's stages measured as the executor runs them,
-    with the end-of-iteration all-reduce of the ranks (the link's ring model) in every step."""
-    used = cluster.devices()[: devices or cluster.num_devices]
-    sync = allreduce_time(8, len(used), ring_link(cluster, used))
-    return StageProfiler(graph, planned_device_type(cluster, devices), store, sync_s=sync)
+    """``--profile``'s second part: the chosen plan's stages measured as the executor runs them."""
+    return StageProfiler(graph, planned_device_type(cluster, devices), store)
 
 
 def profile_costs(

@@ -49,9 +49,7 @@ class StageProfileOptions:
 
 
 class StageProfiler:
-    """``refine(pipe)``: ``pipe`` with every stage's forward, backward and step times measured;
-    ``sync_s``: the end-of-iteration synchronization every rank also waits for (the executor's
-    all-reduce of the loss)."""
+    """``refine(pipe)``: ``pipe`` with every stage's forward, backward and step times measured."""
 
     def __init__(
         self,
@@ -59,14 +57,12 @@ class StageProfiler:
         device_type: DeviceType,
         cache: ProfileCache,
         options: StageProfileOptions | None = None,
-        *,
-        sync_s: float = 0.0,
     ) -> None:
         import torch
 
         from tessera.backends.profile_cache import device_fingerprint
 
-        self.graph, self.cache, self.sync_s = graph, cache, sync_s
+        self.graph, self.cache = graph, cache
         self.options = options or StageProfileOptions()
         self.threads = int(device_type.cores) if device_type.kind == "cpu" and device_type.cores else None
         threads = self.threads or torch.get_num_threads()
@@ -84,7 +80,7 @@ class StageProfiler:
         samples = per_device_samples(st.micro_batch_size, len(st.devices))
         t = self.times(st.nodes, samples)
         backward = t.backward + (t.forward if st.recompute else 0.0)
-        step = t.step + self.sync_s + data
+        step = t.step + data
         return dataclasses.replace(st, forward_time=t.forward, backward_time=backward, step_time=step)
 
     def data_seconds(self, mini_batch: int) -> float:
