@@ -149,6 +149,7 @@ class StageWorker:
         self._sends: list[tuple[Any, Tensor]] = []
         self._posted: dict[tuple[int, bool], list[_Posted]] = {}  # (micro-batch, backward) → receives
         self.receives = self._receives()
+        self.sends = {(j, kind == "B"): self._sends_of(j, kind == "B") for kind, j in self.actions}
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -160,17 +161,29 @@ class StageWorker:
     def _tag(self, msg: Message, backward: bool, step: int) -> int:
         return msg.id * 4 + (step % 2) * 2 + int(backward)
 
-    def _send(
-        self, pieces: list[tuple[Message, Tensor]], peer: Callable[[Message], Unit], backward: bool, step: int
-    ) -> None:
-        """Send ``pieces`` packed: one message per peer unit and dtype (the pieces flattened in
-        message-id order, tagged with the first's), since every message costs a latency that a
-        pipeline pays on its critical path (docs/executor.md, "Fidelity")."""
-        for (unit, _), members in _packs(pieces, peer, self.routing).items():
-            flat = [t.detach().reshape(-1) for _, t in members]
+    def _sends_of(self, j: int, backward: bool) -> list[tuple[int, Message, list[Message]]]:
+        """What micro-batch ``j``'s forward (its outputs) or backward (its inputs' gradients) sends:
+        (peer rank, the message that tags it, the messages packed in it), one per peer unit and
+        dtype, in message-id order: what :meth:`_receives` expects. The same every step."""
+        unit = Unit(self.stage_id, self.replica, j)
+        if backward:
+            msgs, peer = [m for m in self.routing.incoming.get(unit, []) if m.grad], _source
+        else:
+            msgs, peer = self.routing.outgoing.get(unit, []), _target
+        return [
+            (self.routing.rank_of(other), members[0][0], [m for m, _ in members])
+            for (other, _), members in _packs([(m, None) for m in msgs], peer, self.routing).items()
+        ]
+
+    def _send(self, j: int, backward: bool, step: int, piece: Callable[[Message], Tensor]) -> None:
+        """Send micro-batch ``j``'s messages packed (:meth:`_sends_of`; ``piece``: a message's
+        tensor), since every message costs a latency that a pipeline pays on its critical path
+        (docs/executor.md, "Fidelity"). A message of one contiguous piece goes without a copy."""
+        for rank, first, members in self.sends[(j, backward)]:
+            flat = [piece(m).detach().reshape(-1) for m in members]
             payload = flat[0] if len(flat) == 1 and flat[0].is_contiguous() else torch.cat(flat)
-            tag = self._tag(members[0][0], backward, step)
-            self._sends.append((dist.isend(payload, self.routing.rank_of(unit), tag=tag), payload))
+            work = dist.isend(payload, rank, tag=self._tag(first, backward, step))
+            self._sends.append((work, payload))
 
     def _receives(self) -> list[tuple[tuple[int, bool], _Receive]]:
         """Every packed message (one per :meth:`_send`) this rank receives in a step, in the order
@@ -299,11 +312,7 @@ class StageWorker:
         if loss is not None:
             self.loss_sum += float(loss.detach())
         t2 = time.perf_counter()
-        sends = []
-        for msg in self.routing.outgoing.get(unit, []):
-            out = outputs[msg.tensor]
-            sends.append((msg, out if msg.src_rows is None else out[msg.src_rows[0] : msg.src_rows[1]]))
-        self._send(sends, _target, False, step)
+        self._send(j, False, step, lambda m: _rows(outputs[m.tensor], m.src_rows))
         if counting:
             _storages([*leaves.values(), *outputs.values()], held, self._param_storages)
         self.saved[j] = _Saved(leaves, outputs, loss, sum(held.values()))
@@ -320,12 +329,19 @@ class StageWorker:
         grads: dict[str, Tensor] = {}
         back = [m for m in self.routing.outgoing.get(unit, []) if m.grad]
         got = self._wait_received(j, True, f"the gradients of micro-batch {j} (step {step})")
+        copied: set[str] = set()  # gradients accumulated in a buffer of their own
         for msg in back:
             out = saved.outputs[msg.tensor]
             piece = got[msg.id]
-            g = grads.get(msg.tensor)
-            if g is None:
-                g = grads[msg.tensor] = torch.zeros_like(out, requires_grad=False)
+            whole = msg.src_rows is None or msg.src_rows == (0, out.shape[0])
+            if whole and msg.tensor not in grads:
+                grads[msg.tensor] = piece.view_as(out)  # the whole gradient in one message: no copy
+                continue
+            if msg.tensor not in copied:
+                first = grads.get(msg.tensor)
+                grads[msg.tensor] = torch.zeros_like(out) if first is None else first.clone()
+                copied.add(msg.tensor)
+            g = grads[msg.tensor]
             if msg.src_rows is None:
                 g += piece
             else:
@@ -343,12 +359,7 @@ class StageWorker:
         if roots:
             torch.autograd.backward(roots, root_grads)
         t2 = time.perf_counter()
-        sends = []
-        for msg in self.routing.incoming.get(unit, []):
-            if msg.grad:
-                leaf = saved.leaves[msg.id]
-                sends.append((msg, leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)))
-        self._send(sends, _source, True, step)
+        self._send(j, True, step, lambda m: _grad(saved.leaves[m.id]))
         self.busy += t2 - t1
         self.wait += t1 - t0
 
@@ -387,6 +398,14 @@ class StageWorker:
             "wait_s": self.wait,
             "allreduce_s": allreduce,
         }
+
+
+def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
+    return t if rows is None else t[rows[0] : rows[1]]
+
+
+def _grad(leaf: Tensor) -> Tensor:
+    return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
 
 
 def _source(msg: Message) -> Unit:
