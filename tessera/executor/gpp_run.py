@@ -8,6 +8,7 @@ and peak memory, measured against the plan's prediction.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from tessera.backends.torch_module import check_supported
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.plans import GppPlan, Stage
-from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers
+from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, plan_threads
 from tessera.executor.report import RunReport, gathered, over, ratios, slowest, steady_mean
 from tessera.executor.routing import Routing, build_routing, tensor_layouts
 from tessera.executor.stage_worker import WorkerSpec, gpp_worker
@@ -77,7 +78,10 @@ def run_gpp_plan(
     if options.data is not None:
         load_npz(options.data, graph, plan.mini_batch_size)  # refuse bad data before starting workers
     routing = build_routing(plan, graph, tensor_layouts(graph, model_path))
-    backend = choose_backend(plan.cluster, [d for st in plan.stages for d in st.devices])
+    devices = [d for st in plan.stages for d in st.devices]
+    backend = choose_backend(plan.cluster, devices)
+    if launch.threads_per_rank is None:  # as the plan's measurements assumed
+        launch = dataclasses.replace(launch, threads_per_rank=plan_threads(plan.cluster, devices))
     spec = WorkerSpec(
         plan=plan.model_dump(mode="json"),
         model_path=str(Path(model_path).resolve()),
@@ -221,6 +225,7 @@ def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
         "stage": r["stage"],
         "replica": r["replica"],
         "device": r["device"],
+        "threads": r["threads"],
         **{key: steady_mean([s[key] for s in r["steps"]]) for key in ("busy_s", "wait_s", "allreduce_s")},
         "peak_rss_bytes": r["peak_rss_bytes"],
         "peak_activation_bytes": r["peak_activation_bytes"],

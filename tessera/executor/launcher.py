@@ -52,6 +52,7 @@ class LaunchOptions:
     master_addr: str = "127.0.0.1"
     master_port: int | None = None  # None: a free local port (single node only)
     timeout_s: float = 60.0
+    threads_per_rank: int | None = None  # torch threads of every rank (None: the cores over the ranks)
 
 
 def free_port(addr: str = "127.0.0.1") -> int:
@@ -149,7 +150,7 @@ def launch_workers(
         start_method="spawn",
         shutdown_timeout=SHUTDOWN_GRACE_S,
     )
-    threads = str(max(1, (os.cpu_count() or 1) // nproc))
+    threads = str(options.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
     with (
         tempfile.TemporaryDirectory(prefix="tessera-progress-") as heartbeats,
         _env(HEARTBEAT_ENV, heartbeats),
@@ -340,6 +341,21 @@ def choose_backend(cluster: dict[str, Any] | None, device_ids: Iterable[str]) ->
         by_id = {d["id"]: d.get("type") for d in cluster.get("devices", [])}
         kinds = {types.get(by_id.get(dev), {}).get("kind") for dev in device_ids}
     return "nccl" if kinds == {"gpu"} and torch.cuda.is_available() else "gloo"
+
+
+def plan_threads(cluster: dict[str, Any] | None, device_ids: Iterable[str]) -> int | None:
+    """The torch threads a rank of a CPU plan runs with: the cores of its devices' type, as the
+    planner's measurements assumed (``tessera calibrate`` writes one core per rank); None where
+    the plan's cluster does not say or its devices differ."""
+    if not cluster:
+        return None
+    types = cluster.get("device_types", {})
+    by_id = {d["id"]: d.get("type") for d in cluster.get("devices", [])}
+    found = {(t.get("kind"), t.get("cores")) for t in (types.get(by_id.get(dev), {}) for dev in device_ids)}
+    if len(found) != 1:
+        return None
+    kind, cores = found.pop()
+    return int(cores) if kind == "cpu" and cores else None
 
 
 def worker_setup(world_size: int, backend: str) -> tuple[int, Any]:

@@ -149,6 +149,7 @@ class StageWorker:
         self._sends: list[tuple[Any, Tensor]] = []
         self._posted: dict[tuple[int, bool], list[_Posted]] = {}  # (micro-batch, backward) → receives
         self.receives = self._receives()
+        self._next_posted: dict[tuple[int, bool], list[_Posted]] | None = None
         self.sends = {(j, kind == "B"): self._sends_of(j, kind == "B") for kind, j in self.actions}
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
@@ -213,15 +214,17 @@ class StageWorker:
                 )
         return found
 
-    def _post_receives(self, step: int) -> None:
-        """Post every receive of the step before its first action (``irecv``, one per packed
-        message :meth:`_send` sends), so each message is copied in as it arrives while this rank
-        computes, not when its action asks for it."""
-        self._posted = {key: [] for key, _ in self.receives}
+    def _post_receives(self, step: int) -> dict[tuple[int, bool], list[_Posted]]:
+        """Post every receive of ``step`` (``irecv``, one per packed message :meth:`_send` sends)
+        before its first action, so each message is copied in as it arrives while this rank
+        computes, not when its action asks for it: gloo writes a message once its receive is
+        posted, and a sender that must wait for that wakes for it between its own computations."""
+        posted: dict[tuple[int, bool], list[_Posted]] = {key: [] for key, _ in self.receives}
         for key, r in self.receives:
             flat = torch.empty((sum(r.sizes),), dtype=r.dtype, device=self.device)
             work = dist.irecv(flat, r.src, tag=self._tag(r.messages[0], key[1], step))
-            self._posted[key].append(_Posted(work, flat, r))
+            posted[key].append(_Posted(work, flat, r))
+        return posted
 
     def _wait_received(self, j: int, backward: bool, what: str) -> dict[int, Tensor]:
         """Micro-batch ``j``'s posted receives (its inputs, or with ``backward`` its outputs'
@@ -365,19 +368,24 @@ class StageWorker:
 
     # -- one training step --
 
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int, *, more: bool = False) -> dict[str, float]:
+        """Train on mini-batch ``step``; ``more``: another step follows (its receives are posted
+        as soon as this step's last action is done, before the next step's first message leaves)."""
         inject_test_fault(self.rank, step)
         start = time.perf_counter()
         self.busy = self.wait = self.loss_sum = 0.0
         self.saved: dict[int, _Saved] = {}
         inputs, targets = self.data.batch(step)
-        self._post_receives(step)
+        self._posted = self._next_posted if self._next_posted is not None else self._post_receives(step)
+        self._next_posted = None
         for kind, j in self.actions:
             beat()
             if kind == "F":
                 self.forward(j, step, inputs, targets)
             else:
                 self.backward(j, step)
+        if more:
+            self._next_posted = self._post_receives(step + 1)
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
@@ -472,7 +480,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         steps = []
         for k in range(spec.options.steps):
             watchdog.arm(f"step {k}")
-            steps.append(worker.step(k))
+            steps.append(worker.step(k, more=k + 1 < spec.options.steps))
         watchdog.arm("summing the losses")
         _total_losses(steps, spec.routing.world_size, device)
         watchdog.disarm()
@@ -481,6 +489,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             "stage": stage,
             "replica": replica,
             "device": spec.routing.devices[rank],
+            "threads": torch.get_num_threads(),
             "steps": steps,
             "peak_rss_bytes": memory_status("VmHWM"),
             "weight_bytes": worker.weight_bytes,

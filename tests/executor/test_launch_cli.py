@@ -88,6 +88,22 @@ def _check_fidelity(report: dict) -> None:
 
 
 @pytest.mark.slow
+def test_every_rank_runs_with_the_threads_its_plan_measured(tmp_path: Path, chain_plan) -> None:
+    """A CPU device type's ``cores`` are the torch threads its rank uses (the stage profiler
+    measured with them), not this machine's cores shared out over the ranks."""
+    graph, plan_path = chain_plan
+    data = json.loads(plan_path.read_text())
+    (kind,) = data["cluster"]["device_types"]
+    data["cluster"]["device_types"][kind]["cores"] = 3  # not cpu_count // 2 on this 2-core machine
+    edited = tmp_path / "cores3.json"
+    edited.write_text(json.dumps(data))
+    res = run_cli("launch", str(edited), "--steps", "1", "--json")
+    assert res.code == 0, res.err
+    assert [r["threads"] for r in json.loads(res.out)["ranks"]] == [3, 3]
+    ref = train_reference(graph, 1, 4, seed=0, lr=0.01)  # and it trains as before
+    np.testing.assert_allclose(json.loads(res.out)["steps"][0]["loss"], ref.losses[0], rtol=1e-5)
+
+
 def test_a_worker_that_dies_mid_run_stops_the_launch_with_exit_4(chain_plan, monkeypatch) -> None:
     _, plan_path = chain_plan
     monkeypatch.setenv(FAULT_ENV, "1:2:exit")  # test-only: rank 1 calls os._exit(3) at step 2
