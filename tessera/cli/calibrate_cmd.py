@@ -120,12 +120,12 @@ def summary(report: dict[str, Any]) -> str:
         (
             "p2p one way",
             f"{seconds_text(p2p['latency_s'])} + bytes / {bandwidth_text(p2p['bandwidth_bytes_per_s'])}",
-            f"links.intra_node.bandwidth {bandwidth_text(link['bandwidth'])}",
+            f"links.intra_node.latency {seconds_text(link['latency'])}, bandwidth {bandwidth_text(link['bandwidth'])}",
         ),
         (
             "p2p, computing",
-            f"{seconds_text(p2p['loaded_latency_s'])} a message while both ranks compute",
-            f"links.intra_node.latency {seconds_text(link['latency'])}",
+            f"send {seconds_text(p2p['send_s'])}, receive {seconds_text(p2p['receive_s'])} a message",
+            f"links.intra_node.overhead {seconds_text(link.get('overhead', 0.0))}",
         ),
         (
             "all-reduce ring",

@@ -189,10 +189,13 @@ class NodeGroup(_SpecModel):
 class Link(_SpecModel):
     """A link between two devices: bandwidth per direction (bytes/s) and latency (s); optionally
     the alpha-beta of one step of the collective library's ring all-reduce over it, where that is
-    not the point-to-point one (gloo's all-reduce on a CPU host: ``tessera calibrate`` fits both)."""
+    not the point-to-point one (gloo's all-reduce on a CPU host: ``tessera calibrate`` fits both),
+    and ``overhead``, the seconds of its own time each end spends on a message (LogP's *o*: the
+    sender after the computation that sends it, the receiver before the one that takes it)."""
 
     bandwidth: Bandwidth
     latency: Seconds = 0.0
+    overhead: Seconds = 0.0
     allreduce_bandwidth: Bandwidth | None = None
     allreduce_latency: Seconds | None = None
 
@@ -376,6 +379,7 @@ class ClusterSpec(_SpecModel):
             return {
                 "bandwidth": value.bandwidth,
                 "latency": value.latency,
+                **({"overhead": value.overhead} if value.overhead else {}),
                 **{k: v for k, v in ring.items() if v is not None},
             }
 

@@ -253,10 +253,13 @@ def measure_p2p(rank: int, world_size: int, budget_s: float) -> dict[str, Any] |
 
 
 def measure_p2p_loaded(rank: int, world_size: int, budget_s: float) -> dict[str, Any] | None:
-    """A pipeline's messages, between ranks 2k and 2k+1: the even rank computes
-    :data:`LOADED_COMPUTE_S`, then sends (``isend``) a small message and goes on computing; the odd
-    rank receives it, then computes as long. The odd rank reports the time per message beyond its
-    compute: the one-way cost of a message while both ranks (and gloo's I/O threads) want the cores."""
+    """A pipeline's messages, between ranks 2k and 2k+1, as the stage workers pass them: the odd
+    rank posts every receive first (``irecv``); the even rank computes :data:`LOADED_COMPUTE_S`,
+    then sends (``isend``) a :data:`LOADED_BYTES` message and goes on computing; the odd rank
+    waits for each message, then computes a little longer (so the message is there when it
+    looks). Each side times its own part of a message with the buffer handling the workers do:
+    the sender's ``isend``, the receiver's buffer, ``irecv`` and wait for an arrived message (the
+    link's overhead)."""
     import torch
     import torch.distributed as dist
 
@@ -266,30 +269,40 @@ def measure_p2p_loaded(rank: int, world_size: int, budget_s: float) -> dict[str,
     sender = rank < peer
     a = torch.randn(128, 128)
 
-    def compute() -> None:
+    def compute(seconds: float) -> None:
         start = time.perf_counter()
-        while time.perf_counter() - start < LOADED_COMPUTE_S:
+        while time.perf_counter() - start < seconds:
             a @ a
 
     messages = _agree_repeats(rank, 2 * LOADED_COMPUTE_S, budget_s, min(rank, peer), peer)
-    sends = []
-    start = time.perf_counter()
-    for k in range(messages + 1):
-        buf = torch.zeros(LOADED_BYTES // 4)
-        if sender:
-            compute()
-            sends.append(dist.isend(buf, peer, tag=k))
-        else:
-            dist.recv(buf, peer, tag=k)
-            if k == 0:  # the first message waits for the sender's first compute
-                start = time.perf_counter()
-            compute()
-    for work in sends:
-        work.wait()
+    out = torch.randn(LOADED_BYTES // 4)
+    spent: list[float] = []
     if sender:
-        return None
-    beyond = (time.perf_counter() - start) / messages - LOADED_COMPUTE_S
-    return {"bytes": LOADED_BYTES, "one_way_s": max(beyond, 0.0), "messages": messages, "pair": [peer, rank]}
+        sends = []
+        for k in range(messages + 1):
+            compute(LOADED_COMPUTE_S)
+            t0 = time.perf_counter()
+            payload = out.detach().reshape(-1)
+            sends.append((dist.isend(payload, peer, tag=k), payload))
+            spent.append(time.perf_counter() - t0)
+        for work, _ in sends:
+            work.wait()
+        return {"bytes": LOADED_BYTES, "send_s": statistics.median(spent), "pair": [rank, peer]}
+    t0 = time.perf_counter()
+    posted = []
+    for k in range(messages + 1):
+        flat = torch.empty(LOADED_BYTES // 4)
+        posted.append((dist.irecv(flat, peer, tag=k), flat))
+    post = (time.perf_counter() - t0) / (messages + 1)
+    waited = []
+    for work, flat in posted:
+        t0 = time.perf_counter()
+        work.wait()
+        flat.split([flat.numel()])[0].view(-1).detach()
+        waited.append(time.perf_counter() - t0)
+        compute(LOADED_COMPUTE_S * 1.25)
+    # The first wait is for the sender's first compute; later messages have arrived.
+    return {"bytes": LOADED_BYTES, "receive_s": post + statistics.median(waited[1:]), "pair": [peer, rank]}
 
 
 def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:

@@ -47,6 +47,10 @@ class SimEdge:
     src_nics: tuple[str, ...] = ()
     dst_nics: tuple[str, ...] = ()
     share: float = 1.0
+    # Seconds each end's device spends per message (the link's LogP overhead): the sender's after
+    # the action that sends it (the transfer starts then), the receiver's before the action that
+    # takes it.
+    overhead: float = 0.0
 
     def transfer_time(self, samples: int) -> float:
         if self.bytes_per_sample <= 0:
@@ -159,6 +163,17 @@ def simulate(  # noqa: C901
         heapq.heappush(heap, (ready, order, sid, ()))
         order += 1
 
+    def receive_overhead(sid: int, kind: str, k: int) -> float:
+        """The seconds stage ``sid`` spends taking in its action's messages (one per sending
+        micro-batch of each edge it receives over)."""
+        b = by_id[sid].micro_batch_size
+        total = 0.0
+        for e in preds[sid] if kind == "F" else succs[sid]:
+            if e.overhead:
+                b_peer = by_id[e.src if kind == "F" else e.dst].micro_batch_size
+                total += e.overhead * (1 if b_peer == b else len(covering(k, b, b_peer)))
+        return total
+
     def send(e: SimEdge, direction: str, sender: int, k: int, at: float, samples: int) -> None:
         """Start moving micro-batch ``k``'s activations (``F``) or gradients (``B``) over ``e``."""
         nonlocal order
@@ -207,10 +222,10 @@ def simulate(  # noqa: C901
         s = by_id[sid]
         kind, k = parsed[sid][pointer[sid]]
         duration = s.forward_time if kind == "F" else s.backward_time
+        start += receive_overhead(sid, kind, k)
         end = start + duration
         if trace:
             events.append(Event(kind, sid, k, start, end))
-        device_free[sid] = end
         busy[sid] += duration
         pointer[sid] += 1
         queued[sid] = False
@@ -219,11 +234,14 @@ def simulate(  # noqa: C901
             live[sid] += 1
             peak_live[sid] = max(peak_live[sid], live[sid])
             for e in succs[sid]:
+                end += e.overhead
                 send(e, "F", sid, k, end, s.micro_batch_size)
         else:
             live[sid] -= 1
             for e in preds[sid]:
+                end += e.overhead
                 send(e, "B", sid, k, end, s.micro_batch_size)
+        device_free[sid] = end
         if pointer[sid] == len(parsed[sid]) and s.allreduce_time > 0:
             heapq.heappush(heap, (end, order, _ALLREDUCE, (sid,)))
             order += 1
@@ -287,10 +305,10 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
         i, j = at[e.src], at[e.dst]
         fwd: list[float | None] = [None] * (mini_batch // size[i])
         bwd: list[float | None] = [None] * (mini_batch // size[j])
-        inputs[j][0].append((fwd, size[i]))
-        inputs[i][1].append((bwd, size[j]))
-        outputs[i][0].append((fwd, [0.0], e.transfer_time(size[i]), j))
-        outputs[j][1].append((bwd, [0.0], e.transfer_time(size[j]), i))
+        inputs[j][0].append((fwd, size[i], e.overhead))
+        inputs[i][1].append((bwd, size[j], e.overhead))
+        outputs[i][0].append((fwd, [0.0], e.transfer_time(size[i]), j, e.overhead))
+        outputs[j][1].append((bwd, [0.0], e.transfer_time(size[j]), i, e.overhead))
     pointer = [0] * n
     device_free = [0.0] * n
     busy = [0.0] * n
@@ -310,7 +328,8 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
             direction = 0 if kind == "F" else 1
             start = ready
             waiting = False
-            for got, b_peer in inputs[i][direction]:
+            taking = 0.0  # the receiver's overhead of the action's messages
+            for got, b_peer, overhead in inputs[i][direction]:
                 if b_peer == b:
                     t = got[k]
                     if t is None:
@@ -318,8 +337,10 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
                         break
                     if t > start:
                         start = t
+                    taking += overhead
                     continue
-                for q in range(k * b // b_peer, ((k + 1) * b - 1) // b_peer + 1):
+                pieces = range(k * b // b_peer, ((k + 1) * b - 1) // b_peer + 1)
+                for q in pieces:
                     t = got[q]
                     if t is None:
                         waiting = True
@@ -328,10 +349,11 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
                         start = t
                 if waiting:
                     break
+                taking += overhead * len(pieces)
             if waiting:
                 break
             duration = s.backward_time if direction else s.forward_time
-            ready = start + duration
+            ready = start + taking + duration
             busy[i] += duration
             p += 1
             if direction:
@@ -340,7 +362,8 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
                 live[i] += 1
                 if live[i] > peak[i]:
                     peak[i] = live[i]
-            for got, link, took, receiver in outputs[i][direction]:
+            for got, link, took, receiver, overhead in outputs[i][direction]:
+                ready += overhead
                 arrival = ready
                 if took > 0:
                     arrival = max(ready, link[0]) + took
@@ -413,4 +436,5 @@ def sim_edge(e: PipelineEdge) -> SimEdge:
         e.src_nics,
         e.dst_nics,
         e.nic_share,
+        e.link.overhead if e.link else 0.0,
     )

@@ -55,6 +55,24 @@ def test_invariants_with_communication_and_branches() -> None:
     assert 0.0 <= res.bubble_fraction < 1.0
 
 
+@pytest.mark.parametrize("trace", [True, False])
+def test_each_end_spends_the_link_overhead_on_every_message(trace: bool) -> None:
+    """LogP's o: a message costs its sender o after the action that sends it (the transfer starts
+    then) and its receiver o before the action that takes it, on their own devices. Two stages,
+    one micro-batch: F0, o, transfer, o, F1, B1, o, transfer, o, B0."""
+    f, b, latency, o = 1.0, 2.0, 0.5, 0.125
+    stages = [SimStage(0, 1, f, b, ("F0", "B0")), SimStage(1, 1, f, b, ("F0", "B0"))]
+    edges = [SimEdge(0, 1, 1.0, float("inf"), latency, overhead=o)]
+    res = simulate(stages, edges, 1, trace=trace)
+    assert res.iteration_time == pytest.approx(2 * (f + b) + 2 * latency + 4 * o)
+    assert res.busy == {0: f + b, 1: f + b}  # the overhead is not compute
+    # Four micro-batches of 1F1B: the first stage pays o per send and per receive on its own time.
+    stages = [SimStage(i, 1, f, b, tuple(one_f_one_b(4, 2 - i))) for i in range(2)]
+    busy_with_o = simulate(stages, edges, 4, trace=trace)
+    bare = simulate(stages, [dataclasses.replace(edges[0], overhead=0.0)], 4, trace=trace)
+    assert busy_with_o.iteration_time >= bare.iteration_time + 8 * o - 1e-9  # 4 sends + 4 receives
+
+
 def test_deadlock_is_reported() -> None:
     stages = [
         SimStage(0, 1, 1.0, 1.0, ("F0", "B0", "F1", "B1")),
@@ -101,7 +119,14 @@ def _random_pipelines(draw):
             )
         )
     edges = [
-        SimEdge(i, j, draw(st.sampled_from([0.0, 0.5, 2.0])), draw(st.sampled_from([1.0, 4.0])), draw(time))
+        SimEdge(
+            i,
+            j,
+            draw(st.sampled_from([0.0, 0.5, 2.0])),
+            draw(st.sampled_from([1.0, 4.0])),
+            draw(time),
+            overhead=draw(st.sampled_from([0.0, 0.0, 0.25])),
+        )
         for i in range(n)
         for j in range(i + 1, n)
         for _ in range(draw(st.sampled_from([0, 0, 1, 2])))  # a pair listed twice: the event path
