@@ -41,7 +41,7 @@ from tessera.planners.pipeline.search import planned_device_type  # noqa: E402
 from tessera.planners.pipeline.types import PartitionOptions  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "fidelity.md"
-STEPS = 10
+STEPS = 20
 MODELS = [  # (label, source, mini-batch)
     ("mmt (zoo)", "zoo:mmt", 16),
     ("gpt (zoo)", "zoo:gpt", 16),

@@ -124,7 +124,12 @@ def summary(report: dict[str, Any]) -> str:
         ),
         (
             "p2p, computing",
-            f"send {seconds_text(p2p['send_s'])}, receive {seconds_text(p2p['receive_s'])} a message",
+            f"gloo send {seconds_text(p2p['send_s'])}, recv {seconds_text(p2p['receive_s'])}",
+            "",
+        ),
+        (
+            "stage workers",
+            f"{seconds_text(report['measured']['pipeline']['overhead_s'])} a message (2-stage pipeline)",
             f"links.intra_node.overhead {seconds_text(link.get('overhead', 0.0))}",
         ),
         (

@@ -226,7 +226,11 @@ def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
         "replica": r["replica"],
         "device": r["device"],
         "threads": r["threads"],
-        **{key: steady_mean([s[key] for s in r["steps"]]) for key in ("busy_s", "wait_s", "allreduce_s")},
+        **{
+            key: steady_mean([s[key] for s in r["steps"]])
+            for key in ("busy_s", "wait_s", "allreduce_s", "overhead_s")
+        },
+        "messages": r["steps"][0]["messages"],  # sent and received per step
         "peak_rss_bytes": r["peak_rss_bytes"],
         "peak_activation_bytes": r["peak_activation_bytes"],
     }

@@ -376,16 +376,25 @@ class StageWorker:
         self.busy = self.wait = self.loss_sum = 0.0
         self.saved: dict[int, _Saved] = {}
         inputs, targets = self.data.batch(step)
+        t0 = time.perf_counter()
         self._posted = self._next_posted if self._next_posted is not None else self._post_receives(step)
         self._next_posted = None
+        # The time the actions spend on neither compute nor waiting (the messages' handling, the
+        # bookkeeping around them) and posting receives: the executor's overhead, which
+        # `tessera calibrate` measures per message from these numbers.
+        overhead = time.perf_counter() - t0
         for kind, j in self.actions:
             beat()
+            t0, busy, wait = time.perf_counter(), self.busy, self.wait
             if kind == "F":
                 self.forward(j, step, inputs, targets)
             else:
                 self.backward(j, step)
+            overhead += time.perf_counter() - t0 - (self.busy - busy) - (self.wait - wait)
         if more:
+            t0 = time.perf_counter()
             self._next_posted = self._post_receives(step + 1)
+            overhead += time.perf_counter() - t0
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
@@ -404,6 +413,8 @@ class StageWorker:
             "iteration_s": time.perf_counter() - start,
             "busy_s": self.busy,
             "wait_s": self.wait,
+            "overhead_s": overhead,
+            "messages": len(self.receives) + sum(len(v) for v in self.sends.values()),
             "allreduce_s": allreduce,
         }
 

@@ -13,12 +13,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-import numpy as np
-
 from tessera.core.cost import per_device_samples
+from tessera.core.data import TrainingData
 from tessera.core.graph import Graph
 from tessera.core.specs import DeviceType
-from tessera.planners.pipeline.profile import digest, torch_dtype_of
+from tessera.planners.pipeline.profile import digest
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
 if TYPE_CHECKING:
@@ -29,6 +28,7 @@ if TYPE_CHECKING:
 
 STAGE_BACKENDS = ("torch-train.stage.forward", "torch-train.stage.backward", "torch-train.stage.step")
 DATA_BACKEND = "torch-train.data"
+RECIPE = "inputs: the training data"  # in the cache key: rows measured another way are not reused
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ class StageProfiler:
         return dataclasses.replace(st, forward_time=t.forward, backward_time=backward, step_time=step)
 
     def data_seconds(self, mini_batch: int) -> float:
-        """Drawing a mini-batch of synthetic inputs as every rank does each step (numpy, seeded per
-        step: ``executor.training.TrainingData``), cached like the stages."""
+        """Drawing a mini-batch of synthetic inputs as every rank does each step
+        (:class:`~tessera.core.data.TrainingData`), cached like the stages."""
         from tessera.backends.profile_cache import Profile
 
         key = digest([self._model_key(), "data", mini_batch])
@@ -93,15 +93,10 @@ class StageProfiler:
         if got is not None and got.ok:
             return got.median_s
         runs = []
+        data = TrainingData(self.graph, mini_batch)
         for step in range(self.options.warmup + self.options.min_repeats):
             start = time.perf_counter()
-            rng = np.random.default_rng([0, step])
-            for info in self.graph.inputs.values():
-                shape = (mini_batch, *(info.shape or (1,))[1:])
-                if np.issubdtype(np.dtype(info.dtype), np.floating):
-                    rng.standard_normal(shape).astype(info.dtype)
-                else:
-                    rng.integers(0, 2, shape).astype(info.dtype)
+            data.batch(step)
             runs.append(time.perf_counter() - start)
         seconds = statistics.median(runs[self.options.warmup :])
         self.cache.put(Profile(DATA_BACKEND, self.version, self.fingerprint, key, seconds, 0.0, len(runs)))
@@ -111,7 +106,7 @@ class StageProfiler:
         """The stage of ``nodes`` at ``samples`` samples per micro-batch: cached, else measured."""
         from tessera.backends.profile_cache import Profile
 
-        key = digest([self._model_key(), sorted(nodes), samples])
+        key = digest([self._model_key(), sorted(nodes), samples, RECIPE])
         cached = [self.cache.get(b, self.version, self.fingerprint, key) for b in STAGE_BACKENDS]
         if all(c is not None and c.ok for c in cached):
             return StageTimes(*(c.median_s for c in cached))  # type: ignore[union-attr]
@@ -157,23 +152,17 @@ class StageProfiler:
         return runs[0][o.warmup :], runs[1][o.warmup :], runs[2][o.warmup :]
 
     def _inputs(self, names: tuple[str, ...], samples: int) -> list[torch.Tensor]:
-        """The stage's inputs at ``samples`` samples, computed by the whole model from random
-        inputs (so shapes, indices and masks are the ones the stage gets in training)."""
+        """The stage's inputs at ``samples`` samples, computed by the whole model from the first
+        mini-batch the workers train on (:class:`~tessera.core.data.TrainingData`: token ids
+        spread over the embedding's rows, as in training, not all one row)."""
         import torch
 
         from tessera.backends.torch_module import to_torch
 
         if self._model is None:
             self._model = to_torch(self.graph.model, label=self.graph.source)
-        generator = torch.Generator().manual_seed(0)
-        feeds = {}
-        for name in self._model.input_names:
-            info = self.graph.tensors[name]
-            shape = [samples, *(info.shape or (1,))[1:]]
-            if np.issubdtype(np.dtype(info.dtype), np.floating):
-                feeds[name] = torch.randn(shape, generator=generator).to(torch_dtype_of(info.dtype))
-            else:  # zeros are valid indices and masks
-                feeds[name] = torch.zeros(shape, dtype=torch_dtype_of(info.dtype))
+        drawn, _ = TrainingData(self.graph, samples).batch(0)
+        feeds = {name: torch.from_numpy(drawn[name]) for name in self._model.input_names}
         with torch.no_grad():
             values = self._model.run(feeds, tensors=names)
         # As in a worker: the model's own inputs (data) need no gradient, received activations do.
