@@ -133,6 +133,11 @@ def summary(report: dict[str, Any]) -> str:
             f"links.intra_node.overhead {seconds_text(link.get('overhead', 0.0))}",
         ),
         (
+            "",
+            f"{seconds_text(report['measured']['pipeline']['action_overhead_s'])} a forward or backward",
+            f"action_overhead {seconds_text(device.get('action_overhead', 0.0))}",
+        ),
+        (
             "all-reduce ring",
             f"{seconds_text(reduce['latency_s'])} + bytes / {bandwidth_text(reduce['bandwidth_bytes_per_s'])} a step",
             "links.intra_node.allreduce_*",

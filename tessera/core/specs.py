@@ -147,6 +147,9 @@ class DeviceType(_SpecModel):
     )
     cores: Count | None = None
     """CPU devices only: the cores the device's FLOP rate counts (the threads a worker should use)."""
+    action_overhead: Seconds = 0.0
+    """The training executor's own time per forward or backward of a stage, beyond the stage's
+    compute and its messages (its bookkeeping; ``tessera calibrate`` measures it)."""
 
     @field_validator("flops", mode="before")
     @classmethod
@@ -394,6 +397,7 @@ class ClusterSpec(_SpecModel):
                     "memory_bandwidth": dtype.memory_bandwidth,
                     "kernel_launch_overhead": dtype.kernel_launch_overhead,
                     "cores": dtype.cores,
+                    **({"action_overhead": dtype.action_overhead} if dtype.action_overhead else {}),
                 }
                 for name, dtype in sorted(self.device_types.items())
             },

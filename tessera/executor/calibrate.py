@@ -426,10 +426,12 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
         return ["    the overhead written is gloo's: their mean, charged on both ends"]
     ranks = ", ".join(seconds_text(x) for x in pipeline["overhead_per_rank_s"])
     return [
-        "    the overhead written is the stage workers' own (tessera launch's executor): 2 ranks train",
-        f"    an {pipeline['model']}, mini-batch {pipeline['mini_batch']} in micro-batches of "
-        f"{pipeline['micro_batch']}, {pipeline['steps']} steps;",
-        "    their time per step on neither compute nor waiting over the messages they send and",
+        "    the overhead written is the stage workers' own (tessera launch's executor) on an",
+        f"    {pipeline['model']}, mini-batch {pipeline['mini_batch']} in micro-batches of "
+        f"{pipeline['micro_batch']}, {pipeline['steps']} steps: one rank as one stage",
+        f"    spends {seconds_text(pipeline['action_overhead_s'])} an action on neither compute nor the "
+        "optimizer step (the device's action_overhead);",
+        "    two ranks as two stages spend beyond that, per step, over the messages they send and",
         f"    receive ({'/'.join(map(str, pipeline['messages_per_step']))} a step): {ranks} per message "
         f"(ranks), median {seconds_text(pipeline['overhead_s'])}",
     ]
@@ -451,6 +453,11 @@ def _spec_yaml(cal: Calibration) -> str:
         f"    flops: {{fp32: {flops_text(m['matmul']['flops_per_s'])}}}",
         f"    memory_bandwidth: {bandwidth_text(m['bandwidth']['copy_bytes_per_s'])}",
         f"    kernel_launch_overhead: {seconds_text(m['per_op']['kernel_launch_overhead_s'])}",
+        *(
+            [f"    action_overhead: {seconds_text(m['pipeline']['action_overhead_s'])}"]
+            if m.get("pipeline")
+            else []
+        ),
         "nodes:",
         f"  - {{name: local, count: 1, devices: [{{type: {DEVICE_TYPE}, count: {cal.ranks}}}]}}",
         "links:",

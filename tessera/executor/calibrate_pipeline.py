@@ -50,9 +50,32 @@ def mlp(width: int = WIDTH, layers: int = LAYERS) -> Any:
 
 
 def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[str, Any]:
-    """Plan the MLP as a two-stage sequential pipeline on the first two devices of ``cluster``,
-    launch it, and return the workers' overhead per message (the median over ranks of their
-    steady per-step overhead over their messages per step) with what it was measured on."""
+    """Launch the MLP on one rank as one stage, then on two as a two-stage sequential pipeline
+    (the first devices of ``cluster``), and return the workers' own time per action (the one-rank
+    run's time on neither compute nor the optimizer step, over its actions) and per message (the
+    two-rank run's overhead beyond its actions' share, over its messages; the median over the
+    ranks), with what was run."""
+    (alone,) = _overhead_run(cluster, 1, timeout_s)
+    # With no peer, a rank never waits: its "wait" is the inputs' handling, part of every action.
+    per_action = (alone["wait_s"] + alone["overhead_s"]) / alone["actions"]
+    in_overhead = alone["overhead_s"] / alone["actions"]  # the part the two-stage runs count as overhead
+    piped = _overhead_run(cluster, 2, timeout_s)
+    per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["messages"] for r in piped]
+    return {
+        "model": f"MLP {LAYERS} x MatMul {WIDTH}x{WIDTH} + Relu",
+        "mini_batch": MINI_BATCH,
+        "micro_batch": MICRO_BATCH,
+        "steps": STEPS,
+        "actions_per_step": alone["actions"],
+        "action_overhead_s": per_action,
+        "messages_per_step": [r["messages"] for r in piped],
+        "overhead_per_rank_s": per_message,
+        "overhead_s": statistics.median(per_message),
+    }
+
+
+def _overhead_run(cluster: ClusterSpec, devices: int, timeout_s: float) -> list[dict[str, Any]]:
+    """The ranks' rows of a launch of the MLP on ``devices`` devices (two: as two stages)."""
     from tessera.core.errors import LaunchError
     from tessera.core.graph import load_graph
     from tessera.executor.gpp_run import run_gpp_plan
@@ -66,25 +89,17 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         path.write_bytes(mlp().SerializeToString())
         graph = load_graph(str(path))
         options = PartitionOptions(
-            mini_batch=MINI_BATCH, num_devices=2, micro_batch_sizes=(MICRO_BATCH,), precision="fp32"
+            mini_batch=MINI_BATCH, num_devices=devices, micro_batch_sizes=(MICRO_BATCH,), precision="fp32"
         )
-        whole, _, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
-        # Two stages: a device too small for the whole model (and so for data parallelism).
-        limited = dataclasses.replace(options, memory_limit=0.7 * whole.stages[0].memory.peak)
-        plan, _, _ = plan_gpp(graph, cluster, limited, kind="spp", baseline=False)
-        if len(plan.stages) != 2:
-            raise LaunchError(f"calibrate: the pipeline phase planned {len(plan.stages)} stage(s), not 2")
+        plan, _, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
+        if devices > 1:  # two stages: a device too small for the whole model (and so for data parallelism)
+            limited = dataclasses.replace(options, memory_limit=0.7 * plan.stages[0].memory.peak)
+            plan, _, _ = plan_gpp(graph, cluster, limited, kind="spp", baseline=False)
+        if len(plan.stages) != devices:
+            raise LaunchError(
+                f"calibrate: planned {len(plan.stages)} stage(s) of the MLP on {devices} device(s)"
+            )
         run = run_gpp_plan(
             plan, graph, str(path), TrainOptions(steps=STEPS), LaunchOptions(timeout_s=timeout_s)
         )
-    ranks = run.to_json()["ranks"]
-    per_message = [r["overhead_s"] / r["messages"] for r in ranks if r["messages"]]
-    return {
-        "model": f"MLP {LAYERS} x MatMul {WIDTH}x{WIDTH} + Relu, 2 stages (1F1B)",
-        "mini_batch": MINI_BATCH,
-        "micro_batch": MICRO_BATCH,
-        "steps": STEPS,
-        "messages_per_step": [r["messages"] for r in ranks],
-        "overhead_per_rank_s": per_message,
-        "overhead_s": statistics.median(per_message),
-    }
+    return run.to_json()["ranks"]

@@ -231,6 +231,7 @@ def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
             for key in ("busy_s", "wait_s", "allreduce_s", "overhead_s")
         },
         "messages": r["steps"][0]["messages"],  # sent and received per step
+        "actions": r["steps"][0]["actions"],  # forwards and backwards per step
         "peak_rss_bytes": r["peak_rss_bytes"],
         "peak_activation_bytes": r["peak_activation_bytes"],
     }

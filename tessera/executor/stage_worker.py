@@ -415,6 +415,7 @@ class StageWorker:
             "wait_s": self.wait,
             "overhead_s": overhead,
             "messages": len(self.receives) + sum(len(v) for v in self.sends.values()),
+            "actions": len(self.actions),
             "allreduce_s": allreduce,
         }
 

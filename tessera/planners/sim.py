@@ -31,6 +31,7 @@ class SimStage:
     static_memory: float = 0.0  # weights + optimizer per device
     activation_bytes: float = 0.0  # per in-flight micro-batch per device
     allreduce_nics: tuple[str, ...] = ()  # the network interfaces the all-reduce holds (both directions)
+    action_overhead: float = 0.0  # the device's own time per F or B beyond its compute (not busy)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,7 @@ def simulate(  # noqa: C901
         s = by_id[sid]
         kind, k = parsed[sid][pointer[sid]]
         duration = s.forward_time if kind == "F" else s.backward_time
-        start += receive_overhead(sid, kind, k)
+        start += receive_overhead(sid, kind, k) + s.action_overhead
         end = start + duration
         if trace:
             events.append(Event(kind, sid, k, start, end))
@@ -353,7 +354,7 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
             if waiting:
                 break
             duration = s.backward_time if direction else s.forward_time
-            ready = start + taking + duration
+            ready = start + (taking + s.action_overhead) + duration
             busy[i] += duration
             p += 1
             if direction:
@@ -419,6 +420,7 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
                 static_memory=static,
                 activation_bytes=per_mb,
                 allreduce_nics=st.allreduce_nics,
+                action_overhead=st.action_overhead,
             )
         )
     edges = [sim_edge(e) for e in pipeline.edges]

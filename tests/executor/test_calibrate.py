@@ -58,6 +58,8 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     assert 1e-6 <= link.overhead <= 1e-2 and p2p["send_s"] > 0 and p2p["receive_s"] > 0
     assert pipeline["messages_per_step"] == [32, 32]  # 16 micro-batches: 16 sent, 16 received a rank
     assert link.overhead >= 0.5 * min(p2p["send_s"], p2p["receive_s"])
+    assert device.action_overhead == pytest.approx(pipeline["action_overhead_s"], rel=1e-3)
+    assert 1e-7 <= device.action_overhead <= 1e-2 and pipeline["actions_per_step"] == 32
     assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
     for n, seconds in zip(reduce["bytes"], reduce["seconds"], strict=True):
         assert allreduce_time(n, 2, link) == pytest.approx(seconds, rel=1.0)

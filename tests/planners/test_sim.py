@@ -73,6 +73,17 @@ def test_each_end_spends_the_link_overhead_on_every_message(trace: bool) -> None
     assert busy_with_o.iteration_time >= bare.iteration_time + 8 * o - 1e-9  # 4 sends + 4 receives
 
 
+@pytest.mark.parametrize("trace", [True, False])
+def test_every_action_pays_the_executors_own_overhead_on_its_device(trace: bool) -> None:
+    stages, edges = _chain(2, 4, 1.0, 2.0, "1f1b")
+    bare = simulate(stages, edges, 4, trace=trace)
+    charged = [dataclasses.replace(s, action_overhead=0.25) for s in stages]
+    res = simulate(charged, edges, 4, trace=trace)
+    assert res.busy == bare.busy  # not compute
+    # Every action on the critical path (5 F/B pairs of 1F1B over 2 stages, 4 micro-batches) pays it.
+    assert res.iteration_time == pytest.approx(bare.iteration_time + 2 * 5 * 0.25)
+
+
 def test_deadlock_is_reported() -> None:
     stages = [
         SimStage(0, 1, 1.0, 1.0, ("F0", "B0", "F1", "B1")),
@@ -116,6 +127,7 @@ def _random_pipelines(draw):
                 allreduce_time=draw(st.sampled_from([0.0, 0.5, 3.0])),
                 static_memory=1.0,
                 activation_bytes=2.0,
+                action_overhead=draw(st.sampled_from([0.0, 0.0, 0.125])),
             )
         )
     edges = [

@@ -63,6 +63,7 @@ class StageProfiler:
         from tessera.backends.profile_cache import device_fingerprint
 
         self.graph, self.cache = graph, cache
+        self.action_overhead = device_type.action_overhead
         self.options = options or StageProfileOptions()
         self.threads = int(device_type.cores) if device_type.kind == "cpu" and device_type.cores else None
         threads = self.threads or torch.get_num_threads()
@@ -81,7 +82,13 @@ class StageProfiler:
         t = self.times(st.nodes, samples)
         backward = t.backward + (t.forward if st.recompute else 0.0)
         step = t.step + data
-        return dataclasses.replace(st, forward_time=t.forward, backward_time=backward, step_time=step)
+        return dataclasses.replace(
+            st,
+            forward_time=t.forward,
+            backward_time=backward,
+            step_time=step,
+            action_overhead=self.action_overhead,
+        )
 
     def data_seconds(self, mini_batch: int) -> float:
         """Drawing a mini-batch of synthetic inputs as every rank does each step

@@ -61,9 +61,12 @@ class PipelineStage:
     # Activation recomputation: the stage keeps only its inputs per micro-batch in flight and runs
     # its forward again in the backward (counted in ``backward_time``).
     recompute: bool = False
-    # The optimizer step and end-of-iteration synchronization, per iteration (measured stages only:
+    # The optimizer step and drawing the data, per iteration (measured stages only:
     # tessera.planners.pipeline.stage_profile); the simulator runs it after the all-reduce.
     step_time: float = 0.0
+    # The executor's own time per F or B beyond compute and messages (measured stages only: the
+    # device type's ``action_overhead``); the simulator charges it on the stage's device.
+    action_overhead: float = 0.0
 
     @property
     def time_per_sample(self) -> float:
