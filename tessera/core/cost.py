@@ -175,10 +175,22 @@ def allreduce_time(nbytes: float, devices: int, link: Link | None) -> float:
     bandwidth and latency where it has them (else its point-to-point ones); 0 for one device."""
     if devices <= 1 or nbytes <= 0 or link is None:
         return 0.0
+    curve = link.allreduce_curve
+    if curve and devices == link.allreduce_ranks and curve[0][0] <= nbytes <= curve[-1][0]:
+        return _log_log(curve, nbytes)
     p = devices
     bandwidth = link.allreduce_bandwidth or link.bandwidth
     latency = link.latency if link.allreduce_latency is None else link.allreduce_latency
     return 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency
+
+
+def _log_log(points: list[tuple[int, float]], x: float) -> float:
+    """``points`` (increasing x) joined by straight lines on log-log axes, at ``x`` within them."""
+    for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):
+        if x <= x1:
+            t = (math.log(x) - math.log(x0)) / (math.log(x1) - math.log(x0))
+            return math.exp(math.log(y0) + t * (math.log(y1) - math.log(y0)))
+    return points[-1][1]
 
 
 def ceil_div(a: int, b: int) -> int:

@@ -201,6 +201,22 @@ class Link(_SpecModel):
     overhead: Seconds = 0.0
     allreduce_bandwidth: Bandwidth | None = None
     allreduce_latency: Seconds | None = None
+    allreduce_ranks: Count | None = None
+    allreduce_curve: list[tuple[Bytes, Seconds]] | None = None
+    """Measured all-reduces over ``allreduce_ranks`` ranks, ``[bytes, seconds]`` by increasing
+    size: a collective library's time is not one alpha-beta line (gloo switches algorithm with
+    the size), so ``core.cost.allreduce_time`` interpolates between these (log-log) for that many
+    ranks, and uses the alpha-beta fit beyond them and for other counts."""
+
+    @model_validator(mode="after")
+    def _curve_increasing(self) -> Link:
+        curve = self.allreduce_curve
+        if curve is not None:
+            if self.allreduce_ranks is None or len(curve) < 2:
+                raise ValueError("allreduce_curve needs allreduce_ranks and at least two points")
+            if any(b[0] <= a[0] or b[1] <= 0 or a[1] <= 0 for a, b in zip(curve, curve[1:], strict=False)):
+                raise ValueError("allreduce_curve: sizes must increase and times be positive")
+        return self
 
     def transfer_time(self, nbytes: float) -> float:
         """Seconds to send ``nbytes`` over the link: latency + size / bandwidth (the alpha-beta model)."""
@@ -383,6 +399,14 @@ class ClusterSpec(_SpecModel):
                 "bandwidth": value.bandwidth,
                 "latency": value.latency,
                 **({"overhead": value.overhead} if value.overhead else {}),
+                **(
+                    {
+                        "allreduce_ranks": value.allreduce_ranks,
+                        "allreduce_curve": [list(point) for point in value.allreduce_curve],
+                    }
+                    if value.allreduce_curve
+                    else {}
+                ),
                 **{k: v for k, v in ring.items() if v is not None},
             }
 

@@ -404,7 +404,9 @@ def _comments(cal: Calibration) -> list[str]:
         f"{seconds_text(p2p['receive_s'])};",
         *_pipeline_comments(cal.measured.get("pipeline")),
         f"  allreduce_*: gloo all-reduce over {cal.ranks} ranks (the slowest rank's median; the ring model",
-        "    with the point-to-point link in brackets), fitted as the ring's per-step latency and bandwidth:",
+        "    with the point-to-point link in brackets); allreduce_curve holds them (the planners",
+        f"    interpolate between them for {cal.ranks} ranks), fitted as the ring's per-step latency and",
+        "    bandwidth for other sizes and rank counts:",
         *(f"    {size_text(n)} {seconds_text(t)} (ring model {seconds_text(p)})" for n, t, p in reduces),
     ]
     if cal.shares_cores:
@@ -441,6 +443,10 @@ def _spec_yaml(cal: Calibration) -> str:
     m = cal.measured
     description = f"one of {cal.ranks} ranks of {cal.threads} thread(s) on a {cal.cores}-core {cal.cpu}"
     p2p = m["p2p"]
+    reduce = m["allreduce"]
+    curve = ", ".join(
+        f"[{n}, {seconds_text(t)}]" for n, t in zip(reduce["bytes"], reduce["seconds"], strict=True)
+    )
     lines = [
         *_comments(cal),
         f"name: {cal.name}",
@@ -464,7 +470,8 @@ def _spec_yaml(cal: Calibration) -> str:
         f"  intra_node: {{bandwidth: {bandwidth_text(p2p['bandwidth_bytes_per_s'])}, "
         f"latency: {seconds_text(p2p['latency_s'])}, overhead: {seconds_text(link_overhead(m))},",
         f"               allreduce_bandwidth: {bandwidth_text(m['allreduce']['bandwidth_bytes_per_s'])}, "
-        f"allreduce_latency: {seconds_text(m['allreduce']['latency_s'])}}}",
+        f"allreduce_latency: {seconds_text(m['allreduce']['latency_s'])},",
+        f"               allreduce_ranks: {cal.ranks}, allreduce_curve: [{curve}]}}",
     ]
     return "\n".join(lines) + "\n"
 

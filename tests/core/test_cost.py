@@ -51,3 +51,25 @@ def test_communication() -> None:
     assert link.transfer_time(1e6) == pytest.approx(1e-6 + 1e-3)
     assert per_device_samples(8, 3) == 3
     assert per_device_samples(2, 4) == 1
+
+
+def test_a_measured_allreduce_curve_is_interpolated_for_its_rank_count() -> None:
+    """gloo's all-reduce is no alpha-beta line: measured points are met exactly, sizes between
+    them lie between their times (log-log), and other sizes and rank counts use the fit."""
+    curve = [(4, 2.7e-4), (65536, 4.0e-4), (1048576, 1.2e-3), (16777216, 2.0e-2)]
+    link = Link(
+        bandwidth=3e9, latency=7e-5, allreduce_bandwidth=9e8, allreduce_latency=1.5e-4,
+        allreduce_ranks=2, allreduce_curve=curve,
+    )  # fmt: skip
+    fit = Link(bandwidth=3e9, latency=7e-5, allreduce_bandwidth=9e8, allreduce_latency=1.5e-4)
+    for n, seconds in curve:
+        assert allreduce_time(n, 2, link) == pytest.approx(seconds)
+    between = allreduce_time(262144, 2, link)
+    assert 4.0e-4 < between < 1.2e-3
+    assert between == pytest.approx((4.0e-4 * 1.2e-3) ** 0.5)  # the log-log midpoint
+    assert allreduce_time(2**26, 2, link) == allreduce_time(2**26, 2, fit)  # beyond the curve
+    assert allreduce_time(65536, 4, link) == allreduce_time(65536, 4, fit)  # another rank count
+    with pytest.raises(ValueError, match="sizes must increase"):
+        Link(bandwidth=3e9, allreduce_ranks=2, allreduce_curve=[(65536, 1e-3), (4, 2e-3)])
+    with pytest.raises(ValueError, match="needs allreduce_ranks"):
+        Link(bandwidth=3e9, allreduce_curve=[(4, 1e-3), (65536, 2e-3)])

@@ -61,8 +61,10 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     assert device.action_overhead == pytest.approx(pipeline["action_overhead_s"], rel=1e-3)
     assert 1e-7 <= device.action_overhead <= 1e-2 and pipeline["actions_per_step"] == 32
     assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
+    # The measured curve is in the spec: the planners' all-reduce time is the measured one.
+    assert link.allreduce_ranks == 2 and len(link.allreduce_curve) == len(reduce["bytes"]) == 7
     for n, seconds in zip(reduce["bytes"], reduce["seconds"], strict=True):
-        assert allreduce_time(n, 2, link) == pytest.approx(seconds, rel=1.0)
+        assert allreduce_time(n, 2, link) == pytest.approx(seconds, rel=1e-3)
     assert report["spec"] == spec.to_json_dict() and report["output"] == str(path)
 
 
