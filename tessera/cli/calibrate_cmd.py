@@ -25,6 +25,7 @@ from tessera.executor.calibrate import (
     p2p_text,
     resolve_options,
     seconds_text,
+    size_text,
 )
 
 
@@ -141,6 +142,12 @@ def summary(report: dict[str, Any]) -> str:
             "all-reduce ring",
             f"{seconds_text(reduce['latency_s'])} + bytes / {bandwidth_text(reduce['bandwidth_bytes_per_s'])} a step",
             "links.intra_node.allreduce_*",
+        ),
+        (
+            "",
+            f"{seconds_text(report['measured']['pipeline']['allreduce_in_step_s'])} in a training step "
+            f"({size_text(report['measured']['pipeline']['allreduce_bytes'])})",
+            f"allreduce_overhead {seconds_text(link.get('allreduce_overhead', 0.0))}",
         ),
         (
             "memory",

@@ -172,16 +172,17 @@ def transfer_time(link: Link, nbytes: float) -> float:
 
 def allreduce_time(nbytes: float, devices: int, link: Link | None) -> float:
     """Ring all-reduce: 2(p−1)/p · n / bandwidth + 2(p−1) · latency, at the link's all-reduce
-    bandwidth and latency where it has them (else its point-to-point ones); 0 for one device."""
+    bandwidth and latency where it has them (else its point-to-point ones), or the link's measured
+    curve for its rank count; plus the link's ``allreduce_overhead``. 0 for one device."""
     if devices <= 1 or nbytes <= 0 or link is None:
         return 0.0
     curve = link.allreduce_curve
     if curve and devices == link.allreduce_ranks and curve[0][0] <= nbytes <= curve[-1][0]:
-        return _log_log(curve, nbytes)
+        return _log_log(curve, nbytes) + link.allreduce_overhead
     p = devices
     bandwidth = link.allreduce_bandwidth or link.bandwidth
     latency = link.latency if link.allreduce_latency is None else link.allreduce_latency
-    return 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency
+    return 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency + link.allreduce_overhead
 
 
 def _log_log(points: list[tuple[int, float]], x: float) -> float:

@@ -201,6 +201,9 @@ class Link(_SpecModel):
     overhead: Seconds = 0.0
     allreduce_bandwidth: Bandwidth | None = None
     allreduce_latency: Seconds | None = None
+    allreduce_overhead: Seconds = 0.0
+    """Seconds an all-reduce costs beyond the curve or the fit when a training step calls it
+    (``tessera calibrate`` measures it in a data-parallel launch of the stage workers)."""
     allreduce_ranks: Count | None = None
     allreduce_curve: list[tuple[Bytes, Seconds]] | None = None
     """Measured all-reduces over ``allreduce_ranks`` ranks, ``[bytes, seconds]`` by increasing
@@ -399,6 +402,7 @@ class ClusterSpec(_SpecModel):
                 "bandwidth": value.bandwidth,
                 "latency": value.latency,
                 **({"overhead": value.overhead} if value.overhead else {}),
+                **({"allreduce_overhead": value.allreduce_overhead} if value.allreduce_overhead else {}),
                 **(
                     {
                         "allreduce_ranks": value.allreduce_ranks,

@@ -435,7 +435,11 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
         "optimizer step (the device's action_overhead);",
         "    two ranks as two stages spend beyond that, per step, over the messages they send and",
         f"    receive ({'/'.join(map(str, pipeline['messages_per_step']))} a step): {ranks} per message "
-        f"(ranks), median {seconds_text(pipeline['overhead_s'])}",
+        f"(ranks), median {seconds_text(pipeline['overhead_s'])};",
+        f"    two ranks as one data-parallel stage all-reduce its {size_text(pipeline['allreduce_bytes'])} of "
+        f"gradients in {seconds_text(pipeline['allreduce_in_step_s'])} a step",
+        f"    (the replica that got there last), {seconds_text(pipeline['allreduce_predicted_s'])} by the "
+        "curve below: the difference is allreduce_overhead",
     ]
 
 
@@ -470,7 +474,12 @@ def _spec_yaml(cal: Calibration) -> str:
         f"  intra_node: {{bandwidth: {bandwidth_text(p2p['bandwidth_bytes_per_s'])}, "
         f"latency: {seconds_text(p2p['latency_s'])}, overhead: {seconds_text(link_overhead(m))},",
         f"               allreduce_bandwidth: {bandwidth_text(m['allreduce']['bandwidth_bytes_per_s'])}, "
-        f"allreduce_latency: {seconds_text(m['allreduce']['latency_s'])},",
+        f"allreduce_latency: {seconds_text(m['allreduce']['latency_s'])},"
+        + (
+            f" allreduce_overhead: {seconds_text(m['pipeline']['allreduce_overhead_s'])},"
+            if m.get("pipeline")
+            else ""
+        ),
         f"               allreduce_ranks: {cal.ranks}, allreduce_curve: [{curve}]}}",
     ]
     return "\n".join(lines) + "\n"

@@ -13,13 +13,16 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from tessera.core.cost import allreduce_time
 from tessera.core.specs import ClusterSpec
+from tessera.planners.pipeline.links import ring_link
 
 WIDTH = 64
 LAYERS = 4
 MINI_BATCH = 32
 MICRO_BATCH = 2
 STEPS = 12
+GRADIENT_BYTES = LAYERS * WIDTH * WIDTH * 4  # the MLP's fp32 weights
 
 
 def mlp(width: int = WIDTH, layers: int = LAYERS) -> Any:
@@ -61,6 +64,11 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
     in_overhead = alone["overhead_s"] / alone["actions"]  # the part the two-stage runs count as overhead
     piped = _overhead_run(cluster, 2, timeout_s)
     per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["messages"] for r in piped]
+    # Data parallel: the gradients' all-reduce as a step runs it (the replica that reached it last
+    # waits least), against the all-reduce the spec so far predicts for its size.
+    replicas = _overhead_run(cluster, 2, timeout_s, stages=1)
+    in_step = min(r["allreduce_s"] for r in replicas)
+    predicted = allreduce_time(GRADIENT_BYTES, 2, ring_link(cluster, cluster.devices()[:2]))
     return {
         "model": f"MLP {LAYERS} x MatMul {WIDTH}x{WIDTH} + Relu",
         "mini_batch": MINI_BATCH,
@@ -71,11 +79,18 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         "messages_per_step": [r["messages"] for r in piped],
         "overhead_per_rank_s": per_message,
         "overhead_s": statistics.median(per_message),
+        "allreduce_bytes": GRADIENT_BYTES,
+        "allreduce_in_step_s": in_step,
+        "allreduce_predicted_s": predicted,
+        "allreduce_overhead_s": max(in_step - predicted, 0.0),
     }
 
 
-def _overhead_run(cluster: ClusterSpec, devices: int, timeout_s: float) -> list[dict[str, Any]]:
-    """The ranks' rows of a launch of the MLP on ``devices`` devices (two: as two stages)."""
+def _overhead_run(
+    cluster: ClusterSpec, devices: int, timeout_s: float, *, stages: int | None = None
+) -> list[dict[str, Any]]:
+    """The ranks' rows of a launch of the MLP on ``devices`` devices as ``stages`` stages (default:
+    one per device; one stage on several devices: data parallelism)."""
     from tessera.core.errors import LaunchError
     from tessera.core.graph import load_graph
     from tessera.executor.gpp_run import run_gpp_plan
@@ -91,13 +106,18 @@ def _overhead_run(cluster: ClusterSpec, devices: int, timeout_s: float) -> list[
         options = PartitionOptions(
             mini_batch=MINI_BATCH, num_devices=devices, micro_batch_sizes=(MICRO_BATCH,), precision="fp32"
         )
+        stages = devices if stages is None else stages
         plan, _, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
-        if devices > 1:  # two stages: a device too small for the whole model (and so for data parallelism)
+        if stages > 1:  # a device too small for the whole model (and so for data parallelism)
             limited = dataclasses.replace(options, memory_limit=0.7 * plan.stages[0].memory.peak)
             plan, _, _ = plan_gpp(graph, cluster, limited, kind="spp", baseline=False)
-        if len(plan.stages) != devices:
+        elif devices > 1:  # the one stage replicated on every device: data parallelism
+            ids = [d.id for d in cluster.devices()[:devices]]
+            plan = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"devices": ids})]})
+        if len(plan.stages) != stages or sum(len(st.devices) for st in plan.stages) != devices:
             raise LaunchError(
-                f"calibrate: planned {len(plan.stages)} stage(s) of the MLP on {devices} device(s)"
+                f"calibrate: planned {len(plan.stages)} stage(s) of the MLP on {devices} device(s), "
+                f"not {stages}"
             )
         run = run_gpp_plan(
             plan, graph, str(path), TrainOptions(steps=STEPS), LaunchOptions(timeout_s=timeout_s)
