@@ -1,8 +1,10 @@
-"""The last phase of ``tessera calibrate``: the stage workers' own cost per message, measured by
-running them. Two ranks train a small MLP cut into two pipeline stages (1F1B, many micro-batches
-of a few samples, so messages are many and compute small) and report per step the time their
-actions spend on neither compute nor waiting, and the messages they send and receive; that time
-per message is the spec's link ``overhead``. Details: docs/executor.md ("Calibrating this machine").
+"""The last phase of ``tessera calibrate``: what the stage workers themselves cost beyond compute,
+measured by running them on a small MLP (many micro-batches of a few samples, so actions and
+messages are many and compute small): one rank as one stage (its time per action: the device's
+``action_overhead``), two ranks as two pipeline stages (the time per message beyond that: the
+link's ``overhead``), two ranks as one data-parallel stage (its all-reduce in a step beyond the
+measured curve: the link's ``allreduce_overhead``). Details: docs/executor.md ("Calibrating this
+machine").
 """
 
 from __future__ import annotations
