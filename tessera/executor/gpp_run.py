@@ -226,6 +226,7 @@ def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
         "replica": r["replica"],
         "device": r["device"],
         "threads": r["threads"],
+        "cores": r["cores"],  # the cores the rank was pinned to (all it may use when not pinned)
         **{
             key: steady_mean([s[key] for s in r["steps"]])
             for key in ("busy_s", "wait_s", "allreduce_s", "overhead_s")

@@ -9,6 +9,7 @@ takes one SGD step per mini-batch. See docs/executor.md ("GPP stage workers").
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -502,6 +503,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             "replica": replica,
             "device": spec.routing.devices[rank],
             "threads": torch.get_num_threads(),
+            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "steps": steps,
             "peak_rss_bytes": memory_status("VmHWM"),
             "weight_bytes": worker.weight_bytes,

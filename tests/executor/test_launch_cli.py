@@ -60,6 +60,11 @@ def test_two_rank_launch_reports_loss_times_and_memory_against_predicted(chain_p
     assert report["ratio"]["iteration_time"] == pytest.approx(report["measured"]["iteration_time_s"] / 0.01)
     for st in report["stages"]:
         assert st["busy_s"] > 0 and st["peak_memory_bytes"] > 0 and st["memory_ratio"] > 0
+    # One thread each on this 2-core machine: each rank pinned to a core of its own.
+    cores = [r["cores"] for r in sorted(report["ranks"], key=lambda r: r["rank"])]
+    if len(os.sched_getaffinity(0)) >= 2:
+        allowed = sorted(os.sched_getaffinity(0))
+        assert cores == [[allowed[0]], [allowed[1]]]
     _check_fidelity(report)
     text = run_cli("launch", str(plan_path), "--steps", "2")
     assert text.code == 0, text.err
@@ -100,6 +105,10 @@ def test_every_rank_runs_with_the_threads_its_plan_measured(tmp_path: Path, chai
     res = run_cli("launch", str(edited), "--steps", "1", "--json")
     assert res.code == 0, res.err
     assert [r["threads"] for r in json.loads(res.out)["ranks"]] == [3, 3]
+    # 2 ranks x 3 threads do not fit 2 cores: left to the scheduler, on every core.
+    assert all(r["cores"] == sorted(os.sched_getaffinity(0)) for r in json.loads(res.out)["ranks"]) or (
+        len(os.sched_getaffinity(0)) >= 6
+    )
     ref = train_reference(graph, 1, 4, seed=0, lr=0.01)  # and it trains as before
     np.testing.assert_allclose(json.loads(res.out)["steps"][0]["loss"], ref.losses[0], rtol=1e-5)
 
