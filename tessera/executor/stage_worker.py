@@ -152,6 +152,7 @@ class StageWorker:
         self.receives = self._receives()
         self._next_posted: dict[tuple[int, bool], list[_Posted]] | None = None
         self.sends = {(j, kind == "B"): self._sends_of(j, kind == "B") for kind, j in self.actions}
+        self.messages = len(self.receives) + sum(len(v) for v in self.sends.values())  # per step
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -163,18 +164,24 @@ class StageWorker:
     def _tag(self, msg: Message, backward: bool, step: int) -> int:
         return msg.id * 4 + (step % 2) * 2 + int(backward)
 
+    def _packed(self, j: int, backward: bool, *, sending: bool) -> dict[tuple[Unit, str], list[Message]]:
+        """The messages micro-batch ``j``'s forward or backward sends (``sending``) or receives, by
+        (peer unit, dtype), each in message-id order (:func:`_packs`). A forward receives along its
+        incoming edges and sends along its outgoing ones; a backward, gradients the other way."""
+        unit = Unit(self.stage_id, self.replica, j)
+        inbound = sending == backward
+        msgs = (self.routing.incoming if inbound else self.routing.outgoing).get(unit, [])
+        if backward:
+            msgs = [m for m in msgs if m.grad]
+        return _packs(msgs, _source if inbound else _target, self.routing)
+
     def _sends_of(self, j: int, backward: bool) -> list[tuple[int, Message, list[Message]]]:
         """What micro-batch ``j``'s forward (its outputs) or backward (its inputs' gradients) sends:
-        (peer rank, the message that tags it, the messages packed in it), one per peer unit and
-        dtype, in message-id order: what :meth:`_receives` expects. The same every step."""
-        unit = Unit(self.stage_id, self.replica, j)
-        if backward:
-            msgs, peer = [m for m in self.routing.incoming.get(unit, []) if m.grad], _source
-        else:
-            msgs, peer = self.routing.outgoing.get(unit, []), _target
+        (peer rank, the message that tags it, the messages packed in it), what :meth:`_receives`
+        expects. The same every step."""
         return [
-            (self.routing.rank_of(other), members[0][0], [m for m, _ in members])
-            for (other, _), members in _packs([(m, None) for m in msgs], peer, self.routing).items()
+            (self.routing.rank_of(other), members[0], members)
+            for (other, _), members in self._packed(j, backward, sending=True).items()
         ]
 
     def _send(self, j: int, backward: bool, step: int, piece: Callable[[Message], Tensor]) -> None:
@@ -193,26 +200,13 @@ class StageWorker:
         found = []
         for kind, j in self.actions:
             backward = kind == "B"
-            unit = Unit(self.stage_id, self.replica, j)
-            if backward:
-                msgs, peer = [m for m in self.routing.outgoing.get(unit, []) if m.grad], _target
-            else:
-                msgs, peer = self.routing.incoming.get(unit, []), _source
-            for (other, dtype), members in _packs([(m, None) for m in msgs], peer, self.routing).items():
-                pieces = [m for m, _ in members]
-                shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m in pieces]
-                found.append(
-                    (
-                        (j, backward),
-                        _Receive(
-                            self.routing.rank_of(other),
-                            pieces,
-                            shapes,
-                            [int(np.prod(shape)) for shape in shapes],
-                            getattr(torch, np.dtype(dtype).name),
-                        ),
-                    )
+            for (other, dtype), members in self._packed(j, backward, sending=False).items():
+                shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m in members]
+                sizes = [int(np.prod(shape)) for shape in shapes]
+                receive = _Receive(
+                    self.routing.rank_of(other), members, shapes, sizes, getattr(torch, np.dtype(dtype).name)
                 )
+                found.append(((j, backward), receive))
         return found
 
     def _post_receives(self, step: int) -> dict[tuple[int, bool], list[_Posted]]:
@@ -415,7 +409,7 @@ class StageWorker:
             "busy_s": self.busy,
             "wait_s": self.wait,
             "overhead_s": overhead,
-            "messages": len(self.receives) + sum(len(v) for v in self.sends.values()),
+            "messages": self.messages,
             "actions": len(self.actions),
             "allreduce_s": allreduce,
         }
@@ -438,13 +432,13 @@ def _target(msg: Message) -> Unit:
 
 
 def _packs(
-    pieces: list[tuple[Message, Any]], peer: Callable[[Message], Unit], routing: Routing
-) -> dict[tuple[Unit, str], list[tuple[Message, Any]]]:
-    """``pieces`` by (peer unit, dtype), each in message-id order: what sender and receiver both
+    messages: list[Message], peer: Callable[[Message], Unit], routing: Routing
+) -> dict[tuple[Unit, str], list[Message]]:
+    """``messages`` by (peer unit, dtype), each in message-id order: what sender and receiver both
     compute from the routing, so a packed message is cut where it was joined."""
-    packs: dict[tuple[Unit, str], list[tuple[Message, Any]]] = {}
-    for msg, piece in sorted(pieces, key=lambda x: x[0].id):
-        packs.setdefault((peer(msg), routing.layouts[msg.tensor].dtype), []).append((msg, piece))
+    packs: dict[tuple[Unit, str], list[Message]] = {}
+    for msg in sorted(messages, key=lambda m: m.id):
+        packs.setdefault((peer(msg), routing.layouts[msg.tensor].dtype), []).append(msg)
     return packs
 
 
