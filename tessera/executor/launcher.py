@@ -335,23 +335,25 @@ def choose_backend(cluster: dict[str, Any] | None, device_ids: Iterable[str]) ->
     has CUDA, gloo (CPU) otherwise. ``cluster`` is the plan's resolved cluster spec."""
     import torch
 
-    kinds = set()
-    if cluster:
-        types = cluster.get("device_types", {})
-        by_id = {d["id"]: d.get("type") for d in cluster.get("devices", [])}
-        kinds = {types.get(by_id.get(dev), {}).get("kind") for dev in device_ids}
+    kinds = {t.get("kind") for t in _device_types(cluster, device_ids)}
     return "nccl" if kinds == {"gpu"} and torch.cuda.is_available() else "gloo"
+
+
+def _device_types(cluster: dict[str, Any] | None, device_ids: Iterable[str]) -> list[dict[str, Any]]:
+    """The device-type entries (as in the plan's resolved cluster) of ``device_ids``, one each
+    ({} for a device the cluster does not know); none without a cluster."""
+    if not cluster:
+        return []
+    types = cluster.get("device_types", {})
+    by_id = {d["id"]: d.get("type") for d in cluster.get("devices", [])}
+    return [types.get(by_id.get(dev), {}) for dev in device_ids]
 
 
 def plan_threads(cluster: dict[str, Any] | None, device_ids: Iterable[str]) -> int | None:
     """The torch threads a rank of a CPU plan runs with: the cores of its devices' type, as the
     planner's measurements assumed (``tessera calibrate`` writes one core per rank); None where
     the plan's cluster does not say or its devices differ."""
-    if not cluster:
-        return None
-    types = cluster.get("device_types", {})
-    by_id = {d["id"]: d.get("type") for d in cluster.get("devices", [])}
-    found = {(t.get("kind"), t.get("cores")) for t in (types.get(by_id.get(dev), {}) for dev in device_ids)}
+    found = {(t.get("kind"), t.get("cores")) for t in _device_types(cluster, device_ids)}
     if len(found) != 1:
         return None
     kind, cores = found.pop()
