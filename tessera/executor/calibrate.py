@@ -179,7 +179,8 @@ def calibrate(options: CalibrateOptions) -> Calibration:
         measured=summarize(raw, ranks),
         ranks_raw=raw,
     )
-    # Last, the stage workers' own cost per message, measured by running them on the spec so far.
+    # Last, the stage workers' own cost per action, message and all-reduce, measured by running
+    # them on the spec so far.
     cal.measured["pipeline"] = measure_pipeline_overhead(cal.spec(), timeout_s)
     cal.wall_s = time.perf_counter() - start
     return cal

@@ -13,11 +13,14 @@ import dataclasses
 import statistics
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tessera.core.cost import allreduce_time
 from tessera.core.specs import ClusterSpec
 from tessera.planners.pipeline.links import ring_link
+
+if TYPE_CHECKING:
+    from tessera.core.graph import Graph
 
 WIDTH = 64
 LAYERS = 4
@@ -55,20 +58,27 @@ def mlp(width: int = WIDTH, layers: int = LAYERS) -> Any:
 
 
 def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[str, Any]:
-    """Launch the MLP on one rank as one stage, then on two as a two-stage sequential pipeline
-    (the first devices of ``cluster``), and return the workers' own time per action (the one-rank
-    run's time on neither compute nor the optimizer step, over its actions) and per message (the
-    two-rank run's overhead beyond its actions' share, over its messages; the median over the
-    ranks), with what was run."""
-    (alone,) = _overhead_run(cluster, 1, timeout_s)
+    """Launch the MLP on the first devices of ``cluster``: on one rank as one stage, on two as a
+    two-stage sequential pipeline, and on two as one data-parallel stage; return the workers' own
+    time per action (the one-rank run's time on neither compute nor the optimizer step, over its
+    actions), per message (the two-stage run's overhead beyond its actions' share, over its
+    messages; the median over the ranks) and per in-step all-reduce beyond ``cluster``'s, with
+    what was run."""
+    from tessera.core.graph import load_graph
+
+    with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as folder:
+        path = Path(folder) / "mlp.onnx"
+        path.write_bytes(mlp().SerializeToString())
+        graph = load_graph(str(path))
+        (alone,) = _overhead_run(graph, path, cluster, 1, timeout_s)
+        piped = _overhead_run(graph, path, cluster, 2, timeout_s)
+        replicas = _overhead_run(graph, path, cluster, 2, timeout_s, stages=1)
     # With no peer, a rank never waits: its "wait" is the inputs' handling, part of every action.
     per_action = (alone["wait_s"] + alone["overhead_s"]) / alone["actions"]
     in_overhead = alone["overhead_s"] / alone["actions"]  # the part the two-stage runs count as overhead
-    piped = _overhead_run(cluster, 2, timeout_s)
     per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["messages"] for r in piped]
     # Data parallel: the gradients' all-reduce as a step runs it (the replica that reached it last
     # waits least), against the all-reduce the spec so far predicts for its size.
-    replicas = _overhead_run(cluster, 2, timeout_s, stages=1)
     in_step = min(r["allreduce_s"] for r in replicas)
     predicted = allreduce_time(GRADIENT_BYTES, 2, ring_link(cluster, cluster.devices()[:2]))
     return {
@@ -89,39 +99,37 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
 
 
 def _overhead_run(
-    cluster: ClusterSpec, devices: int, timeout_s: float, *, stages: int | None = None
+    graph: Graph,
+    path: Path,
+    cluster: ClusterSpec,
+    devices: int,
+    timeout_s: float,
+    *,
+    stages: int | None = None,
 ) -> list[dict[str, Any]]:
-    """The ranks' rows of a launch of the MLP on ``devices`` devices as ``stages`` stages (default:
-    one per device; one stage on several devices: data parallelism)."""
+    """The ranks' rows of a launch of the MLP (``graph``, saved at ``path``) on ``devices`` devices
+    as ``stages`` stages (default: one per device; one stage on several: data parallelism)."""
     from tessera.core.errors import LaunchError
-    from tessera.core.graph import load_graph
     from tessera.executor.gpp_run import run_gpp_plan
     from tessera.executor.launcher import LaunchOptions
     from tessera.executor.training import TrainOptions
     from tessera.planners.pipeline.plan import plan_gpp
     from tessera.planners.pipeline.types import PartitionOptions
 
-    with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as folder:
-        path = Path(folder) / "mlp.onnx"
-        path.write_bytes(mlp().SerializeToString())
-        graph = load_graph(str(path))
-        options = PartitionOptions(
-            mini_batch=MINI_BATCH, num_devices=devices, micro_batch_sizes=(MICRO_BATCH,), precision="fp32"
+    options = PartitionOptions(
+        mini_batch=MINI_BATCH, num_devices=devices, micro_batch_sizes=(MICRO_BATCH,), precision="fp32"
+    )
+    stages = devices if stages is None else stages
+    plan, _, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
+    if stages > 1:  # a device too small for the whole model (and so for data parallelism)
+        limited = dataclasses.replace(options, memory_limit=0.7 * plan.stages[0].memory.peak)
+        plan, _, _ = plan_gpp(graph, cluster, limited, kind="spp", baseline=False)
+    elif devices > 1:  # the one stage replicated on every device: data parallelism
+        ids = [d.id for d in cluster.devices()[:devices]]
+        plan = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"devices": ids})]})
+    if len(plan.stages) != stages or sum(len(st.devices) for st in plan.stages) != devices:
+        raise LaunchError(
+            f"calibrate: planned {len(plan.stages)} stage(s) of the MLP on {devices} device(s), not {stages}"
         )
-        stages = devices if stages is None else stages
-        plan, _, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
-        if stages > 1:  # a device too small for the whole model (and so for data parallelism)
-            limited = dataclasses.replace(options, memory_limit=0.7 * plan.stages[0].memory.peak)
-            plan, _, _ = plan_gpp(graph, cluster, limited, kind="spp", baseline=False)
-        elif devices > 1:  # the one stage replicated on every device: data parallelism
-            ids = [d.id for d in cluster.devices()[:devices]]
-            plan = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"devices": ids})]})
-        if len(plan.stages) != stages or sum(len(st.devices) for st in plan.stages) != devices:
-            raise LaunchError(
-                f"calibrate: planned {len(plan.stages)} stage(s) of the MLP on {devices} device(s), "
-                f"not {stages}"
-            )
-        run = run_gpp_plan(
-            plan, graph, str(path), TrainOptions(steps=STEPS), LaunchOptions(timeout_s=timeout_s)
-        )
+    run = run_gpp_plan(plan, graph, str(path), TrainOptions(steps=STEPS), LaunchOptions(timeout_s=timeout_s))
     return run.to_json()["ranks"]
