@@ -42,15 +42,20 @@ def single_op_model(
     return model
 
 
-def tied_chain(layers: int = 6, width: int = 8) -> onnx.ModelProto:
+def tied_chain(layers: int = 6, width: int = 8, ties: int = 1) -> onnx.ModelProto:
     """A chain of MatMul + Tanh layers whose first and last MatMul read the same weight ``tied``
-    (an exporter's tied embedding and LM head look the same to the executor)."""
+    (an exporter's tied embedding and LM head look the same to the executor); ``ties`` 2: the
+    second and the last but one read ``tied2`` too."""
     rng = np.random.default_rng(0)
-    weights = {f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(1, layers - 1)}
-    weights["tied"] = rng.normal(0, 0.5, (width, width)).astype(np.float32)
+    tie = {0: "tied", layers - 1: "tied"} | ({1: "tied2", layers - 2: "tied2"} if ties > 1 else {})
+    weights = {
+        f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(layers) if i not in tie
+    }
+    for name in sorted(set(tie.values())):
+        weights[name] = rng.normal(0, 0.5, (width, width)).astype(np.float32)
     nodes, x = [], "x"
     for i in range(layers):
-        w = "tied" if i in (0, layers - 1) else f"w{i}"
+        w = tie.get(i, f"w{i}")
         nodes.append(helper.make_node("MatMul", [x, w], [f"m{i}"], name=f"matmul{i}"))
         nodes.append(helper.make_node("Tanh", [f"m{i}"], [f"h{i}"], name=f"tanh{i}"))
         x = f"h{i}"

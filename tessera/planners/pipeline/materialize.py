@@ -129,11 +129,17 @@ def _add_shared_weights(graph: Graph, cluster: ClusterSpec, stages: list[Pipelin
     for st, extra in zip(stages, graph.shared_copies(groups), strict=True):
         st.weights += extra * memory.weight_bytes_per_param
         st.optimizer += extra * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param)
-    by_id = {d.id: d for d in cluster.devices()}
+    # One all-reduce per set of readers, of all the weights they share (launch sums them as one
+    # bucket per group of ranks), not one per weight: a cut through a layer can share several.
+    grouped: dict[tuple[int, ...], int] = {}
     for name, readers in shared.items():
+        grouped[tuple(readers)] = grouped.get(tuple(readers), 0) + graph.initializers[name].numel
+    by_id = {d.id: d for d in cluster.devices()}
+    for readers, numel in grouped.items():
         union = [by_id[d] for i in readers for d in stages[i].devices]
-        grads = graph.initializers[name].numel * memory.gradient_bytes_per_param
-        seconds = allreduce_time(grads, len(union), ring_link(cluster, union))
+        seconds = allreduce_time(
+            numel * memory.gradient_bytes_per_param, len(union), ring_link(cluster, union)
+        )
         for i in readers:
             stages[i].allreduce_time += seconds
 

@@ -9,14 +9,16 @@ from pathlib import Path
 from cli_runner import run_cli
 from onnx_builders import tied_chain
 
+from tessera.core.cost import allreduce_time
+from tessera.planners.pipeline.links import ring_link
 from tessera.core.graph import load_graph
 from tessera.core.plans import dump_plan, parse_plan
 from tessera.planners.pipeline.checks import check_gpp_plan
 from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
 
 
-def _two_stage_plan(path: Path, cluster):
-    path.write_bytes(tied_chain().SerializeToString())
+def _two_stage_plan(path: Path, cluster, ties: int = 1):
+    path.write_bytes(tied_chain(ties=ties).SerializeToString())
     graph = load_graph(str(path), input_shapes={"x": (8, 8)})
     spec = cluster("local-cpu-split")
     options = pipeline_options(spec, mini_batch=8, devices=2, memory_limit="6KiB")
@@ -38,6 +40,18 @@ def test_the_plan_records_shared_weights_and_charges_every_copy(tmp_path: Path, 
         assert st.memory.weights == 4 * sum(graph.initializers[t].numel for t in names)
     assert all(st.allreduce_time > 0 for st in pipe.stages)  # one device per stage: only the tie's
     assert check_gpp_plan(plan, graph) == []
+
+
+def test_weights_shared_by_the_same_stages_cost_one_all_reduce(tmp_path: Path, cluster) -> None:
+    # Launch sums a group's shared weights in one bucket, one all-reduce a step: the prediction
+    # charges that, not one all-reduce per weight (their latencies would add up).
+    graph, plan, pipe = _two_stage_plan(tmp_path / "tied2.onnx", cluster, ties=2)
+    assert [w.name for w in plan.shared_weights] == ["tied", "tied2"]
+    spec = cluster("local-cpu-split")
+    devices = [d for d in spec.devices() if d.id in {x for st in plan.stages for x in st.devices}]
+    one = allreduce_time(2 * 64 * 4, 2, ring_link(spec, devices))
+    assert [st.allreduce_time for st in pipe.stages] == [one, one]
+    assert one < 2 * allreduce_time(64 * 4, 2, ring_link(spec, devices))
 
 
 def test_validate_lists_shared_weights_and_refuses_a_plan_that_hides_them(tmp_path: Path, cluster) -> None:
