@@ -1,7 +1,8 @@
 """Stages measured as the executor runs them (``tessera plan --profile``): each stage of the chosen
-pipeline built as the stage workers build it (the program of ``Graph.extract``), timed forward and
-backward at its replicas' micro-batch with the device's threads, and its optimizer step; cached in
-the profile cache, so a warm run predicts the same. Why: docs/executor.md ("Fidelity").
+pipeline built as the stage workers build it (the program of ``Graph.extract``) and run step after
+step as a rank runs it: the mini-batch's data drawn, the stage's schedule of forwards and backwards
+at its replicas' micro-batch with the device's threads, the optimizer step; cached in the profile
+cache, so a warm run predicts the same. Why: docs/executor.md ("Fidelity").
 """
 
 from __future__ import annotations
@@ -27,13 +28,14 @@ if TYPE_CHECKING:
     from tessera.backends.torch_module import OnnxModule
 
 STAGE_BACKENDS = ("torch-train.stage.forward", "torch-train.stage.backward", "torch-train.stage.step")
-DATA_BACKEND = "torch-train.data"
-RECIPE = "inputs: the training data"  # in the cache key: rows measured another way are not reused
+# In the cache key: rows measured another way are not reused.
+RECIPE = "in context: the data drawn, the schedule's actions, the optimizer step"
 
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Seconds of one replica: forward and backward of one micro-batch, and the optimizer step."""
+    """Seconds of one replica: forward and backward of one micro-batch (the mean over a step's),
+    and the step's own work (drawing the data, the optimizer step)."""
 
     forward: float
     backward: float
@@ -73,51 +75,32 @@ class StageProfiler:
         self._model: OnnxModule | None = None  # the whole model, computing stages' inputs
 
     def refine(self, pipe: Pipeline) -> Pipeline:
-        data = self.data_seconds(pipe.mini_batch_size)
-        stages = [self._refined(st, data) for st in pipe.stages]
+        stages = [self._refined(st, pipe.mini_batch_size) for st in pipe.stages]
         return dataclasses.replace(pipe, stages=stages)
 
-    def _refined(self, st: PipelineStage, data: float) -> PipelineStage:
+    def _refined(self, st: PipelineStage, mini_batch: int) -> PipelineStage:
         samples = per_device_samples(st.micro_batch_size, len(st.devices))
-        t = self.times(st.nodes, samples)
+        actions = tuple(st.schedule) or _plain_schedule(mini_batch // st.micro_batch_size)
+        t = self.times(st.nodes, samples, actions, mini_batch)
         backward = t.backward + (t.forward if st.recompute else 0.0)
-        step = t.step + data
         return dataclasses.replace(
             st,
             forward_time=t.forward,
             backward_time=backward,
-            step_time=step,
+            step_time=t.step,
             action_overhead=self.action_overhead,
         )
 
-    def data_seconds(self, mini_batch: int) -> float:
-        """Drawing a mini-batch of synthetic inputs as every rank does each step
-        (:class:`~tessera.core.data.TrainingData`), cached like the stages."""
+    def times(self, nodes: list[str], samples: int, actions: tuple[str, ...], mini_batch: int) -> StageTimes:
+        """The stage of ``nodes`` running ``actions`` (``F0``, ``B0``, … a step) at ``samples``
+        samples per micro-batch, drawing a ``mini_batch`` of data each step: cached, else measured."""
         from tessera.backends.profile_cache import Profile
 
-        key = digest([self._model_key(), "data", mini_batch])
-        got = self.cache.get(DATA_BACKEND, self.version, self.fingerprint, key)
-        if got is not None and got.ok:
-            return got.median_s
-        runs = []
-        data = TrainingData(self.graph, mini_batch)
-        for step in range(self.options.warmup + self.options.min_repeats):
-            start = time.perf_counter()
-            data.batch(step)
-            runs.append(time.perf_counter() - start)
-        seconds = statistics.median(runs[self.options.warmup :])
-        self.cache.put(Profile(DATA_BACKEND, self.version, self.fingerprint, key, seconds, 0.0, len(runs)))
-        return seconds
-
-    def times(self, nodes: list[str], samples: int) -> StageTimes:
-        """The stage of ``nodes`` at ``samples`` samples per micro-batch: cached, else measured."""
-        from tessera.backends.profile_cache import Profile
-
-        key = digest([self._model_key(), sorted(nodes), samples, RECIPE])
+        key = digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, RECIPE])
         cached = [self.cache.get(b, self.version, self.fingerprint, key) for b in STAGE_BACKENDS]
         if all(c is not None and c.ok for c in cached):
             return StageTimes(*(c.median_s for c in cached))  # type: ignore[union-attr]
-        runs = self._measure(nodes, samples)
+        runs = self._measure(nodes, samples, actions, mini_batch)
         self.measured += 1
         for backend, values in zip(STAGE_BACKENDS, runs, strict=True):
             self.cache.put(
@@ -132,7 +115,9 @@ class StageProfiler:
         g = self.graph
         return [g.sha256, sorted((k, list(v)) for k, v in g.input_shapes.items()), list(g.rewrites)]
 
-    def _measure(self, nodes: list[str], samples: int) -> tuple[list[float], list[float], list[float]]:
+    def _measure(
+        self, nodes: list[str], samples: int, actions: tuple[str, ...], mini_batch: int
+    ) -> tuple[list[float], list[float], list[float]]:
         import torch
 
         from tessera.backends.torch_module import to_torch
@@ -141,6 +126,7 @@ class StageProfiler:
         feeds = self._inputs(module.input_names, samples)
         params = [p for _, p in module.onnx_parameters()]
         optimizer = torch.optim.SGD(params, lr=1e-9) if params else None
+        data = TrainingData(self.graph, mini_batch)
         before = torch.get_num_threads()
         if self.threads:
             torch.set_num_threads(self.threads)
@@ -150,8 +136,9 @@ class StageProfiler:
             while len(runs[0]) < o.warmup + o.min_repeats or (
                 spent < o.budget_s and len(runs[0]) < o.warmup + o.max_repeats
             ):
-                times = _one_step(module, feeds, optimizer)
-                spent += sum(times)
+                start = time.perf_counter()
+                times = _one_step(module, feeds, optimizer, actions, lambda: data.batch(len(runs[0])))
+                spent += time.perf_counter() - start
                 for values, value in zip(runs, times, strict=True):
                     values.append(value)
         finally:
@@ -179,26 +166,51 @@ class StageProfiler:
         ]
 
 
+def _plain_schedule(micro_batches: int) -> tuple[str, ...]:
+    return tuple(f"F{j}" for j in range(micro_batches)) + tuple(f"B{j}" for j in range(micro_batches))
+
+
 def _one_step(
-    module: torch.nn.Module, feeds: list[torch.Tensor], optimizer: object
+    module: torch.nn.Module,
+    feeds: list[torch.Tensor],
+    optimizer: object,
+    actions: tuple[str, ...],
+    draw: Callable[[], object],
 ) -> tuple[float, float, float]:
-    """Forward (with a squared-error loss of the outputs, as the last stage's), backward and the
-    SGD step, as a stage runs them."""
+    """One step of the stage as a rank runs it: the data drawn, ``actions`` in order (a forward
+    with a squared-error loss of the outputs, as the last stage's; a backward accumulating into
+    the gradients), the SGD step. Seconds: the mean forward, the mean backward, and the data and
+    the optimizer step together (each in the cache state the step leaves them, not in a tight loop
+    of its own: measured apart, both ran 30-50% faster than in a step)."""
     t0 = time.perf_counter()
-    outputs = [o for o in module(*feeds) if o.requires_grad]
-    loss = sum((o * o).sum() / o.numel() for o in outputs) if outputs else None
-    if loss is not None:
-        float(loss.detach())  # the worker reads the loss in its forward
-    t1 = time.perf_counter()
-    if loss is not None:
-        loss.backward()
-    t2 = time.perf_counter()
+    draw()
+    own = time.perf_counter() - t0
+    forward = backward = 0.0
+    losses: dict[str, object] = {}
+    for action in actions:
+        t0 = time.perf_counter()
+        if action[0] == "F":
+            # a micro-batch's inputs: leaves of their own, as received buffers are (no copy)
+            leaves = [x.detach().requires_grad_(x.requires_grad) for x in feeds]
+            outputs = [o for o in module(*leaves) if o.requires_grad]
+            loss = sum((o * o).sum() / o.numel() for o in outputs) if outputs else None
+            if loss is not None:
+                float(loss.detach())  # the worker reads the loss in its forward
+            losses[action[1:]] = loss
+            forward += time.perf_counter() - t0
+        else:
+            loss = losses.pop(action[1:])
+            if loss is not None:
+                loss.backward()  # type: ignore[attr-defined]
+            del loss
+            backward += time.perf_counter() - t0
+    t0 = time.perf_counter()
     if optimizer is not None:
         optimizer.step()  # type: ignore[attr-defined]
         optimizer.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
-    for x in feeds:
-        x.grad = None
-    return t1 - t0, t2 - t1, time.perf_counter() - t2
+    own += time.perf_counter() - t0
+    micro_batches = max(len(actions) // 2, 1)
+    return forward / micro_batches, backward / micro_batches, own
 
 
 RefineFn = Callable[[Pipeline], Pipeline]
