@@ -181,7 +181,7 @@ def _one_step(
     with a squared-error loss of the outputs, as the last stage's; a backward accumulating into
     the gradients), the SGD step. Seconds: the mean forward, the mean backward, and the data and
     the optimizer step together (each in the cache state the step leaves them, not in a tight loop
-    of its own: measured apart, both ran 30-50% faster than in a step)."""
+    of its own: measured apart, both ran 30-40% faster than in a step)."""
     t0 = time.perf_counter()
     draw()
     own = time.perf_counter() - t0
