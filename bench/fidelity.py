@@ -154,9 +154,10 @@ def placement_rows(folder: Path) -> list[dict]:
     return rows
 
 
-def kendall_tau(predicted: list[float], measured: list[float], tie: float = 0.05) -> float:
+def kendall_tau(predicted: list[float], measured: list[float], tie: float) -> float:
     """Kendall's tau-b-like agreement of the two orders; pairs whose predictions differ by less than
-    ``tie`` (relative) are ties (the issue: plans within the noise may tie) and left out."""
+    ``tie`` (relative: the run's noise, :func:`noise`) are ties (the issue: plans within the noise
+    may tie) and left out."""
     concordant = discordant = 0
     for i, j in itertools.combinations(range(len(predicted)), 2):
         dp, dm = predicted[i] - predicted[j], measured[i] - measured[j]
@@ -166,6 +167,13 @@ def kendall_tau(predicted: list[float], measured: list[float], tie: float = 0.05
         discordant += dp * dm < 0
     total = concordant + discordant
     return (concordant - discordant) / total if total else 1.0
+
+
+def noise(rows: list[dict]) -> float:
+    """This run's noise: the median over its training plans of (slowest - fastest launch) / the
+    median launch, what the same plan launched again moves by."""
+    spreads = [(r["spread_ms"][1] - r["spread_ms"][0]) / r["measured_ms"] for r in rows if r["spread_ms"]]
+    return float(np.median(spreads)) if spreads else 0.0
 
 
 def calibrated(folder: Path) -> Path:
@@ -235,11 +243,12 @@ def render(rows: list[dict], spec_text: str) -> str:
     lines += ["", "## Per model", "", "| model | plans | mean abs error (profiled) | mean abs error (roofline) | "
               "Kendall tau (profiled) |", "|---|---|---|---|---|"]  # fmt: skip
     summary = []
+    tie = noise([r for r in rows if r["plan"] != "placement"])
     for model in dict.fromkeys(r["model"] for r in rows if r["plan"] != "placement"):
         mine = [r for r in rows if r["model"] == model and r["plan"] != "placement"]
         mean = float(np.mean([abs(_error(r)) for r in mine]))
         roof = float(np.mean([abs(_error(r, "roofline_ms")) for r in mine]))
-        tau = kendall_tau([r["predicted_ms"] for r in mine], [r["measured_ms"] for r in mine])
+        tau = kendall_tau([r["predicted_ms"] for r in mine], [r["measured_ms"] for r in mine], tie)
         summary.append((mean, roof, tau))
         lines.append(f"| {model} | {len(mine)} | {mean:.0%} | {roof:.0%} | {tau:+.2f} |")
     placements = [r for r in rows if r["plan"] == "placement"]
@@ -247,7 +256,9 @@ def render(rows: list[dict], spec_text: str) -> str:
         "",
         f"Over all training plans: mean |measured/predicted - 1| {np.mean([s[0] for s in summary]):.0%} "
         f"profiled, {np.mean([s[1] for s in summary]):.0%} roofline; Kendall tau from "
-        f"{min(s[2] for s in summary):+.2f} to {max(s[2] for s in summary):+.2f}.",
+        f"{min(s[2] for s in summary):+.2f} to {max(s[2] for s in summary):+.2f} (plans whose "
+        f"predictions differ by less than this run's noise, {tie:.0%}, tie: the median over the plans "
+        "of their launches' spread, slowest - fastest over the median).",
         "Placements: " + ("; ".join(f"{r['model']} {_error(r):+.0%}" for r in placements) or "-") + ".",
         "",
         "## The calibrated cluster spec",
