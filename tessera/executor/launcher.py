@@ -10,6 +10,7 @@ See docs/executor.md ("Launching workers").
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import faulthandler
 import logging
@@ -123,6 +124,13 @@ def resolve(options: LaunchOptions, world_size: int) -> tuple[int, int]:
     return nproc, port
 
 
+def _shutdown_grace(config: type) -> dict[str, float]:
+    """``shutdown_timeout`` where this torch's LaunchConfig has it (torch 2.11's has not: there the
+    agent's own grace applies)."""
+    names = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
+    return {"shutdown_timeout": SHUTDOWN_GRACE_S} if "shutdown_timeout" in names else {}
+
+
 def launch_workers(
     entrypoint: Callable[..., Any],
     args: tuple[Any, ...],
@@ -148,7 +156,7 @@ def launch_workers(
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
-        shutdown_timeout=SHUTDOWN_GRACE_S,
+        **_shutdown_grace(LaunchConfig),
     )
     threads = str(options.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
     with (
