@@ -75,6 +75,20 @@ def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
     return attrs
 
 
+def co_located(*xs: Tensor) -> tuple[Tensor, ...]:
+    """``xs`` on one device: on a GPU run, the tensors the CPU made (Shape, Range and
+    ConstantOfShape compute shapes and positions there) moved to the GPU tensor's device, where a
+    data operator meets them. Nothing moves when all are on one device."""
+    cuda = xs[0].is_cuda
+    for t in xs:
+        if t.is_cuda != cuda:
+            break
+    else:
+        return xs
+    device = next(t.device for t in xs if t.is_cuda)
+    return tuple(t.to(device) for t in xs)
+
+
 def given(x: Inputs, position: int) -> Tensor | None:
     """Optional input ``position``: None when the node leaves it out (or names it "")."""
     return x[position] if len(x) > position else None

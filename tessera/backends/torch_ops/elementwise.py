@@ -9,29 +9,33 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tessera.backends.torch_ops import Inputs, given, op, torch_dtype
+from tessera.backends.torch_ops import Inputs, co_located, given, op, torch_dtype
 
 
 @op("Add")
 def _add(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return x[0] + x[1]
+    lhs, rhs = co_located(x[0], x[1])
+    return lhs + rhs
 
 
 @op("Sub")
 def _sub(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return x[0] - x[1]
+    lhs, rhs = co_located(x[0], x[1])
+    return lhs - rhs
 
 
 @op("Mul")
 def _mul(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return x[0] * x[1]
+    lhs, rhs = co_located(x[0], x[1])
+    return lhs * rhs
 
 
 @op("Div")
 def _div(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    if x[0].is_floating_point():
-        return x[0] / x[1]
-    return torch.div(x[0], x[1], rounding_mode="trunc")  # ONNX integer Div truncates
+    n, d = co_located(x[0], x[1])
+    if n.is_floating_point():
+        return n / d
+    return torch.div(n, d, rounding_mode="trunc")  # ONNX integer Div truncates
 
 
 @op("Mod")
@@ -46,7 +50,8 @@ def _mod(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 
 @op("Pow")
 def _pow(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.pow(x[0], x[1]).to(x[0].dtype)  # the result has the base's type
+    base, exponent = co_located(x[0], x[1])
+    return torch.pow(base, exponent).to(base.dtype)  # the result has the base's type
 
 
 def _unary(fn: Callable[[Tensor], Tensor]) -> Callable[[Inputs, Mapping[str, Any]], Tensor]:

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tessera.backends.torch_ops import Inputs, axis_of, given, ints, op, scalar
+from tessera.backends.torch_ops import Inputs, axis_of, co_located, given, ints, op, scalar
 
 
 def _wrap(idx: Tensor, size: int | Tensor) -> Tensor:
@@ -21,9 +21,9 @@ def _wrap(idx: Tensor, size: int | Tensor) -> Tensor:
 
 @op("Gather")
 def _gather(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    data = x[0]
+    data, idx = co_located(x[0], x[1])
     axis = axis_of(a.get("axis", 0), data.dim())
-    idx = _wrap(x[1], data.shape[axis])
+    idx = _wrap(idx, data.shape[axis])
     flat = data.index_select(axis, idx.reshape(-1))
     # A tuple, not varargs: a scalar index on a 1-D tensor (Shape → Gather(0)) gives shape ().
     return flat.reshape((*data.shape[:axis], *idx.shape, *data.shape[axis + 1 :]))
@@ -31,9 +31,9 @@ def _gather(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 
 @op("GatherElements")
 def _gather_elements(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    data = x[0]
+    data, idx = co_located(x[0], x[1])
     axis = axis_of(a.get("axis", 0), data.dim())
-    return torch.gather(data, axis, _wrap(x[1], data.shape[axis]))
+    return torch.gather(data, axis, _wrap(idx, data.shape[axis]))
 
 
 @op("GatherND")
@@ -76,9 +76,9 @@ def _scatter_nd(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 @op("ScatterElements")
 def _scatter_elements(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     """Reductions none, add, mul (16+), max and min (18+)."""
-    data = x[0]
+    data, idx = co_located(x[0], x[1])
     axis = axis_of(a.get("axis", 0), data.dim())
-    idx = _wrap(x[1], data.shape[axis])
+    idx = _wrap(idx, data.shape[axis])
     reduction = a.get("reduction", "none")
     if reduction == "none":
         return torch.scatter(data, axis, idx, x[2])

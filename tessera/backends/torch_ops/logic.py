@@ -9,12 +9,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from tessera.backends.torch_ops import Inputs, op
+from tessera.backends.torch_ops import Inputs, co_located, op
 
 
 def _binary(fn: Callable[[Tensor, Tensor], Tensor]) -> Callable[[Inputs, Mapping[str, Any]], Tensor]:
     def apply(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-        return fn(x[0], x[1])
+        return fn(*co_located(x[0], x[1]))
 
     return apply
 
@@ -72,4 +72,5 @@ def _is_inf(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 
 @op("Where")
 def _where(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.where(x[0].bool(), x[1], x[2])
+    condition, yes, no = co_located(x[0], x[1], x[2])
+    return torch.where(condition.bool(), yes, no)
