@@ -101,13 +101,18 @@ def check_cp_plan(plan: CpPlan, options: DecodeOptions, source: str | None = Non
     if options.attention not in ("torch", "triton"):
         raise InputError(f"--attention {options.attention!r}: expected torch or triton")
     if options.attention == "triton":
-        from tessera.kernels.triton_decode import triton_unavailable_reason
+        from tessera.kernels.triton_decode import MIN_HEAD_DIM, triton_unavailable_reason
 
         # The workers' device (a GPU under NCCL, else the CPU), asked before any worker starts.
         device = "cuda" if choose_backend(plan.cluster, _devices(plan)) == "nccl" else "cpu"
         why = triton_unavailable_reason(device)
         if why is not None:
             raise InputError(f"--attention triton is unavailable on the plan's {device} workers: {why}")
+        if int(plan.llm["head_dim"]) < MIN_HEAD_DIM:
+            raise InputError(
+                f"--attention triton: the model's head dim {plan.llm['head_dim']} is below the kernel's "
+                f"minimum of {MIN_HEAD_DIM}; use --attention torch"
+            )
     return _prompt_lens(plan, options, source)
 
 

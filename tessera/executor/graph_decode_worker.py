@@ -57,12 +57,14 @@ class DecodeWorker:
         from tessera.kernels import get_partial_attention
 
         self.spec, self.rank, self.world, self.strategy = spec, rank, spec.world_size, spec.strategy
+        self.device = device  # the model, its inputs and the KV cache live there (a GPU under NCCL)
         self.kernel = get_partial_attention(spec.options.attention)  # a decode step's shard attention
         if spec.model_path is not None:
             self.decoder = graph_decoder(spec.model_path)
         else:  # an --llm plan: the GPT of its config, seeded random weights
             model = materialize(llm_gpt(spec.llm, spec.options.seed))
             self.decoder = graph_decoder(model, label=f"--llm {spec.llm.get('name', 'config')}")
+        self.decoder.module.to(device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.decoder.module.parameters())
         batch = len(spec.prompts)
         self.lo, self.hi = request_slices(batch, self.world)[rank]
@@ -89,13 +91,15 @@ class DecodeWorker:
     def prefill(self) -> None:
         """Each group's prompts in one pass; the first generated token of each."""
         for group in self.groups:
-            prompts = torch.tensor([self.spec.prompts[b] for b in group], dtype=torch.long)
+            prompts = torch.tensor(
+                [self.spec.prompts[b] for b in group], dtype=torch.long, device=self.device
+            )
             self._next(group, prompts, 0)
 
     def step(self, step: int) -> None:
         """Feed each request's last token (position ``prompt_len + step``), append one token."""
         for group in self.groups:
-            last = torch.tensor([[self.tokens[b][-1]] for b in group], dtype=torch.long)
+            last = torch.tensor([[self.tokens[b][-1]] for b in group], dtype=torch.long, device=self.device)
             self._next(group, last, self.prompt_lens[group[0]] + step)
 
     def _next(self, group: list[int], tokens: Tensor, past: int) -> None:
@@ -124,7 +128,9 @@ class DecodeWorker:
         self, b: int, layer: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
     ) -> tuple[Tensor, Tensor]:
         """Store the new keys this rank holds for request ``b``, attend ``q`` over all it holds."""
-        mine = torch.from_numpy(self.owner[b][q_pos.numpy()] == self.rank)
+        # Which positions this rank holds: worked out on the CPU (``q_pos`` is), used where k is.
+        mine = torch.from_numpy(self.owner[b][q_pos.numpy()] == self.rank).to(k.device)
+        q_pos = q_pos.to(k.device)
         new = (k[:, mine], v[:, mine], q_pos[mine])
         held = self.cache.get((b, layer))
         if held is not None:

@@ -19,6 +19,7 @@ from tessera.core.errors import LaunchError
 from tessera.kernels.reference import check_decode_shapes
 
 __all__ = [
+    "MIN_HEAD_DIM",
     "KernelUnavailableError",
     "decode_attention_partial_triton",
     "default_num_splits",
@@ -38,6 +39,9 @@ except Exception as exc:  # ImportError, or a broken install failing at import t
 
 class KernelUnavailableError(LaunchError):
     """A kernel implementation cannot run here (its library is missing, or no device for it)."""
+
+
+MIN_HEAD_DIM = 16  # tl.dot's smallest K dimension
 
 
 def _interpreting() -> bool:
@@ -337,8 +341,8 @@ def decode_attention_partial_triton(  # noqa: PLR0913
         raise ValueError("q, k, v and kv_len must be on the same device")
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32) or not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"q, k, v must share one of fp16/bf16/fp32; got {q.dtype}, {k.dtype}, {v.dtype}")
-    if d < 16:
-        raise ValueError(f"head dim D={d} is below the kernel's minimum of 16")
+    if d < MIN_HEAD_DIM:
+        raise ValueError(f"head dim D={d} is below the kernel's minimum of {MIN_HEAD_DIM}")
     group = hq // hkv
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
 

@@ -260,6 +260,23 @@ def test_triton_attention_on_cpu_workers_is_refused_before_they_start(tmp_path: 
     assert "TRITON_INTERPRET=1" in lines[0] and "rank" not in lines[0]
 
 
+def test_triton_attention_on_heads_narrower_than_the_kernel_is_refused_before_workers_start(
+    tmp_path: Path, gpt: Path
+) -> None:
+    """The zoo's tiny GPT has 8-wide heads, below the Triton kernel's 16 (tl.dot): on a GPU that
+    was each worker's ValueError at its first decode step (exit 4); now one line first (exit 2).
+    A subprocess with Triton's interpreter, so that Triton counts as available on CPU workers."""
+    plan_path = make_plan(tmp_path, [str(gpt)], "local-cpu-split", 2, 40)
+    env = {k: v for k, v in os.environ.items() if k != "TESSERA_DEBUG"} | {"TRITON_INTERPRET": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera", "launch", str(plan_path), "--attention", "triton"],
+        capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    lines = [line for line in proc.stderr.strip().splitlines() if "warning" not in line]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "the model's head dim 8 is below the kernel's minimum of 16; use --attention torch" in lines[0]
+
+
 def test_launch_checks_an_llm_plans_devices_against_its_cluster(tmp_path: Path) -> None:
     """A plan made from ``--llm`` has no model to check it against; launch still checks what the
     plan says (as validate does) before starting workers."""
