@@ -38,6 +38,9 @@ class GppRun(RunReport):
     options: TrainOptions
     stages: list[dict[str, Any]]
     weights: dict[str, np.ndarray] = field(default_factory=dict)
+    # Every rank's own per-step numbers, as the workers returned them (not in the JSON report):
+    # what `tessera calibrate` takes medians of.
+    rank_steps: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
 
     @property
     def losses(self) -> list[float]:
@@ -137,6 +140,7 @@ def gpp_report(
         steps=steps,
         stages=[_stage_row(st, per_rank, options.steps) for st in present],
         ranks=[_rank_row(r) for r in sorted(per_rank, key=lambda r: r["rank"])],
+        rank_steps={r["rank"]: r["steps"] for r in per_rank},
         measured=measured,
         predicted=predicted,
         ratio=ratios(measured, predicted, {"iteration_time": "iteration_time_s"}),
