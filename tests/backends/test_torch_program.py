@@ -174,3 +174,28 @@ def test_tensor_names_that_read_alike_or_as_python_names_stay_apart() -> None:
     )
     got = OnnxModule(model)(*(torch.full((2,), float(2**k)) for k in range(4)))
     torch.testing.assert_close(got[0], torch.full((2,), 15.0))
+
+
+@pytest.mark.slow
+def test_torch_compile_of_a_mask_made_by_constant_of_shape() -> None:
+    # The exporters build attention masks with ConstantOfShape; TorchDynamo failed on its numpy
+    # attribute (`launch --compile` of the corpus's BERT export failed), so it runs eagerly.
+    one = numpy_helper.from_array(np.array([1], dtype=np.int64))
+    nodes = [
+        helper.make_node("Shape", ["x"], ["s"], name="shape"),
+        helper.make_node("ConstantOfShape", ["s"], ["ones"], name="mask", value=one),
+        helper.make_node("Cast", ["ones"], ["onesf"], name="cast", to=TensorProto.FLOAT),
+        helper.make_node("MatMul", ["x", "w"], ["m"], name="mm"),
+        helper.make_node("Add", ["m", "onesf"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "masked",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["b", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["b", 4])],
+        [numpy_helper.from_array(np.eye(4, dtype=np.float32) * 2, "w")],
+    )
+    module = OnnxModule(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    module.compile_program()
+    x = torch.randn(3, 4)
+    torch.testing.assert_close(module(x)[0].detach(), 2 * x + 1)
