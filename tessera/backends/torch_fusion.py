@@ -1,7 +1,7 @@
 """Exporter patterns the torch executor runs as one torch call: the GELU that torch.onnx's TorchScript
 exporter decomposes into Div/Erf/Add/Mul/Mul, LayerNormalization without its statistics
-(``F.layer_norm``), and a MatMul by a weight followed by the Add of a bias
-(``F.linear``); Identity nodes become aliases and Constant nodes values. Rewrites work on
+(``F.layer_norm``), a MatMul by a weight followed by the Add of a bias (``F.linear``), and Pow by
+a constant (a Python exponent); Identity nodes become aliases and Constant nodes values. Rewrites work on
 :class:`Step` lists, never on the ONNX model, and leave any tensor another node or the graph reads.
 Why and what it gains: docs/executor.md ("The executor's program").
 """
@@ -45,7 +45,15 @@ def _layer_norm(x: Sequence[Tensor | None], a: Mapping[str, Any]) -> Tensor:
     return OPS["LayerNormalization"](x, a)[0]
 
 
-FUSED: dict[str, OpFn] = {"Linear": _linear, "LayerNorm": _layer_norm}
+def _pow_scalar(x: Sequence[Tensor | None], a: Mapping[str, Any]) -> Tensor:
+    """``Pow(x, c)`` by a constant: a Python exponent takes torch's fast paths (``x * x * x`` for
+    3, as in GPT-2's tanh GELU; a tensor exponent costs 3-4x that, and a gradient for it)."""
+    base = x[0]
+    assert base is not None
+    return torch.pow(base, a["exponent"]).to(base.dtype)
+
+
+FUSED: dict[str, OpFn] = {"Linear": _linear, "LayerNorm": _layer_norm, "PowScalar": _pow_scalar}
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,7 @@ def steps_of(model: onnx.ModelProto) -> tuple[list[Step], dict[str, np.ndarray]]
     steps = _alias_identities(steps, kept)
     steps = _statistics_unread(steps, kept)
     steps = _fuse_gelu(steps, constants, kept)
+    steps = _constant_exponents(steps, constants)
     steps = _fuse_linear(steps, {t.name: tuple(t.dims) for t in g.initializer}, kept)
     initializers = {t.name for t in g.initializer}
     return steps, {k: v for k, v in constants.items() if k not in initializers}
@@ -173,6 +182,18 @@ def _gelu_chain(outer: Step, producer: Any, other: Any, constants: Mapping[str, 
             if root2 is not None and abs(root2 - 2**0.5) < 1e-6:
                 return x, [div, erf, add, outer]
     return None
+
+
+def _constant_exponents(steps: list[Step], constants: Mapping[str, np.ndarray]) -> list[Step]:
+    """``Pow(x, c)`` with ``c`` a one-element float constant → ``PowScalar(x)``."""
+    out = []
+    for s in steps:
+        exponent = _scalar(constants, s.inputs[1]) if s.op_type == "Pow" and len(s.inputs) == 2 else None
+        if exponent is None:
+            out.append(s)
+        else:
+            out.append(Step("PowScalar", s.inputs[:1], s.outputs, {"exponent": exponent}, s.nodes))
+    return out
 
 
 def _fuse_linear(steps: list[Step], shapes: Mapping[str, tuple[int, ...]], kept: set[str]) -> list[Step]:

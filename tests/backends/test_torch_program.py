@@ -107,6 +107,18 @@ def test_matmul_by_a_weight_then_its_bias_runs_as_one_linear(bias_first: bool) -
     _compare(model)
 
 
+def test_pow_by_a_constant_exponent_takes_a_python_exponent_and_by_a_tensor_does_not() -> None:
+    # GPT-2's tanh GELU cubes with Pow(x, 3.0): a tensor exponent cost 3-4x torch's fast path.
+    cube = [_scalar_node("three", 3.0), helper.make_node("Pow", ["x", "three"], ["y"], name="cube")]
+    model = _model(cube)
+    assert _fused_types(model) == ["PowScalar"]
+    _compare(model)
+    by_input = _model(
+        [helper.make_node("Pow", ["x", "e"], ["y"], name="pow")], inputs=(("x", (2, 3, 8)), ("e", (1,)))
+    )
+    assert _fused_types(by_input) == ["Pow"]
+
+
 def test_layer_norm_without_its_statistics_is_torchs_layer_norm_and_with_them_is_not() -> None:
     nodes, weights = _layer_norm()
     model = _model(nodes, initializers=weights)
