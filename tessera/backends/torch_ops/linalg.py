@@ -21,10 +21,11 @@ def _matmul(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 def _gemm(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     A = x[0].t() if a.get("transA", 0) else x[0]
     B = x[1].t() if a.get("transB", 0) else x[1]
-    y = a.get("alpha", 1.0) * (A @ B)
+    alpha, beta = a.get("alpha", 1.0), a.get("beta", 1.0)
     if (C := given(x, 2)) is not None:
-        y = y + a.get("beta", 1.0) * C
-    return y
+        # one addmm (forward and backward), not a product, two scalings and an add
+        return torch.addmm(C, A, B, beta=beta, alpha=alpha)
+    return A @ B if alpha == 1.0 else alpha * (A @ B)
 
 
 @op("Einsum")
