@@ -10,10 +10,10 @@ from cli_runner import run_cli
 from onnx_builders import tied_chain
 
 from tessera.core.cost import allreduce_time
-from tessera.planners.pipeline.links import ring_link
 from tessera.core.graph import load_graph
 from tessera.core.plans import dump_plan, parse_plan
 from tessera.planners.pipeline.checks import check_gpp_plan
+from tessera.planners.pipeline.links import ring_link
 from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
 
 
