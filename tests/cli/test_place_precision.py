@@ -118,7 +118,9 @@ def test_int8_groups_are_quantized_on_the_calibration_inputs_and_launch_checks_t
                      "--cache", str(tmp_path / "c.sqlite"), "-o", str(out), "--verify")  # fmt: skip
     assert placed.code == 0, placed.err
     plan = load_plan(out)
-    assert {g.backend for g in plan.groups} == {"onnxruntime-int8"}
+    # int8 runs the model (ONNX Runtime's fp32 may keep a group it measured faster: a timing, which
+    # a loaded machine once tipped)
+    assert "onnxruntime-int8" in {g.backend for g in plan.groups}
     error = plan.measured["error"]["max_rel"]
     assert 1e-4 < error <= 0.25  # int8 really ran: fp32 would be ~1e-7
     launched = run_cli("launch", str(out), "--repeat", "2", "--json")
