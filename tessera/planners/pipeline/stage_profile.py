@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from tessera.core.cost import per_device_samples
 from tessera.core.data import TrainingData
 from tessera.core.graph import Graph
+from tessera.core.schedule import gpipe
 from tessera.core.specs import DeviceType
 from tessera.planners.pipeline.profile import digest
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
@@ -84,7 +85,7 @@ class StageProfiler:
 
     def _refined(self, st: PipelineStage, mini_batch: int) -> PipelineStage:
         samples = per_device_samples(st.micro_batch_size, len(st.devices))
-        actions = tuple(st.schedule) or _plain_schedule(mini_batch // st.micro_batch_size)
+        actions = tuple(st.schedule or gpipe(mini_batch // st.micro_batch_size))
         t = self.times(st.nodes, samples, actions, mini_batch)
         backward = t.backward + (t.forward if st.recompute else 0.0)
         return dataclasses.replace(
@@ -171,10 +172,6 @@ class StageProfiler:
             v.detach().clone().requires_grad_(v.is_floating_point() and name not in self.graph.inputs)
             for name, v in values.items()
         ]
-
-
-def _plain_schedule(micro_batches: int) -> tuple[str, ...]:
-    return tuple(f"F{j}" for j in range(micro_batches)) + tuple(f"B{j}" for j in range(micro_batches))
 
 
 def _one_step(
