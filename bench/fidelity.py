@@ -5,9 +5,9 @@ Per model (the zoo's tiny models and real exports of the corpus), six training p
 one and at four micro-batches, two devices at two micro-batch sizes (GPP), the sequential (SPP)
 plan, and GPipe's schedule. Each is planned twice, with the roofline of the calibrated spec and
 with ``--profile`` (operators measured, then the chosen plan's stages measured as the executor runs
-them), and launched once. Per model: mean |measured/predicted - 1| and Kendall's tau between the
-predicted and the measured order. Placement plans (``tessera place``) in the same run: predicted
-against launched latency.
+them), and launched three times, in rounds over the model's plans. Per model: mean
+|measured/predicted - 1| and Kendall's tau between the predicted and the measured order.
+Placement plans (``tessera place``) in the same run: predicted against launched latency.
 
     .venv/bin/python bench/fidelity.py          # writes bench/results/fidelity.md (~15 min)
 """
@@ -42,7 +42,7 @@ from tessera.planners.pipeline.types import PartitionOptions  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "fidelity.md"
 STEPS = 20
-LAUNCHES = 3  # per plan: the launches of one plan differ by ±10% on this VM (a process's luck)
+LAUNCHES = 3  # per plan: the launches of one plan differ by ±10% on this VM (the host's drift)
 MODELS = [  # (label, source, mini-batch)
     ("mmt (zoo)", "zoo:mmt", 16),
     ("gpt (zoo)", "zoo:gpt", 16),
@@ -88,7 +88,7 @@ def model_rows(label: str, source: str, b: int, cluster, cache: ProfileCache, fo
     from tessera.cli.plan.pipeline import stage_profiler
 
     measured = profile_graph(graph, planned_device_type(cluster, 1), cache=cache)
-    rows = []
+    plans = []
     for name, kind, fields in variants(b):
         options = PartitionOptions(mini_batch=b, precision="fp32", **fields)
         roofline, _, _ = plan_gpp(graph, cluster, options, kind=kind, baseline=False)
@@ -96,15 +96,20 @@ def model_rows(label: str, source: str, b: int, cluster, cache: ProfileCache, fo
         plan, _, _ = plan_gpp(
             graph, cluster, options, kind=kind, baseline=False, measured=measured, refine=refine
         )
-        # Each launch's iteration: the median over steps 2..k (one step slowed by another process
-        # is noise here); the plan's: the median launch (its per-stage parts with it).
-        launches = []
-        for _ in range(LAUNCHES):
+        plans.append((name, roofline, plan))
+    # Each launch's iteration: the median over steps 2..k (one step slowed by another process is
+    # noise here). The plans are launched in rounds (each plan once, then again), so that the
+    # host's drift over a minute falls on all of them alike; a plan's: its median launch.
+    launches: list[list[tuple[float, dict]]] = [[] for _ in plans]
+    for _ in range(LAUNCHES):
+        for (_, _, plan), mine in zip(plans, launches, strict=True):
             run = run_gpp_plan(plan, graph, path, TrainOptions(steps=STEPS), LaunchOptions(timeout_s=300))
             report = run.to_json()
-            launches.append((float(np.median([x["iteration_s"] for x in report["steps"][1:]])) * 1e3, report))
-        launches.sort(key=lambda x: x[0])
-        launched_ms, report = launches[len(launches) // 2]
+            mine.append((float(np.median([x["iteration_s"] for x in report["steps"][1:]])) * 1e3, report))
+    rows = []
+    for (name, roofline, plan), mine in zip(plans, launches, strict=True):
+        mine.sort(key=lambda x: x[0])
+        launched_ms, report = mine[len(mine) // 2]
         rows.append(
             {
                 "model": label,
@@ -114,7 +119,7 @@ def model_rows(label: str, source: str, b: int, cluster, cache: ProfileCache, fo
                 "roofline_ms": roofline.predicted["iteration_time_s"] * 1e3,
                 "predicted_ms": plan.predicted["iteration_time_s"] * 1e3,
                 "measured_ms": launched_ms,
-                "spread_ms": (launches[0][0], launches[-1][0]),
+                "spread_ms": (mine[0][0], mine[-1][0]),
                 "stages": report["fidelity"]["stages"],
             }
         )
@@ -211,7 +216,8 @@ def render(rows: list[dict], spec_text: str) -> str:
         "",
         f"Machine: {platform.processor() or platform.machine()}, 2 cores; every rank one process with one "
         f"thread; {STEPS} SGD steps per launch, a launch's iteration = median over steps 2..{STEPS} of the "
-        f"slowest rank; each plan launched {LAUNCHES} times, measured = the median launch (its per-stage "
+        f"slowest rank; each plan launched {LAUNCHES} times (in rounds: a model's plans once each, then "
+        "again), measured = the median launch (its per-stage "
         "parts: launch's means; 'launches': the fastest and slowest). "
         "Cluster spec: `tessera calibrate` in the same run (below). 'roofline' = the plan's prediction "
         "with the calibrated spec's roofline; 'profiled' = `--profile` (operators measured for the "

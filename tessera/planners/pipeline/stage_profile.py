@@ -13,7 +13,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from tessera.core.cost import per_device_samples
 from tessera.core.data import TrainingData
@@ -51,8 +51,9 @@ class StageProfileOptions:
     max_repeats: int = 50
     warmup: int = 2
     # Each part's time is the median of the bursts' medians: a burst that another process slowed
-    # (a stage once measured 2.6x its time a minute later) is outvoted, not averaged in.
-    bursts: int = 3
+    # (a stage once measured 2.6x its time a minute later) is outvoted, not averaged in. A plan's
+    # stages take their bursts in turns (see StageProfiler._measure_missing).
+    bursts: int = 5
 
 
 class StageProfiler:
@@ -80,13 +81,11 @@ class StageProfiler:
         self._model: OnnxModule | None = None  # the whole model, computing stages' inputs
 
     def refine(self, pipe: Pipeline) -> Pipeline:
-        stages = [self._refined(st, pipe.mini_batch_size) for st in pipe.stages]
+        times = self._times([self._request(st, pipe.mini_batch_size) for st in pipe.stages])
+        stages = [self._refined(st, t) for st, t in zip(pipe.stages, times, strict=True)]
         return dataclasses.replace(pipe, stages=stages)
 
-    def _refined(self, st: PipelineStage, mini_batch: int) -> PipelineStage:
-        samples = per_device_samples(st.micro_batch_size, len(st.devices))
-        actions = tuple(st.schedule or gpipe(mini_batch // st.micro_batch_size))
-        t = self.times(st.nodes, samples, actions, mini_batch)
+    def _refined(self, st: PipelineStage, t: StageTimes) -> PipelineStage:
         backward = t.backward + (t.forward if st.recompute else 0.0)
         return dataclasses.replace(
             st,
@@ -96,62 +95,101 @@ class StageProfiler:
             action_overhead=self.action_overhead,
         )
 
+    def _request(self, st: PipelineStage, mini_batch: int) -> _Request:
+        samples = per_device_samples(st.micro_batch_size, len(st.devices))
+        actions = tuple(st.schedule or gpipe(mini_batch // st.micro_batch_size))
+        return _Request(tuple(st.nodes), samples, actions, mini_batch)
+
     def times(self, nodes: list[str], samples: int, actions: tuple[str, ...], mini_batch: int) -> StageTimes:
         """The stage of ``nodes`` running ``actions`` (``F0``, ``B0``, … a step) at ``samples``
         samples per micro-batch, drawing a ``mini_batch`` of data each step: cached, else measured."""
-        from tessera.backends.profile_cache import Profile
+        return self._times([_Request(tuple(nodes), samples, actions, mini_batch)])[0]
 
-        key = digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, RECIPE])
+    def _key(self, request: _Request) -> str:
+        nodes, samples, actions, mini_batch = request
+        return digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, RECIPE])
+
+    def _cached(self, request: _Request) -> StageTimes | None:
+        key = self._key(request)
         cached = [self.cache.get(b, self.version, self.fingerprint, key) for b in STAGE_BACKENDS]
         if all(c is not None and c.ok for c in cached):
             return StageTimes(*(c.median_s for c in cached))  # type: ignore[union-attr]
-        bursts = self._measure(nodes, samples, actions, mini_batch)
-        self.measured += 1
-        seconds = [statistics.median(statistics.median(b[part]) for b in bursts) for part in range(3)]
-        repeats = sum(len(b[0]) for b in bursts)
-        for backend, value in zip(STAGE_BACKENDS, seconds, strict=True):
-            self.cache.put(Profile(backend, self.version, self.fingerprint, key, value, 0.0, repeats))
-        return StageTimes(*seconds)
+        return None
+
+    def _times(self, requests: list[_Request]) -> list[StageTimes]:
+        """Each request's times: from the cache, else measured, the missing ones' bursts taken in
+        turns (stage 0's first burst, stage 1's, …, then the second round). A shared host's speed
+        drifts over seconds (a stage measured 8.7 to 11.5 ms a step within one second): turns
+        spread each stage's bursts over the whole measurement and give a plan's stages the same
+        drift, so their balance is measured fairly."""
+        from tessera.backends.profile_cache import Profile
+
+        missing = list(dict.fromkeys(r for r in requests if self._cached(r) is None))
+        for request, measured in zip(missing, self._measure(missing) if missing else [], strict=True):
+            self.measured += 1
+            seconds = [statistics.median(statistics.median(b[part]) for b in measured) for part in range(3)]
+            repeats = sum(len(b[0]) for b in measured)
+            for backend, value in zip(STAGE_BACKENDS, seconds, strict=True):
+                self.cache.put(
+                    Profile(backend, self.version, self.fingerprint, self._key(request), value, 0.0, repeats)
+                )
+        return [t for t in map(self._cached, requests) if t is not None]
 
     def _model_key(self) -> list[object]:
         """What the model's stages depend on: its bytes, the shapes given and the rewrites applied."""
         g = self.graph
         return [g.sha256, sorted((k, list(v)) for k, v in g.input_shapes.items()), list(g.rewrites)]
 
-    def _measure(
-        self, nodes: list[str], samples: int, actions: tuple[str, ...], mini_batch: int
-    ) -> list[tuple[list[float], ...]]:
-        """Per burst, the seconds of each timed step: (forwards, backwards, own parts)."""
+    def _measure(self, requests: list[_Request]) -> list[list[tuple[list[float], ...]]]:
+        """Per request, per burst, the seconds of each timed step: (forwards, backwards, own parts)."""
+        import torch
+
+        runs = [self._runner(r) for r in requests]
+        before = torch.get_num_threads()
+        if self.threads:
+            torch.set_num_threads(self.threads)
+        bursts: list[list[tuple[list[float], ...]]] = [[] for _ in runs]
+        try:
+            for burst in range(self.options.bursts):
+                for run, taken in zip(runs, bursts, strict=True):
+                    taken.append(self._burst(run, warmup=self.options.warmup if burst == 0 else 0))
+        finally:
+            torch.set_num_threads(before)
+        return bursts
+
+    def _runner(self, request: _Request) -> _StageRun:
         import torch
 
         from tessera.backends.torch_module import to_torch
 
-        module = to_torch(self.graph.extract(nodes), label="stage")
-        feeds = self._inputs(module.input_names, samples)
+        nodes, samples, actions, mini_batch = request
+        module = to_torch(self.graph.extract(list(nodes)), label="stage")
         params = [p for _, p in module.onnx_parameters()]
-        optimizer = torch.optim.SGD(params, lr=1e-9) if params else None
-        data = TrainingData(self.graph, mini_batch)
-        before = torch.get_num_threads()
-        if self.threads:
-            torch.set_num_threads(self.threads)
-        o, step = self.options, 0
-        bursts = []
-        try:
-            for burst in range(o.bursts):
-                runs: tuple[list[float], list[float], list[float]] = ([], [], [])
-                skip, spent = (o.warmup if burst == 0 else 0), 0.0
-                while len(runs[0]) < skip + o.min_repeats or (
-                    spent < o.budget_s and len(runs[0]) < skip + o.max_repeats
-                ):
-                    start = time.perf_counter()
-                    times = _one_step(module, feeds, optimizer, actions, functools.partial(data.batch, step))
-                    spent, step = spent + time.perf_counter() - start, step + 1
-                    for values, value in zip(runs, times, strict=True):
-                        values.append(value)
-                bursts.append(tuple(values[skip:] for values in runs))
-        finally:
-            torch.set_num_threads(before)
-        return bursts
+        return _StageRun(
+            module,
+            self._inputs(module.input_names, samples),
+            torch.optim.SGD(params, lr=1e-9) if params else None,
+            actions,
+            TrainingData(self.graph, mini_batch),
+        )
+
+    def _burst(self, run: _StageRun, warmup: int) -> tuple[list[float], ...]:
+        """Steps of ``run`` until the budget is spent (at least ``min_repeats``), the first
+        ``warmup`` left out."""
+        o = self.options
+        times: tuple[list[float], list[float], list[float]] = ([], [], [])
+        spent = 0.0
+        while len(times[0]) < warmup + o.min_repeats or (
+            spent < o.budget_s and len(times[0]) < warmup + o.max_repeats
+        ):
+            start = time.perf_counter()
+            parts = _one_step(
+                run.module, run.feeds, run.optimizer, run.actions, functools.partial(run.data.batch, run.step)
+            )
+            spent, run.step = spent + time.perf_counter() - start, run.step + 1
+            for values, value in zip(times, parts, strict=True):
+                values.append(value)
+        return tuple(values[warmup:] for values in times)
 
     def _inputs(self, names: tuple[str, ...], samples: int) -> list[torch.Tensor]:
         """The stage's inputs at ``samples`` samples, computed by the whole model from the first
@@ -215,6 +253,25 @@ def _one_step(
     own += time.perf_counter() - t0
     micro_batches = max(len(actions) // 2, 1)
     return forward / micro_batches, backward / micro_batches, own
+
+
+class _Request(NamedTuple):
+    nodes: tuple[str, ...]
+    samples: int
+    actions: tuple[str, ...]
+    mini_batch: int
+
+
+@dataclass
+class _StageRun:
+    """A stage built to be measured: its program, inputs, optimizer, schedule and data."""
+
+    module: OnnxModule
+    feeds: list[torch.Tensor]
+    optimizer: object
+    actions: tuple[str, ...]
+    data: TrainingData
+    step: int = 0
 
 
 RefineFn = Callable[[Pipeline], Pipeline]

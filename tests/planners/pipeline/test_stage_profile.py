@@ -20,13 +20,13 @@ from tessera.planners.sim import simulate_pipeline
 QUICK = StageProfileOptions(budget_s=0.02, min_repeats=2, max_repeats=3, warmup=1)
 
 
-def _pipe(zoo_graph, devices: int = 2):
+def _pipe(zoo_graph, devices: int = 2, kind: str = "gpp"):
     graph = zoo_graph("mmt")
     cluster = load_cluster("local-cpu-split")
     options = dataclasses.replace(
         pipeline_options(cluster, mini_batch=8, devices=devices), micro_batch_sizes=(4,), memory_limit=3e6
     )
-    _, pipe, _ = plan_gpp(graph, cluster, options, baseline=False)
+    _, pipe, _ = plan_gpp(graph, cluster, options, kind=kind, baseline=False)
     return graph, cluster, options, pipe
 
 
@@ -103,3 +103,24 @@ def test_a_burst_another_process_slowed_is_outvoted(zoo_graph, tmp_path: Path, m
     st = profiler.refine(pipe).stages[0]
     assert next(calls) == options.warmup + options.bursts * options.max_repeats  # the slow burst ran
     assert (st.forward_time, st.backward_time, st.step_time) == (1e-3, 2e-3, 5e-4)
+
+
+def test_a_plans_stages_take_their_bursts_in_turns(zoo_graph, tmp_path: Path, monkeypatch) -> None:
+    # Drift over seconds would otherwise slow one stage's bursts and not the other's.
+    import tessera.planners.pipeline.stage_profile as stage_profile
+
+    graph, cluster, _, pipe = _pipe(zoo_graph, kind="spp")
+    assert len(pipe.stages) == 2
+    options = StageProfileOptions(budget_s=1e3, min_repeats=2, max_repeats=2, warmup=1, bursts=3)
+    order: list[int] = []
+    modules: dict[int, int] = {}
+
+    def step(module, *args) -> tuple[float, float, float]:
+        order.append(modules.setdefault(id(module), len(modules)))
+        return 1e-3, 2e-3, 5e-4
+
+    monkeypatch.setattr(stage_profile, "_one_step", step)
+    profiler = StageProfiler(graph, cluster.devices()[0].type, ProfileCache(tmp_path / "p.sqlite"), options)
+    refined = profiler.refine(pipe)
+    assert order == [0] * 3 + [1] * 3 + ([0] * 2 + [1] * 2) * 2
+    assert profiler.measured == 2 and all(st.forward_time == 1e-3 for st in refined.stages)
