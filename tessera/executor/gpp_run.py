@@ -41,6 +41,8 @@ class GppRun(RunReport):
     # Every rank's own per-step numbers, as the workers returned them (not in the JSON report):
     # what `tessera calibrate` takes medians of.
     rank_steps: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
+    # Per stage, the stages whose ranks join an all-reduce with its ranks (tied weights).
+    allreduce_peers: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def losses(self) -> list[float]:
@@ -58,7 +60,9 @@ class GppRun(RunReport):
                 "data": self.options.data or f"synthetic (seed {self.options.seed})",
             },
             "stages": self.stages,
-            "fidelity": fidelity(self.measured, self.predicted, self.stages, self.ranks),
+            "fidelity": fidelity(
+                self.measured, self.predicted, self.stages, self.ranks, self.allreduce_peers
+            ),
         }
 
 
@@ -141,6 +145,10 @@ def gpp_report(
         stages=[_stage_row(st, per_rank, options.steps) for st in present],
         ranks=[_rank_row(r) for r in sorted(per_rank, key=lambda r: r["rank"])],
         rank_steps={r["rank"]: r["steps"] for r in per_rank},
+        allreduce_peers={
+            st.id: sorted({i for w in plan.shared_weights if st.id in w.stages for i in w.stages} - {st.id})
+            for st in plan.stages
+        },
         measured=measured,
         predicted=predicted,
         ratio=ratios(measured, predicted, {"iteration_time": "iteration_time_s"}),
@@ -153,19 +161,22 @@ def fidelity(
     predicted: dict[str, Any],
     stages: list[dict[str, Any]],
     ranks: list[dict[str, Any]],
+    peers: dict[int, list[int]] | None = None,
 ) -> dict[str, Any]:
     """Measured against predicted, part by part: the iteration, and per stage its busy (forward +
-    backward compute), all-reduce (of the replica that reached it last: the others also wait for
-    it) and idle time (the rest of the iteration: transfers, pipeline bubbles, waiting on peers,
+    backward compute), all-reduce (of the rank that reached it last, among the stage's replicas and
+    ``peers[stage]``'s ranks, the stages it shares tied weights with: the others wait for that
+    rank, and the plan's prediction counts waiting as idle) and idle time (the rest of the iteration: transfers, pipeline bubbles, waiting on peers,
     the optimizer step, drawing the data); ``error`` = measured / predicted − 1 (None
     where the plan predicts nothing). Docs: docs/executor.md ("Fidelity")."""
     iteration = measured["iteration_time_s"]
     p_iteration = predicted.get("iteration_time_s")
     rows = []
     for st in stages:
+        joined = {st["id"], *(peers or {}).get(st["id"], [])}
         allreduce = min(
-            r["allreduce_s"] for r in _replicas(ranks, st["id"])
-        )  # the last replica to arrive waits least
+            r["allreduce_s"] for r in ranks if r["stage"] in joined
+        )  # the last to arrive waits least
         p_allreduce = st.get("predicted_allreduce_s")
         parts = {"busy": (st["busy_s"], st["predicted_busy_s"]), "allreduce": (allreduce, p_allreduce)}
         p_idle = None

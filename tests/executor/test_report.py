@@ -46,3 +46,21 @@ def test_every_report_has_the_shared_keys() -> None:
 def test_launch_dispatches_every_plan_kind_through_one_table() -> None:
     assert set(RUNNERS) == {"gpp", "spp", "cp", "placement"}
     assert LaunchRequest().launch.timeout_s > 0
+
+
+def test_an_all_reduce_over_tied_weights_is_the_last_arrivals_and_the_wait_is_idle() -> None:
+    # Stage 1 reaches the all-reduce of the weight it shares with stage 0 first and waits there
+    # for stage 0's last backward (1.8 ms); the plan counts that wait as idle, so does fidelity.
+    from tessera.executor.gpp_run import fidelity
+
+    stages = [
+        {"id": i, "busy_s": busy, "predicted_busy_s": busy, "predicted_allreduce_s": 3e-4}
+        for i, busy in ((0, 8e-3), (1, 6e-3))
+    ]
+    ranks = [{"rank": 0, "stage": 0, "allreduce_s": 3e-4}, {"rank": 1, "stage": 1, "allreduce_s": 1.8e-3}]
+    measured, predicted = {"iteration_time_s": 1e-2}, {"iteration_time_s": 1e-2}
+    got = fidelity(measured, predicted, stages, ranks, {0: [1], 1: [0]})["stages"]
+    assert [row["allreduce"]["measured_s"] for row in got] == [3e-4, 3e-4]
+    assert got[1]["idle"]["measured_s"] == pytest.approx(1e-2 - 6e-3 - 3e-4)
+    alone = fidelity(measured, predicted, stages, ranks)["stages"]  # no tied weights: its own wait
+    assert alone[1]["allreduce"]["measured_s"] == 1.8e-3
