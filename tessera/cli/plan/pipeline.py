@@ -25,7 +25,7 @@ from tessera.planners.pipeline.checks import untrainable_message
 from tessera.planners.pipeline.plan import RewriteChoice, pipeline_options, plan_gpp_best
 from tessera.planners.pipeline.profile import MeasuredCosts, open_cache, profile_graph
 from tessera.planners.pipeline.search import planned_device_type
-from tessera.planners.pipeline.stage_profile import StageProfiler
+from tessera.planners.pipeline.stage_profile import StageProfiler, stages_measurable
 from tessera.planners.pipeline.types import Pipeline
 
 if TYPE_CHECKING:
@@ -234,9 +234,10 @@ def run_pipeline_plan(  # noqa: PLR0913
             baseline=not no_baseline,
             rewrite_auto=rewrite_auto,
             measure=(lambda g: profile_costs(g, cluster, store, devices)) if store else None,
-            # Stages are measured on this CPU: for GPU clusters the operators' times stay.
+            # Stages are measured on this machine's CPU or GPU, as the cluster's devices are; a GPU
+            # cluster planned where torch sees no GPU keeps the operators' times.
             refine=(lambda g: stage_profiler(g, cluster, store, devices).refine)
-            if store and planned_device_type(cluster, devices).kind == "cpu"
+            if store and stages_measurable(planned_device_type(cluster, devices))
             else None,
         )
     finally:

@@ -20,7 +20,7 @@ from tessera.core.data import TrainingData
 from tessera.core.graph import Graph
 from tessera.core.schedule import gpipe
 from tessera.core.specs import DeviceType
-from tessera.planners.pipeline.profile import digest
+from tessera.planners.pipeline.profile import digest, torch_device_for
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
 if TYPE_CHECKING:
@@ -56,6 +56,11 @@ class StageProfileOptions:
     bursts: int = 5
 
 
+def stages_measurable(device_type: DeviceType) -> bool:
+    """Whether this machine can run stages as ``device_type`` would: a CPU, or a GPU torch sees."""
+    return device_type.kind == "cpu" or torch_device_for(device_type) == "cuda"
+
+
 class StageProfiler:
     """``refine(pipe)``: ``pipe`` with every stage's forward, backward and step times measured."""
 
@@ -73,9 +78,17 @@ class StageProfiler:
         self.graph, self.cache = graph, cache
         self.action_overhead = device_type.action_overhead
         self.options = options or StageProfileOptions()
+        # A GPU cluster's stages run on this machine's GPU (fp32, as the workers train), timed to
+        # the end of their kernels; a CPU cluster's with the device type's threads.
+        self.device = torch_device_for(device_type)
         self.threads = int(device_type.cores) if device_type.kind == "cpu" and device_type.cores else None
         threads = self.threads or torch.get_num_threads()
-        self.fingerprint = device_fingerprint(f"torch cpu, {threads} thread{'' if threads == 1 else 's'}")
+        label = (
+            f"cuda ({torch.cuda.get_device_name(self.device)})"
+            if self.device == "cuda"
+            else f"cpu, {threads} thread{'' if threads == 1 else 's'}"
+        )
+        self.fingerprint = device_fingerprint(f"torch {label}")
         self.version = str(torch.__version__)
         self.measured = 0  # stages timed in this run (the others came from the cache)
         self._model: OnnxModule | None = None  # the whole model, computing stages' inputs
@@ -163,7 +176,7 @@ class StageProfiler:
         from tessera.backends.torch_module import to_torch
 
         nodes, samples, actions, mini_batch = request
-        module = to_torch(self.graph.extract(list(nodes)), label="stage")
+        module = to_torch(self.graph.extract(list(nodes)), label="stage").to(self.device)
         params = [p for _, p in module.onnx_parameters()]
         return _StageRun(
             module,
@@ -171,6 +184,7 @@ class StageProfiler:
             torch.optim.SGD(params, lr=1e-9) if params else None,
             actions,
             TrainingData(self.graph, mini_batch),
+            torch.cuda.synchronize if self.device == "cuda" else _no_sync,
         )
 
     def _burst(self, run: _StageRun, warmup: int) -> tuple[list[float], ...]:
@@ -183,9 +197,8 @@ class StageProfiler:
             spent < o.budget_s and len(times[0]) < warmup + o.max_repeats
         ):
             start = time.perf_counter()
-            parts = _one_step(
-                run.module, run.feeds, run.optimizer, run.actions, functools.partial(run.data.batch, run.step)
-            )
+            draw = functools.partial(run.data.batch, run.step)
+            parts = _one_step(run.module, run.feeds, run.optimizer, run.actions, draw, run.sync)
             spent, run.step = spent + time.perf_counter() - start, run.step + 1
             for values, value in zip(times, parts, strict=True):
                 values.append(value)
@@ -207,7 +220,9 @@ class StageProfiler:
             values = self._model.run(feeds, tensors=names)
         # As in a worker: the model's own inputs (data) need no gradient, received activations do.
         return [
-            v.detach().clone().requires_grad_(v.is_floating_point() and name not in self.graph.inputs)
+            v.detach()
+            .to(self.device, copy=True)
+            .requires_grad_(v.is_floating_point() and name not in self.graph.inputs)
             for name, v in values.items()
         ]
 
@@ -218,12 +233,14 @@ def _one_step(
     optimizer: object,
     actions: tuple[str, ...],
     draw: Callable[[], object],
+    sync: Callable[[], None],
 ) -> tuple[float, float, float]:
     """One step of the stage as a rank runs it: the data drawn, ``actions`` in order (a forward
     with a squared-error loss of the outputs, as the last stage's; a backward accumulating into
     the gradients), the SGD step. Seconds: the mean forward, the mean backward, and the data and
     the optimizer step together (each in the cache state the step leaves them, not in a tight loop
-    of its own: measured apart, both ran 30-40% faster than in a step)."""
+    of its own: measured apart, both ran 30-40% faster than in a step). ``sync`` waits for a GPU's
+    queued kernels before each reading of the clock."""
     t0 = time.perf_counter()
     draw()
     own = time.perf_counter() - t0
@@ -239,17 +256,20 @@ def _one_step(
             if loss is not None:
                 float(loss.detach())  # the worker reads the loss in its forward
             losses[action[1:]] = loss
+            sync()
             forward += time.perf_counter() - t0
         else:
             loss = losses.pop(action[1:])
             if loss is not None:
                 loss.backward()  # type: ignore[attr-defined]
             del loss
+            sync()
             backward += time.perf_counter() - t0
     t0 = time.perf_counter()
     if optimizer is not None:
         optimizer.step()  # type: ignore[attr-defined]
         optimizer.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
+    sync()
     own += time.perf_counter() - t0
     micro_batches = max(len(actions) // 2, 1)
     return forward / micro_batches, backward / micro_batches, own
@@ -271,7 +291,12 @@ class _StageRun:
     optimizer: object
     actions: tuple[str, ...]
     data: TrainingData
+    sync: Callable[[], None]
     step: int = 0
+
+
+def _no_sync() -> None:
+    pass
 
 
 RefineFn = Callable[[Pipeline], Pipeline]

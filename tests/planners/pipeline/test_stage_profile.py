@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from cli_runner import run_cli
 
 from tessera.backends.profile_cache import ProfileCache
@@ -124,3 +125,32 @@ def test_a_plans_stages_take_their_bursts_in_turns(zoo_graph, tmp_path: Path, mo
     refined = profiler.refine(pipe)
     assert order == [0] * 3 + [1] * 3 + ([0] * 2 + [1] * 2) * 2
     assert profiler.measured == 2 and all(st.forward_time == 1e-3 for st in refined.stages)
+
+
+def test_a_gpu_clusters_stages_are_left_to_the_operators_times_where_torch_sees_no_gpu() -> None:
+    from tessera.planners.pipeline.search import planned_device_type
+    from tessera.planners.pipeline.stage_profile import stages_measurable
+
+    assert stages_measurable(planned_device_type(load_cluster("local-cpu-split"), 1))
+    gpu = planned_device_type(load_cluster("h200"), 1)
+    assert stages_measurable(gpu) == torch.cuda.is_available()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_gpu_clusters_stages_are_measured_on_the_gpu(zoo_graph, tmp_path: Path) -> None:
+    from tessera.planners.pipeline.search import planned_device_type
+
+    graph = zoo_graph("gpt")
+    cluster = load_cluster("h200")
+    options = dataclasses.replace(pipeline_options(cluster, mini_batch=8, devices=1), micro_batch_sizes=(4,))
+    _, pipe, _ = plan_gpp(graph, cluster, options, baseline=False)
+    profiler = StageProfiler(
+        graph, planned_device_type(cluster, 1), ProfileCache(tmp_path / "p.sqlite"), QUICK
+    )
+    assert profiler.device == "cuda" and "torch cuda" in profiler.fingerprint
+    torch.cuda.reset_peak_memory_stats()
+    refined = profiler.refine(pipe)
+    assert torch.cuda.max_memory_allocated() > 0  # the stage ran there
+    assert profiler.measured == len(pipe.stages)
+    assert all(st.forward_time > 0 and st.backward_time > 0 and st.step_time > 0 for st in refined.stages)
