@@ -10,6 +10,7 @@
 #     bash bench/gpu_checks.sh            # about 5 minutes on an H200
 #     bash bench/gpu_checks.sh launch     # the planning and launch checks alone (about 2 minutes)
 #     bash bench/gpu_checks.sh llm        # CP decode of GPT-2's shape, Triton against torch attention
+#     bash bench/gpu_checks.sh fidelity   # bench/gpu_fidelity.py (corpus exports in .gl/corpus), then llm
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -36,8 +37,14 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
 print(\"triton\", triton.__version__, \"onnx\", onnx.__version__, \"onnxruntime\", onnxruntime.__version__, onnxruntime.get_available_providers())
 print(\"cudnn\", torch.backends.cudnn.version(), \"nccl\", torch.cuda.nccl.version())"'
 step 60 "backends" $T backends --json
-ONLY=${1:-all}  # "launch": the launches alone; "llm": the GPT-2-shaped decode alone
-if [ "$ONLY" = all ]; then
+ONLY=${1:-all}  # "launch": the launches alone; "llm": the GPT-2-shaped decode alone; "fidelity": below
+if [ "$ONLY" = fidelity ]; then  # stages measured on the GPU: predicted against launched, then "llm"
+    step 120 "stage profiler on cuda" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/planners/pipeline/test_stage_profile.py
+    step 330 "predicted against launched (bench/gpu_fidelity.py)" python3 bench/gpu_fidelity.py \
+        --cluster h200 --out "$OUT/gpu_fidelity.md"
+    ONLY=llm
+elif [ "$ONLY" = all ]; then
 step 240 "gpu tests" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/backends
 step 240 "split-KV decode kernel: bench/kernels.py --tune" python3 bench/kernels.py --tune
 cp bench/results/kernels.md "$OUT/" 2>/dev/null
