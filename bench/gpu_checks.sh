@@ -55,6 +55,26 @@ fi
 if [ "$ONLY" = llm ]; then  # CP decode of GPT-2's shape on the GPU: Triton's tokens against torch's
     step 60 "cp plan (--llm gpt2, h200)" $T plan --llm gpt2 --kind cp --cluster h200 --batch 2 --context 64 \
         --output-len 8 -o "$W/llm.json"
+    cat >"$W/recognize.py" <<'PY'
+import json, sys, traceback
+import onnx
+from tessera.core.weights import materialize
+from tessera.executor.graph_decode_worker import graph_decoder
+from tessera.models.gpt import llm_gpt
+print("onnx", onnx.__version__)
+llm = json.load(open(sys.argv[1]))["llm"]
+model = materialize(llm_gpt(llm, 0))
+try:
+    graph_decoder(model, label="--llm gpt2")
+    print("recognized")
+except Exception:
+    traceback.print_exc()
+    inferred = onnx.shape_inference.infer_shapes(model)
+    known = {v.name: [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim] for v in inferred.graph.value_info}
+    for node in model.graph.node[:60]:
+        print(node.op_type, node.name, [(o, known.get(o)) for o in node.output])
+PY
+    step 60 "recognize --llm gpt2's decoder" python3 "$W/recognize.py" "$W/llm.json"
     for attention in torch triton; do
         step 120 "cp launch --llm gpt2, $attention attention" $T launch "$W/llm.json" --attention $attention \
             --new-tokens 6 --prompt-lens 64,33 --json
