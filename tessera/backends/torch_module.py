@@ -28,6 +28,7 @@ from tessera.backends.torch_ops import (
 )
 from tessera.backends.torch_program import build_program, identifier
 from tessera.core.errors import InputError
+from tessera.core.weights import is_lazy_tensor, lazy_values
 
 # Replaces a node's outputs: hook(its inputs, its outputs) -> outputs (OnnxModule.run).
 NodeHook = Callable[[Sequence["Tensor | None"], tuple[Tensor, ...]], Sequence[Tensor]]
@@ -97,7 +98,8 @@ class OnnxModule(nn.Module):
         self._init_keys: dict[str, tuple[str, str]] = {}  # initializer → ("param"|"buffer", key)
         used: set[str] = set()
         for t in g.initializer:
-            array = numpy_helper.to_array(t)
+            # A paper-size zoo model's lazy parameters are generated here, as materialize would.
+            array = lazy_values(t) if is_lazy_tensor(t) else numpy_helper.to_array(t)
             value = torch.from_numpy(np.array(array, copy=True))
             key = identifier(t.name, used)
             self.onnx_names[key] = t.name

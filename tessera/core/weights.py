@@ -109,18 +109,24 @@ def materialize(model: onnx.ModelProto) -> onnx.ModelProto:
     for tensor in result.graph.initializer:
         if not is_lazy_tensor(tensor):
             continue
-        entries = {entry.key: entry.value for entry in tensor.external_data}
-        init = Init(entries[_INIT_KEY], float(entries[_STD_KEY]))  # type: ignore[arg-type]
-        name, dims = tensor.name, tuple(tensor.dims)
-        cut = entries.get(_SLICE_KEY)
-        if cut is not None:
-            name, origin, axis, start, stop = cut.split(";")
-            dims = tuple(int(d) for d in origin.split(","))
-        values = generate(name, dims, init, int(entries[_SEED_KEY]))
-        if cut is not None:
-            span = slice(int(start), int(stop))
-            values = np.ascontiguousarray(values[span] if axis == "0" else values[:, span])
+        values = lazy_values(tensor)
         del tensor.external_data[:]
         tensor.ClearField("data_location")
         tensor.raw_data = values.tobytes()
     return result
+
+
+def lazy_values(tensor: TensorProto) -> np.ndarray:
+    """The values of the lazy parameter ``tensor`` (:func:`is_lazy_tensor`), generated."""
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    init = Init(entries[_INIT_KEY], float(entries[_STD_KEY]))  # type: ignore[arg-type]
+    name, dims = tensor.name, tuple(tensor.dims)
+    cut = entries.get(_SLICE_KEY)
+    if cut is not None:
+        name, origin, axis, start, stop = cut.split(";")
+        dims = tuple(int(d) for d in origin.split(","))
+    values = generate(name, dims, init, int(entries[_SEED_KEY]))
+    if cut is not None:
+        span = slice(int(start), int(stop))
+        values = np.ascontiguousarray(values[span] if axis == "0" else values[:, span])
+    return values
