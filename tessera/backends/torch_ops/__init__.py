@@ -76,17 +76,24 @@ def node_attributes(node: onnx.NodeProto) -> dict[str, Any]:
 
 
 def co_located(*xs: Tensor) -> tuple[Tensor, ...]:
-    """``xs`` on one device: on a GPU run, the tensors the CPU made (Shape, Range and
-    ConstantOfShape compute shapes and positions there) moved to the GPU tensor's device, where a
-    data operator meets them. Nothing moves when all are on one device."""
+    """``xs`` on one device. On a GPU run the CPU makes shapes and positions (Shape, Range,
+    ConstantOfShape) while the weights and constants live on the GPU; where they meet, shape
+    arithmetic (only small integer tensors) goes to the CPU, where the next Reshape reads it
+    without waiting for the GPU, and anything else to the GPU tensor's device. Nothing moves when
+    all are on one device."""
     cuda = xs[0].is_cuda
     for t in xs:
         if t.is_cuda != cuda:
             break
     else:
         return xs
+    if all(not t.is_floating_point() and t.numel() <= SHAPE_NUMEL for t in xs):
+        return tuple(t.cpu() for t in xs)
     device = next(t.device for t in xs if t.is_cuda)
     return tuple(t.to(device) for t in xs)
+
+
+SHAPE_NUMEL = 64  # integer tensors up to this size that meet CPU-made ones are shape arithmetic
 
 
 def given(x: Inputs, position: int) -> Tensor | None:

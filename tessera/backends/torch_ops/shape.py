@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from tessera.backends.torch_ops import Inputs, axes_of, axis_of, given, ints, op, scalar
+from tessera.backends.torch_ops import Inputs, axes_of, axis_of, co_located, given, ints, op, scalar
 
 
 @op("Identity")
@@ -53,7 +53,7 @@ def _transpose(x: Inputs, a: Mapping[str, Any]) -> Tensor:
 
 @op("Concat")
 def _concat(x: Inputs, a: Mapping[str, Any]) -> Tensor:
-    return torch.cat([t for t in x if t is not None], dim=a["axis"])
+    return torch.cat(co_located(*(t for t in x if t is not None)), dim=a["axis"])
 
 
 @op("Split")
