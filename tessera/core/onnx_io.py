@@ -25,6 +25,7 @@ from google.protobuf.message import DecodeError
 from onnx import external_data_helper
 
 from tessera.core.errors import InputError
+from tessera.core.shape_fold import folded_shapes
 
 Shape = tuple[int, ...]
 
@@ -447,19 +448,19 @@ def bind_input_shapes(  # noqa: C901
 
 def infer_shapes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
     """ONNX shape inference with data propagation (so Shape→Gather→Reshape chains resolve); where
-    tensors stay without a concrete shape (a legacy exporter's ``unk__N`` dims), onnxruntime's
-    symbolic shape inference too, kept when it resolves more."""
+    tensors stay without a concrete shape, the graph's shape computations folded (``shape_fold``: a
+    ``Range`` over the input's length), then onnxruntime's symbolic shape inference, kept if better."""
     try:
         inferred = onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True, data_prop=True)
     except (onnx.shape_inference.InferenceError, onnx.checker.ValidationError, RuntimeError) as exc:
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "shape inference failed")
         raise InputError(f"shape inference failed: {first}", source=label) from None
     unresolved = unresolved_tensors(inferred)
-    if not unresolved:
-        return inferred
-    symbolic = _symbolic_shapes(inferred)
-    if symbolic is not None and len(unresolved_tensors(symbolic)) < len(unresolved):
-        return symbolic
+    # Tessera's own folding first: what onnxruntime's tool resolves varies by version (1.30: not a Range).
+    for second in (folded_shapes, _symbolic_shapes):
+        better = second(inferred) if unresolved else None
+        if better is not None and len(still := unresolved_tensors(better)) < len(unresolved):
+            inferred, unresolved = better, still
     return inferred
 
 

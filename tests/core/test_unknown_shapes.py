@@ -129,3 +129,34 @@ def test_lazy_weights_do_not_stop_the_symbolic_inference() -> None:
     graph = load_graph(build("gpt", "paper"))
     assert graph.unknown_shapes == ()
     assert graph.tensors["embed/position/range"].shape == (1024,)
+
+
+def test_positions_resolve_without_onnxruntimes_symbolic_inference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Range over the input's length (ONNX's inference leaves it ``unk__N``) is folded by tessera
+    itself: shapes do not hang on onnxruntime's tool, whose coverage varies by version (1.30 ignores
+    Shape's start/end and gives up on the GPT's positions)."""
+    import tessera.core.onnx_io as onnx_io
+    from tessera.models import build
+
+    monkeypatch.setattr(onnx_io, "_symbolic_shapes", lambda model: None)
+    graph = load_graph(build("gpt", "paper"))
+    assert graph.unknown_shapes == ()
+    assert graph.tensors["embed/position/range"].shape == (1024,)
+    assert graph.tensors["layer0/attn/q_heads/transpose"].shape == (1, 12, 1024, 64)
+    assert graph.tensors["layer0/attn/mask_fill"].shape == (1024, 1024)
+
+
+def test_an_llm_gpt_is_recognized_without_onnxruntimes_symbolic_inference(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What ``launch`` of an ``--llm`` plan builds (a symbolic sequence bound to 1) is a decoder
+    whatever onnxruntime's tool does: Q's shape [1, H, 1, D] is known."""
+    import tessera.core.onnx_io as onnx_io
+    from tessera.core.weights import materialize
+    from tessera.models.gpt import llm_gpt
+    from tessera.planners.cp.recognize import recognize_decoder
+
+    monkeypatch.setattr(onnx_io, "_symbolic_shapes", lambda model: None)
+    llm = {"layers": 2, "hidden": 64, "heads": 4, "ffn": 128, "vocab": 96, "tied_embeddings": True}
+    decoder = recognize_decoder(load_graph(materialize(llm_gpt(llm)), label="--llm tiny"))
+    assert (decoder.config.layers, decoder.config.heads, decoder.config.head_dim) == (2, 4, 16)
