@@ -39,10 +39,10 @@ print(\"cudnn\", torch.backends.cudnn.version(), \"nccl\", torch.cuda.nccl.versi
 step 60 "backends" $T backends --json
 ONLY=${1:-all}  # "launch": the launches alone; "llm": the GPT-2-shaped decode alone; "fidelity": below
 if [ "$ONLY" = fidelity ]; then  # stages measured on the GPU: predicted against launched, then "llm"
-    step 120 "stage profiler on cuda" python3 -m pytest -q -m gpu -p no:cacheprovider \
-        tests/planners/pipeline/test_stage_profile.py
+    step 120 "stage profiler and the interpreter on cuda" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/planners/pipeline/test_stage_profile.py tests/backends/test_torch_module_cuda.py
     step 330 "predicted against launched (bench/gpu_fidelity.py)" python3 bench/gpu_fidelity.py \
-        --cluster h200 --out "$OUT/gpu_fidelity.md"
+        --cluster h200 --out "$OUT/gpu_fidelity.md" ${GPU_FIDELITY_ONLY:+--only "$GPU_FIDELITY_ONLY"}
     ONLY=llm
 elif [ "$ONLY" = all ]; then
 step 240 "gpu tests" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/backends

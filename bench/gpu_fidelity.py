@@ -111,12 +111,15 @@ def main() -> None:
     parser.add_argument("--cluster", default="h200")
     parser.add_argument("--out", default="gpu_out/gpu_fidelity.md")
     parser.add_argument("--quick", action="store_true", help="the zoo's tiny models only")
+    parser.add_argument("--only", help="comma-separated parts of model labels (default: every model)")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         for label, source, shape, batches in MODELS:
             if args.quick and not source.endswith(":tiny"):
+                continue
+            if args.only and not any(part in label for part in args.only.split(",")):
                 continue
             path = model_file(source, folder)
             for batch in batches:
