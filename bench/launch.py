@@ -160,7 +160,7 @@ def render(rows: list[dict]) -> str:
         "operator, autograd bookkeeping) more than its flops, and every stage-to-stage message or "
         f"all-reduce is a gloo message of 0.1-1 ms. Measured iterations are {spread} the predictions. "
         "With a spec from `tessera calibrate` and `plan --profile` (stages measured as the executor runs "
-        "them) the error is tens of percent: bench/results/fidelity.md.",
+        "them) it is about 5% on the mean (3-9% per model): bench/results/fidelity.md.",
         "- Plans with more ranks than the 2 cores (the hand-built 3-stage DAGs) time-share cores, "
         "so their iteration time also includes oversubscription.",
         "- Memory: weights + gradients + activations of the micro-batches in flight as the executor "
