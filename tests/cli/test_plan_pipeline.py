@@ -530,3 +530,31 @@ def test_rewritten_graph_is_the_one_load_graph_gives(model_file) -> None:
     )
     with pytest.raises(ValueError, match="already rewritten"):
         rewritten(direct, ["concat-matmul"])
+
+
+def test_a_profiled_plan_of_several_cpu_ranks_on_a_presets_links_hints_at_calibrate(graph) -> None:
+    # On this machine a preset's links priced an all-reduce at 0.2 ms that took 3 ms: a plan of
+    # several CPU ranks measured without a calibrated spec says how to get one.
+    from tessera.cli.plan.pipeline import _uncalibrated_hint
+    from tessera.core.specs import load_cluster
+    from tessera.planners.pipeline.plan import pipeline_options
+
+    preset = load_cluster("local-cpu-split")
+    plans = {
+        devices: plan_gpp(
+            graph, preset, pipeline_options(preset, mini_batch=8, devices=devices), baseline=False
+        )[0]
+        for devices in (1, 2)
+    }
+    assert [sum(len(st.devices) for st in plans[d].stages) for d in (1, 2)] == [1, 2]
+    assert "tessera calibrate" in (_uncalibrated_hint(preset, plans[2]) or "")
+    assert _uncalibrated_hint(preset, plans[1]) is None
+    measured = preset.model_copy(
+        update={
+            "device_types": {
+                name: t.model_copy(update={"action_overhead": 1.3e-5})
+                for name, t in preset.device_types.items()
+            }
+        }
+    )
+    assert _uncalibrated_hint(measured, plans[2]) is None
