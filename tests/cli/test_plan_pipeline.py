@@ -532,17 +532,17 @@ def test_rewritten_graph_is_the_one_load_graph_gives(model_file) -> None:
         rewritten(direct, ["concat-matmul"])
 
 
-def test_a_profiled_plan_of_several_cpu_ranks_on_a_presets_links_hints_at_calibrate(graph) -> None:
+def test_a_profiled_plan_of_several_cpu_ranks_on_a_presets_links_hints_at_calibrate(zoo_graph) -> None:
     # On this machine a preset's links priced an all-reduce at 0.2 ms that took 3 ms: a plan of
     # several CPU ranks measured without a calibrated spec says how to get one.
     from tessera.cli.plan.pipeline import _uncalibrated_hint
     from tessera.core.specs import load_cluster
     from tessera.planners.pipeline.plan import pipeline_options
 
-    preset = load_cluster("local-cpu-split")
+    mmt, preset = zoo_graph("mmt"), load_cluster("local-cpu-split")
     plans = {
         devices: plan_gpp(
-            graph, preset, pipeline_options(preset, mini_batch=8, devices=devices), baseline=False
+            mmt, preset, pipeline_options(preset, mini_batch=16, devices=devices), baseline=False
         )[0]
         for devices in (1, 2)
     }
