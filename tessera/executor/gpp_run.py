@@ -165,10 +165,11 @@ def fidelity(
 ) -> dict[str, Any]:
     """Measured against predicted, part by part: the iteration, and per stage its busy (forward +
     backward compute), all-reduce (of the rank that reached it last, among the stage's replicas and
-    ``peers[stage]``'s ranks, the stages it shares tied weights with: the others wait for that
-    rank, and the plan's prediction counts waiting as idle) and idle time (the rest of the iteration: transfers, pipeline bubbles, waiting on peers,
-    the optimizer step, drawing the data); ``error`` = measured / predicted − 1 (None
-    where the plan predicts nothing). Docs: docs/executor.md ("Fidelity")."""
+    the ranks of ``peers[stage]``, the stages it shares tied weights with: the others wait for
+    that rank, and the plan counts waiting as idle) and idle time (the rest of the iteration:
+    transfers, pipeline bubbles, waiting on peers, the optimizer step, drawing the data);
+    ``error`` = measured / predicted − 1 (None where the plan predicts nothing). Docs:
+    docs/executor.md ("Fidelity")."""
     iteration = measured["iteration_time_s"]
     p_iteration = predicted.get("iteration_time_s")
     rows = []
