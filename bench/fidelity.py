@@ -105,11 +105,12 @@ def model_rows(label: str, source: str, b: int, cluster, cache: ProfileCache, fo
         for (_, _, plan), mine in zip(plans, launches, strict=True):
             run = run_gpp_plan(plan, graph, path, TrainOptions(steps=STEPS), LaunchOptions(timeout_s=300))
             report = run.to_json()
-            mine.append((float(np.median([x["iteration_s"] for x in report["steps"][1:]])) * 1e3, report))
+            parts = stage_medians(run, report["fidelity"]["stages"])
+            mine.append((float(np.median([x["iteration_s"] for x in report["steps"][1:]])) * 1e3, parts))
     rows = []
     for (name, roofline, plan), mine in zip(plans, launches, strict=True):
         mine.sort(key=lambda x: x[0])
-        launched_ms, report = mine[len(mine) // 2]
+        launched_ms, stages = mine[len(mine) // 2]
         rows.append(
             {
                 "model": label,
@@ -120,11 +121,41 @@ def model_rows(label: str, source: str, b: int, cluster, cache: ProfileCache, fo
                 "predicted_ms": plan.predicted["iteration_time_s"] * 1e3,
                 "measured_ms": launched_ms,
                 "spread_ms": (mine[0][0], mine[-1][0]),
-                "stages": report["fidelity"]["stages"],
+                "stages": stages,
             }
         )
         print(
             label, name, f"{rows[-1]['measured_ms']:.2f} / {rows[-1]['predicted_ms']:.2f} ms", file=sys.stderr
+        )
+    return rows
+
+
+def stage_medians(run, predicted: list[dict]) -> list[dict]:
+    """Per stage, its busy, all-reduce and idle time as medians over steps 2.. (as the plan's
+    iteration is), not the launch report's means, which one slow step moves: busy of the slowest
+    replica, all-reduce of the last to arrive among the ranks it joins, idle the rest of the
+    slowest rank's step. Predicted parts: the report's."""
+    report = run.to_json()
+    ranks = {r["rank"]: r["stage"] for r in report["ranks"]}
+    steps = range(1, len(report["steps"]))
+    rows = []
+    for st in predicted:
+        joined = {st["id"], *run.allreduce_peers.get(st["id"], [])}
+        mine = [k for k, stage in ranks.items() if stage == st["id"]]
+        busy, allreduce, idle = [], [], []
+        for k in steps:
+            b = max(run.rank_steps[r][k]["busy_s"] for r in mine)
+            a = min(run.rank_steps[r][k]["allreduce_s"] for r, stage in ranks.items() if stage in joined)
+            busy.append(b)
+            allreduce.append(a)
+            idle.append(max(report["steps"][k]["iteration_s"] - b - a, 0.0))
+        measured = {"busy": busy, "allreduce": allreduce, "idle": idle}
+        rows.append(
+            {"id": st["id"]}
+            | {
+                k: {"measured_s": float(np.median(v)), "predicted_s": st[k]["predicted_s"]}
+                for k, v in measured.items()
+            }
         )
     return rows
 
@@ -217,8 +248,9 @@ def render(rows: list[dict], spec_text: str) -> str:
         f"Machine: {platform.processor() or platform.machine()}, 2 cores; every rank one process with one "
         f"thread; {STEPS} SGD steps per launch, a launch's iteration = median over steps 2..{STEPS} of the "
         f"slowest rank; each plan launched {LAUNCHES} times (in rounds: a model's plans once each, then "
-        "again), measured = the median launch (its per-stage "
-        "parts: launch's means; 'launches': the fastest and slowest). "
+        "again), measured = the median launch (its per-stage parts: medians over the same steps, busy "
+        "of the slowest replica, all-reduce of the last rank to arrive, idle the rest of the step; "
+        "'launches': the fastest and slowest). "
         "Cluster spec: `tessera calibrate` in the same run (below). 'roofline' = the plan's prediction "
         "with the calibrated spec's roofline; 'profiled' = `--profile` (operators measured for the "
         "search, then the chosen plan's stages measured as the executor runs them: its program, its "
