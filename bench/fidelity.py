@@ -135,9 +135,8 @@ def stage_medians(run, predicted: list[dict]) -> list[dict]:
     iteration is), not the launch report's means, which one slow step moves: busy of the slowest
     replica, all-reduce of the last to arrive among the ranks it joins, idle the rest of the
     slowest rank's step. Predicted parts: the report's."""
-    report = run.to_json()
-    ranks = {r["rank"]: r["stage"] for r in report["ranks"]}
-    steps = range(1, len(report["steps"]))
+    ranks = {r["rank"]: r["stage"] for r in run.ranks}
+    steps = range(1, len(run.steps))
     rows = []
     for st in predicted:
         joined = {st["id"], *run.allreduce_peers.get(st["id"], [])}
@@ -148,7 +147,7 @@ def stage_medians(run, predicted: list[dict]) -> list[dict]:
             a = min(run.rank_steps[r][k]["allreduce_s"] for r, stage in ranks.items() if stage in joined)
             busy.append(b)
             allreduce.append(a)
-            idle.append(max(report["steps"][k]["iteration_s"] - b - a, 0.0))
+            idle.append(max(run.steps[k]["iteration_s"] - b - a, 0.0))
         measured = {"busy": busy, "allreduce": allreduce, "idle": idle}
         rows.append(
             {"id": st["id"]}

@@ -52,7 +52,7 @@ class StageProfileOptions:
     warmup: int = 2
     # Each part's time is the median of the bursts' medians: a burst that another process slowed
     # (a stage once measured 2.6x its time a minute later) is outvoted, not averaged in. A plan's
-    # stages take their bursts in turns (see StageProfiler._measure_missing).
+    # stages take their bursts in turns (see StageProfiler._times).
     bursts: int = 5
 
 
@@ -137,16 +137,17 @@ class StageProfiler:
         drift, so their balance is measured fairly."""
         from tessera.backends.profile_cache import Profile
 
-        missing = list(dict.fromkeys(r for r in requests if self._cached(r) is None))
+        found = {r: self._cached(r) for r in requests}
+        missing = [r for r, t in found.items() if t is None]
         for request, measured in zip(missing, self._measure(missing) if missing else [], strict=True):
             self.measured += 1
             seconds = [statistics.median(statistics.median(b[part]) for b in measured) for part in range(3)]
             repeats = sum(len(b[0]) for b in measured)
+            key = self._key(request)
             for backend, value in zip(STAGE_BACKENDS, seconds, strict=True):
-                self.cache.put(
-                    Profile(backend, self.version, self.fingerprint, self._key(request), value, 0.0, repeats)
-                )
-        return [t for t in map(self._cached, requests) if t is not None]
+                self.cache.put(Profile(backend, self.version, self.fingerprint, key, value, 0.0, repeats))
+            found[request] = StageTimes(*seconds)
+        return [found[r] for r in requests]  # type: ignore[misc]
 
     def _model_key(self) -> list[object]:
         """What the model's stages depend on: its bytes, the shapes given and the rewrites applied."""
