@@ -183,6 +183,10 @@ def launch_workers(
                 raise KeyboardInterrupt from None
             if type(exc).__name__ in ("RendezvousTimeoutError", "RendezvousError", "DistStoreError"):
                 raise LaunchError(f"rendezvous at {options.master_addr}:{port} failed: {exc}") from None
+            if monitor.verdict is not None:
+                # The monitor killed the workers; torch may then fail reading what a killed worker
+                # was writing (an EOFError, which click would report as "aborted", exit 130).
+                raise LaunchError(monitor.verdict) from None
             if type(exc).__name__ == "DistNetworkError":  # the store could not listen or connect
                 if "EADDRINUSE" in str(exc):  # taken since resolve() probed it
                     raise _port_in_use(options.master_addr, port) from None
