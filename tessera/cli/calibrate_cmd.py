@@ -121,7 +121,7 @@ def summary(report: dict[str, Any]) -> str:
         (
             "p2p one way",
             f"{seconds_text(p2p['latency_s'])} + bytes / {bandwidth_text(p2p['bandwidth_bytes_per_s'])}",
-            f"links.intra_node.latency {seconds_text(link['latency'])}, bandwidth {bandwidth_text(link['bandwidth'])}",
+            f"links.intra_node.bandwidth {bandwidth_text(link['bandwidth'])}",
         ),
         (
             "p2p, computing",
@@ -135,8 +135,18 @@ def summary(report: dict[str, Any]) -> str:
         ),
         (
             "",
+            f"{seconds_text(report['measured']['pipeline']['latency_s'])} a message's wait in a pipeline",
+            f"links.intra_node.latency {seconds_text(link['latency'])}",
+        ),
+        (
+            "",
             f"{seconds_text(report['measured']['pipeline']['action_overhead_s'])} a forward or backward",
             f"action_overhead {seconds_text(device.get('action_overhead', 0.0))}",
+        ),
+        (
+            "",
+            f"{seconds_text(report['measured']['pipeline']['contention_overhead_s'])} an action beside another rank",
+            f"contention_overhead {seconds_text(device.get('contention_overhead', 0.0))}",
         ),
         (
             "all-reduce ring",

@@ -150,6 +150,9 @@ class DeviceType(_SpecModel):
     action_overhead: Seconds = 0.0
     """The training executor's own time per forward or backward of a stage, beyond the stage's
     compute and its messages (its bookkeeping; ``tessera calibrate`` measures it)."""
+    contention_overhead: Seconds = 0.0
+    """The compute a forward or backward adds while other ranks of a plan compute on the same node
+    (shared caches, memory bandwidth and cores; ``tessera calibrate`` measures it on CPU ranks)."""
 
     @field_validator("flops", mode="before")
     @classmethod
@@ -262,6 +265,11 @@ class Device:
     """Index of the device within its node instance."""
     type_name: str
     type: DeviceType = field(compare=False, repr=False)
+
+
+def node_of(device_id: str) -> str:
+    """The node instance of a device id (``node1/a100-80g:3`` → ``node1``)."""
+    return device_id.partition("/")[0]
 
 
 class ClusterSpec(_SpecModel):
@@ -426,6 +434,11 @@ class ClusterSpec(_SpecModel):
                     "kernel_launch_overhead": dtype.kernel_launch_overhead,
                     "cores": dtype.cores,
                     **({"action_overhead": dtype.action_overhead} if dtype.action_overhead else {}),
+                    **(
+                        {"contention_overhead": dtype.contention_overhead}
+                        if dtype.contention_overhead
+                        else {}
+                    ),
                 }
                 for name, dtype in sorted(self.device_types.items())
             },

@@ -418,6 +418,13 @@ def _comments(cal: Calibration) -> list[str]:
     return ["# " + line for line in lines]
 
 
+def link_latency(measured: dict[str, Any]) -> float:
+    """The spec's link latency: what a message keeps a pipeline's receiver waiting, fitted to the
+    two-stage run (the idle links' fit without that phase)."""
+    pipeline = measured.get("pipeline")
+    return pipeline["latency_s"] if pipeline else measured["p2p"]["latency_s"]
+
+
 def link_overhead(measured: dict[str, Any]) -> float:
     """The spec's link overhead: the stage workers' per message (gloo's alone without that phase)."""
     pipeline = measured.get("pipeline")
@@ -437,7 +444,15 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
         "    two ranks as two stages spend beyond that, per step, over the messages they send and",
         f"    receive ({'/'.join(map(str, pipeline['messages_per_step']))} a step): {ranks} per message "
         f"(ranks), median {seconds_text(pipeline['overhead_s'])};",
-        f"    two ranks as one data-parallel stage all-reduce its {size_text(pipeline['allreduce_bytes'])} of "
+        f"    and compute {'+'.join(seconds_text(x) for x in pipeline['busy_per_rank_s'])} a step, the one "
+        f"rank {seconds_text(pipeline['busy_alone_s'])}: the difference over their actions is the",
+        f"    device's contention_overhead ({seconds_text(pipeline['contention_overhead_s'])} an action);",
+        f"    their step takes {seconds_text(pipeline['iteration_s'])}, which the simulator gives with those "
+        "times and a link latency",
+        f"    of {seconds_text(pipeline['latency_s'])} (the idle links' {seconds_text(pipeline['latency_floor_s'])}): "
+        "the latency written, a message's wait in a pipeline;",
+        f"    two ranks as one data-parallel stage of an {pipeline['allreduce_model']} all-reduce its",
+        f"    {size_text(pipeline['allreduce_bytes'])} of "
         f"gradients in {seconds_text(pipeline['allreduce_in_step_s'])} a step",
         f"    (the replica that got there last), {seconds_text(pipeline['allreduce_predicted_s'])} by the "
         "curve below: the difference is allreduce_overhead",
@@ -465,7 +480,10 @@ def _spec_yaml(cal: Calibration) -> str:
         f"    memory_bandwidth: {bandwidth_text(m['bandwidth']['copy_bytes_per_s'])}",
         f"    kernel_launch_overhead: {seconds_text(m['per_op']['kernel_launch_overhead_s'])}",
         *(
-            [f"    action_overhead: {seconds_text(m['pipeline']['action_overhead_s'])}"]
+            [
+                f"    action_overhead: {seconds_text(m['pipeline']['action_overhead_s'])}",
+                f"    contention_overhead: {seconds_text(m['pipeline']['contention_overhead_s'])}",
+            ]
             if m.get("pipeline")
             else []
         ),
@@ -473,7 +491,7 @@ def _spec_yaml(cal: Calibration) -> str:
         f"  - {{name: local, count: 1, devices: [{{type: {DEVICE_TYPE}, count: {cal.ranks}}}]}}",
         "links:",
         f"  intra_node: {{bandwidth: {bandwidth_text(p2p['bandwidth_bytes_per_s'])}, "
-        f"latency: {seconds_text(p2p['latency_s'])}, overhead: {seconds_text(link_overhead(m))},",
+        f"latency: {seconds_text(link_latency(m))}, overhead: {seconds_text(link_overhead(m))},",
         f"               allreduce_bandwidth: {bandwidth_text(m['allreduce']['bandwidth_bytes_per_s'])}, "
         f"allreduce_latency: {seconds_text(m['allreduce']['latency_s'])},"
         + (

@@ -1,10 +1,9 @@
 """The last phase of ``tessera calibrate``: what the stage workers themselves cost beyond compute,
-measured by running them on a small MLP (many micro-batches of a few samples, so actions and
-messages are many and compute small): one rank as one stage (its time per action: the device's
+measured by running them on MLPs: one rank as one stage (its time per action: the device's
 ``action_overhead``), two ranks as two pipeline stages (the time per message beyond that: the
-link's ``overhead``), two ranks as one data-parallel stage (its all-reduce in a step beyond the
-measured curve: the link's ``allreduce_overhead``). Details: docs/executor.md ("Calibrating this
-machine").
+link's ``overhead``; their compute beyond the one rank's: the device's ``contention_overhead``),
+two ranks as one data-parallel stage (its all-reduce in a step beyond the measured curve: the
+link's ``allreduce_overhead``). Details: docs/executor.md ("Calibrating this machine").
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,13 +21,21 @@ from tessera.planners.pipeline.links import ring_link
 
 if TYPE_CHECKING:
     from tessera.core.graph import Graph
+    from tessera.planners.pipeline.types import Pipeline
 
-WIDTH = 64
+# The actions and messages are measured on an MLP whose actions compute for a while (~0.1 ms
+# each, four micro-batches), as a model's do: on a tiny one (width 64, 16 micro-batches of 2) the
+# two ranks did nothing but exchange messages, and each message cost 3-4x what it costs between
+# the stages of real models (300 us against 50-90 us measured in their launches).
+WIDTH = 512
 LAYERS = 4
 MINI_BATCH = 32
-MICRO_BATCH = 2
-STEPS = 12
-GRADIENT_BYTES = LAYERS * WIDTH * WIDTH * 4  # the MLP's fp32 weights
+MICRO_BATCH = 8
+STEPS = 40  # a step of the MLP takes a few ms: medians over many steps cost little
+# The in-step all-reduce is measured on a small MLP (64 KiB of gradients): its fixed cost, which a
+# large one hides in the curve's bandwidth term.
+ALLREDUCE_WIDTH = 64
+GRADIENT_BYTES = LAYERS * ALLREDUCE_WIDTH * ALLREDUCE_WIDTH * 4  # the small MLP's fp32 weights
 
 
 def mlp(width: int = WIDTH, layers: int = LAYERS) -> Any:
@@ -59,24 +67,33 @@ def mlp(width: int = WIDTH, layers: int = LAYERS) -> Any:
 
 def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[str, Any]:
     """Launch the MLP on the first devices of ``cluster``: on one rank as one stage, on two as a
-    two-stage sequential pipeline, and on two as one data-parallel stage; return the workers' own
-    time per action (the one-rank run's time on neither compute nor the optimizer step, over its
-    actions), per message (the two-stage run's overhead beyond its actions' share, over its
-    messages; the median over the ranks) and per in-step all-reduce beyond ``cluster``'s, with
-    what was run."""
+    two-stage sequential pipeline, and (the small MLP) on two as one data-parallel stage; return
+    the workers' own time per action (the one-rank run's time on neither compute nor the optimizer
+    step, over its actions), per message (the two-stage run's overhead beyond its actions' share,
+    over its messages; the median over the ranks), the compute an action adds while the other rank
+    computes (the two stages' busy time beyond the one rank's, over their actions) and the in-step
+    all-reduce beyond ``cluster``'s, with what was run."""
     from tessera.core.graph import load_graph
 
     with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as folder:
-        path = Path(folder) / "mlp.onnx"
+        path, small_path = Path(folder) / "mlp.onnx", Path(folder) / "mlp-small.onnx"
         path.write_bytes(mlp().SerializeToString())
-        graph = load_graph(str(path))
-        (alone,) = _overhead_run(graph, path, cluster, 1, timeout_s)
-        piped = _overhead_run(graph, path, cluster, 2, timeout_s)
-        replicas = _overhead_run(graph, path, cluster, 2, timeout_s, stages=1)
+        small_path.write_bytes(mlp(ALLREDUCE_WIDTH).SerializeToString())
+        graph, small = load_graph(str(path)), load_graph(str(small_path))
+        (alone,), _ = _overhead_run(graph, path, cluster, 1, timeout_s)
+        piped, pipe = _overhead_run(graph, path, cluster, 2, timeout_s)
+        replicas, _ = _overhead_run(small, small_path, cluster, 2, timeout_s, stages=1)
     # With no peer, a rank never waits: its "wait" is the inputs' handling, part of every action.
     per_action = (alone["wait_s"] + alone["overhead_s"]) / alone["actions"]
     in_overhead = alone["overhead_s"] / alone["actions"]  # the part the two-stage runs count as overhead
     per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["messages"] for r in piped]
+    # The same layers computed by two ranks at once take longer than by one alone: shared caches,
+    # memory and cores (gloo's threads). Per action, as the simulator charges it.
+    piped_busy = sum(r["busy_s"] for r in piped)
+    contention = max(piped_busy - alone["busy_s"], 0.0) / sum(r["actions"] for r in piped)
+    floor = ring_link(cluster, cluster.devices()[:2]).latency
+    model = pipeline_model(pipe, piped, per_action, statistics.median(per_message))
+    latency = pipeline_latency(model, statistics.median(r["iteration_s"] for r in piped), floor)
     # Data parallel: the gradients' all-reduce as a step runs it (the replica that reached it last
     # waits least), against the all-reduce the spec so far predicts for its size.
     in_step = min(r["allreduce_s"] for r in replicas)
@@ -91,11 +108,70 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         "messages_per_step": [r["messages"] for r in piped],
         "overhead_per_rank_s": per_message,
         "overhead_s": statistics.median(per_message),
+        "busy_alone_s": alone["busy_s"],
+        "busy_per_rank_s": [r["busy_s"] for r in piped],
+        "contention_overhead_s": contention,
+        "iteration_s": statistics.median(r["iteration_s"] for r in piped),
+        "latency_floor_s": floor,
+        "latency_s": latency,
+        "allreduce_model": f"MLP {LAYERS} x MatMul {ALLREDUCE_WIDTH}x{ALLREDUCE_WIDTH} + Relu",
         "allreduce_bytes": GRADIENT_BYTES,
         "allreduce_in_step_s": in_step,
         "allreduce_predicted_s": predicted,
         "allreduce_overhead_s": max(in_step - predicted, 0.0),
     }
+
+
+def pipeline_model(
+    pipe: Pipeline, rows: list[dict[str, Any]], action_overhead: float, overhead: float
+) -> Callable[[float], float]:
+    """The simulator's iteration of the two-stage run ``pipe`` as a function of the link latency,
+    its stages computing, stepping and taking messages as its ranks' ``rows`` measured them."""
+    from tessera.planners.sim import simulate_pipeline
+
+    by_stage = {r["stage"]: r for r in rows}
+    stages = []
+    for st in pipe.stages:
+        r = by_stage[st.id]
+        micro_batches = r["actions"] // 2
+        own = r["iteration_s"] - r["busy_s"] - r["wait_s"] - r["overhead_s"] - r["allreduce_s"]
+        stages.append(
+            dataclasses.replace(
+                st,
+                forward_time=r["forward_busy_s"] / micro_batches,
+                backward_time=(r["busy_s"] - r["forward_busy_s"]) / micro_batches,
+                allreduce_time=0.0,
+                step_time=max(own, 0.0),
+                action_overhead=action_overhead,
+            )
+        )
+
+    def predicted(latency: float) -> float:
+        edges = [
+            dataclasses.replace(e, link=e.link.model_copy(update={"latency": latency, "overhead": overhead}))
+            for e in pipe.edges
+            if e.link is not None
+        ]
+        piped = dataclasses.replace(pipe, stages=stages, edges=edges)
+        return simulate_pipeline(piped, trace=False).iteration_time
+
+    return predicted
+
+
+def pipeline_latency(predicted: Callable[[float], float], measured: float, floor: float) -> float:
+    """The link latency, at least ``floor`` (the idle links' fit), with which ``predicted`` (see
+    :func:`pipeline_model`) gives the ``measured`` iteration: the time a message keeps its
+    receiver waiting in a pipeline, its wake-up included (docs/executor.md, "Calibrating this
+    machine")."""
+    low, high = floor, max(2 * floor, 1e-5)
+    if predicted(low) >= measured:
+        return floor
+    while predicted(high) < measured and high < 1.0:
+        low, high = high, 2 * high
+    for _ in range(30):  # bisection: the iteration grows with the latency
+        middle = (low + high) / 2
+        low, high = (middle, high) if predicted(middle) < measured else (low, middle)
+    return high
 
 
 def _overhead_run(
@@ -106,9 +182,10 @@ def _overhead_run(
     timeout_s: float,
     *,
     stages: int | None = None,
-) -> list[dict[str, Any]]:
+) -> tuple[list[dict[str, Any]], Pipeline]:
     """The ranks' rows of a launch of the MLP (``graph``, saved at ``path``) on ``devices`` devices
-    as ``stages`` stages (default: one per device; one stage on several: data parallelism)."""
+    as ``stages`` stages (default: one per device; one stage on several: data parallelism), and the
+    pipeline planned."""
     from tessera.core.errors import LaunchError
     from tessera.executor.gpp_run import run_gpp_plan
     from tessera.executor.launcher import LaunchOptions
@@ -120,10 +197,11 @@ def _overhead_run(
         mini_batch=MINI_BATCH, num_devices=devices, micro_batch_sizes=(MICRO_BATCH,), precision="fp32"
     )
     stages = devices if stages is None else stages
-    plan, _, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
-    if stages > 1:  # a device too small for the whole model (and so for data parallelism)
-        limited = dataclasses.replace(options, memory_limit=0.7 * plan.stages[0].memory.peak)
-        plan, _, _ = plan_gpp(graph, cluster, limited, kind="spp", baseline=False)
+    whole = dataclasses.replace(options, num_devices=1)  # the whole model as one stage
+    plan, pipe, _ = plan_gpp(graph, cluster, whole, kind="spp", baseline=False)
+    if stages > 1:  # devices too small for the whole model (or a replica of it) split it
+        limited = dataclasses.replace(options, memory_limit=0.6 * plan.stages[0].memory.peak)
+        plan, pipe, _ = plan_gpp(graph, cluster, limited, kind="spp", baseline=False)
     elif devices > 1:  # the one stage replicated on every device: data parallelism
         ids = [d.id for d in cluster.devices()[:devices]]
         plan = plan.model_copy(update={"stages": [plan.stages[0].model_copy(update={"devices": ids})]})
@@ -132,7 +210,10 @@ def _overhead_run(
             f"calibrate: planned {len(plan.stages)} stage(s) of the MLP on {devices} device(s), not {stages}"
         )
     run = run_gpp_plan(plan, graph, str(path), TrainOptions(steps=STEPS), LaunchOptions(timeout_s=timeout_s))
-    return [_typical(steps) for _, steps in sorted(run.rank_steps.items())]
+    stage_of = {r["rank"]: r["stage"] for r in run.ranks}
+    return [
+        {**_typical(steps), "stage": stage_of[rank]} for rank, steps in sorted(run.rank_steps.items())
+    ], pipe
 
 
 def _typical(steps: list[dict[str, Any]]) -> dict[str, Any]:
@@ -142,5 +223,6 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, Any]:
     from tessera.executor.report import counted_steps
 
     kept = counted_steps(steps)
-    times = {k: statistics.median(s[k] for s in kept) for k in ("wait_s", "overhead_s", "allreduce_s")}
+    keys = ("iteration_s", "busy_s", "forward_busy_s", "wait_s", "overhead_s", "allreduce_s")
+    times = {k: statistics.median(s[k] for s in kept) for k in keys}
     return {**times, "actions": steps[0]["actions"], "messages": steps[0]["messages"]}

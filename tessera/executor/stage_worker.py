@@ -318,6 +318,7 @@ class StageWorker:
             live = sum(x.activation_bytes for x in self.saved.values())
             self.peak_activation_bytes = max(self.peak_activation_bytes, live)
         self.busy += t2 - t1
+        self.forward_busy += t2 - t1
         self.wait += t1 - t0
 
     def backward(self, j: int, step: int) -> None:
@@ -373,7 +374,7 @@ class StageWorker:
         as soon as this step's last action is done, before the next step's first message leaves)."""
         inject_test_fault(self.rank, step)
         start = time.perf_counter()
-        self.busy = self.wait = self.loss_sum = 0.0
+        self.busy = self.forward_busy = self.wait = self.loss_sum = 0.0
         self.saved: dict[int, _Saved] = {}
         inputs, targets = self.data.batch(step)
         t0 = time.perf_counter()
@@ -384,8 +385,8 @@ class StageWorker:
         # `tessera calibrate` measures per message from these numbers.
         overhead = time.perf_counter() - t0
         for kind, j in self.actions:
-            beat()
             t0, busy, wait = time.perf_counter(), self.busy, self.wait
+            beat()
             if kind == "F":
                 self.forward(j, step, inputs, targets)
             else:
@@ -412,6 +413,7 @@ class StageWorker:
             "loss": self.loss_sum,  # this rank's part (summed over the ranks by :func:`_total_losses`)
             "iteration_s": time.perf_counter() - start,
             "busy_s": self.busy,
+            "forward_busy_s": self.forward_busy,  # the forwards' part of busy_s
             "wait_s": self.wait,
             "overhead_s": overhead,
             "messages": self.messages,

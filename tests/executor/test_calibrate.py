@@ -47,18 +47,29 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     link = spec.links.intra_node
     assert 1e-6 <= link.latency <= 1e-2
     assert 1e7 <= link.bandwidth <= 1e11
-    # The latency written is the fit's.
+    # The latency written is what a message keeps a pipeline waiting (fitted to the two-stage run),
+    # at least the idle links' fit.
     p2p, reduce = report["measured"]["p2p"], report["measured"]["allreduce"]
-    assert link.latency == pytest.approx(p2p["latency_s"], rel=1e-3)
+    assert link.latency == pytest.approx(report["measured"]["pipeline"]["latency_s"], rel=1e-3)
+    assert (
+        link.latency
+        >= report["measured"]["pipeline"]["latency_floor_s"]
+        == pytest.approx(p2p["latency_s"], rel=1e-3)
+    )
     # The overhead is the stage workers' own per message, measured by a 2-stage pipeline launch:
     # at least gloo's part of it.
     pipeline = report["measured"]["pipeline"]
     assert link.overhead == pytest.approx(pipeline["overhead_s"], rel=1e-3)
     assert 1e-6 <= link.overhead <= 1e-2 and p2p["send_s"] > 0 and p2p["receive_s"] > 0
-    assert pipeline["messages_per_step"] == [32, 32]  # 16 micro-batches: 16 sent, 16 received a rank
+    assert pipeline["messages_per_step"] == [8, 8]  # 4 micro-batches: 4 sent, 4 received a rank
     assert link.overhead >= 0.5 * min(p2p["send_s"], p2p["receive_s"])
     assert device.action_overhead == pytest.approx(pipeline["action_overhead_s"], rel=1e-3)
-    assert 1e-7 <= device.action_overhead <= 1e-2 and pipeline["actions_per_step"] == 32
+    assert 1e-7 <= device.action_overhead <= 1e-2 and pipeline["actions_per_step"] == 8
+    # Two ranks computing the MLP's layers at once: their busy time beyond the one rank's, per action.
+    piped, alone = pipeline["busy_per_rank_s"], pipeline["busy_alone_s"]
+    assert device.contention_overhead == pytest.approx(pipeline["contention_overhead_s"], rel=1e-3, abs=1e-9)
+    assert pipeline["contention_overhead_s"] == pytest.approx(max(sum(piped) - alone, 0.0) / 16, rel=1e-3)
+    assert 0 < alone < 2 * sum(piped)
     assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
     # The measured curve is in the spec: the planners' all-reduce time is the measured one.
     assert link.allreduce_ranks == 2 and len(link.allreduce_curve) == len(reduce["bytes"]) == 7
@@ -174,3 +185,44 @@ def test_the_launch_overhead_makes_the_cost_model_match_the_measured_time_per_no
 def test_a_time_per_node_below_the_roofline_is_refused():
     with pytest.raises(LaunchError, match="did not come out positive"):
         launch_overhead(1e-12, 1e9, 1e6)
+
+
+def _mlp_pipeline(tmp_path):
+    """The calibration MLP planned as two stages on a preset's two CPU ranks."""
+    import dataclasses
+
+    from tessera.executor import calibrate_pipeline as cp
+    from tessera.planners.pipeline.plan import plan_gpp
+    from tessera.planners.pipeline.types import PartitionOptions
+
+    path = tmp_path / "mlp.onnx"
+    path.write_bytes(cp.mlp().SerializeToString())
+    graph, cluster = load_graph(str(path)), load_cluster("local-cpu-split")
+    options = PartitionOptions(mini_batch=32, num_devices=1, micro_batch_sizes=(8,), precision="fp32")
+    whole, _, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
+    options = dataclasses.replace(options, num_devices=2, memory_limit=0.6 * whole.stages[0].memory.peak)
+    _, pipe, _ = plan_gpp(graph, cluster, options, kind="spp", baseline=False)
+    assert len(pipe.stages) == 2 and pipe.edges
+    return pipe
+
+
+def test_the_pipeline_latency_is_what_makes_the_simulator_give_the_measured_step(tmp_path):
+    from tessera.executor.calibrate_pipeline import pipeline_latency, pipeline_model
+
+    pipe = _mlp_pipeline(tmp_path)
+    # Two ranks' medians: 4 micro-batches, forwards a third of the compute, 1 ms a step waiting.
+    rows = [
+        {"stage": s, "actions": 8, "messages": 8, "iteration_s": 6e-3, "busy_s": 3e-3,
+         "forward_busy_s": 1e-3, "wait_s": 1.5e-3, "overhead_s": 1e-3, "allreduce_s": 0.0}
+        for s in (0, 1)
+    ]  # fmt: skip
+    model = pipeline_model(pipe, rows, action_overhead=2e-5, overhead=8e-5)
+    floor = 4e-5
+    assert model(floor) < 6e-3 < model(1e-2) and model(2e-4) > model(1e-4)
+    latency = pipeline_latency(model, 6e-3, floor)
+    assert latency > floor and model(latency) == pytest.approx(6e-3, rel=1e-4)
+    # A step the idle links already explain keeps their latency.
+    assert pipeline_latency(model, 0.9 * model(floor), floor) == floor
+    # More compute measured leaves less of the step to the messages.
+    heavier = [{**r, "busy_s": 3.5e-3} for r in rows]
+    assert pipeline_latency(pipeline_model(pipe, heavier, 2e-5, 8e-5), 6e-3, floor) < latency

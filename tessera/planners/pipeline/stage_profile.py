@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import statistics
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -19,7 +20,7 @@ from tessera.core.cost import per_device_samples
 from tessera.core.data import TrainingData
 from tessera.core.graph import Graph
 from tessera.core.schedule import gpipe
-from tessera.core.specs import DeviceType
+from tessera.core.specs import DeviceType, node_of
 from tessera.planners.pipeline.profile import digest, torch_device_for
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
@@ -77,6 +78,7 @@ class StageProfiler:
 
         self.graph, self.cache = graph, cache
         self.action_overhead = device_type.action_overhead
+        self.contention = device_type.contention_overhead
         self.options = options or StageProfileOptions()
         # A GPU cluster's stages run on this machine's GPU (fp32, as the workers train), timed to
         # the end of their kernels; a CPU cluster's with the device type's threads.
@@ -95,15 +97,21 @@ class StageProfiler:
 
     def refine(self, pipe: Pipeline) -> Pipeline:
         times = self._times([self._request(st, pipe.mini_batch_size) for st in pipe.stages])
-        stages = [self._refined(st, t) for st, t in zip(pipe.stages, times, strict=True)]
+        # Stages are measured one at a time; a rank that shares its node with other ranks of the
+        # plan computes each action slower by the device's contention_overhead (docs/executor.md).
+        ranks = Counter(node_of(d) for st in pipe.stages for d in st.devices)
+        stages = [
+            self._refined(st, t, self.contention if any(ranks[node_of(d)] > 1 for d in st.devices) else 0.0)
+            for st, t in zip(pipe.stages, times, strict=True)
+        ]
         return dataclasses.replace(pipe, stages=stages)
 
-    def _refined(self, st: PipelineStage, t: StageTimes) -> PipelineStage:
+    def _refined(self, st: PipelineStage, t: StageTimes, contention: float) -> PipelineStage:
         backward = t.backward + (t.forward if st.recompute else 0.0)
         return dataclasses.replace(
             st,
-            forward_time=t.forward,
-            backward_time=backward,
+            forward_time=t.forward + contention,
+            backward_time=backward + contention,
             step_time=t.step,
             action_overhead=self.action_overhead,
         )

@@ -63,6 +63,25 @@ def test_a_recomputing_stage_pays_its_forward_again_in_the_backward(zoo_graph, t
     assert again.backward_time == pytest.approx(plain.backward_time + plain.forward_time)
 
 
+def test_ranks_sharing_a_node_pay_its_contention_on_every_action(zoo_graph, tmp_path: Path) -> None:
+    """Stages are measured one at a time; a plan's ranks on one node compute at once, each action
+    slower by the device type's contention_overhead (tessera calibrate measures it)."""
+    graph, cluster, _, pipe = _pipe(zoo_graph)
+    _, _, _, alone = _pipe(zoo_graph, devices=1)
+    device = cluster.devices()[0].type
+    assert len({d.split("/")[0] for st in pipe.stages for d in st.devices}) == 1
+    cache = ProfileCache(tmp_path / "p.sqlite")
+    plain = StageProfiler(graph, device, cache, QUICK)
+    loaded = StageProfiler(graph, device.model_copy(update={"contention_overhead": 1e-3}), cache, QUICK)
+    for before, after in zip(plain.refine(pipe).stages, loaded.refine(pipe).stages, strict=True):
+        assert after.forward_time == pytest.approx(before.forward_time + 1e-3)
+        assert after.backward_time == pytest.approx(before.backward_time + 1e-3)
+        assert after.step_time == before.step_time
+    # One rank alone on the node: nothing to contend with.
+    expected = plain.refine(alone)
+    assert loaded.refine(alone) == expected and loaded.measured == 0
+
+
 def test_cpu_plans_count_fp32_training_and_gpu_plans_mixed_precision() -> None:
     assert pipeline_options(load_cluster("local-cpu-split"), mini_batch=8).precision == "fp32"
     assert pipeline_options(load_cluster("dgx-a100"), mini_batch=8).precision == "mixed"
