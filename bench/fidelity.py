@@ -10,6 +10,7 @@ them), and launched three times, in rounds over the model's plans. Per model: me
 Placement plans (``tessera place``) in the same run: predicted against launched latency.
 
     .venv/bin/python bench/fidelity.py          # writes bench/results/fidelity.md (~15 min)
+    .venv/bin/python bench/fidelity.py --render # the table again from bench/results/fidelity.json
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from tessera.planners.pipeline.search import planned_device_type  # noqa: E402
 from tessera.planners.pipeline.types import PartitionOptions  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "fidelity.md"
-STEPS = 20
+RUN = OUT.with_suffix(".json")  # the measurements the table is rendered from (`--render` again)
+STEPS = 30
 LAUNCHES = 3  # per plan: the launches of one plan differ by ±10% on this VM (the host's drift)
 MODELS = [  # (label, source, mini-batch)
     ("mmt (zoo)", "zoo:mmt", 16),
@@ -189,14 +191,18 @@ def placement_rows(folder: Path) -> list[dict]:
     return rows
 
 
-def kendall_tau(predicted: list[float], measured: list[float], tie: float) -> float:
+def kendall_tau(
+    predicted: list[float], measured: list[float], tie: float, spreads: list[float] | None = None
+) -> float:
     """Kendall's tau-b-like agreement of the two orders; pairs whose predictions differ by less than
     ``tie`` (relative: the run's noise, :func:`noise`) are ties (the issue: plans within the noise
-    may tie) and left out."""
+    may tie) and left out. With ``spreads`` (each plan's own, :func:`own_spread`), a pair's noise is
+    the largest of ``tie`` and the two plans' spreads."""
     concordant = discordant = 0
     for i, j in itertools.combinations(range(len(predicted)), 2):
         dp, dm = predicted[i] - predicted[j], measured[i] - measured[j]
-        if abs(dp) <= tie * max(predicted[i], predicted[j]):
+        noise_ij = max(tie, *(spreads[i], spreads[j])) if spreads else tie
+        if abs(dp) <= noise_ij * max(predicted[i], predicted[j]):
             continue
         concordant += dp * dm > 0
         discordant += dp * dm < 0
@@ -204,10 +210,15 @@ def kendall_tau(predicted: list[float], measured: list[float], tie: float) -> fl
     return (concordant - discordant) / total if total else 1.0
 
 
+def own_spread(row: dict) -> float:
+    """A plan's own noise: (slowest - fastest launch) / the median launch."""
+    return (row["spread_ms"][1] - row["spread_ms"][0]) / row["measured_ms"] if row["spread_ms"] else 0.0
+
+
 def noise(rows: list[dict]) -> float:
-    """This run's noise: the median over its training plans of (slowest - fastest launch) / the
-    median launch, what the same plan launched again moves by."""
-    spreads = [(r["spread_ms"][1] - r["spread_ms"][0]) / r["measured_ms"] for r in rows if r["spread_ms"]]
+    """This run's noise: the median over its training plans of their :func:`own_spread`, what the
+    same plan launched again moves by."""
+    spreads = [own_spread(r) for r in rows if r["spread_ms"]]
     return float(np.median(spreads)) if spreads else 0.0
 
 
@@ -219,6 +230,11 @@ def calibrated(folder: Path) -> Path:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--render"]:  # the table again from the last run's measurements
+        run = json.loads(RUN.read_text())
+        write_atomic(OUT, render(run["rows"], run["spec"]))
+        print(OUT.read_text())
+        return
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         spec = calibrated(folder)
@@ -232,6 +248,7 @@ def main() -> None:
                 rows += model_rows(label, source, b, cluster, cache, folder)
         if not only or "placement" in only:
             rows += placement_rows(folder)
+    write_atomic(RUN, json.dumps({"rows": rows, "spec": spec_text}, indent=1, default=float) + "\n")
     write_atomic(OUT, render(rows, spec_text))
     print(OUT.read_text())
 
@@ -278,16 +295,19 @@ def render(rows: list[dict], spec_text: str) -> str:
             f"{r['predicted_ms']:.2f} | {r['measured_ms']:.2f} | {spread} | {_error(r):+.0%} | {roof_err} | {parts} |"
         )
     lines += ["", "## Per model", "", "| model | plans | mean abs error (profiled) | mean abs error (roofline) | "
-              "Kendall tau (profiled) |", "|---|---|---|---|---|"]  # fmt: skip
+              "Kendall tau (profiled) | Kendall tau, each pair's own noise |",
+              "|---|---|---|---|---|---|"]  # fmt: skip
     summary = []
     tie = noise([r for r in rows if r["plan"] != "placement"])
     for model in dict.fromkeys(r["model"] for r in rows if r["plan"] != "placement"):
         mine = [r for r in rows if r["model"] == model and r["plan"] != "placement"]
         mean = float(np.mean([abs(_error(r)) for r in mine]))
         roof = float(np.mean([abs(_error(r, "roofline_ms")) for r in mine]))
-        tau = kendall_tau([r["predicted_ms"] for r in mine], [r["measured_ms"] for r in mine], tie)
-        summary.append((mean, roof, tau))
-        lines.append(f"| {model} | {len(mine)} | {mean:.0%} | {roof:.0%} | {tau:+.2f} |")
+        predicted, measured = [r["predicted_ms"] for r in mine], [r["measured_ms"] for r in mine]
+        tau = kendall_tau(predicted, measured, tie)
+        own = kendall_tau(predicted, measured, tie, [own_spread(r) for r in mine])
+        summary.append((mean, roof, tau, own))
+        lines.append(f"| {model} | {len(mine)} | {mean:.0%} | {roof:.0%} | {tau:+.2f} | {own:+.2f} |")
     placements = [r for r in rows if r["plan"] == "placement"]
     lines += [
         "",
@@ -295,7 +315,9 @@ def render(rows: list[dict], spec_text: str) -> str:
         f"profiled, {np.mean([s[1] for s in summary]):.0%} roofline; Kendall tau from "
         f"{min(s[2] for s in summary):+.2f} to {max(s[2] for s in summary):+.2f} (plans whose "
         f"predictions differ by less than this run's noise, {tie:.0%}, tie: the median over the plans "
-        "of their launches' spread, slowest - fastest over the median).",
+        "of their launches' spread, slowest - fastest over the median); with each pair's own noise "
+        "(the larger of that and the two plans' own spreads) from "
+        f"{min(s[3] for s in summary):+.2f} to {max(s[3] for s in summary):+.2f}.",
         "Placements: " + ("; ".join(f"{r['model']} {_error(r):+.0%}" for r in placements) or "-") + ".",
         "",
         "## The calibrated cluster spec",
