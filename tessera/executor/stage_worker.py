@@ -153,6 +153,8 @@ class StageWorker:
         self._next_posted: dict[tuple[int, bool], list[_Posted]] | None = None
         self.sends = {(j, kind == "B"): self._sends_of(j, kind == "B") for kind, j in self.actions}
         self.messages = len(self.receives) + sum(len(v) for v in self.sends.values())  # per step
+        # A rank that exchanges messages over gloo yields its core to gloo's thread (_let_gloo_run).
+        self.yields = spec.backend == "gloo" and self.messages > 0 and hasattr(os, "sched_yield")
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
@@ -193,6 +195,18 @@ class StageWorker:
             payload = flat[0] if len(flat) == 1 and flat[0].is_contiguous() else torch.cat(flat)
             work = dist.isend(payload, rank, tag=self._tag(first, backward, step))
             self._sends.append((work, payload))
+        if self.sends[(j, backward)]:
+            self._let_gloo_run()
+
+    def _let_gloo_run(self) -> None:
+        """Give this rank's core to gloo's thread for a moment. gloo sends a message once that
+        thread has read the receiver's "ready to receive", and with a core per rank it waits for
+        the compute thread to be preempted — up to a scheduler tick (4 ms here): a message sent
+        while this rank went on computing left only when it next waited, and one step in three of a
+        two-stage plan took 3–5 ms more (docs/executor.md, "Fidelity"). Yielding after the sends
+        and before each action costs a system call when nothing else is runnable."""
+        if self.yields:
+            os.sched_yield()
 
     def _receives(self) -> list[tuple[tuple[int, bool], _Receive]]:
         """Every packed message (one per :meth:`_send`) this rank receives in a step, in the order
@@ -387,6 +401,7 @@ class StageWorker:
         for kind, j in self.actions:
             t0, busy, wait = time.perf_counter(), self.busy, self.wait
             beat()
+            self._let_gloo_run()
             if kind == "F":
                 self.forward(j, step, inputs, targets)
             else:
