@@ -267,11 +267,6 @@ class Device:
     type: DeviceType = field(compare=False, repr=False)
 
 
-def node_of(device_id: str) -> str:
-    """The node instance of a device id (``node1/a100-80g:3`` → ``node1``)."""
-    return device_id.partition("/")[0]
-
-
 class ClusterSpec(_SpecModel):
     """A cluster: named device types, groups of identical nodes holding devices, and the links."""
 

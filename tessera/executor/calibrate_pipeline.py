@@ -147,10 +147,10 @@ def pipeline_model(
         )
 
     def predicted(latency: float) -> float:
+        update = {"latency": latency, "overhead": overhead}
         edges = [
-            dataclasses.replace(e, link=e.link.model_copy(update={"latency": latency, "overhead": overhead}))
+            e if e.link is None else dataclasses.replace(e, link=e.link.model_copy(update=update))
             for e in pipe.edges
-            if e.link is not None
         ]
         piped = dataclasses.replace(pipe, stages=stages, edges=edges)
         return simulate_pipeline(piped, trace=False).iteration_time

@@ -300,7 +300,7 @@ def stage_profiler(
     graph: Graph, cluster: ClusterSpec, store: ProfileCache, devices: int | None
 ) -> StageProfiler:
     """``--profile``'s second part: the chosen plan's stages measured as the executor runs them."""
-    return StageProfiler(graph, planned_device_type(cluster, devices), store)
+    return StageProfiler(graph, planned_device_type(cluster, devices), store, cluster=cluster)
 
 
 def profile_costs(

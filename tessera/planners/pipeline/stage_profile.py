@@ -20,7 +20,7 @@ from tessera.core.cost import per_device_samples
 from tessera.core.data import TrainingData
 from tessera.core.graph import Graph
 from tessera.core.schedule import gpipe
-from tessera.core.specs import DeviceType, node_of
+from tessera.core.specs import ClusterSpec, DeviceType
 from tessera.planners.pipeline.profile import digest, torch_device_for
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
@@ -71,6 +71,8 @@ class StageProfiler:
         device_type: DeviceType,
         cache: ProfileCache,
         options: StageProfileOptions | None = None,
+        *,
+        cluster: ClusterSpec | None = None,
     ) -> None:
         import torch
 
@@ -79,6 +81,7 @@ class StageProfiler:
         self.graph, self.cache = graph, cache
         self.action_overhead = device_type.action_overhead
         self.contention = device_type.contention_overhead
+        self.cluster = cluster  # where the plan's devices are (the node each rank shares)
         self.options = options or StageProfileOptions()
         # A GPU cluster's stages run on this machine's GPU (fp32, as the workers train), timed to
         # the end of their kernels; a CPU cluster's with the device type's threads.
@@ -99,12 +102,21 @@ class StageProfiler:
         times = self._times([self._request(st, pipe.mini_batch_size) for st in pipe.stages])
         # Stages are measured one at a time; a rank that shares its node with other ranks of the
         # plan computes each action slower by the device's contention_overhead (docs/executor.md).
-        ranks = Counter(node_of(d) for st in pipe.stages for d in st.devices)
+        sharing = self._sharing(pipe)
         stages = [
-            self._refined(st, t, self.contention if any(ranks[node_of(d)] > 1 for d in st.devices) else 0.0)
+            self._refined(st, t, self.contention if st.id in sharing else 0.0)
             for st, t in zip(pipe.stages, times, strict=True)
         ]
         return dataclasses.replace(pipe, stages=stages)
+
+    def _sharing(self, pipe: Pipeline) -> set[int]:
+        """The stages with a rank on a node where another rank of ``pipe`` runs (none without the
+        cluster, which says where each device is)."""
+        if self.cluster is None:
+            return set()
+        node = {d: self.cluster.device(d).node for st in pipe.stages for d in st.devices}
+        ranks = Counter(node.values())
+        return {st.id for st in pipe.stages if any(ranks[node[d]] > 1 for d in st.devices)}
 
     def _refined(self, st: PipelineStage, t: StageTimes, contention: float) -> PipelineStage:
         backward = t.backward + (t.forward if st.recompute else 0.0)

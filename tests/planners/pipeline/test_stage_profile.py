@@ -69,10 +69,11 @@ def test_ranks_sharing_a_node_pay_its_contention_on_every_action(zoo_graph, tmp_
     graph, cluster, _, pipe = _pipe(zoo_graph)
     _, _, _, alone = _pipe(zoo_graph, devices=1)
     device = cluster.devices()[0].type
-    assert len({d.split("/")[0] for st in pipe.stages for d in st.devices}) == 1
+    assert len({cluster.device(d).node for st in pipe.stages for d in st.devices}) == 1
     cache = ProfileCache(tmp_path / "p.sqlite")
-    plain = StageProfiler(graph, device, cache, QUICK)
-    loaded = StageProfiler(graph, device.model_copy(update={"contention_overhead": 1e-3}), cache, QUICK)
+    plain = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    contended = device.model_copy(update={"contention_overhead": 1e-3})
+    loaded = StageProfiler(graph, contended, cache, QUICK, cluster=cluster)
     for before, after in zip(plain.refine(pipe).stages, loaded.refine(pipe).stages, strict=True):
         assert after.forward_time == pytest.approx(before.forward_time + 1e-3)
         assert after.backward_time == pytest.approx(before.backward_time + 1e-3)
