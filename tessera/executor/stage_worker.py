@@ -147,6 +147,15 @@ class StageWorker:
         self.dp_params = [p for p in self.params if id(p) not in tied]
         groups = [(self.dp_group, self.dp_params)] if self.dp_group is not None and self.dp_params else []
         self.buckets = [_Bucket(params, group) for group, params in [*groups, *self.shared_groups]]
+        # Gradients go over connections of their own, activations over the default group's: over
+        # one gloo connection, two ranks sending to each other at once (an activation one way, a
+        # gradient the other) both stalled in isend for 2-5 ms, until a scheduler tick (GPT-2's
+        # two-stage plans: a step in two; docs/executor.md, "Fidelity"). Made on every rank.
+        self.backward_group = (
+            dist.new_group(list(range(dist.get_world_size())))
+            if spec.backend == "gloo" and len(plan.stages) > 1
+            else None
+        )
         self._sends: list[tuple[Any, Tensor]] = []
         self._posted: dict[tuple[int, bool], list[_Posted]] = {}  # (micro-batch, backward) → receives
         self.receives = self._receives()
@@ -165,6 +174,10 @@ class StageWorker:
 
     def _tag(self, msg: Message, backward: bool, step: int) -> int:
         return msg.id * 4 + (step % 2) * 2 + int(backward)
+
+    def _group(self, backward: bool) -> Any:
+        """The process group of a message: the gradients' own, or (activations) the default."""
+        return self.backward_group if backward else None
 
     def _packed(self, j: int, backward: bool, *, sending: bool) -> dict[tuple[Unit, str], list[Message]]:
         """The messages micro-batch ``j``'s forward or backward sends (``sending``) or receives, by
@@ -193,7 +206,9 @@ class StageWorker:
         for rank, first, members in self.sends[(j, backward)]:
             flat = [piece(m).detach().reshape(-1) for m in members]
             payload = flat[0] if len(flat) == 1 and flat[0].is_contiguous() else torch.cat(flat)
-            work = dist.isend(payload, rank, tag=self._tag(first, backward, step))
+            work = dist.isend(
+                payload, rank, tag=self._tag(first, backward, step), group=self._group(backward)
+            )
             self._sends.append((work, payload))
         if self.sends[(j, backward)]:
             self._let_gloo_run()
@@ -231,7 +246,9 @@ class StageWorker:
         posted: dict[tuple[int, bool], list[_Posted]] = {key: [] for key, _ in self.receives}
         for key, r in self.receives:
             flat = torch.empty((sum(r.sizes),), dtype=r.dtype, device=self.device)
-            work = dist.irecv(flat, r.src, tag=self._tag(r.messages[0], key[1], step))
+            work = dist.irecv(
+                flat, r.src, tag=self._tag(r.messages[0], key[1], step), group=self._group(key[1])
+            )
             posted[key].append(_Posted(work, flat, r))
         return posted
 
