@@ -435,18 +435,21 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
     if not pipeline:
         return ["    the overhead written is gloo's: their mean, charged on both ends"]
     ranks = ", ".join(seconds_text(x) for x in pipeline["overhead_per_rank_s"])
+    rounds = pipeline.get("contention_per_round_s", [pipeline["contention_overhead_s"]])
     return [
         "    the overhead written is the stage workers' own (tessera launch's executor) on an",
         f"    {pipeline['model']}, mini-batch {pipeline['mini_batch']} in micro-batches of "
-        f"{pipeline['micro_batch']}, {pipeline['steps']} steps: one rank as one stage",
+        f"{pipeline['micro_batch']}, {pipeline['steps']} steps, in {len(rounds)} round(s) of one rank as one stage",
+        "    then two as two (each time below: the median over the rounds): one rank",
         f"    spends {seconds_text(pipeline['action_overhead_s'])} an action on neither compute nor the "
         "optimizer step (the device's action_overhead);",
         "    two ranks as two stages spend beyond that, per step, over the messages they send and",
-        f"    receive ({'/'.join(map(str, pipeline['messages_per_step']))} a step): {ranks} per message "
-        f"(ranks), median {seconds_text(pipeline['overhead_s'])};",
+        f"    receive ({'/'.join(map(str, pipeline['messages_per_step']))} a step): "
+        f"{seconds_text(pipeline['overhead_s'])} per message ({ranks} by rank in the median round);",
         f"    and compute {'+'.join(seconds_text(x) for x in pipeline['busy_per_rank_s'])} a step, the one "
-        f"rank {seconds_text(pipeline['busy_alone_s'])}: the difference over their actions is the",
-        f"    device's contention_overhead ({seconds_text(pipeline['contention_overhead_s'])} an action);",
+        f"rank {seconds_text(pipeline['busy_alone_s'])} (the median round): the difference over their",
+        f"    actions is the device's contention_overhead ({seconds_text(pipeline['contention_overhead_s'])} "
+        f"an action; rounds: {', '.join(seconds_text(x) for x in rounds)});",
         f"    their step takes {seconds_text(pipeline['iteration_s'])}, which the simulator gives with those "
         "times and a link latency",
         f"    of {seconds_text(pipeline['latency_s'])} (the idle links' {seconds_text(pipeline['latency_floor_s'])}): "

@@ -32,6 +32,9 @@ LAYERS = 4
 MINI_BATCH = 32
 MICRO_BATCH = 8
 STEPS = 40  # a step of the MLP takes a few ms: medians over many steps cost little
+# One rank, then two, this many times: the host's load drifts over seconds, and the contention is
+# the difference of the two runs' compute (one calibration read 0.5 us where others read 50-90 us).
+ROUNDS = 5
 # The in-step all-reduce is measured on a small MLP (64 KiB of gradients): its fixed cost, which a
 # large one hides in the curve's bandwidth term.
 ALLREDUCE_WIDTH = 64
@@ -66,34 +69,33 @@ def mlp(width: int = WIDTH, layers: int = LAYERS) -> Any:
 
 
 def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[str, Any]:
-    """Launch the MLP on the first devices of ``cluster``: on one rank as one stage, on two as a
-    two-stage sequential pipeline, and (the small MLP) on two as one data-parallel stage; return
-    the workers' own time per action (the one-rank run's time on neither compute nor the optimizer
-    step, over its actions), per message (the two-stage run's overhead beyond its actions' share,
-    over its messages; the median over the ranks), the compute an action adds while the other rank
-    computes (the two stages' busy time beyond the one rank's, over their actions) and the in-step
-    all-reduce beyond ``cluster``'s, with what was run."""
+    """Launch the MLP on the first devices of ``cluster``, in :data:`ROUNDS` rounds: on one rank
+    as one stage, then on two as a two-stage sequential pipeline (each round's numbers:
+    :func:`round_overheads`); then (the small MLP) on two as one data-parallel stage. Return the
+    rounds' medians of the workers' own time per action, per message and the compute an action
+    adds while the other rank computes, the link latency that makes the simulator give the median
+    round's step, and the in-step all-reduce beyond ``cluster``'s, with what was run."""
     from tessera.core.graph import load_graph
 
+    rounds = []
     with tempfile.TemporaryDirectory(prefix="tessera-calibrate-") as folder:
         path, small_path = Path(folder) / "mlp.onnx", Path(folder) / "mlp-small.onnx"
         path.write_bytes(mlp().SerializeToString())
         small_path.write_bytes(mlp(ALLREDUCE_WIDTH).SerializeToString())
         graph, small = load_graph(str(path)), load_graph(str(small_path))
-        (alone,), _ = _overhead_run(graph, path, cluster, 1, timeout_s)
-        piped, pipe = _overhead_run(graph, path, cluster, 2, timeout_s)
+        for _ in range(ROUNDS):
+            (alone,), _ = _overhead_run(graph, path, cluster, 1, timeout_s)
+            piped, pipe = _overhead_run(graph, path, cluster, 2, timeout_s)
+            rounds.append((round_overheads(alone, piped), piped))
         replicas, _ = _overhead_run(small, small_path, cluster, 2, timeout_s, stages=1)
-    # With no peer, a rank never waits: its "wait" is the inputs' handling, part of every action.
-    per_action = (alone["wait_s"] + alone["overhead_s"]) / alone["actions"]
-    in_overhead = alone["overhead_s"] / alone["actions"]  # the part the two-stage runs count as overhead
-    per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["messages"] for r in piped]
-    # The same layers computed by two ranks at once take longer than by one alone: shared caches,
-    # memory and cores (gloo's threads). Per action, as the simulator charges it.
-    piped_busy = sum(r["busy_s"] for r in piped)
-    contention = max(piped_busy - alone["busy_s"], 0.0) / sum(r["actions"] for r in piped)
+    found = {k: statistics.median(r[k] for r, _ in rounds) for k in ("action_overhead_s", "overhead_s")}
+    contention = [r["contention_overhead_s"] for r, _ in rounds]
+    # The round of the median contention tells its numbers (a round the host slowed reads high or
+    # low: one reading 0.5 us where the rounds around it read 50-90 us).
+    typical, piped = rounds[contention.index(statistics.median_low(contention))]
     floor = ring_link(cluster, cluster.devices()[:2]).latency
-    model = pipeline_model(pipe, piped, per_action, statistics.median(per_message))
-    latency = pipeline_latency(model, statistics.median(r["iteration_s"] for r in piped), floor)
+    model = pipeline_model(pipe, piped, found["action_overhead_s"], found["overhead_s"])
+    latency = pipeline_latency(model, typical["iteration_s"], floor)
     # Data parallel: the gradients' all-reduce as a step runs it (the replica that reached it last
     # waits least), against the all-reduce the spec so far predicts for its size.
     in_step = min(r["allreduce_s"] for r in replicas)
@@ -103,15 +105,10 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         "mini_batch": MINI_BATCH,
         "micro_batch": MICRO_BATCH,
         "steps": STEPS,
-        "actions_per_step": alone["actions"],
-        "action_overhead_s": per_action,
-        "messages_per_step": [r["messages"] for r in piped],
-        "overhead_per_rank_s": per_message,
-        "overhead_s": statistics.median(per_message),
-        "busy_alone_s": alone["busy_s"],
-        "busy_per_rank_s": [r["busy_s"] for r in piped],
-        "contention_overhead_s": contention,
-        "iteration_s": statistics.median(r["iteration_s"] for r in piped),
+        "rounds": ROUNDS,
+        **typical,
+        **found,
+        "contention_per_round_s": contention,
         "latency_floor_s": floor,
         "latency_s": latency,
         "allreduce_model": f"MLP {LAYERS} x MatMul {ALLREDUCE_WIDTH}x{ALLREDUCE_WIDTH} + Relu",
@@ -119,6 +116,32 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         "allreduce_in_step_s": in_step,
         "allreduce_predicted_s": predicted,
         "allreduce_overhead_s": max(in_step - predicted, 0.0),
+    }
+
+
+def round_overheads(alone: dict[str, Any], piped: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round's numbers from its one-rank run's row ``alone`` and its two-stage run's rows
+    ``piped`` (medians over their steps): the time per action on neither compute nor the optimizer
+    step (``action_overhead_s``), per message beyond that (``overhead_s``: the median over the
+    ranks), and the two stages' compute beyond the one rank's, per action
+    (``contention_overhead_s``)."""
+    # With no peer, a rank never waits: its "wait" is the inputs' handling, part of every action.
+    per_action = (alone["wait_s"] + alone["overhead_s"]) / alone["actions"]
+    in_overhead = alone["overhead_s"] / alone["actions"]  # the part the two-stage runs count as overhead
+    per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["messages"] for r in piped]
+    # The same layers computed by two ranks at once take longer than by one alone: shared caches,
+    # memory and cores (gloo's threads). Per action, as the simulator charges it.
+    piped_busy = sum(r["busy_s"] for r in piped)
+    return {
+        "actions_per_step": alone["actions"],
+        "action_overhead_s": per_action,
+        "messages_per_step": [r["messages"] for r in piped],
+        "overhead_per_rank_s": per_message,
+        "overhead_s": statistics.median(per_message),
+        "busy_alone_s": alone["busy_s"],
+        "busy_per_rank_s": [r["busy_s"] for r in piped],
+        "contention_overhead_s": max(piped_busy - alone["busy_s"], 0.0) / sum(r["actions"] for r in piped),
+        "iteration_s": statistics.median(r["iteration_s"] for r in piped),
     }
 
 

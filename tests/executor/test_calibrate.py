@@ -226,3 +226,24 @@ def test_the_pipeline_latency_is_what_makes_the_simulator_give_the_measured_step
     # More compute measured leaves less of the step to the messages.
     heavier = [{**r, "busy_s": 3.5e-3} for r in rows]
     assert pipeline_latency(pipeline_model(pipe, heavier, 2e-5, 8e-5), 6e-3, floor) < latency
+
+
+def test_a_rounds_overheads_split_the_workers_time_into_actions_messages_and_contention():
+    from tessera.executor.calibrate_pipeline import round_overheads
+
+    # One rank alone: 16 actions, 0.32 ms waiting on its own inputs and 0.48 ms of overhead a step.
+    alone = {"actions": 16, "messages": 0, "busy_s": 6e-3, "wait_s": 0.32e-3, "overhead_s": 0.48e-3,
+             "iteration_s": 7e-3}  # fmt: skip
+    # Two stages of 8 actions each: 8 messages a rank, overheads beyond the 8 actions' 0.24 ms.
+    piped = [
+        {"actions": 8, "messages": 8, "busy_s": 3.4e-3, "overhead_s": 0.24e-3 + 8 * 90e-6, "iteration_s": 6e-3},
+        {"actions": 8, "messages": 8, "busy_s": 3.4e-3, "overhead_s": 0.24e-3 + 8 * 70e-6, "iteration_s": 6.2e-3},
+    ]  # fmt: skip
+    found = round_overheads(alone, piped)
+    assert found["action_overhead_s"] == pytest.approx(50e-6)  # (0.32 + 0.48) ms / 16
+    assert found["overhead_per_rank_s"] == pytest.approx([90e-6, 70e-6])
+    assert found["overhead_s"] == pytest.approx(80e-6)
+    assert found["contention_overhead_s"] == pytest.approx(0.8e-3 / 16)  # 6.8 ms against 6 ms
+    assert found["iteration_s"] == pytest.approx(6.1e-3)
+    # Two ranks that computed faster than the one alone (a round the host slowed): no contention.
+    assert round_overheads({**alone, "busy_s": 8e-3}, piped)["contention_overhead_s"] == 0.0
