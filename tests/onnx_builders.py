@@ -67,3 +67,30 @@ def tied_chain(layers: int = 6, width: int = 8, ties: int = 1) -> onnx.ModelProt
         [numpy_helper.from_array(v, name) for name, v in weights.items()],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def shape_passing_chain(width: int = 8) -> onnx.ModelProto:
+    """MatMul + Tanh, then a MatMul whose output is reshaped to the first Tanh's ``Shape`` (int64)
+    and masked by its ``Greater`` than 0 (bool): cut after the first layer, three dtypes cross
+    together, as an exporter's shape arithmetic crosses with the activations."""
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(2)}
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["m0"], name="matmul0"),
+        helper.make_node("Tanh", ["m0"], ["h0"], name="tanh0"),
+        helper.make_node("Shape", ["h0"], ["shape"], name="shape"),
+        helper.make_node("Greater", ["h0", "zero"], ["mask"], name="greater"),
+        helper.make_node("MatMul", ["h0", "w1"], ["m1"], name="matmul1"),
+        helper.make_node("Reshape", ["m1", "shape"], ["r1"], name="reshape"),
+        helper.make_node("Where", ["mask", "r1", "zero"], ["masked"], name="where"),
+        helper.make_node("Tanh", ["masked"], ["y"], name="tanh1"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "shapes",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        [*(numpy_helper.from_array(v, name) for name, v in weights.items()), zero],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

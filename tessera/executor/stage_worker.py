@@ -54,14 +54,14 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class _Receive:
-    """One packed message a step receives from rank ``src``: the pieces of ``messages`` at
-    ``shapes`` (``sizes`` elements each), in order, of ``dtype``."""
+    """One packed message a step receives from rank ``src``: the pieces of ``messages``, in order,
+    at ``shapes`` of ``dtypes`` (``sizes`` bytes each)."""
 
     src: int
     messages: list[Message]
     shapes: list[tuple[int, ...]]
+    dtypes: list[torch.dtype]
     sizes: list[int]
-    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -179,9 +179,9 @@ class StageWorker:
         """The process group of a message: the gradients' own, or (activations) the default."""
         return self.backward_group if backward else None
 
-    def _packed(self, j: int, backward: bool, *, sending: bool) -> dict[tuple[Unit, str], list[Message]]:
+    def _packed(self, j: int, backward: bool, *, sending: bool) -> dict[Unit, list[Message]]:
         """The messages micro-batch ``j``'s forward or backward sends (``sending``) or receives, by
-        (peer unit, dtype), each in message-id order (:func:`_packs`). A forward receives along its
+        peer unit, in the order they are packed (:func:`_packs`). A forward receives along its
         incoming edges and sends along its outgoing ones; a backward, gradients the other way."""
         unit = Unit(self.stage_id, self.replica, j)
         inbound = sending == backward
@@ -196,16 +196,17 @@ class StageWorker:
         expects. The same every step."""
         return [
             (self.routing.rank_of(other), members[0], members)
-            for (other, _), members in self._packed(j, backward, sending=True).items()
+            for other, members in self._packed(j, backward, sending=True).items()
         ]
 
     def _send(self, j: int, backward: bool, step: int, piece: Callable[[Message], Tensor]) -> None:
-        """Send micro-batch ``j``'s messages packed (:meth:`_sends_of`; ``piece``: a message's
-        tensor), since every message costs a latency that a pipeline pays on its critical path
+        """Send micro-batch ``j``'s messages to each peer packed into one buffer of bytes
+        (:meth:`_sends_of`; ``piece``: a message's tensor), whatever their dtypes, since every
+        message costs its ends' time and a latency that a pipeline pays on its critical path
         (docs/executor.md, "Fidelity"). A message of one contiguous piece goes without a copy."""
         for rank, first, members in self.sends[(j, backward)]:
-            flat = [piece(m).detach().reshape(-1) for m in members]
-            payload = flat[0] if len(flat) == 1 and flat[0].is_contiguous() else torch.cat(flat)
+            flat = [piece(m).detach().reshape(-1).contiguous().view(torch.uint8) for m in members]
+            payload = flat[0] if len(flat) == 1 else torch.cat(flat)
             work = dist.isend(
                 payload, rank, tag=self._tag(first, backward, step), group=self._group(backward)
             )
@@ -229,12 +230,13 @@ class StageWorker:
         found = []
         for kind, j in self.actions:
             backward = kind == "B"
-            for (other, dtype), members in self._packed(j, backward, sending=False).items():
+            for other, members in self._packed(j, backward, sending=False).items():
                 shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m in members]
-                sizes = [int(np.prod(shape)) for shape in shapes]
-                receive = _Receive(
-                    self.routing.rank_of(other), members, shapes, sizes, getattr(torch, np.dtype(dtype).name)
-                )
+                dtypes = [_torch_dtype(self.routing.layouts[m.tensor].dtype) for m in members]
+                sizes = [
+                    int(np.prod(shape)) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)
+                ]
+                receive = _Receive(self.routing.rank_of(other), members, shapes, dtypes, sizes)
                 found.append(((j, backward), receive))
         return found
 
@@ -245,7 +247,7 @@ class StageWorker:
         posted, and a sender that must wait for that wakes for it between its own computations."""
         posted: dict[tuple[int, bool], list[_Posted]] = {key: [] for key, _ in self.receives}
         for key, r in self.receives:
-            flat = torch.empty((sum(r.sizes),), dtype=r.dtype, device=self.device)
+            flat = torch.empty((sum(r.sizes),), dtype=torch.uint8, device=self.device)
             work = dist.irecv(
                 flat, r.src, tag=self._tag(r.messages[0], key[1], step), group=self._group(key[1])
             )
@@ -265,8 +267,9 @@ class StageWorker:
                 raise RuntimeError(
                     f"waiting for {what} of {names} from rank {r.src}: {' '.join(str(exc).split())}"
                 ) from exc
-            for m, piece, shape in zip(r.messages, p.flat.split(r.sizes), r.shapes, strict=True):
-                got[m.id] = piece.view(shape)
+            pieces = p.flat.split(r.sizes)
+            for m, piece, dtype, shape in zip(r.messages, pieces, r.dtypes, r.shapes, strict=True):
+                got[m.id] = piece.view(dtype).view(shape)
         return got
 
     # -- the two actions --
@@ -472,13 +475,23 @@ def _target(msg: Message) -> Unit:
 
 def _packs(
     messages: list[Message], peer: Callable[[Message], Unit], routing: Routing
-) -> dict[tuple[Unit, str], list[Message]]:
-    """``messages`` by (peer unit, dtype), each in message-id order: what sender and receiver both
-    compute from the routing, so a packed message is cut where it was joined."""
-    packs: dict[tuple[Unit, str], list[Message]] = {}
-    for msg in sorted(messages, key=lambda m: m.id):
-        packs.setdefault((peer(msg), routing.layouts[msg.tensor].dtype), []).append(msg)
+) -> dict[Unit, list[Message]]:
+    """``messages`` by peer unit, each in the order they are packed: what sender and receiver
+    both compute from the routing, so a packed message is cut where it was joined. Wider dtypes
+    first (then by message id), so every piece starts at a multiple of its item size in the bytes
+    and the receiver views it in place (int64 shapes before float32 activations)."""
+
+    def order(msg: Message) -> tuple[int, int]:
+        return (-np.dtype(routing.layouts[msg.tensor].dtype).itemsize, msg.id)
+
+    packs: dict[Unit, list[Message]] = {}
+    for msg in sorted(messages, key=order):
+        packs.setdefault(peer(msg), []).append(msg)
     return packs
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, np.dtype(name).name)
 
 
 class _Bucket:

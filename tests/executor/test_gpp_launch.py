@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from executor.plans import candle_dag, make_plan, save_model
-from onnx_builders import tied_chain
+from onnx_builders import shape_passing_chain, tied_chain
 
 from tessera.cli.launch_cmd import _summary
 from tessera.core.graph import load_graph
@@ -130,3 +130,16 @@ def test_a_weight_read_by_two_stages_trains_as_one(tmp_path: Path, replicas: int
     second = ["d1", "d2"][:replicas]
     plan = make_plan(graph, [(graph.order[:6], ["d0"], 2), (graph.order[6:], second, 2)], 8)
     _check_exact(plan, graph, path, TrainOptions(steps=4, lr=0.1, seed=2))
+
+
+def test_tensors_of_three_dtypes_cross_to_a_peer_in_one_message(tmp_path: Path) -> None:
+    """A Shape (int64), a mask (bool) and an activation (fp32) cross the cut: each micro-batch's
+    forward sends them in one message of bytes, and the step trains exactly."""
+    path = tmp_path / "shapes.onnx"
+    graph = save_model(shape_passing_chain(), path)
+    first = ["matmul0", "tanh0", "shape", "greater"]
+    plan = make_plan(graph, [(first, ["d0"], 2), ([n for n in graph.order if n not in first], ["d1"], 2)], 8)
+    assert {t.name for t in plan.edges[0].tensors} == {"h0", "shape", "mask"}
+    run = _check_exact(plan, graph, path, TrainOptions(steps=3, lr=0.1, seed=4))
+    # 4 micro-batches: stage 0 sends 4 messages and receives 4 gradients (of h0 alone).
+    assert [steps[0]["messages"] for _, steps in sorted(run.rank_steps.items())] == [8, 8]
