@@ -47,6 +47,11 @@ class TensorInfo:
     def nbytes(self) -> int:
         return self.numel * _itemsize(self.dtype)
 
+    @property
+    def floating(self) -> bool:
+        """A floating-point tensor: one a gradient can flow through."""
+        return np.issubdtype(np.dtype(self.dtype), np.floating)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,

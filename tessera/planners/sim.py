@@ -52,6 +52,8 @@ class SimEdge:
     # the action that sends it (the transfer starts then), the receiver's before the action that
     # takes it.
     overhead: float = 0.0
+    # False: nothing over it takes a gradient (shapes, ids, masks): a backward sends nothing back.
+    grads: bool = True
 
     def transfer_time(self, samples: int) -> float:
         if self.bytes_per_sample <= 0:
@@ -142,7 +144,7 @@ def simulate(  # noqa: C901
 
     # What each stage's forward (backward) waits for: (peer, the peer's micro-batch size).
     needs_f = {s.id: [(e.src, by_id[e.src].micro_batch_size) for e in preds[s.id]] for s in stages}
-    needs_b = {s.id: [(e.dst, by_id[e.dst].micro_batch_size) for e in succs[s.id]] for s in stages}
+    needs_b = {s.id: [(e.dst, by_id[e.dst].micro_batch_size) for e in succs[s.id] if e.grads] for s in stages}
 
     def try_ready(sid: int) -> None:
         """Queue stage sid's next action once every input it waits for has arrived."""
@@ -170,7 +172,7 @@ def simulate(  # noqa: C901
         b = by_id[sid].micro_batch_size
         total = 0.0
         for e in preds[sid] if kind == "F" else succs[sid]:
-            if e.overhead:
+            if e.overhead and (kind == "F" or e.grads):
                 b_peer = by_id[e.src if kind == "F" else e.dst].micro_batch_size
                 total += e.overhead * (1 if b_peer == b else len(covering(k, b, b_peer)))
         return total
@@ -240,8 +242,9 @@ def simulate(  # noqa: C901
         else:
             live[sid] -= 1
             for e in preds[sid]:
-                end += e.overhead
-                send(e, "B", sid, k, end, s.micro_batch_size)
+                if e.grads:
+                    end += e.overhead
+                    send(e, "B", sid, k, end, s.micro_batch_size)
         device_free[sid] = end
         if pointer[sid] == len(parsed[sid]) and s.allreduce_time > 0:
             heapq.heappush(heap, (end, order, _ALLREDUCE, (sid,)))
@@ -307,9 +310,10 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
         fwd: list[float | None] = [None] * (mini_batch // size[i])
         bwd: list[float | None] = [None] * (mini_batch // size[j])
         inputs[j][0].append((fwd, size[i], e.overhead))
-        inputs[i][1].append((bwd, size[j], e.overhead))
         outputs[i][0].append((fwd, [0.0], e.transfer_time(size[i]), j, e.overhead))
-        outputs[j][1].append((bwd, [0.0], e.transfer_time(size[j]), i, e.overhead))
+        if e.grads:
+            inputs[i][1].append((bwd, size[j], e.overhead))
+            outputs[j][1].append((bwd, [0.0], e.transfer_time(size[j]), i, e.overhead))
     pointer = [0] * n
     device_free = [0.0] * n
     busy = [0.0] * n
@@ -439,4 +443,5 @@ def sim_edge(e: PipelineEdge) -> SimEdge:
         e.dst_nics,
         e.nic_share,
         e.link.overhead if e.link else 0.0,
+        e.grads,
     )

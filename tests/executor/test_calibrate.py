@@ -70,6 +70,9 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     assert device.contention_overhead == pytest.approx(pipeline["contention_overhead_s"], rel=1e-3, abs=1e-9)
     assert pipeline["contention_overhead_s"] == pytest.approx(max(sum(piped) - alone, 0.0) / 16, rel=1e-3)
     assert 0 < alone < 2 * sum(piped)
+    # ... in the round of the median contention, over 5 rounds of one rank then two.
+    rounds = pipeline["contention_per_round_s"]
+    assert len(rounds) == 5 and pipeline["contention_overhead_s"] == sorted(rounds)[2]
     assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
     # The measured curve is in the spec: the planners' all-reduce time is the measured one.
     assert link.allreduce_ranks == 2 and len(link.allreduce_curve) == len(reduce["bytes"]) == 7

@@ -74,6 +74,30 @@ def test_each_end_spends_the_link_overhead_on_every_message(trace: bool) -> None
 
 
 @pytest.mark.parametrize("trace", [True, False])
+def test_an_edge_of_no_floating_tensor_sends_no_gradient_back(trace: bool) -> None:
+    """Stage 0 sends stage 2 a mask (no gradient) and stage 1 an activation: stage 0's backward
+    waits for stage 1's gradient only, and pays the overhead of that one message."""
+    f, b, latency, o = 1.0, 2.0, 0.5, 0.125
+    stages = [SimStage(i, 1, f, b, ("F0", "B0")) for i in range(3)]
+    edges = [
+        SimEdge(0, 1, 1.0, float("inf"), latency, overhead=o),
+        SimEdge(0, 2, 1.0, float("inf"), latency, overhead=o, grads=False),
+        SimEdge(1, 2, 1.0, float("inf"), latency, overhead=o),
+    ]
+    res = simulate(stages, edges, 1, trace=trace)
+    # F0 (and its two sends), then 1 and 2 in a chain and back, stage 0 taking one gradient.
+    chain = f + 2 * o + (latency + o + f + o) + (latency + o + f + b + o) + (latency + o + b + o)
+    assert res.iteration_time == pytest.approx(chain + latency + o + b)
+    if trace:
+        assert {(e.stage, e.peer) for e in res.events if e.kind == "send_B"} == {(2, 1), (1, 0)}
+    # Had the mask's edge carried a gradient, stage 2's B would send it too, costing o on each end.
+    graded = simulate(
+        stages, [*edges[:1], dataclasses.replace(edges[1], grads=True), edges[2]], 1, trace=trace
+    )
+    assert graded.iteration_time == pytest.approx(res.iteration_time + 2 * o)
+
+
+@pytest.mark.parametrize("trace", [True, False])
 def test_every_action_pays_the_executors_own_overhead_on_its_device(trace: bool) -> None:
     stages, edges = _chain(2, 4, 1.0, 2.0, "1f1b")
     bare = simulate(stages, edges, 4, trace=trace)

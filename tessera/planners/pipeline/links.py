@@ -123,6 +123,7 @@ def stage_edges(
 ) -> list[PipelineEdge]:
     """Stage graph edges (C2): every operator edge between two stages, with its tensors."""
     crossing: dict[tuple[int, int], dict[str, float]] = {}
+    floating: set[tuple[int, int]] = set()  # stage pairs a gradient comes back between
     for u, v, data in graph.dag.edges(data=True):
         su, sv = unit_stage[tree.unit_of[u]], unit_stage[tree.unit_of[v]]
         if su == sv:
@@ -130,8 +131,10 @@ def stage_edges(
         tensors = crossing.setdefault((su, sv), {})
         for t in data["tensors"]:
             tensors[t.name] = cost.wire_bytes(t.nbytes)
+            if t.floating:
+                floating.add((su, sv))
     edges = []
     for (su, sv), tensors in sorted(crossing.items()):
         items = sorted(tensors.items())
-        edges.append(PipelineEdge(su, sv, items, sum(v for _, v in items)))
+        edges.append(PipelineEdge(su, sv, items, sum(v for _, v in items), grads=(su, sv) in floating))
     return edges

@@ -240,7 +240,8 @@ def estimate_iteration(
     for e in edges:
         t = 0.0
         if e.link is not None and e.bytes_per_sample > 0:
-            t = 2 * (e.link.latency + e.bytes_per_sample * b / e.link.bandwidth)
+            # activations forward, and gradients back where a tensor is floating
+            t = (1 + e.grads) * (e.link.latency + e.bytes_per_sample * b / e.link.bandwidth)
         graph.add_edge(e.src, e.dst, w=t)
         cycle[e.dst] += exposed * t  # transfers on the receiver's cycle (dp.StageDP.stage)
     longest: dict[int, float] = {}

@@ -86,6 +86,9 @@ class PipelineEdge:
     src_nics: tuple[str, ...] = ()
     dst_nics: tuple[str, ...] = ()
     nic_share: float = 1.0
+    # False: no tensor over it is floating (shapes, ids, masks), so no gradient comes back over it
+    # (the stage workers send a gradient only for a floating tensor).
+    grads: bool = True
 
 
 @dataclass

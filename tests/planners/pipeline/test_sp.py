@@ -69,3 +69,28 @@ def test_a_model_with_nothing_to_pipeline_is_bad_input() -> None:
     onnx.checker.check_model(model)
     with pytest.raises(InputError, match="nothing to pipeline"):
         decompose(load_graph(model))
+
+
+def test_a_stage_edge_of_shapes_and_masks_takes_no_gradient(tmp_path) -> None:
+    """Stage 0 sends stage 2 an int64 Shape and a bool mask, and stage 1 an fp32 activation: only
+    the edges with a floating tensor bring a gradient back (as the stage workers send one)."""
+    from onnx_builders import shape_passing_chain
+
+    from tessera.core.cost import CostModel
+    from tessera.core.specs import load_cluster
+    from tessera.planners.pipeline.links import stage_edges
+
+    path = tmp_path / "shapes.onnx"
+    path.write_bytes(shape_passing_chain().SerializeToString())
+    graph = load_graph(str(path), input_shapes={"x": (4, 8)})
+    tree = decompose(graph, max_units=100)
+    stage_of = {"matmul0": 0, "tanh0": 0, "shape": 0, "greater": 0, "matmul1": 1}
+    unit_stage = {tree.unit_of[op]: stage_of.get(op, 2) for op in graph.order}
+    cost = CostModel.for_device(load_cluster("local-cpu-split").devices()[0].type)
+    edges = {(e.src, e.dst): e for e in stage_edges(graph, tree, unit_stage, cost)}
+    assert {k: sorted(t for t, _ in e.tensors) for k, e in edges.items()} == {
+        (0, 1): ["h0"],
+        (0, 2): ["mask", "shape"],
+        (1, 2): ["m1"],
+    }
+    assert {k: e.grads for k, e in edges.items()} == {(0, 1): True, (0, 2): False, (1, 2): True}
