@@ -236,7 +236,7 @@ def run_pipeline_plan(  # noqa: PLR0913
             measure=(lambda g: profile_costs(g, cluster, store, devices)) if store else None,
             # Stages are measured on this machine's CPU or GPU, as the cluster's devices are; a GPU
             # cluster planned where torch sees no GPU keeps the operators' times.
-            refine=(lambda g: stage_profiler(g, cluster, store, devices).refine)
+            refine=(lambda g: stage_profiler(g, cluster, store, devices).refine_all)
             if store and stages_measurable(planned_device_type(cluster, devices))
             else None,
         )

@@ -98,23 +98,22 @@ def _build(  # noqa: PLR0913
             if kind == "spp":
                 raise
             spp_error = exc.message
-    if spp is not None and refine is not None:
-        spp = refine(spp)
+    pipe: Pipeline | None = None
+    if kind != "spp":
+        try:
+            pipe = partition(graph, cluster, options, tree=tree, cost=cost)
+        except InfeasibleError:
+            if spp is None:
+                raise
+    if refine is not None:  # the graph pipeline and its sequential rival measured together
+        spp, pipe = _refined(refine, spp, pipe)
     spp_sim = simulate_pipeline(spp) if spp is not None else None
     if kind == "spp":
         assert spp is not None and spp_sim is not None
         plan = _to_plan(graph, cluster, spp, spp_sim, None, "sequential", _training(options, cost))
         plan.predicted.update(sequential_record(spp))  # which sequential planner, and the other's result
         return plan, spp, spp_sim
-    try:
-        pipe = partition(graph, cluster, options, tree=tree, cost=cost)
-        if refine is not None:
-            pipe = refine(pipe)
-        sim = simulate_pipeline(pipe)
-    except InfeasibleError:
-        if spp is None:
-            raise
-        pipe, sim = None, None  # type: ignore[assignment]
+    sim = simulate_pipeline(pipe) if pipe is not None else None
     # A sequential pipeline is a graph pipeline too (a chain of convex stages): when the
     # series-parallel DP's plan simulates slower than the sequential one, the GPP plan is the
     # sequential one, relabelled (structure "sequential" in the prediction).
@@ -148,6 +147,12 @@ def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
     return TrainingSetup(
         precision=options.precision, bytes_per_param=cost.memory.bytes_per_param, recompute=options.recompute
     )
+
+
+def _refined(refine: RefineFn, *pipes: Pipeline | None) -> tuple[Pipeline | None, ...]:
+    """``pipes`` (None where there is none) with their stages measured together."""
+    measured = iter(refine([p for p in pipes if p is not None]))
+    return tuple(None if p is None else next(measured) for p in pipes)
 
 
 def _relabel(pipe: Pipeline) -> Pipeline:

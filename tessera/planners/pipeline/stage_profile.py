@@ -12,7 +12,7 @@ import functools
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -99,15 +99,25 @@ class StageProfiler:
         self._model: OnnxModule | None = None  # the whole model, computing stages' inputs
 
     def refine(self, pipe: Pipeline) -> Pipeline:
-        times = self._times([self._request(st, pipe.mini_batch_size) for st in pipe.stages])
+        return self.refine_all([pipe])[0]
+
+    def refine_all(self, pipes: Sequence[Pipeline]) -> list[Pipeline]:
+        """``pipes`` with their stages measured together, their bursts in turns
+        (:meth:`_times`): pipelines a planner compares (a plan and its sequential rival, a
+        benchmark's plans of one model) take the host's drift alike, so it cannot order them."""
+        requests = [[self._request(st, pipe.mini_batch_size) for st in pipe.stages] for pipe in pipes]
+        times = iter(self._times([r for rs in requests for r in rs]))
         # Stages are measured one at a time; a rank that shares its node with other ranks of the
         # plan computes each action slower by the device's contention_overhead (docs/executor.md).
-        sharing = self._sharing(pipe)
-        stages = [
-            self._refined(st, t, self.contention if st.id in sharing else 0.0)
-            for st, t in zip(pipe.stages, times, strict=True)
-        ]
-        return dataclasses.replace(pipe, stages=stages)
+        refined = []
+        for pipe in pipes:
+            sharing = self._sharing(pipe)
+            stages = [
+                self._refined(st, next(times), self.contention if st.id in sharing else 0.0)
+                for st in pipe.stages
+            ]
+            refined.append(dataclasses.replace(pipe, stages=stages))
+        return refined
 
     def _sharing(self, pipe: Pipeline) -> set[int]:
         """The stages with a rank on a node where another rank of ``pipe`` runs (none without the
@@ -320,4 +330,5 @@ def _no_sync() -> None:
     pass
 
 
-RefineFn = Callable[[Pipeline], Pipeline]
+RefineFn = Callable[[Sequence[Pipeline]], list[Pipeline]]
+"""Pipelines with their stages measured together (:meth:`StageProfiler.refine_all`)."""

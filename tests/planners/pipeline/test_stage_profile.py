@@ -53,6 +53,41 @@ def test_stages_are_measured_then_read_back_from_the_cache(zoo_graph, tmp_path: 
     )
 
 
+def test_pipelines_measured_together_are_each_refined_as_alone(zoo_graph, tmp_path: Path) -> None:
+    """refine_all measures the distinct stages of several pipelines in one session (bursts in
+    turns) and gives each pipeline what refine gives it from the cache afterwards."""
+    graph, cluster, _, pipe = _pipe(zoo_graph)
+    _, _, _, alone = _pipe(zoo_graph, devices=1)
+    device = cluster.devices()[0].type
+    cache = ProfileCache(tmp_path / "p.sqlite")
+    together = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    refined = together.refine_all([pipe, alone, pipe])
+    assert together.measured == len(pipe.stages) + len(alone.stages)  # each stage once
+    assert refined[0] == refined[2] and [p.stages[0].nodes for p in refined[:2]] == [
+        pipe.stages[0].nodes,
+        alone.stages[0].nodes,
+    ]
+    later = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    assert [later.refine(pipe), later.refine(alone)] == refined[:2] and later.measured == 0
+
+
+def test_the_planner_measures_a_plan_and_its_sequential_rival_together(zoo_graph) -> None:
+    """With the SPP baseline, plan_gpp hands both pipelines to one refine: the comparison that
+    picks between them sees one stretch of the host's drift."""
+    graph, cluster, options, _ = _pipe(zoo_graph)
+    calls: list[list[str]] = []
+
+    def refine(pipes):
+        calls.append([p.kind for p in pipes])
+        return list(pipes)
+
+    plan_gpp(graph, cluster, options, kind="gpp", baseline=True, refine=refine)
+    assert calls == [["spp", "gpp"]]
+    calls.clear()
+    plan_gpp(graph, cluster, options, kind="spp", baseline=False, refine=refine)
+    assert calls == [["spp"]]
+
+
 def test_a_recomputing_stage_pays_its_forward_again_in_the_backward(zoo_graph, tmp_path: Path) -> None:
     graph, cluster, _, pipe = _pipe(zoo_graph, devices=1)
     profiler = StageProfiler(graph, cluster.devices()[0].type, ProfileCache(tmp_path / "p.sqlite"), QUICK)
