@@ -185,9 +185,7 @@ class Measurer:
             wanted = [
                 t
                 for t, info in graph.tensors.items()
-                if t in graph.producer
-                and t not in graph.outputs
-                and not np.issubdtype(np.dtype(info.dtype), np.floating)
+                if t in graph.producer and t not in graph.outputs and not info.floating
             ]
             values: dict[str, np.ndarray] = {}
             if wanted:

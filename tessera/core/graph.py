@@ -163,11 +163,7 @@ class Graph:
                 op = self.op(n)
                 for t in (*op.inputs, *op.implicit_inputs):
                     info = self.initializers.get(t)
-                    if (
-                        info is not None
-                        and info.shape != ()
-                        and np.issubdtype(np.dtype(info.dtype), np.floating)
-                    ):
+                    if info is not None and info.shape != () and info.floating:
                         readers.setdefault(t, set()).add(i)
         return {t: sorted(g) for t, g in sorted(readers.items()) if len(g) > 1}
 

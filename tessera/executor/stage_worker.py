@@ -36,6 +36,7 @@ from tessera.executor.launcher import (
 from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
 from tessera.executor.training import TrainingData, TrainOptions, loss_term
+from tessera.planners.pipeline.profile import torch_dtype_of
 
 
 @dataclass(frozen=True)
@@ -232,7 +233,7 @@ class StageWorker:
             backward = kind == "B"
             for other, members in self._packed(j, backward, sending=False).items():
                 shapes = [self.routing.layouts[m.tensor].shape(m.samples) for m in members]
-                dtypes = [_torch_dtype(self.routing.layouts[m.tensor].dtype) for m in members]
+                dtypes = [torch_dtype_of(self.routing.layouts[m.tensor].dtype) for m in members]
                 sizes = [
                     int(np.prod(shape)) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)
                 ]
@@ -488,10 +489,6 @@ def _packs(
     for msg in sorted(messages, key=order):
         packs.setdefault(peer(msg), []).append(msg)
     return packs
-
-
-def _torch_dtype(name: str) -> torch.dtype:
-    return getattr(torch, np.dtype(name).name)
 
 
 class _Bucket:

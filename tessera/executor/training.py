@@ -47,7 +47,7 @@ def loss_term(output: Tensor, target: Tensor | None, samples: int, mini_batch: i
 
 def float_outputs(graph: Graph) -> list[str]:
     """The graph outputs the loss scores: the floating-point ones."""
-    return [n for n, info in graph.outputs.items() if np.issubdtype(np.dtype(info.dtype), np.floating)]
+    return [n for n, info in graph.outputs.items() if info.floating]
 
 
 @dataclass

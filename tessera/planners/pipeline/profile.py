@@ -372,7 +372,7 @@ class _Profiler:
         if tensor not in g.initializers and g.producer.get(tensor) not in g.constant_nodes:
             return "act"
         info = g.tensors.get(tensor)
-        floating = info is not None and np.issubdtype(np.dtype(info.dtype), np.floating)
+        floating = info is not None and info.floating
         if (
             op.params > 0
             and floating
@@ -390,7 +390,7 @@ class _Profiler:
         g = self.graph
         info = g.tensors[tensor]
         value: np.ndarray | None = None
-        floating = np.issubdtype(np.dtype(info.dtype), np.floating)
+        floating = info.floating
         if not floating or info.numel <= _SMALL_CONSTANT:
             if tensor in g.initializers:
                 proto = self._initializers.get(tensor)
@@ -485,7 +485,7 @@ class _Profiler:
         info = self.graph.tensors[name]
         shape = list(info.shape or ())
         role = self._role(op, position, name)
-        floating = np.issubdtype(np.dtype(info.dtype), np.floating)
+        floating = info.floating
         if role == "const":
             value = self._constant_value(name)
             if value is not None:
