@@ -126,11 +126,11 @@ def summary(report: dict[str, Any]) -> str:
         (
             "p2p, computing",
             f"gloo send {seconds_text(p2p['send_s'])}, recv {seconds_text(p2p['receive_s'])}",
-            "",
+            f"links.intra_node.receive_overhead {seconds_text(link.get('receive_overhead', 0.0))}",
         ),
         (
             "stage workers",
-            f"{seconds_text(report['measured']['pipeline']['overhead_s'])} a message (2-stage pipeline)",
+            f"{seconds_text(report['measured']['pipeline']['overhead_s'])} a message sent (2-stage pipeline)",
             f"links.intra_node.overhead {seconds_text(link.get('overhead', 0.0))}",
         ),
         (

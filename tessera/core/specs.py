@@ -196,12 +196,15 @@ class Link(_SpecModel):
     """A link between two devices: bandwidth per direction (bytes/s) and latency (s); optionally
     the alpha-beta of one step of the collective library's ring all-reduce over it, where that is
     not the point-to-point one (gloo's all-reduce on a CPU host: ``tessera calibrate`` fits both),
-    and ``overhead``, the seconds of its own time each end spends on a message (LogP's *o*: the
-    sender after the computation that sends it, the receiver before the one that takes it)."""
+    and LogP's *o* at each end, the seconds of its own time a device spends on a message:
+    ``overhead`` the sender's, after the computation that sends it, ``receive_overhead`` the
+    receiver's, before the one that takes it (a sender's is the larger: it packs the message and
+    hands it to the library; docs/executor.md, "Calibrating this machine")."""
 
     bandwidth: Bandwidth
     latency: Seconds = 0.0
     overhead: Seconds = 0.0
+    receive_overhead: Seconds = 0.0
     allreduce_bandwidth: Bandwidth | None = None
     allreduce_latency: Seconds | None = None
     allreduce_overhead: Seconds = 0.0
@@ -405,6 +408,7 @@ class ClusterSpec(_SpecModel):
                 "bandwidth": value.bandwidth,
                 "latency": value.latency,
                 **({"overhead": value.overhead} if value.overhead else {}),
+                **({"receive_overhead": value.receive_overhead} if value.receive_overhead else {}),
                 **({"allreduce_overhead": value.allreduce_overhead} if value.allreduce_overhead else {}),
                 **(
                     {

@@ -228,9 +228,6 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             # While both ranks compute, as a pipeline's do: each end's own time per message.
             "send_s": statistics.median(sent) if sent else 0.0,
             "receive_s": statistics.median(received) if received else 0.0,
-            "overhead_s": (statistics.median(sent) + statistics.median(received)) / 2
-            if sent and received
-            else 0.0,
         },
         "allreduce": {
             "bytes": allreduce_bytes,
@@ -426,14 +423,15 @@ def link_latency(measured: dict[str, Any]) -> float:
 
 
 def link_overhead(measured: dict[str, Any]) -> float:
-    """The spec's link overhead: the stage workers' per message (gloo's alone without that phase)."""
+    """The spec's link overhead, a sender's per message: the stage workers' (gloo's alone without
+    that phase)."""
     pipeline = measured.get("pipeline")
-    return pipeline["overhead_s"] if pipeline else measured["p2p"]["overhead_s"]
+    return pipeline["overhead_s"] if pipeline else measured["p2p"]["send_s"]
 
 
 def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
     if not pipeline:
-        return ["    the overhead written is gloo's: their mean, charged on both ends"]
+        return ["    the overhead written is gloo's sending time, the receive_overhead its receiving time"]
     ranks = ", ".join(seconds_text(x) for x in pipeline["overhead_per_rank_s"])
     rounds = pipeline.get("contention_per_round_s", [pipeline["contention_overhead_s"]])
     return [
@@ -443,9 +441,10 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
         "    then two as two (each time below: the median over the rounds): one rank",
         f"    spends {seconds_text(pipeline['action_overhead_s'])} an action on neither compute nor the "
         "optimizer step (the device's action_overhead);",
-        "    two ranks as two stages spend beyond that, per step, over the messages they send and",
-        f"    receive ({'/'.join(map(str, pipeline['messages_per_step']))} a step): "
-        f"{seconds_text(pipeline['overhead_s'])} per message ({ranks} by rank in the median round);",
+        "    two ranks as two stages spend beyond that, per step, over the messages they send",
+        f"    ({'/'.join(map(str, pipeline['sent_per_step']))} a step): "
+        f"{seconds_text(pipeline['overhead_s'])} per message ({ranks} by rank in the median round): the",
+        "    link's overhead, a sender's; its receive_overhead is gloo's receiving time above;",
         f"    and compute {'+'.join(seconds_text(x) for x in pipeline['busy_per_rank_s'])} a step, the one "
         f"rank {seconds_text(pipeline['busy_alone_s'])} (the median round): the difference over their",
         f"    actions is the device's contention_overhead ({seconds_text(pipeline['contention_overhead_s'])} "
@@ -494,7 +493,8 @@ def _spec_yaml(cal: Calibration) -> str:
         f"  - {{name: local, count: 1, devices: [{{type: {DEVICE_TYPE}, count: {cal.ranks}}}]}}",
         "links:",
         f"  intra_node: {{bandwidth: {bandwidth_text(p2p['bandwidth_bytes_per_s'])}, "
-        f"latency: {seconds_text(link_latency(m))}, overhead: {seconds_text(link_overhead(m))},",
+        f"latency: {seconds_text(link_latency(m))}, overhead: {seconds_text(link_overhead(m))}, "
+        f"receive_overhead: {seconds_text(p2p['receive_s'])},",
         f"               allreduce_bandwidth: {bandwidth_text(m['allreduce']['bandwidth_bytes_per_s'])}, "
         f"allreduce_latency: {seconds_text(m['allreduce']['latency_s'])},"
         + (

@@ -128,7 +128,10 @@ def round_overheads(alone: dict[str, Any], piped: list[dict[str, Any]]) -> dict[
     # With no peer, a rank never waits: its "wait" is the inputs' handling, part of every action.
     per_action = (alone["wait_s"] + alone["overhead_s"]) / alone["actions"]
     in_overhead = alone["overhead_s"] / alone["actions"]  # the part the two-stage runs count as overhead
-    per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["messages"] for r in piped]
+    # Per message sent: a rank's overhead is its sends' (packing, handing to gloo, the yield to
+    # gloo's thread); taking a message in is in its wait, which the receive_overhead and the
+    # latency fitted to the step account for.
+    per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["sent"] for r in piped]
     # The same layers computed by two ranks at once take longer than by one alone: shared caches,
     # memory and cores (gloo's threads). Per action, as the simulator charges it.
     piped_busy = sum(r["busy_s"] for r in piped)
@@ -136,6 +139,7 @@ def round_overheads(alone: dict[str, Any], piped: list[dict[str, Any]]) -> dict[
         "actions_per_step": alone["actions"],
         "action_overhead_s": per_action,
         "messages_per_step": [r["messages"] for r in piped],
+        "sent_per_step": [r["sent"] for r in piped],
         "overhead_per_rank_s": per_message,
         "overhead_s": statistics.median(per_message),
         "busy_alone_s": alone["busy_s"],
@@ -149,7 +153,8 @@ def pipeline_model(
     pipe: Pipeline, rows: list[dict[str, Any]], action_overhead: float, overhead: float
 ) -> Callable[[float], float]:
     """The simulator's iteration of the two-stage run ``pipe`` as a function of the link latency,
-    its stages computing, stepping and taking messages as its ranks' ``rows`` measured them."""
+    its stages computing, stepping and sending messages as its ranks' ``rows`` measured them (a
+    receiver's time per message: its link's ``receive_overhead``)."""
     from tessera.planners.sim import simulate_pipeline
 
     by_stage = {r["stage"]: r for r in rows}
@@ -248,4 +253,9 @@ def _typical(steps: list[dict[str, Any]]) -> dict[str, Any]:
     kept = counted_steps(steps)
     keys = ("iteration_s", "busy_s", "forward_busy_s", "wait_s", "overhead_s", "allreduce_s")
     times = {k: statistics.median(s[k] for s in kept) for k in keys}
-    return {**times, "actions": steps[0]["actions"], "messages": steps[0]["messages"]}
+    return {
+        **times,
+        "actions": steps[0]["actions"],
+        "messages": steps[0]["messages"],
+        "sent": steps[0]["messages_sent"],
+    }

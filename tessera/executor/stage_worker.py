@@ -162,7 +162,8 @@ class StageWorker:
         self.receives = self._receives()
         self._next_posted: dict[tuple[int, bool], list[_Posted]] | None = None
         self.sends = {(j, kind == "B"): self._sends_of(j, kind == "B") for kind, j in self.actions}
-        self.messages = len(self.receives) + sum(len(v) for v in self.sends.values())  # per step
+        self.sent = sum(len(v) for v in self.sends.values())  # messages per step
+        self.messages = len(self.receives) + self.sent
         # A rank that exchanges messages over gloo yields its core to gloo's thread (_let_gloo_run).
         self.yields = spec.backend == "gloo" and self.messages > 0 and hasattr(os, "sched_yield")
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
@@ -453,6 +454,7 @@ class StageWorker:
             "wait_s": self.wait,
             "overhead_s": overhead,
             "messages": self.messages,
+            "messages_sent": self.sent,
             "actions": len(self.actions),
             "allreduce_s": allreduce,
         }

@@ -48,10 +48,11 @@ class SimEdge:
     src_nics: tuple[str, ...] = ()
     dst_nics: tuple[str, ...] = ()
     share: float = 1.0
-    # Seconds each end's device spends per message (the link's LogP overhead): the sender's after
-    # the action that sends it (the transfer starts then), the receiver's before the action that
-    # takes it.
+    # Seconds each end's device spends per message (LogP's o): the sender's after the action that
+    # sends it (the transfer starts then), the receiver's before the action that takes it
+    # (Link.overhead and Link.receive_overhead).
     overhead: float = 0.0
+    receive_overhead: float = 0.0
     # False: nothing over it takes a gradient (shapes, ids, masks): a backward sends nothing back.
     grads: bool = True
 
@@ -172,9 +173,9 @@ def simulate(  # noqa: C901
         b = by_id[sid].micro_batch_size
         total = 0.0
         for e in preds[sid] if kind == "F" else succs[sid]:
-            if e.overhead and (kind == "F" or e.grads):
+            if e.receive_overhead and (kind == "F" or e.grads):
                 b_peer = by_id[e.src if kind == "F" else e.dst].micro_batch_size
-                total += e.overhead * (1 if b_peer == b else len(covering(k, b, b_peer)))
+                total += e.receive_overhead * (1 if b_peer == b else len(covering(k, b, b_peer)))
         return total
 
     def send(e: SimEdge, direction: str, sender: int, k: int, at: float, samples: int) -> None:
@@ -309,10 +310,10 @@ def _simulate_uncontended(stages: Sequence[SimStage], edges: Sequence[SimEdge], 
         i, j = at[e.src], at[e.dst]
         fwd: list[float | None] = [None] * (mini_batch // size[i])
         bwd: list[float | None] = [None] * (mini_batch // size[j])
-        inputs[j][0].append((fwd, size[i], e.overhead))
+        inputs[j][0].append((fwd, size[i], e.receive_overhead))
         outputs[i][0].append((fwd, [0.0], e.transfer_time(size[i]), j, e.overhead))
         if e.grads:
-            inputs[i][1].append((bwd, size[j], e.overhead))
+            inputs[i][1].append((bwd, size[j], e.receive_overhead))
             outputs[j][1].append((bwd, [0.0], e.transfer_time(size[j]), i, e.overhead))
     pointer = [0] * n
     device_free = [0.0] * n
@@ -443,5 +444,6 @@ def sim_edge(e: PipelineEdge) -> SimEdge:
         e.dst_nics,
         e.nic_share,
         e.link.overhead if e.link else 0.0,
+        e.link.receive_overhead if e.link else 0.0,
         e.grads,
     )

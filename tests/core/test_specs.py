@@ -394,6 +394,18 @@ def test_json_dict_round_trips(preset: str) -> None:
     assert back.to_json_dict() == cluster.to_json_dict()
 
 
+def test_a_links_send_and_receive_overheads_round_trip(v100: ClusterSpec) -> None:
+    """Each end's own time per message (LogP's o): the sender's and the receiver's, kept apart
+    through the plan's copy of the spec."""
+    data = v100.to_json_dict()
+    data["links"]["intra_node"] |= {"overhead": 1.8e-4, "receive_overhead": 2.4e-5}
+    back = ClusterSpec.from_json_dict(data, source="plan.json")
+    link = back.links.intra_node
+    assert (link.overhead, link.receive_overhead) == (1.8e-4, 2.4e-5)
+    assert back.to_json_dict()["links"]["intra_node"] == data["links"]["intra_node"]
+    assert "receive_overhead" not in v100.to_json_dict()["links"]["intra_node"]  # unset: 0, not written
+
+
 def test_shared_network_interfaces_round_trip(v100: ClusterSpec) -> None:
     data = v100.to_json_dict()
     assert "nics" not in data["links"]  # unset: every stage pair has a link of its own

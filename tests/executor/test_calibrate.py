@@ -56,13 +56,15 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
         >= report["measured"]["pipeline"]["latency_floor_s"]
         == pytest.approx(p2p["latency_s"], rel=1e-3)
     )
-    # The overhead is the stage workers' own per message, measured by a 2-stage pipeline launch:
-    # at least gloo's part of it.
+    # The overhead is a sender's: the stage workers' own per message sent, measured by a
+    # 2-stage pipeline launch, at least gloo's part of it; the receiver's is gloo's receiving time.
     pipeline = report["measured"]["pipeline"]
     assert link.overhead == pytest.approx(pipeline["overhead_s"], rel=1e-3)
     assert 1e-6 <= link.overhead <= 1e-2 and p2p["send_s"] > 0 and p2p["receive_s"] > 0
     assert pipeline["messages_per_step"] == [8, 8]  # 4 micro-batches: 4 sent, 4 received a rank
-    assert link.overhead >= 0.5 * min(p2p["send_s"], p2p["receive_s"])
+    assert pipeline["sent_per_step"] == [4, 4]
+    assert link.overhead >= 0.5 * p2p["send_s"]
+    assert link.receive_overhead == pytest.approx(p2p["receive_s"], rel=1e-3)
     assert device.action_overhead == pytest.approx(pipeline["action_overhead_s"], rel=1e-3)
     assert 1e-7 <= device.action_overhead <= 1e-2 and pipeline["actions_per_step"] == 8
     # Two ranks computing the MLP's layers at once: their busy time beyond the one rank's, per action.
@@ -215,7 +217,7 @@ def test_the_pipeline_latency_is_what_makes_the_simulator_give_the_measured_step
     pipe = _mlp_pipeline(tmp_path)
     # Two ranks' medians: 4 micro-batches, forwards a third of the compute, 1 ms a step waiting.
     rows = [
-        {"stage": s, "actions": 8, "messages": 8, "iteration_s": 6e-3, "busy_s": 3e-3,
+        {"stage": s, "actions": 8, "messages": 8, "sent": 4, "iteration_s": 6e-3, "busy_s": 3e-3,
          "forward_busy_s": 1e-3, "wait_s": 1.5e-3, "overhead_s": 1e-3, "allreduce_s": 0.0}
         for s in (0, 1)
     ]  # fmt: skip
@@ -226,8 +228,9 @@ def test_the_pipeline_latency_is_what_makes_the_simulator_give_the_measured_step
     assert latency > floor and model(latency) == pytest.approx(6e-3, rel=1e-4)
     # A step the idle links already explain keeps their latency.
     assert pipeline_latency(model, 0.9 * model(floor), floor) == floor
-    # More compute measured leaves less of the step to the messages.
-    heavier = [{**r, "busy_s": 3.5e-3} for r in rows]
+    # More compute measured (and less waiting: the step's own time unchanged) leaves less of the
+    # step to the messages.
+    heavier = [{**r, "busy_s": 3.5e-3, "wait_s": 1e-3} for r in rows]
     assert pipeline_latency(pipeline_model(pipe, heavier, 2e-5, 8e-5), 6e-3, floor) < latency
 
 
@@ -237,15 +240,18 @@ def test_a_rounds_overheads_split_the_workers_time_into_actions_messages_and_con
     # One rank alone: 16 actions, 0.32 ms waiting on its own inputs and 0.48 ms of overhead a step.
     alone = {"actions": 16, "messages": 0, "busy_s": 6e-3, "wait_s": 0.32e-3, "overhead_s": 0.48e-3,
              "iteration_s": 7e-3}  # fmt: skip
-    # Two stages of 8 actions each: 8 messages a rank, overheads beyond the 8 actions' 0.24 ms.
+    # Two stages of 8 actions each: 4 messages sent and 4 received a rank, overheads beyond the 8
+    # actions' 0.24 ms (a rank's time on messages is its sends': receiving is in its wait).
     piped = [
-        {"actions": 8, "messages": 8, "busy_s": 3.4e-3, "overhead_s": 0.24e-3 + 8 * 90e-6, "iteration_s": 6e-3},
-        {"actions": 8, "messages": 8, "busy_s": 3.4e-3, "overhead_s": 0.24e-3 + 8 * 70e-6, "iteration_s": 6.2e-3},
+        {"actions": 8, "messages": 8, "sent": 4, "busy_s": 3.4e-3, "overhead_s": 0.24e-3 + 4 * 180e-6,
+         "iteration_s": 6e-3},
+        {"actions": 8, "messages": 8, "sent": 4, "busy_s": 3.4e-3, "overhead_s": 0.24e-3 + 4 * 140e-6,
+         "iteration_s": 6.2e-3},
     ]  # fmt: skip
     found = round_overheads(alone, piped)
     assert found["action_overhead_s"] == pytest.approx(50e-6)  # (0.32 + 0.48) ms / 16
-    assert found["overhead_per_rank_s"] == pytest.approx([90e-6, 70e-6])
-    assert found["overhead_s"] == pytest.approx(80e-6)
+    assert found["overhead_per_rank_s"] == pytest.approx([180e-6, 140e-6])
+    assert found["overhead_s"] == pytest.approx(160e-6)
     assert found["contention_overhead_s"] == pytest.approx(0.8e-3 / 16)  # 6.8 ms against 6 ms
     assert found["iteration_s"] == pytest.approx(6.1e-3)
     # Two ranks that computed faster than the one alone (a round the host slowed): no contention.

@@ -56,45 +56,59 @@ def test_invariants_with_communication_and_branches() -> None:
 
 
 @pytest.mark.parametrize("trace", [True, False])
-def test_each_end_spends_the_link_overhead_on_every_message(trace: bool) -> None:
-    """LogP's o: a message costs its sender o after the action that sends it (the transfer starts
-    then) and its receiver o before the action that takes it, on their own devices. Two stages,
-    one micro-batch: F0, o, transfer, o, F1, B1, o, transfer, o, B0."""
-    f, b, latency, o = 1.0, 2.0, 0.5, 0.125
+def test_each_end_spends_its_own_overhead_on_every_message(trace: bool) -> None:
+    """LogP's o at each end: a message costs its sender ``overhead`` after the action that sends
+    it (the transfer starts then) and its receiver ``receive_overhead`` before the action that
+    takes it, on their own devices. Two stages, one micro-batch: F0, o_s, transfer, o_r, F1, B1,
+    o_s, transfer, o_r, B0."""
+    f, b, latency, o_s, o_r = 1.0, 2.0, 0.5, 0.25, 0.0625
     stages = [SimStage(0, 1, f, b, ("F0", "B0")), SimStage(1, 1, f, b, ("F0", "B0"))]
-    edges = [SimEdge(0, 1, 1.0, float("inf"), latency, overhead=o)]
+    edges = [SimEdge(0, 1, 1.0, float("inf"), latency, overhead=o_s, receive_overhead=o_r)]
     res = simulate(stages, edges, 1, trace=trace)
-    assert res.iteration_time == pytest.approx(2 * (f + b) + 2 * latency + 4 * o)
+    assert res.iteration_time == pytest.approx(2 * (f + b) + 2 * latency + 2 * (o_s + o_r))
     assert res.busy == {0: f + b, 1: f + b}  # the overhead is not compute
-    # Four micro-batches of 1F1B: the first stage pays o per send and per receive on its own time.
-    stages = [SimStage(i, 1, f, b, tuple(one_f_one_b(4, 2 - i))) for i in range(2)]
-    busy_with_o = simulate(stages, edges, 4, trace=trace)
-    bare = simulate(stages, [dataclasses.replace(edges[0], overhead=0.0)], 4, trace=trace)
-    assert busy_with_o.iteration_time >= bare.iteration_time + 8 * o - 1e-9  # 4 sends + 4 receives
+    # Four micro-batches of GPipe: the first stage's forwards run back to back, each paying the
+    # sender's o before the next can start; the last stage's backwards likewise; the receivers'
+    # o is paid once more on the path (stage 1 takes F3, stage 0 takes B3's gradient).
+    stages = [SimStage(i, 1, f, b, tuple(gpipe(4))) for i in range(2)]
+    charged = simulate(stages, edges, 4, trace=trace)
+    bare = simulate(
+        stages, [dataclasses.replace(edges[0], overhead=0.0, receive_overhead=0.0)], 4, trace=trace
+    )
+    assert charged.iteration_time == pytest.approx(bare.iteration_time + 8 * o_s + 2 * o_r)
+    # The receiver's o alone: now the receivers pace the pipeline, stage 1's forwards and stage
+    # 0's backwards each taking o_r longer than their inputs' spacing.
+    received = simulate(stages, [dataclasses.replace(edges[0], overhead=0.0)], 4, trace=trace)
+    assert received.iteration_time == pytest.approx(bare.iteration_time + 8 * o_r)
 
 
 @pytest.mark.parametrize("trace", [True, False])
 def test_an_edge_of_no_floating_tensor_sends_no_gradient_back(trace: bool) -> None:
     """Stage 0 sends stage 2 a mask (no gradient) and stage 1 an activation: stage 0's backward
-    waits for stage 1's gradient only, and pays the overhead of that one message."""
-    f, b, latency, o = 1.0, 2.0, 0.5, 0.125
+    waits for stage 1's gradient only, and takes that one message in."""
+    f, b, latency, o_s, o_r = 1.0, 2.0, 0.5, 0.25, 0.0625
     stages = [SimStage(i, 1, f, b, ("F0", "B0")) for i in range(3)]
+    link = {"overhead": o_s, "receive_overhead": o_r}
     edges = [
-        SimEdge(0, 1, 1.0, float("inf"), latency, overhead=o),
-        SimEdge(0, 2, 1.0, float("inf"), latency, overhead=o, grads=False),
-        SimEdge(1, 2, 1.0, float("inf"), latency, overhead=o),
+        SimEdge(0, 1, 1.0, float("inf"), latency, **link),
+        SimEdge(0, 2, 1.0, float("inf"), latency, **link, grads=False),
+        SimEdge(1, 2, 1.0, float("inf"), latency, **link),
     ]
     res = simulate(stages, edges, 1, trace=trace)
-    # F0 (and its two sends), then 1 and 2 in a chain and back, stage 0 taking one gradient.
-    chain = f + 2 * o + (latency + o + f + o) + (latency + o + f + b + o) + (latency + o + b + o)
-    assert res.iteration_time == pytest.approx(chain + latency + o + b)
+    # F0 and its first send (to stage 1), which stage 1 takes in; stage 2 takes stage 1's
+    # activation and the mask; then the gradients back, stage 0 taking one.
+    hop = o_s + latency + o_r
+    at_1 = f + hop
+    at_2 = at_1 + f + hop + o_r
+    assert res.iteration_time == pytest.approx(at_2 + f + b + hop + b + hop + b)
     if trace:
         assert {(e.stage, e.peer) for e in res.events if e.kind == "send_B"} == {(2, 1), (1, 0)}
-    # Had the mask's edge carried a gradient, stage 2's B would send it too, costing o on each end.
+    # Had the mask's edge carried a gradient, stage 2's B would send it too (o_s) and stage 0
+    # would take it in (o_r).
     graded = simulate(
         stages, [*edges[:1], dataclasses.replace(edges[1], grads=True), edges[2]], 1, trace=trace
     )
-    assert graded.iteration_time == pytest.approx(res.iteration_time + 2 * o)
+    assert graded.iteration_time == pytest.approx(res.iteration_time + o_s + o_r)
 
 
 @pytest.mark.parametrize("trace", [True, False])
@@ -162,6 +176,7 @@ def _random_pipelines(draw):
             draw(st.sampled_from([1.0, 4.0])),
             draw(time),
             overhead=draw(st.sampled_from([0.0, 0.0, 0.25])),
+            receive_overhead=draw(st.sampled_from([0.0, 0.0, 0.0625])),
         )
         for i in range(n)
         for j in range(i + 1, n)
