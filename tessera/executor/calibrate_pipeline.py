@@ -131,7 +131,7 @@ def round_overheads(alone: dict[str, Any], piped: list[dict[str, Any]]) -> dict[
     # Per message sent: a rank's overhead is its sends' (packing, handing to gloo, the yield to
     # gloo's thread); taking a message in is in its wait, which the receive_overhead and the
     # latency fitted to the step account for.
-    per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / r["sent"] for r in piped]
+    per_message = [max(r["overhead_s"] - in_overhead * r["actions"], 0.0) / max(r["sent"], 1) for r in piped]
     # The same layers computed by two ranks at once take longer than by one alone: shared caches,
     # memory and cores (gloo's threads). Per action, as the simulator charges it.
     piped_busy = sum(r["busy_s"] for r in piped)
