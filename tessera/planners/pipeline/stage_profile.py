@@ -105,8 +105,7 @@ class StageProfiler:
         """``pipes`` with their stages measured together, their bursts in turns
         (:meth:`_times`): pipelines a planner compares (a plan and its sequential rival, a
         benchmark's plans of one model) take the host's drift alike, so it cannot order them."""
-        requests = [[self._request(st, pipe.mini_batch_size) for st in pipe.stages] for pipe in pipes]
-        times = iter(self._times([r for rs in requests for r in rs]))
+        times = iter(self._times([self._request(st, p.mini_batch_size) for p in pipes for st in p.stages]))
         # Stages are measured one at a time; a rank that shares its node with other ranks of the
         # plan computes each action slower by the device's contention_overhead (docs/executor.md).
         refined = []
