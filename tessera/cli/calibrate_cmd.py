@@ -149,6 +149,11 @@ def summary(report: dict[str, Any]) -> str:
             f"contention_overhead {seconds_text(device.get('contention_overhead', 0.0))}",
         ),
         (
+            "",
+            f"+{report['measured']['pipeline']['replica_contention']:.1%} an action beside its replica",
+            f"replica_contention {device.get('replica_contention', 0.0):.3f}",
+        ),
+        (
             "all-reduce ring",
             f"{seconds_text(reduce['latency_s'])} + bytes / {bandwidth_text(reduce['bandwidth_bytes_per_s'])} a step",
             "links.intra_node.allreduce_*",

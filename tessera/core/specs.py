@@ -153,6 +153,10 @@ class DeviceType(_SpecModel):
     contention_overhead: Seconds = 0.0
     """The compute a forward or backward adds while other ranks of a plan compute on the same node
     (shared caches, memory bandwidth and cores; ``tessera calibrate`` measures it on CPU ranks)."""
+    replica_contention: float = Field(default=0.0, ge=0.0, le=10.0)
+    """Replicas of one data-parallel stage on the same node run the same operators at the same
+    moment: each forward and backward takes this fraction longer than on one rank alone (instead of
+    ``contention_overhead``; ``tessera calibrate`` measures it on CPU ranks)."""
 
     @field_validator("flops", mode="before")
     @classmethod
@@ -438,6 +442,7 @@ class ClusterSpec(_SpecModel):
                         if dtype.contention_overhead
                         else {}
                     ),
+                    **({"replica_contention": dtype.replica_contention} if dtype.replica_contention else {}),
                 }
                 for name, dtype in sorted(self.device_types.items())
             },

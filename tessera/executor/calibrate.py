@@ -449,6 +449,7 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
         f"rank {seconds_text(pipeline['busy_alone_s'])} (the median round): the difference over their",
         f"    actions is the device's contention_overhead ({seconds_text(pipeline['contention_overhead_s'])} "
         f"an action; rounds: {', '.join(seconds_text(x) for x in rounds)});",
+        *_replica_comments(pipeline),
         f"    their step takes {seconds_text(pipeline['iteration_s'])}, which the simulator gives with those "
         "times and a link latency",
         f"    of {seconds_text(pipeline['latency_s'])} (the idle links' {seconds_text(pipeline['latency_floor_s'])}): "
@@ -458,6 +459,17 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
         f"gradients in {seconds_text(pipeline['allreduce_in_step_s'])} a step",
         f"    (the replica that got there last), {seconds_text(pipeline['allreduce_predicted_s'])} by the "
         "curve below: the difference is allreduce_overhead",
+    ]
+
+
+def _replica_comments(pipeline: dict[str, Any]) -> list[str]:
+    if "replica_contention" not in pipeline:  # a report from before it was measured
+        return []
+    rounds = ", ".join(f"{x:.1%}" for x in pipeline["replica_contention_per_round"])
+    return [
+        "    two ranks as one data-parallel stage of the same MLP, each replica computing what the one",
+        "    rank did: the slower replica's compute beyond the one rank's, a fraction of it, is the",
+        f"    device's replica_contention ({pipeline['replica_contention']:.1%}, the median of the rounds: {rounds});",
     ]
 
 
@@ -485,6 +497,7 @@ def _spec_yaml(cal: Calibration) -> str:
             [
                 f"    action_overhead: {seconds_text(m['pipeline']['action_overhead_s'])}",
                 f"    contention_overhead: {seconds_text(m['pipeline']['contention_overhead_s'])}",
+                f"    replica_contention: {m['pipeline']['replica_contention']:.4f}",
             ]
             if m.get("pipeline")
             else []

@@ -2,8 +2,9 @@
 measured by running them on MLPs: one rank as one stage (its time per action: the device's
 ``action_overhead``), two ranks as two pipeline stages (the time per message beyond that: the
 link's ``overhead``; their compute beyond the one rank's: the device's ``contention_overhead``),
-two ranks as one data-parallel stage (its all-reduce in a step beyond the measured curve: the
-link's ``allreduce_overhead``). Details: docs/executor.md ("Calibrating this machine").
+two ranks as one data-parallel stage, each replica the one rank's work (their compute beyond it:
+the device's ``replica_contention``), and so on a small MLP (its all-reduce in a step beyond the
+measured curve: the link's ``allreduce_overhead``). Details: docs/executor.md ("Calibrating this machine").
 """
 
 from __future__ import annotations
@@ -86,9 +87,14 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         for _ in range(ROUNDS):
             (alone,), _ = _overhead_run(graph, path, cluster, 1, timeout_s)
             piped, pipe = _overhead_run(graph, path, cluster, 2, timeout_s)
-            rounds.append((round_overheads(alone, piped), piped))
+            # Each replica of the data-parallel run computes what the one rank did alone.
+            twins, _ = _overhead_run(graph, path, cluster, 2, timeout_s, stages=1, replicas=2)
+            rounds.append((round_overheads(alone, piped) | replica_overhead(alone, twins), piped))
         replicas, _ = _overhead_run(small, small_path, cluster, 2, timeout_s, stages=1)
-    found = {k: statistics.median(r[k] for r, _ in rounds) for k in ("action_overhead_s", "overhead_s")}
+    found = {
+        k: statistics.median(r[k] for r, _ in rounds)
+        for k in ("action_overhead_s", "overhead_s", "replica_contention")
+    }
     contention = [r["contention_overhead_s"] for r, _ in rounds]
     # The round of the median contention tells its numbers (a round the host slowed reads high or
     # low: one reading 0.5 us where the rounds around it read 50-90 us).
@@ -109,6 +115,7 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         **typical,
         **found,
         "contention_per_round_s": contention,
+        "replica_contention_per_round": [r["replica_contention"] for r, _ in rounds],
         "latency_floor_s": floor,
         "latency_s": latency,
         "allreduce_model": f"MLP {LAYERS} x MatMul {ALLREDUCE_WIDTH}x{ALLREDUCE_WIDTH} + Relu",
@@ -146,6 +153,17 @@ def round_overheads(alone: dict[str, Any], piped: list[dict[str, Any]]) -> dict[
         "busy_per_rank_s": [r["busy_s"] for r in piped],
         "contention_overhead_s": max(piped_busy - alone["busy_s"], 0.0) / sum(r["actions"] for r in piped),
         "iteration_s": statistics.median(r["iteration_s"] for r in piped),
+    }
+
+
+def replica_overhead(alone: dict[str, Any], twins: list[dict[str, Any]]) -> dict[str, Any]:
+    """One round's replica contention: the slower of two data-parallel replicas, each computing
+    what the one rank of ``alone`` computed, against that rank, as a fraction of its compute
+    (``replica_contention``; none when the replicas were faster, a round the host slowed)."""
+    busy = max(r["busy_s"] for r in twins)
+    return {
+        "busy_replicas_s": [r["busy_s"] for r in twins],
+        "replica_contention": max(busy - alone["busy_s"], 0.0) / alone["busy_s"],
     }
 
 
@@ -210,10 +228,12 @@ def _overhead_run(
     timeout_s: float,
     *,
     stages: int | None = None,
+    replicas: int = 1,
 ) -> tuple[list[dict[str, Any]], Pipeline]:
     """The ranks' rows of a launch of the MLP (``graph``, saved at ``path``) on ``devices`` devices
     as ``stages`` stages (default: one per device; one stage on several: data parallelism), and the
-    pipeline planned."""
+    pipeline planned. ``replicas``: the mini- and micro-batch that many times larger (a
+    data-parallel run whose every replica computes what one rank alone does)."""
     from tessera.core.errors import LaunchError
     from tessera.executor.gpp_run import run_gpp_plan
     from tessera.executor.launcher import LaunchOptions
@@ -222,7 +242,10 @@ def _overhead_run(
     from tessera.planners.pipeline.types import PartitionOptions
 
     options = PartitionOptions(
-        mini_batch=MINI_BATCH, num_devices=devices, micro_batch_sizes=(MICRO_BATCH,), precision="fp32"
+        mini_batch=MINI_BATCH * replicas,
+        num_devices=devices,
+        micro_batch_sizes=(MICRO_BATCH * replicas,),
+        precision="fp32",
     )
     stages = devices if stages is None else stages
     whole = dataclasses.replace(options, num_devices=1)  # the whole model as one stage

@@ -406,6 +406,20 @@ def test_a_links_send_and_receive_overheads_round_trip(v100: ClusterSpec) -> Non
     assert "receive_overhead" not in v100.to_json_dict()["links"]["intra_node"]  # unset: 0, not written
 
 
+def test_a_device_types_replica_contention_round_trips_and_is_a_fraction(v100: ClusterSpec) -> None:
+    """The fraction by which replicas of a data-parallel stage on one node compute slower."""
+    data = v100.to_json_dict()
+    (name,) = data["device_types"]
+    assert "replica_contention" not in data["device_types"][name]  # unset: 0, not written
+    data["device_types"][name]["replica_contention"] = 0.125
+    back = ClusterSpec.from_json_dict(data, source="plan.json")
+    assert back.device_types[name].replica_contention == 0.125
+    assert back.to_json_dict() == data
+    data["device_types"][name]["replica_contention"] = -0.1
+    with pytest.raises(InputError, match="replica_contention"):
+        ClusterSpec.from_json_dict(data, source="plan.json")
+
+
 def test_shared_network_interfaces_round_trip(v100: ClusterSpec) -> None:
     data = v100.to_json_dict()
     assert "nics" not in data["links"]  # unset: every stage pair has a link of its own

@@ -75,6 +75,12 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     # ... in the round of the median contention, over 5 rounds of one rank then two.
     rounds = pipeline["contention_per_round_s"]
     assert len(rounds) == 5 and pipeline["contention_overhead_s"] == sorted(rounds)[2]
+    # Two ranks as one data-parallel stage, each replica the one rank's work: the slower replica's
+    # compute beyond it, a fraction, the median over the rounds.
+    fractions = pipeline["replica_contention_per_round"]
+    assert len(fractions) == 5 and pipeline["replica_contention"] == pytest.approx(sorted(fractions)[2])
+    assert device.replica_contention == pytest.approx(pipeline["replica_contention"], abs=1e-4)
+    assert 0 <= device.replica_contention < 1
     assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
     # The measured curve is in the spec: the planners' all-reduce time is the measured one.
     assert link.allreduce_ranks == 2 and len(link.allreduce_curve) == len(reduce["bytes"]) == 7
@@ -256,3 +262,14 @@ def test_a_rounds_overheads_split_the_workers_time_into_actions_messages_and_con
     assert found["iteration_s"] == pytest.approx(6.1e-3)
     # Two ranks that computed faster than the one alone (a round the host slowed): no contention.
     assert round_overheads({**alone, "busy_s": 8e-3}, piped)["contention_overhead_s"] == 0.0
+
+
+def test_a_rounds_replica_contention_is_the_slower_replicas_compute_beyond_the_one_ranks():
+    from tessera.executor.calibrate_pipeline import replica_overhead
+
+    alone = {"busy_s": 6e-3}
+    found = replica_overhead(alone, [{"busy_s": 6.6e-3}, {"busy_s": 6.9e-3}])
+    assert found["replica_contention"] == pytest.approx(0.15)  # the slower replica: 6.9 ms against 6
+    assert found["busy_replicas_s"] == [6.6e-3, 6.9e-3]
+    # Replicas faster than the one rank (a round the host slowed): none.
+    assert replica_overhead(alone, [{"busy_s": 5e-3}, {"busy_s": 5.5e-3}])["replica_contention"] == 0.0

@@ -81,6 +81,7 @@ class StageProfiler:
         self.graph, self.cache = graph, cache
         self.action_overhead = device_type.action_overhead
         self.contention = device_type.contention_overhead
+        self.replica_contention = device_type.replica_contention
         self.cluster = cluster  # where the plan's devices are (the node each rank shares)
         self.options = options or StageProfileOptions()
         # A GPU cluster's stages run on this machine's GPU (fp32, as the workers train), timed to
@@ -107,32 +108,43 @@ class StageProfiler:
         benchmark's plans of one model) take the host's drift alike, so it cannot order them."""
         times = iter(self._times([self._request(st, p.mini_batch_size) for p in pipes for st in p.stages]))
         # Stages are measured one at a time; a rank that shares its node with other ranks of the
-        # plan computes each action slower by the device's contention_overhead (docs/executor.md).
+        # plan computes each action slower by the device's contention_overhead, and replicas of
+        # one stage on a node (in lockstep: the same operators at once) by its replica_contention,
+        # a fraction of the action (docs/executor.md).
         refined = []
         for pipe in pipes:
-            sharing = self._sharing(pipe)
+            sharing, replicated = self._sharing(pipe)
             stages = [
-                self._refined(st, next(times), self.contention if st.id in sharing else 0.0)
+                self._refined(st, next(times), *self._contention(st.id, sharing, replicated))
                 for st in pipe.stages
             ]
             refined.append(dataclasses.replace(pipe, stages=stages))
         return refined
 
-    def _sharing(self, pipe: Pipeline) -> set[int]:
-        """The stages with a rank on a node where another rank of ``pipe`` runs (none without the
-        cluster, which says where each device is)."""
+    def _sharing(self, pipe: Pipeline) -> tuple[set[int], set[int]]:
+        """The stages with a rank on a node where another rank of ``pipe`` runs, and those with
+        two replicas on one node (none without the cluster, which says where each device is)."""
         if self.cluster is None:
-            return set()
+            return set(), set()
         node = {d: self.cluster.device(d).node for st in pipe.stages for d in st.devices}
         ranks = Counter(node.values())
-        return {st.id for st in pipe.stages if any(ranks[node[d]] > 1 for d in st.devices)}
+        sharing = {st.id for st in pipe.stages if any(ranks[node[d]] > 1 for d in st.devices)}
+        replicated = {st.id for st in pipe.stages if len({node[d] for d in st.devices}) < len(st.devices)}
+        return sharing, replicated
 
-    def _refined(self, st: PipelineStage, t: StageTimes, contention: float) -> PipelineStage:
+    def _contention(self, stage: int, sharing: set[int], replicated: set[int]) -> tuple[float, float]:
+        """What ``stage``'s actions add: (seconds, fraction of the action). A spec calibrated
+        before replica_contention was measured charges replicas the per-action seconds."""
+        if stage in replicated and self.replica_contention:
+            return 0.0, self.replica_contention
+        return (self.contention if stage in sharing else 0.0), 0.0
+
+    def _refined(self, st: PipelineStage, t: StageTimes, contention: float, fraction: float) -> PipelineStage:
         backward = t.backward + (t.forward if st.recompute else 0.0)
         return dataclasses.replace(
             st,
-            forward_time=t.forward + contention,
-            backward_time=backward + contention,
+            forward_time=t.forward * (1 + fraction) + contention,
+            backward_time=backward * (1 + fraction) + contention,
             step_time=t.step,
             action_overhead=self.action_overhead,
         )

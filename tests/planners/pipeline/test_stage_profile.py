@@ -118,6 +118,39 @@ def test_ranks_sharing_a_node_pay_its_contention_on_every_action(zoo_graph, tmp_
     assert loaded.refine(alone) == expected and loaded.measured == 0
 
 
+def test_replicas_on_one_node_pay_its_replica_contention_as_a_fraction_of_each_action(
+    zoo_graph, tmp_path: Path
+) -> None:
+    """Replicas of a data-parallel stage compute the same operators at the same moment: each action
+    slower by the device type's replica_contention, a fraction (instead of contention_overhead);
+    a spec without it (calibrated before) charges them contention_overhead, and stages of one rank
+    each (here: the same operators twice) keep it."""
+    graph, cluster, _, replicated = _pipe(zoo_graph)
+    (st,) = replicated.stages
+    assert len(st.devices) == 2 and len({cluster.device(d).node for d in st.devices}) == 1
+    one_each = dataclasses.replace(
+        replicated, stages=[dataclasses.replace(st, id=i, devices=[d]) for i, d in enumerate(st.devices)]
+    )
+    device = cluster.devices()[0].type
+    cache = ProfileCache(tmp_path / "p.sqlite")
+
+    def refined(pipe, **update):
+        profiler = StageProfiler(graph, device.model_copy(update=update), cache, QUICK, cluster=cluster)
+        return profiler.refine(pipe).stages
+
+    (plain,) = refined(replicated)
+    (after,) = refined(replicated, contention_overhead=1e-3, replica_contention=0.25)
+    assert after.forward_time == pytest.approx(1.25 * plain.forward_time)
+    assert after.backward_time == pytest.approx(1.25 * plain.backward_time)
+    (older,) = refined(replicated, contention_overhead=1e-3)
+    assert older.forward_time == pytest.approx(plain.forward_time + 1e-3)
+    for alone, beside in zip(
+        refined(one_each), refined(one_each, contention_overhead=1e-3, replica_contention=0.25), strict=True
+    ):
+        assert beside.forward_time == pytest.approx(alone.forward_time + 1e-3)
+        assert beside.backward_time == pytest.approx(alone.backward_time + 1e-3)
+
+
 def test_cpu_plans_count_fp32_training_and_gpu_plans_mixed_precision() -> None:
     assert pipeline_options(load_cluster("local-cpu-split"), mini_batch=8).precision == "fp32"
     assert pipeline_options(load_cluster("dgx-a100"), mini_batch=8).precision == "mixed"
