@@ -372,6 +372,14 @@ def plan_threads(cluster: dict[str, Any] | None, device_ids: Iterable[str]) -> i
     return int(cores) if kind == "cpu" and cores else None
 
 
+_PINNED: list[list[int]] = []  # the cores pin_cores pinned this process to, if it did
+
+
+def own_cores() -> bool:
+    """Whether this process runs on cores of its own (:func:`pin_cores` pinned it)."""
+    return bool(_PINNED)
+
+
 def pin_cores(local_rank: int, local_ranks: int, threads: int) -> list[int] | None:
     """Pin this process to cores of its own — local rank ``r`` to the ``r``-th block of ``threads``
     of the cores it may run on — when this node's ranks fit them (as CPU training launchers do):
@@ -385,6 +393,7 @@ def pin_cores(local_rank: int, local_ranks: int, threads: int) -> list[int] | No
         return None
     mine = cores[local_rank * threads : (local_rank + 1) * threads]
     os.sched_setaffinity(0, mine)
+    _PINNED[:] = [mine]
     return mine
 
 
