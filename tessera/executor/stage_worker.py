@@ -521,7 +521,7 @@ class _Bucket:
             dist.all_reduce(self.flat, group=self.group)
             return
         work = dist.all_reduce(self.flat, group=self.group, async_op=True)
-        while not work.is_completed():  # (a gloo recv's work completes only in wait(): not for those)
+        while not work.is_completed():  # done on gloo's thread (a receive's work only inside wait())
             os.sched_yield()
         work.wait()  # raises what the all-reduce raised
 
