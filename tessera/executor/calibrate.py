@@ -463,8 +463,6 @@ def _pipeline_comments(pipeline: dict[str, Any] | None) -> list[str]:
 
 
 def _replica_comments(pipeline: dict[str, Any]) -> list[str]:
-    if "replica_contention" not in pipeline:  # a report from before it was measured
-        return []
     rounds = ", ".join(f"{x:.1%}" for x in pipeline["replica_contention_per_round"])
     return [
         "    two ranks as one data-parallel stage of the same MLP, each replica computing what the one",
