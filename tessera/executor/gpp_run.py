@@ -20,7 +20,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.plans import GppPlan, Stage
 from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, plan_threads
-from tessera.executor.report import RunReport, gathered, over, ratios, slowest, steady_mean
+from tessera.executor.report import RunReport, counted_steps, gathered, over, ratios, slowest, steady_mean
 from tessera.executor.routing import Routing, build_routing, tensor_layouts
 from tessera.executor.stage_worker import WorkerSpec, gpp_worker
 from tessera.executor.training import TrainOptions, load_npz
@@ -123,6 +123,8 @@ def gpp_report(
     iteration = steady_mean([s["iteration_s"] for s in steps])
     measured = {
         "iteration_time_s": iteration,
+        # The typical step: one slowed by the host or a stalled all-reduce moves the mean only.
+        "iteration_median_s": float(np.median(counted_steps([s["iteration_s"] for s in steps]))),
         "throughput_samples_per_s": plan.mini_batch_size / iteration if iteration > 0 else 0.0,
         "final_loss": steps[-1]["loss"],
     }
@@ -168,10 +170,12 @@ def fidelity(
     the ranks of ``peers[stage]``, the stages it shares tied weights with: the others wait for
     that rank, and the plan counts waiting as idle) and idle time (the rest of the iteration:
     transfers, pipeline bubbles, waiting on peers, the optimizer step, drawing the data);
-    ``error`` = measured / predicted − 1 (None where the plan predicts nothing). Docs:
+    ``error`` = measured / predicted − 1 (None where the plan predicts nothing); the iteration's
+    ``measured_s`` is the mean step, ``median_s`` the typical one (``median_error``). Docs:
     docs/executor.md ("Fidelity")."""
     iteration = measured["iteration_time_s"]
     p_iteration = predicted.get("iteration_time_s")
+    median = _part(measured["iteration_median_s"], p_iteration)
     rows = []
     for st in stages:
         joined = {st["id"], *(peers or {}).get(st["id"], [])}
@@ -185,7 +189,8 @@ def fidelity(
             p_idle = max(p_iteration - st["predicted_busy_s"] - (p_allreduce or 0.0), 0.0)
         parts["idle"] = (max(iteration - st["busy_s"] - allreduce, 0.0), p_idle)
         rows.append({"id": st["id"], **{k: _part(m, p) for k, (m, p) in parts.items()}})
-    return {"iteration": _part(iteration, p_iteration), "stages": rows}
+    typical = {"median_s": median["measured_s"], "median_error": median["error"]}
+    return {"iteration": _part(iteration, p_iteration) | typical, "stages": rows}
 
 
 def _part(measured: float, predicted: float | None) -> dict[str, float | None]:

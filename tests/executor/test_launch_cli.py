@@ -69,7 +69,13 @@ def test_two_rank_launch_reports_loss_times_and_memory_against_predicted(chain_p
     text = run_cli("launch", str(plan_path), "--steps", "2")
     assert text.code == 0, text.err
     line = next(x for x in text.out.splitlines() if x.startswith("fidelity (measured/predicted): iteration "))
-    assert "stage 0 busy " in line and "stage 1 busy " in line and "all-reduce " in line and "idle " in line
+    assert (
+        " (median step " in line
+        and "stage 0 busy " in line
+        and "stage 1 busy " in line
+        and "all-reduce " in line
+        and "idle " in line
+    )
     assert _worker_children() == []
 
 
@@ -80,6 +86,10 @@ def _check_fidelity(report: dict) -> None:
     assert iteration["measured_s"] == report["measured"]["iteration_time_s"]
     assert iteration["predicted_s"] == pytest.approx(0.01)
     assert iteration["error"] == pytest.approx(iteration["measured_s"] / 0.01 - 1)
+    # The typical step too: the median over the steps the mean counts (all but the first).
+    counted = sorted(s["iteration_s"] for s in report["steps"][1:])
+    assert iteration["median_s"] == pytest.approx(float(np.median(counted)))
+    assert iteration["median_error"] == pytest.approx(iteration["median_s"] / 0.01 - 1)
     assert [st["id"] for st in fidelity["stages"]] == [st["id"] for st in report["stages"]]
     for st, row in zip(report["stages"], fidelity["stages"], strict=True):
         assert (

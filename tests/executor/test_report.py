@@ -58,8 +58,14 @@ def test_an_all_reduce_over_tied_weights_is_the_last_arrivals_and_the_wait_is_id
         for i, busy in ((0, 8e-3), (1, 6e-3))
     ]
     ranks = [{"rank": 0, "stage": 0, "allreduce_s": 3e-4}, {"rank": 1, "stage": 1, "allreduce_s": 1.8e-3}]
-    measured, predicted = {"iteration_time_s": 1e-2}, {"iteration_time_s": 1e-2}
-    got = fidelity(measured, predicted, stages, ranks, {0: [1], 1: [0]})["stages"]
+    measured = {"iteration_time_s": 1e-2, "iteration_median_s": 9e-3}
+    predicted = {"iteration_time_s": 1e-2}
+    report = fidelity(measured, predicted, stages, ranks, {0: [1], 1: [0]})
+    # The mean step against the prediction, and the typical (median) one.
+    assert report["iteration"]["error"] == pytest.approx(0.0)
+    assert report["iteration"]["median_s"] == 9e-3
+    assert report["iteration"]["median_error"] == pytest.approx(-0.1)
+    got = report["stages"]
     assert [row["allreduce"]["measured_s"] for row in got] == [3e-4, 3e-4]
     assert got[1]["idle"]["measured_s"] == pytest.approx(1e-2 - 6e-3 - 3e-4)
     alone = fidelity(measured, predicted, stages, ranks)["stages"]  # no tied weights: its own wait
