@@ -120,11 +120,12 @@ def gpp_report(
     # On a node other than 0 of a multi-node launch only this node's ranks are known.
     present = [st for st in plan.stages if any(r["stage"] == st.id for r in per_rank)]
     steps = [_step_row(per_rank, present, k) for k in range(options.steps)]
-    iteration = steady_mean([s["iteration_s"] for s in steps])
+    times = [s["iteration_s"] for s in steps]
+    iteration = steady_mean(times)
     measured = {
         "iteration_time_s": iteration,
         # The typical step: one slowed by the host or a stalled all-reduce moves the mean only.
-        "iteration_median_s": float(np.median(counted_steps([s["iteration_s"] for s in steps]))),
+        "iteration_median_s": float(np.median(counted_steps(times))),
         "throughput_samples_per_s": plan.mini_batch_size / iteration if iteration > 0 else 0.0,
         "final_loss": steps[-1]["loss"],
     }

@@ -150,8 +150,11 @@ class StageWorker:
         groups = [(self.dp_group, self.dp_params)] if self.dp_group is not None and self.dp_params else []
         # A rank on cores of its own spins (yielding) on its all-reduces rather than sleeping in
         # them (_Bucket.all_reduce).
-        spins = spec.backend == "gloo" and hasattr(os, "sched_yield") and own_cores()
-        self.buckets = [_Bucket(params, group, spins) for group, params in [*groups, *self.shared_groups]]
+        gloo_yields = spec.backend == "gloo" and hasattr(os, "sched_yield")
+        self.buckets = [
+            _Bucket(params, group, gloo_yields and own_cores())
+            for group, params in [*groups, *self.shared_groups]
+        ]
         # Gradients go over connections of their own, activations over the default group's: over
         # one gloo connection, two ranks sending to each other at once (an activation one way, a
         # gradient the other) both stalled in isend for 2-5 ms, until a scheduler tick (GPT-2's
@@ -169,7 +172,7 @@ class StageWorker:
         self.sent = sum(len(v) for v in self.sends.values())  # messages per step
         self.messages = len(self.receives) + self.sent
         # A rank that exchanges messages over gloo yields its core to gloo's thread (_let_gloo_run).
-        self.yields = spec.backend == "gloo" and self.messages > 0 and hasattr(os, "sched_yield")
+        self.yields = gloo_yields and self.messages > 0
         # Tensor memory as the planner models it (Eq. 3.2): weights + gradients (plain SGD keeps no
         # optimizer state) + the activations of the micro-batches in flight, at their peak.
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.params)
