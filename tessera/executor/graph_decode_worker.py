@@ -26,6 +26,7 @@ from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.kernels import merge_partials
 from tessera.models.gpt import llm_gpt
 from tessera.planners.cp.recognize import recognize_decoder
+from tessera.planners.cp.scores import ScoreMod
 
 __all__ = ["DecodeWorker", "attention_partial", "graph_decoder"]
 
@@ -38,16 +39,34 @@ def graph_decoder(model: str | onnx.ModelProto, *, label: str | None = None) -> 
 
 
 def attention_partial(
-    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scale: float
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scores: ScoreMod,
+    heads: slice = slice(None),
 ) -> tuple[Tensor, Tensor]:
-    """Causal attention of queries ``q`` ``[H, S, D]`` at positions ``q_pos`` over keys/values
-    ``[H, T, D]`` at ``k_pos``: ``(o [H, S, D], lse [H, S])``, normalized within these keys (o = 0,
-    lse = -inf for a query that sees none of them), mergeable with :func:`merge_partials`."""
-    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
-    scores = scores.masked_fill(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
+    """Attention of queries ``q`` ``[H, S, D]`` at positions ``q_pos`` over keys/values ``[H or 1,
+    T, D]`` at ``k_pos``, scored as the graph scores them (``scores``; ``heads``: which of the
+    model's heads ``q`` holds, for ALiBi's slopes): ``(o [H, S, D], lse [H, S])``, normalized within
+    these keys (o = 0, lse = -inf for a query that sees none of them), mergeable with
+    :func:`merge_partials`. Masks and biases use absolute positions, so any shard of the cache
+    attends exactly as the whole would."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scores.scale
+    if scores.softcap is not None:
+        s = torch.tanh(s / scores.softcap) * scores.softcap
+    distance = k_pos[None, None, :] - q_pos[None, :, None]  # j - i
+    if scores.alibi is not None:
+        slopes = torch.tensor(scores.alibi, dtype=s.dtype, device=s.device)[heads]
+        s = s + slopes[:, None, None] * distance.to(s.dtype)
+    hidden = distance > 0
+    if scores.window is not None:
+        hidden = hidden | (distance <= -scores.window)
+    s = s.masked_fill(hidden, float("-inf"))
+    lse = torch.logsumexp(s, dim=-1)
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(scores - safe[..., None]) @ v.float(), lse
+    return torch.exp(s - safe[..., None]) @ v.float(), lse
 
 
 class DecodeWorker:
@@ -107,13 +126,18 @@ class DecodeWorker:
         for b, t in zip(group, torch.argmax(logits[:, -1], dim=-1).tolist(), strict=True):
             self.tokens[b].append(int(t))
 
-    def _attend(self, group: list[int]) -> Callable[[int, Tensor, Tensor, Tensor, float, int], Tensor]:
-        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scale: float, past: int) -> Tensor:
+    def _attend(self, group: list[int]) -> Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]:
+        def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:
             q_pos = torch.arange(past, past + q.shape[2])
+            heads = slice(None)
             if self.strategy == "tp":
                 heads = slice(*_share(q.shape[1], self.rank, self.world))
-                q, k, v = q[:, heads], k[:, heads], v[:, heads]
-            parts = [self._partial(b, layer, q[i], k[i], v[i], q_pos, scale) for i, b in enumerate(group)]
+                q = q[:, heads]
+                if k.shape[1] > 1:  # one K/V head (multi-query) is broadcast to every rank's heads
+                    k, v = k[:, heads], v[:, heads]
+            parts = [
+                self._partial(b, layer, q[i], k[i], v[i], q_pos, scores, heads) for i, b in enumerate(group)
+            ]
             o = torch.stack([p[0] for p in parts])
             if self.world == 1 or self.strategy == "dp":
                 return o
@@ -124,8 +148,16 @@ class DecodeWorker:
 
         return attend
 
-    def _partial(
-        self, b: int, layer: int, q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, scale: float
+    def _partial(  # noqa: PLR0913
+        self,
+        b: int,
+        layer: int,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        q_pos: Tensor,
+        scores: ScoreMod,
+        heads: slice,
     ) -> tuple[Tensor, Tensor]:
         """Store the new keys this rank holds for request ``b``, attend ``q`` over all it holds."""
         # Which positions this rank holds: worked out on the CPU (``q_pos`` is), used where k is.
@@ -139,10 +171,10 @@ class DecodeWorker:
             )
         self.cache[(b, layer)] = new  # type: ignore[assignment]
         keys, values, positions = self.cache[(b, layer)]
-        if q.shape[1] == 1:  # a decode step: every key held is at or before the query (--attention)
-            o, lse = self.kernel(q[None, :, 0], keys[None], values[None], scale=scale)
+        if q.shape[1] == 1 and scores.plain:  # every key held is at or before the query (--attention)
+            o, lse = self.kernel(q[None, :, 0], keys[None], values[None], scale=scores.scale)
             return o[0, :, None], lse[0, :, None]
-        return attention_partial(q, keys, values, q_pos, positions, scale)
+        return attention_partial(q, keys, values, q_pos, positions, scores, heads)
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:
         parts = [torch.empty_like(t) for _ in range(self.world)]

@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import Tensor
 
@@ -18,14 +17,15 @@ from tessera.backends.torch_module import NodeHook, OnnxModule, to_torch
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy, materialize
-from tessera.planners.cp.attention import Matcher
 from tessera.planners.cp.recognize import Decoder
+from tessera.planners.cp.scores import ScoreMod
 
 __all__ = ["Attend", "GraphDecoder"]
 
-# attend(layer, q, k, v, scale, past) -> o: q, k, v, o [B, H, S, D] (K and V as the graph hands them
-# to the core: rotary applied, grouped-query heads repeated); S new tokens after ``past`` cached ones.
-Attend = Callable[[int, Tensor, Tensor, Tensor, float, int], Tensor]
+# attend(layer, q, k, v, scores, past) -> o: q, k, v, o [B, H, S, D] (K and V as the graph hands them
+# to the core: rotary applied, grouped-query heads repeated, or one head to broadcast); ``scores``:
+# what the graph does to Q·Kᵀ (scale, soft-cap, ALiBi, window); S new tokens after ``past`` cached.
+Attend = Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]
 _POSITION_OPS = ("Range", "CumSum")
 
 
@@ -33,7 +33,7 @@ _POSITION_OPS = ("Range", "CumSum")
 class _Core:
     qk: str  # the Q·Kᵀ MatMul: its inputs are Q [B, H, S, D] and Kᵀ [B, H, D, S]
     av: str  # the ·V MatMul: its output is replaced
-    scale: float  # what the graph multiplies Q·Kᵀ by before the Softmax (masks dropped)
+    scores: ScoreMod  # what the graph does to Q·Kᵀ before the Softmax (evaluated at recognition)
 
 
 class GraphDecoder:
@@ -54,11 +54,10 @@ class GraphDecoder:
         model = materialize(graph.model) if is_lazy(graph.model) else graph.model
         self.module: OnnxModule = to_torch(model, label=self.label).train(False)
         self.vocab = decoder.config.vocab
-        self.max_positions = decoder.positions  # a learned table's rows; None: no limit
-        matcher = Matcher(graph)
+        self.max_positions = decoder.position_limit  # a learned table's rows; None: no limit
         self.cores = [
-            _Core(core.qk_matmul, core.av_matmul, _score_scale(matcher, core.softmax, core.qk_matmul))
-            for core in decoder.cores
+            _Core(core.qk_matmul, core.av_matmul, mod)
+            for core, mod in zip(decoder.cores, decoder.scores, strict=True)
         ]
         self.needed = _needed(graph, decoder, self.logits_output)
         try:
@@ -89,7 +88,7 @@ class GraphDecoder:
         for layer, core in enumerate(self.cores):
             held: dict[str, Tensor] = {}
             hooks[core.qk] = _keep(held)
-            hooks[core.av] = _attend(held, attend, layer, core.scale, past)
+            hooks[core.av] = _attend(held, attend, layer, core.scores, past, tokens.shape[0])
         feeds = {self.token_input: tokens}
         out = self.module.run(feeds, after=hooks, only=self.needed)[self.logits_output]
         if out.dim() != 3 or out.shape[-1] != self.vocab:
@@ -159,34 +158,20 @@ def _keep(held: dict[str, Tensor]) -> NodeHook:
     return hook
 
 
-def _attend(held: dict[str, Tensor], attend: Attend, layer: int, scale: float, past: int) -> NodeHook:
+def _attend(  # noqa: PLR0913
+    held: dict[str, Tensor], attend: Attend, layer: int, scores: ScoreMod, past: int, batch: int
+) -> NodeHook:
+    """The hook on a core's ·V MatMul: attention over the cache in its place. Cores whose heads are
+    folded into the batch (``[B·H, S, D]``, as a ``baddbmm`` exports) attend as ``[B, H, S, D]``."""
+
     def hook(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
         v = args[1]
         assert v is not None
         q, k = held.pop("q"), held.pop("kt").transpose(-1, -2)
-        return (attend(layer, q, k, v, scale, past).to(v.dtype),)
+        if q.dim() == 3:
+            q, k, v = (t.reshape(batch, -1, *t.shape[1:]) for t in (q, k, v))
+            o = attend(layer, q, k, v, scores, past)
+            return (o.reshape(-1, *o.shape[2:]).to(v.dtype),)
+        return (attend(layer, q, k, v, scores, past).to(v.dtype),)
 
     return hook
-
-
-def _score_scale(m: Matcher, softmax: str, qk: str) -> float:
-    """The product of the scalar constants the scores are multiplied by (or divided by) between the
-    Q·Kᵀ MatMul and the Softmax; masks (Add, Where) are dropped: the cache's attention is causal."""
-    scale, tensor = 1.0, m.g.op(softmax).inputs[0]
-    for _ in range(12):
-        op = m.producer(tensor)
-        if op is None or op.name == qk:
-            return scale
-        data = op.inputs[1:] if op.op_type == "Where" else op.inputs
-        path = next(t for t in data if t and not m.is_constant(t) and m.reaches_scores(t, qk))
-        if op.op_type in ("Mul", "Div"):
-            other = next((t for t in op.inputs if t != path), None)
-            value = None if other is None else m.array(other)
-            if value is None or np.asarray(value).size != 1:
-                raise InputError(
-                    f"node {op.name} scales the attention scores by a non-constant", source=m.g.source
-                )
-            factor = float(np.asarray(value).reshape(()))
-            scale = scale * factor if op.op_type == "Mul" else scale / factor
-        tensor = path
-    raise InputError(f"cannot read the attention scale before {softmax}", source=m.g.source)

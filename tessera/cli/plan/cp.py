@@ -19,7 +19,7 @@ from tessera.core.specs import load_cluster
 from tessera.planners.cp.cost import STRATEGIES
 from tessera.planners.cp.llm import LlmSource, load_llm_config
 from tessera.planners.cp.plan import plan_cp_request, sweep_to_json
-from tessera.planners.cp.recognize import position_limit, recognize_decoder
+from tessera.planners.cp.recognize import recognize_decoder
 from tessera.planners.cp.workload import parse_output_lengths, parse_token_count, parse_token_counts
 
 OPTIONS = OptionGroup(
@@ -133,7 +133,7 @@ def run(  # noqa: C901, PLR0913
         layers=layers,
         model=model_ref,
         source=source,
-        positions=position_limit(graph, config.hidden) if model is not None else None,
+        positions=decoder.position_limit if model is not None else None,
         strategy=None if strategy == "auto" else strategy,
         degree=degree,
     )

@@ -17,21 +17,22 @@ import onnx
 from onnx import numpy_helper
 
 from tessera.core.graph import Graph, OpNode
+from tessera.planners.cp.scores import GraphRun, ScoreError, ScoreMod, ScoreProbe, bound_batch
 
 __all__ = ["AttentionCore", "Matcher", "NotAttention"]
 
-# Element-wise ops between Q·Kᵀ and Softmax (scale, additive or Where mask).
-_SCORE_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Where", "Cast", "Identity"})
+# Ops whose output carries none of their input's values (a mask built to the scores' shape).
+_NOT_DATA = frozenset({"Softmax", "Shape", "Size", "ConstantOfShape", "EyeLike"})
+_SCORE_DEPTH = 16  # ops between Q·Kᵀ and the Softmax (scale, soft-cap, bias, mask, reshapes)
 # Ops between Softmax and ·V: casts, dropout, and the SDPA export's Where(IsNaN(p), 0, p) guard.
-_PROBABILITY_OPS = frozenset({"Cast", "Identity", "Dropout", "Where"})
+_PROBABILITY_OPS = frozenset({"Cast", "Identity", "Dropout", "Where", "Reshape"})
 # Ops whose first input is the data and the rest shapes, indices or axes.
 _DATA_FIRST = frozenset(
     {"Reshape", "Expand", "Tile", "Unsqueeze", "Squeeze", "Slice", "Transpose", "Cast", "CastLike",
-     "Identity", "Flatten", "Split", "Gather", "Dropout"}
+     "Identity", "Flatten", "Split", "Gather", "GatherND", "GatherElements", "Dropout"}
 )  # fmt: skip
 # Element-wise ops whose every non-constant input carries data (rotary: q·cos + rotate_half(q)·sin).
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Concat", "Where"})
-_COMPARISONS = frozenset({"Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
 _NUMPY_TO_DTYPE = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp32"}
 _MAX_WALK = 400  # nodes one trace may visit (a projection is a few dozen ops away)
 
@@ -59,10 +60,15 @@ class AttentionCore:
     heads: int
     kv_heads: int
     head_dim: int
-    causal: bool
+    scores: ScoreMod | None  # what the graph does to Q·Kᵀ before the Softmax, evaluated
+    score_error: tuple[str, str] | None  # (node, why) when that cannot be reproduced
     self_attention: bool
     rotary_dim: int | None  # channels of each head the rotary embedding turns; None: no rotary
     dtype: str
+
+    @property
+    def causal(self) -> bool:
+        return self.scores is not None and self.scores.causal
 
     @property
     def projections(self) -> tuple[str, ...]:
@@ -84,6 +90,10 @@ class Matcher:
         self.g = graph
         self.position = {name: i for i, name in enumerate(graph.order)}
         self._arrays: dict[str, np.ndarray | None] = {}
+        self._reaches: dict[tuple[str, str | None, int], bool] = {}
+        self.run: GraphRun | None = None  # the whole graph in onnxruntime, when it runs here
+        self.values: dict[str, np.ndarray] = {}  # tensors read from one run of it
+        self.batch = bound_batch(graph)
 
     # -- helpers --------------------------------------------------------------------------------
 
@@ -139,6 +149,7 @@ class Matcher:
         """Every Softmax matched as an attention core, and why each other one is not."""
         found: list[AttentionCore] = []
         failed: list[NotAttention] = []
+        self._read_values()
         for op in self.g.ops():
             if op.op_type == "Softmax":
                 try:
@@ -147,29 +158,52 @@ class Matcher:
                     failed.append(why)
         return found, failed
 
+    def _read_values(self) -> None:
+        """Run the graph once (when it can run here) and keep K at every candidate core."""
+        keys = []
+        for op in self.g.ops():
+            if op.op_type == "Softmax":
+                try:
+                    keys.append(self._scores(op).inputs[1])
+                except NotAttention:
+                    continue
+        self.run = GraphRun.of(self.g, keys) if keys else None
+        if self.run is not None:
+            self.batch = self.run.batch
+            tokens = self._probe_tokens(self.run.batch, self.run.length())
+            try:
+                self.values = self.run.run(tokens)
+            except Exception:  # noqa: BLE001 - not runnable at these shapes: sizes come from weights
+                self.run, self.values = None, {}
+
+    def _probe_tokens(self, batch: int, length: int) -> np.ndarray:
+        """Distinct token ids ``1, 2, …`` (0 is often the padding id, embedded as zeros), within the
+        smallest table the token input indexes."""
+        rows = [
+            int(info.shape[0])
+            for name in self.g.inputs
+            for reader in self.g.consumers.get(name, ())
+            if (op := self.g.op(reader)).op_type == "Gather"
+            and (info := self.g.initializers.get(op.inputs[0])) is not None
+            and info.shape
+        ]
+        vocab = min(rows, default=2)
+        ids = 1 + np.arange(batch * length, dtype=np.int64) % max(1, vocab - 1)
+        return ids.reshape(batch, length)
+
     def core(self, softmax: OpNode) -> AttentionCore:
-        qk, side = self._scores(softmax)
+        qk = self._scores(softmax)
         av = self._probabilities(softmax)
         q = self._trace(qk.inputs[0], "Q")
         k = self._trace(qk.inputs[1], "K")
         v = self._trace(av.inputs[1], "V")
         q_proj, k_proj, v_proj = (self._projection(t, role, qk) for t, role in ((q, "Q"), (k, "K"), (v, "V")))
-        q_shape = self.shape(qk.inputs[0])
-        if q_shape is None or len(q_shape) < 2:
-            raise NotAttention(qk.name, "the shape of Q is unknown (bind the inputs with --input-shape)")
-        head_dim = q_shape[-1]
-        q_width, k_width = self._width(q, q_proj), self._width(k, k_proj)
-        if q_width % head_dim or k_width % head_dim:
-            raise NotAttention(
-                qk.name, f"Q width {q_width} and K width {k_width} do not split into heads of {head_dim}"
-            )
-        heads, kv_heads = q_width // head_dim, k_width // head_dim
-        if kv_heads < 1 or heads % kv_heads:
-            raise NotAttention(qk.name, f"{kv_heads} KV head(s) do not divide {heads} query heads")
+        heads, kv_heads, head_dim = self._heads(qk, k, k_proj, {q_proj.name, v_proj.name})
         weight = self.weight_of(q_proj)
         assert weight is not None
         out = self._out_projection(av.outputs[0])
         rotary = q.rotary_dims | k.rotary_dims
+        scores, error = self._evaluate(qk, softmax)
         return AttentionCore(
             softmax=softmax.name,
             qk_matmul=qk.name,
@@ -182,42 +216,61 @@ class Matcher:
             heads=heads,
             kv_heads=kv_heads,
             head_dim=head_dim,
-            causal=self._causal(side),
+            scores=scores,
+            score_error=error,
             self_attention=len({p.inputs[0] for p in (q_proj, k_proj, v_proj)}) == 1,
             rotary_dim=max(rotary) if rotary else None,
             dtype=_NUMPY_TO_DTYPE.get(self.g.initializers[weight[0]].dtype, "fp32"),
         )
 
-    def _scores(self, softmax: OpNode) -> tuple[OpNode, list[str]]:
-        """The Q·Kᵀ MatMul before ``softmax`` and the side operands (scale, mask) on the way."""
-        tensor, side = softmax.inputs[0], []
-        for _ in range(12):
+    def _scores(self, softmax: OpNode) -> OpNode:
+        """The Q·Kᵀ MatMul before ``softmax``: the one MatMul of two activations that the Softmax's
+        input is computed from within a few ops, whatever those ops are (what they compute is
+        evaluated: :meth:`_evaluate`)."""
+        tensor = softmax.inputs[0]
+        for _ in range(_SCORE_DEPTH):
             op = self.producer(tensor)
             if op is None:
                 break
-            if op.op_type == "MatMul" and self.weight_of(op) is None:
-                return op, side
-            if op.op_type not in _SCORE_OPS:
-                raise NotAttention(op.name, f"a {op.op_type} before the Softmax, not a Q·Kᵀ MatMul")
-            data = op.inputs[1:] if op.op_type == "Where" else op.inputs
-            live = [t for t in data if t and not self.is_constant(t)]
-            # Of two live operands (scores + mask) the scores are the one a MatMul is found behind.
-            path = next((t for t in live if self.reaches_scores(t, None)), None)
-            if path is None:
+            if self._is_qk(op):
+                return op
+            live = [t for t in op.inputs if t and not self.is_constant(t)]
+            path = [t for t in live if self.reaches_scores(t, None)]
+            if not path:
                 raise NotAttention(op.name, "no Q·Kᵀ MatMul behind the Softmax's input")
-            side += [t for t in op.inputs if t and t != path]
-            tensor = path
-        raise NotAttention(softmax.name, "no Q·Kᵀ MatMul within 12 element-wise ops before it")
+            if len(set(path)) > 1:
+                raise NotAttention(op.name, "the Softmax's input combines two products of activations")
+            tensor = path[0]
+        raise NotAttention(softmax.name, f"no Q·Kᵀ MatMul within {_SCORE_DEPTH} ops before it")
 
-    def reaches_scores(self, tensor: str, qk: str | None) -> bool:
-        """Whether ``tensor`` is computed, through score ops, from a Q·Kᵀ MatMul (``qk``, or any)."""
-        op = self.producer(tensor)
-        if op is None or op.op_type not in _SCORE_OPS | {"MatMul"}:
-            return False
-        if op.op_type == "MatMul":
-            return self.weight_of(op) is None and qk in (None, op.name)
-        data = op.inputs[1:] if op.op_type == "Where" else op.inputs
-        return any(self.reaches_scores(t, qk) for t in data if t and not self.is_constant(t))
+    def _is_qk(self, op: OpNode) -> bool:
+        return (
+            op.op_type == "MatMul"
+            and self.weight_of(op) is None
+            and all(t and not self.is_constant(t) for t in op.inputs[:2])
+        )
+
+    def reaches_scores(self, tensor: str, qk: str | None, depth: int = _SCORE_DEPTH) -> bool:
+        """Whether ``tensor`` is computed, within ``depth`` ops, from a Q·Kᵀ MatMul (``qk``, or any)."""
+        key = (tensor, qk, depth)
+        if key not in self._reaches:
+            op = self.producer(tensor)
+            if op is None or depth == 0 or op.op_type in _NOT_DATA or self.weight_of(op) is not None:
+                found = False
+            elif self._is_qk(op):
+                found = qk in (None, op.name)
+            else:
+                found = any(
+                    self.reaches_scores(t, qk, depth - 1) for t in op.inputs if t and not self.is_constant(t)
+                )
+            self._reaches[key] = found
+        return self._reaches[key]
+
+    def _evaluate(self, qk: OpNode, softmax: OpNode) -> tuple[ScoreMod | None, tuple[str, str] | None]:
+        try:
+            return ScoreProbe(self.g, qk.name, softmax.name).classify(), None
+        except ScoreError as why:
+            return None, (why.node, why.why)
 
     def _probabilities(self, softmax: OpNode) -> OpNode:
         """The MatMul that weighs V by ``softmax``'s output (through casts and the NaN guard)."""
@@ -294,11 +347,36 @@ class Matcher:
         names = ", ".join(sorted(trace.projections))
         raise NotAttention(qk.name, f"{role} comes from several projections ({names})")
 
-    def _width(self, trace: _Trace, projection: OpNode) -> int:
-        weight = self.weight_of(projection)
-        assert weight is not None
-        share = trace.projections[projection.name]
-        return share if share is not None else weight[2]
+    def _heads(self, qk: OpNode, k: _Trace, k_proj: OpNode, others: set[str]) -> tuple[int, int, int]:
+        """``(heads, kv_heads, head_dim)``: heads and head_dim from Q's shape at the core (``[B, H,
+        S, D]``, or ``[B·H, S, D]``); KV heads from K's values there (grouped-query attention hands
+        the core each KV head repeated: the distinct heads are the KV heads), else from the width
+        the K projection gives K."""
+        q_shape = self.shape(qk.inputs[0])
+        if q_shape is None or len(q_shape) not in (3, 4):
+            raise NotAttention(qk.name, "the shape of Q is unknown (bind the inputs with --input-shape)")
+        head_dim = q_shape[-1]
+        heads = q_shape[1] if len(q_shape) == 4 else q_shape[0] // self.batch
+        kt = self.values.get(qk.inputs[1])
+        if kt is not None and kt.ndim == len(q_shape) and np.any(kt) and kt.shape[0] % self.batch == 0:
+            at_core = kt.shape[1] if kt.ndim == 4 else kt.shape[0] // self.batch  # < heads: broadcast
+            per_head = kt.reshape(self.batch, at_core, -1)[0]
+            distinct: list[np.ndarray] = []
+            for row in per_head:
+                if not any(np.array_equal(row, seen) for seen in distinct):
+                    distinct.append(row)
+            kv_heads = len(distinct)
+        else:
+            weight = self.weight_of(k_proj)
+            assert weight is not None
+            share = k.projections[k_proj.name]  # a fused projection's share of its width
+            width = share if share is not None and k_proj.name in others else weight[2]
+            if width % head_dim:
+                raise NotAttention(qk.name, f"K width {width} does not split into heads of {head_dim}")
+            kv_heads = width // head_dim
+        if kv_heads < 1 or heads % kv_heads:
+            raise NotAttention(qk.name, f"{kv_heads} KV head(s) do not divide {heads} query heads")
+        return heads, kv_heads, head_dim
 
     def _out_projection(self, tensor: str) -> OpNode | None:
         """From the attention's output forward through layout ops to the output projection."""
@@ -315,54 +393,6 @@ class Matcher:
             tensor = op.outputs[0]
         return None
 
-    # -- the mask -------------------------------------------------------------------------------
-
-    def _causal(self, side: list[str]) -> bool:
-        """Whether a mask among ``side`` is causal: a ``Trilu``, a triangular constant, or positions
-        compared with positions (``kv_index <= q_index``, both from a ``Range``)."""
-        queue = deque((t, 0) for t in side)
-        seen: set[str] = set()
-        while queue:
-            t, depth = queue.popleft()
-            if t in seen or depth > 16 or len(seen) > _MAX_WALK:
-                continue
-            seen.add(t)
-            if _is_triangular_mask(self.array(t)):
-                return True
-            op = self.producer(t)
-            if op is None or op.op_type == "Constant":
-                continue
-            if op.op_type == "Trilu":
-                return True
-            if op.op_type in _COMPARISONS and self._compares_positions(op):
-                return True
-            queue.extend((x, depth + 1) for x in op.inputs if x)
-        return False
-
-    def _compares_positions(self, op: OpNode) -> bool:
-        """``kv_index <= q_index`` and the like: positions (from a ``Range``) on both sides, or two
-        constants whose comparison is a triangle (a legacy export with a fixed sequence length)."""
-        a, b = (self.array(x) for x in op.inputs[:2])
-        if a is None or b is None:
-            return all(self._from_range(x) for x in op.inputs[:2])
-        compare = {"Less": np.less, "LessOrEqual": np.less_equal, "Greater": np.greater}
-        result = compare.get(op.op_type, np.greater_equal)(a, b)
-        return _is_triangular_mask(result) or _is_triangular_mask(~result)
-
-    def _from_range(self, tensor: str) -> bool:
-        """Whether ``tensor`` is (a reshape or offset of) a ``Range``: token positions."""
-        for _ in range(8):
-            op = self.producer(tensor)
-            if op is None:
-                return False
-            if op.op_type in ("Range", "CumSum"):
-                return True
-            live = [t for t in op.inputs if t and not self.is_constant(t)]
-            if op.op_type not in _DATA_FIRST | {"Add", "Sub"} or not live:
-                return False
-            tensor = op.inputs[0] if op.op_type in _DATA_FIRST else live[0]
-        return False
-
 
 def _to_array(value: object) -> np.ndarray | None:
     if value is None or isinstance(value, np.ndarray):
@@ -373,15 +403,3 @@ def _to_array(value: object) -> np.ndarray | None:
         return numpy_helper.to_array(value)  # type: ignore[arg-type]
     except Exception:  # noqa: BLE001 - lazy/external data or not a tensor: not a mask we can read
         return None
-
-
-def _is_triangular_mask(array: np.ndarray | None) -> bool:
-    """A constant causal mask: strictly upper triangle masked (large negative or False), the rest open."""
-    if array is None or array.ndim < 2 or array.shape[-1] != array.shape[-2] or array.shape[-1] < 2:
-        return False
-    square = array.reshape(-1, *array.shape[-2:])[0]
-    upper = np.triu(np.ones(square.shape, dtype=bool), k=1)
-    if square.dtype == bool:
-        return bool(np.all(square[~upper]) and not np.any(square[upper]))
-    values = square.astype(np.float64)
-    return bool(np.all(values[upper] <= -1e4) and np.all(values[~upper] == 0))

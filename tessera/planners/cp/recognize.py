@@ -18,6 +18,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph, OpNode
 from tessera.planners.cp.attention import AttentionCore, Matcher
 from tessera.planners.cp.llm import LlmConfig
+from tessera.planners.cp.scores import ScoreMod
 
 __all__ = ["Decoder", "position_limit", "recognize_decoder", "recognize_llm"]
 
@@ -41,6 +42,13 @@ class Decoder:
     qkv: str  # fused (one projection) or separate
     fixed_length: int | None = None  # the sequence length the graph is tied to; None: any length
 
+    @property
+    def position_limit(self) -> int | None:
+        """The positions a request may hold: a learned table's rows, or the length past which the
+        graph's score path does not run (a bias table's end); None: no limit."""
+        known = [n for n in (self.positions, *(m.max_length for m in self.scores)) if n is not None]
+        return min(known) if known else None
+
     def fixed_length_message(self, token_input: str) -> str | None:
         """Why the model cannot be decoded token by token (its positions are baked in), with the fix."""
         if self.fixed_length is None:
@@ -62,7 +70,33 @@ class Decoder:
             "rotary": None if self.rotary_dim is None else {"dim": self.rotary_dim, "partial": self.rotary_dim < (c.head_dim or 0)},
             "norm": self.norm, "parallel_residual": self.parallel_residual, "qkv": self.qkv,
             "attention": [core.softmax for core in self.cores],
+            "position": self.position_kind, "window": self.window,
+            "layer_windows": [mod.window for mod in self.scores],
+            "softcap": self.scores[0].softcap if self.scores else None,
+            "alibi": self.scores[0].alibi is not None if self.scores else False,
         }  # fmt: skip
+
+    @property
+    def scores(self) -> tuple[ScoreMod, ...]:
+        """What each layer's graph does to its attention scores (evaluated; recognition refuses a
+        decoder where one is not known)."""
+        return tuple(core.scores for core in self.cores if core.scores is not None)
+
+    @property
+    def window(self) -> int | None:
+        """The widest sliding window of a layer whose every layer has one; None where any layer
+        attends to the whole past."""
+        windows = [mod.window for mod in self.scores]
+        return None if not windows or None in windows else max(w for w in windows if w is not None)
+
+    @property
+    def position_kind(self) -> str:
+        """How the model knows positions: rotary, learned (a table), alibi (a score bias), or none."""
+        if self.rotary_dim is not None:
+            return "rotary"
+        if self.scores and self.scores[0].alibi is not None:
+            return "alibi"
+        return "learned" if self.positions is not None else "none"
 
 
 class _Layers:
@@ -223,6 +257,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     layers = _Layers(m)
     cores, failed = m.cores()
     _check_cores(graph, cores, failed)
+    _check_causal(graph, m, cores)
     ffns: list[tuple[int, bool, bool]] = []
     for i, core in enumerate(cores):
         stop = (
@@ -282,6 +317,32 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     )
 
 
+def _check_causal(graph: Graph, m: Matcher, cores: list[AttentionCore]) -> None:
+    """Confirm on the whole graph what the cores' scores say: a later token must not move an
+    earlier position's outputs. Skipped where the graph does not run here (lazy or large weights)."""
+    if m.run is None:
+        return
+    tokens = m._probe_tokens(m.run.batch, m.run.length())
+    changed = tokens.copy()
+    changed[:, -1] = tokens[:, 0] if tokens[0, -1] != tokens[0, 0] else tokens[:, 1]
+    name = next(iter(graph.outputs))
+    try:
+        a, b = m.run.run(tokens)[name], m.run.run(changed)[name]
+    except Exception:  # noqa: BLE001 - the probe could not run: the evaluation's verdict stands
+        return
+    if a.ndim < 2 or a.shape[:2] != tokens.shape:
+        return
+    early_a, early_b = a[:, :-1].astype(np.float64), b[:, :-1].astype(np.float64)
+    moved = float(np.max(np.abs(early_a - early_b)))
+    if moved > 1e-4 * (1.0 + float(np.max(np.abs(early_a)))):
+        raise InputError(
+            f"not a causal decoder: changing the last token moves the earlier positions' {name!r} by "
+            f"{moved:.3g}, though attention {cores[0].softmax}'s scores were evaluated as causal "
+            "(something besides attention mixes positions)",
+            source=graph.source,
+        )
+
+
 def _fixed_length(graph: Graph, m: Matcher) -> int | None:
     """The declared sequence length when the graph cannot follow another: the token input's axis 1
     is a number and no ``Range``/``CumSum`` counts positions from a ``Shape`` (exporters bake the
@@ -323,12 +384,20 @@ def _check_cores(graph: Graph, cores: list[AttentionCore], failed: list) -> None
             f"the first fails at node {first.node}: {first.why})",
             source=label,
         )
+    unknown = [c for c in cores if c.score_error is not None]
+    if unknown:
+        node, why = unknown[0].score_error  # type: ignore[misc]
+        raise InputError(
+            f"cannot decode attention {unknown[0].softmax} exactly: what the graph does to its scores "
+            f"is not reproduced, at node {node}: {why}",
+            source=label,
+        )
     non_causal = [c for c in cores if not c.causal]
     if len(non_causal) == len(cores):
         raise InputError(
             f"not a decoder-only transformer: no causal self-attention found ({len(cores)} attention "
-            f"block(s), none with a causal mask (Trilu, a triangular constant, or positions compared "
-            f"with positions) before its Softmax {cores[0].softmax}; an encoder such as BERT?)",
+            f"block(s), none masks later positions before its Softmax {cores[0].softmax}, evaluated at "
+            f"several lengths; an encoder such as BERT?)",
             source=label,
         )
     if non_causal:

@@ -89,9 +89,10 @@ def _attention_like(score_op: str) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
-def test_a_failed_match_names_the_node_and_the_condition() -> None:
+def test_a_score_transform_it_cannot_reproduce_is_refused_naming_the_node() -> None:
+    # A Relu on the scores is found by dataflow, evaluated, and matches no known score modification.
     with pytest.raises(
-        InputError, match=r"fails at node odd_op: a Relu before the Softmax, not a Q·Kᵀ MatMul"
+        InputError, match=r"at node odd_op: the scores are transformed by neither a scale nor a soft-cap"
     ):
         recognize_llm(load_graph(_attention_like("Relu")))
 
