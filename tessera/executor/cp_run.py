@@ -88,9 +88,10 @@ def check_cp_plan(plan: CpPlan, options: DecodeOptions, source: str | None = Non
             f"a cp plan of degree {n} needs {n} kv_shards; it has {len(plan.kv_shards)}", source=source
         )
     _, _, heads, kv_heads, _, _, _ = llm_ints(plan.llm)
-    if plan.strategy == "tp" and (heads % n or kv_heads % n):
+    if plan.strategy == "tp" and (heads % n or (kv_heads % n and n % kv_heads)):
         raise InputError(
-            f"tp over {n} ranks needs heads ({heads}) and kv_heads ({kv_heads}) divisible by {n}",
+            f"tp over {n} ranks needs heads ({heads}) divisible by {n} and kv_heads ({kv_heads}) a multiple "
+            f"or a divisor of {n}",
             source=source,
         )
     if not 2 <= options.new_tokens <= MAX_TOKENS:

@@ -47,6 +47,75 @@ class _DecoderLogits(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits
 
 
+class _PlainLogits(nn.Module):
+    """``model(input_ids).logits``: the plainest export a user makes (no attention mask; transformers
+    builds its causal, sliding-window or ALiBi scores inside the traced forward)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, use_cache=False).logits
+
+
+def _rescaled(model: nn.Module, std: float) -> nn.Module:
+    """``model`` with every matrix but the embeddings drawn at ``std`` (seeded): the block outputs
+    then outweigh the token's own embedding and greedy decoding picks varied tokens."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() >= 2 and "emb" not in name and "wte" not in name:
+                p.copy_(torch.randn(p.shape, generator=generator) * std)
+    return model
+
+
+def _family(name: str, rescale: float | None = None, **config: object) -> Callable[[], nn.Module]:
+    """A plain export of transformers' ``{name}ForCausalLM`` with ``config`` (2 layers, eager)."""
+
+    def build() -> nn.Module:
+        import transformers
+
+        cls = getattr(transformers, f"{name}ForCausalLM")
+        settings = {"vocab_size": VOCAB, "initializer_range": DECODER_INIT, **config}
+        model = cls(getattr(transformers, f"{name}Config")(**settings))
+        model.config._attn_implementation = "eager"
+        return _PlainLogits(model if rescale is None else _rescaled(model, rescale))
+
+    return build
+
+
+_LAYERS = {"num_hidden_layers": 2, "max_position_embeddings": 64}
+# Decoder families exported plainly, each with what is new in it. ``expect``: what recognition must
+# report beyond what the config states in the common fields (tests/corpus/test_decoders.py).
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
+    "qwen2-plain": (_family("Qwen2", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                            intermediate_size=128, **_LAYERS), {"position": "rotary", "window": None}),
+    "mistral-window": (_family("Mistral", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                               intermediate_size=128, sliding_window=4, **_LAYERS),
+                       {"window": 4, "layer_windows": [4, 4]}),
+    "qwen3-qknorm": (_family("Qwen3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             head_dim=16, intermediate_size=128, **_LAYERS), {"head_dim": 16}),
+    "gemma-mqa": (_family("Gemma", rescale=0.3, initializer_range=0.05, hidden_size=128,
+                          num_attention_heads=4, num_key_value_heads=1, head_dim=32, intermediate_size=256,
+                          **_LAYERS), {"head_dim": 32, "kv_heads": 1}),
+    "gemma2-softcap": (_family("Gemma2", rescale=0.3, initializer_range=0.02, hidden_size=64,
+                               num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                               intermediate_size=128, sliding_window=4, **_LAYERS),
+                       {"softcap": 50.0, "layer_windows": [4, None], "window": None}),
+    "bloom-alibi": (_family("Bloom", initializer_range=1.0, hidden_size=64, n_head=4, n_layer=2),
+                    {"position": "alibi", "alibi": True, "qkv": "fused", "ffn": 256}),
+    "falcon-mqa": (_family("Falcon", rescale=0.6, hidden_size=64, num_attention_heads=4, num_hidden_layers=2,
+                           multi_query=True, new_decoder_architecture=False),
+                   {"kv_heads": 1, "qkv": "fused", "parallel_residual": True, "ffn": 256}),
+    "neox-partial": (_family("GPTNeoX", hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                             rotary_pct=0.25, **_LAYERS),
+                     {"rotary": {"dim": 4, "partial": True}, "qkv": "fused", "parallel_residual": True}),
+    "mpt-alibi": (_family("Mpt", rescale=0.6, d_model=64, n_heads=4, n_layers=2, max_seq_len=64),
+                  {"position": "alibi", "alibi": True, "qkv": "fused", "ffn": 256}),
+}  # fmt: skip
+
+
 def gpt2(attention: str = "eager") -> nn.Module:
     import transformers
 
@@ -168,6 +237,7 @@ class Spec:
     input: str  # the exported input's name
     example: Callable[[], torch.Tensor]
     decoder: bool = False  # a causal LM: its dynamic exports have a dynamic sequence axis too
+    plain: bool = False  # a family exported plainly: torch.export (dynamo), dynamic axes only
 
 
 def _ids() -> torch.Tensor:
@@ -189,4 +259,8 @@ MODELS: dict[str, Spec] = {
     "vit": Spec(vit, "pixel_values", _image),
     "resnet": Spec(resnet, "pixel_values", _image),
     "mobilenetv3": Spec(mobilenet_v3_small, "pixel_values", _image),
+    **{
+        name: Spec(build, "input_ids", _ids, decoder=True, plain=True)
+        for name, (build, _) in FAMILIES.items()
+    },
 }

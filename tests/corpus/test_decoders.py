@@ -11,7 +11,7 @@ import json
 import pytest
 from cli_runner import run_cli
 from corpus.exports import ENTRIES, Corpus
-from corpus.models import MODELS
+from corpus.models import FAMILIES, MODELS
 from decode_reference import greedy_tokens
 
 from tessera.core.graph import load_graph
@@ -23,13 +23,15 @@ DECODERS = [e for e in ENTRIES if MODELS[e[0]].decoder]
 
 
 def _configured(corpus: Corpus, model: str) -> dict[str, object]:
-    """What the decoder was built with, read from its transformers config."""
+    """What the decoder was built with, read from its transformers config (and, for the families
+    exported plainly, what is new in each: ``FAMILIES``)."""
     config = corpus.reference(model)[0].model.config
+    kind = config.model_type
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps the factor here
-    rotary = rope.get("partial_rotary_factor", 1.0) if config.model_type != "gpt2" else None
-    return {
+    rotary = None if kind in ("gpt2", "bloom", "mpt") else rope.get("partial_rotary_factor", 1.0)
+    want = {
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
         "heads": heads,
@@ -38,14 +40,19 @@ def _configured(corpus: Corpus, model: str) -> dict[str, object]:
         "ffn": getattr(config, "intermediate_size", None)
         or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,
-        "gated_ffn": config.model_type in ("llama", "qwen2"),
+        "gated_ffn": kind in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2"),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),
         "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
-        "norm": {"gpt2": "layernorm", "phi": "layernorm"}.get(config.model_type, "rmsnorm"),
-        "parallel_residual": config.model_type == "phi",
-        "qkv": "fused" if config.model_type == "gpt2" else "separate",
+        "norm": "layernorm" if kind in ("gpt2", "phi", "bloom", "falcon", "gpt_neox", "mpt") else "rmsnorm",
+        "parallel_residual": kind == "phi",
+        "qkv": "fused" if kind == "gpt2" else "separate",
+        "position": "learned" if kind == "gpt2" else "rotary",
+        "window": None,
+        "softcap": None,
+        "alibi": False,
     }
+    return {**want, **FAMILIES.get(model, (None, {}))[1]}
 
 
 @pytest.mark.parametrize("key", DECODERS, ids=["-".join(e) for e in DECODERS])

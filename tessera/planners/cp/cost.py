@@ -256,17 +256,20 @@ def estimate(  # noqa: C901
     collectives: list[Collective] = []
     kernels = p.kernels_per_layer
     if strategy == "tp":
-        if llm.heads % n or int(llm.kv_heads) % n:
+        kv_heads = int(llm.kv_heads)
+        if llm.heads % n or (kv_heads % n and n % kv_heads):
             reasons.append(
-                f"tensor parallelism needs the heads ({llm.heads}) and KV heads ({llm.kv_heads}) to be "
-                f"multiples of the degree {n} (thesis §4.2.3)"
+                f"tensor parallelism needs the heads ({llm.heads}) to be a multiple of the degree {n}, and "
+                f"the KV heads ({kv_heads}) a multiple or a divisor of it (thesis §4.2.3)"
             )
         shard = 1 / n
+        # Fewer KV heads than devices: each device keeps its query heads' KV head whole (replicated).
+        kv_shard = max(shard, 1 / kv_heads)
         dense_tokens = batch
         attn_requests, attn_positions, attn_share = batch, mean_kv, shard
         table_entries = batch * mean_blocks
         weights = (num_layers * layer_weight_bytes + embedding_bytes) * shard
-        kv_cache = batch * max_kv * kv_token_layer * num_layers * shard
+        kv_cache = batch * max_kv * kv_token_layer * num_layers * kv_shard
         head_share = shard
         if n > 1:
             volume = tp_comm_elements(n, batch, llm.hidden) * b / 2  # per all-reduce

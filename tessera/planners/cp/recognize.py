@@ -72,7 +72,7 @@ class Decoder:
             "attention": [core.softmax for core in self.cores],
             "position": self.position_kind, "window": self.window,
             "layer_windows": [mod.window for mod in self.scores],
-            "softcap": self.scores[0].softcap if self.scores else None,
+            "softcap": _shown(self.scores[0].softcap) if self.scores else None,
             "alibi": self.scores[0].alibi is not None if self.scores else False,
         }  # fmt: skip
 
@@ -218,6 +218,11 @@ class _Layers:
             return True
         a, b = self.m.array(head), self.m.array(embedding)
         return a is not None and b is not None and a.shape == b.T.shape and bool(np.array_equal(a, b.T))
+
+
+def _shown(value: float | None) -> float | None:
+    """A fitted constant as a reader wants it (6 significant digits)."""
+    return None if value is None else float(f"{value:.6g}")
 
 
 def position_limit(graph: Graph, hidden: int) -> int | None:

@@ -313,7 +313,8 @@ class ScoreProbe:
 
     def _phi(self, out: np.ndarray, zero: np.ndarray, open_: np.ndarray, c: float) -> float:
         """φ(c): what a raw score of ``c`` adds to every open cell (the same for all, or refused)."""
-        delta = (out - zero)[np.broadcast_to(open_, out.shape)]
+        cells = np.broadcast_to(open_, out.shape)
+        delta = out[cells] - zero[cells]
         if delta.size == 0:
             raise ScoreError(self.softmax, "every score is masked")
         mid = float(np.median(delta))
