@@ -204,8 +204,7 @@ class Graph:
         name, size = next(iter(fixed.items()))
         return (
             f"input {name!r} has a fixed batch of {size} (axis 0 is a number, not a symbol), but training "
-            "runs micro-batches of other sizes: re-export with a dynamic batch axis (torch.onnx.export: "
-            f"dynamic_axes={{{name!r}: {{0: 'batch'}}}}, or dynamic_shapes= with the dynamo exporter)"
+            f"runs micro-batches of other sizes: {batch_fix(name, size)}"
         )
 
     def unknown_shapes_message(self) -> str | None:
@@ -296,6 +295,20 @@ class Graph:
         return helper.make_tensor_value_info(
             tensor, elem, list(info.shape) if info.shape is not None else None
         )
+
+
+def batch_fix(name: str, size: int) -> str:
+    """How to re-export a model whose input ``name`` has the fixed batch ``size``."""
+    cause = (
+        "torch.export fixes any example dimension of size 1, even with dynamic_shapes=, so trace with an "
+        "example batch of 2 or more; "
+        if size == 1
+        else ""
+    )
+    return (
+        f"{cause}re-export with a dynamic batch axis (torch.onnx.export: dynamic_axes={{{name!r}: {{0: "
+        "'batch'}}, or dynamic_shapes= with the dynamo exporter)"
+    )
 
 
 def load_graph(

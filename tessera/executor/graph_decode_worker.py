@@ -100,7 +100,10 @@ class DecodeWorker:
         groups: dict[int, list[int]] = {}
         for b in self.requests:
             groups.setdefault(self.prompt_lens[b], []).append(b)
-        self.groups = [groups[n] for n in sorted(groups)]
+        most = self.decoder.fixed_batch or max(1, len(self.requests))  # a fixed batch axis bounds a pass
+        self.groups = [
+            groups[n][i : i + most] for n in sorted(groups) for i in range(0, len(groups[n]), most)
+        ]
         self.cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (request, layer) -> K, V, pos
         self.tokens: dict[int, list[int]] = {b: [] for b in self.requests}
         self.comm_s = 0.0

@@ -50,6 +50,7 @@ class GraphDecoder:
                 source=self.label,
             )
         self.token_input = tokens[0]
+        self.fixed_batch = graph.fixed_batch.get(self.token_input)  # requests per pass; None: any
         self.logits_output = next(iter(graph.outputs))
         model = materialize(graph.model) if is_lazy(graph.model) else graph.model
         self.module: OnnxModule = to_torch(model, label=self.label).train(False)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 from cli_runner import run_cli
-from corpus.exports import ENTRIES, Corpus
+from corpus.exports import ENTRIES, Corpus, _export, cache_dir
 from corpus.models import FAMILIES, MODELS
 from decode_reference import greedy_tokens
 
@@ -131,3 +131,46 @@ def test_a_decoder_with_a_fixed_sequence_is_refused_at_plan_time_with_the_fix(
                      "--context", "8", "--output-len", "4", "-o", str(out))  # fmt: skip
     assert result.code == 2 and "fixed sequence length of 16" in result.err, result.err
     assert "export with a dynamic sequence axis" in result.err and not out.exists()
+
+
+@pytest.fixture(scope="module")
+def batch1_export(corpus: Corpus) -> str:
+    """Qwen2 exported plainly from an example of batch 1, with a dynamic batch asked for: torch.export
+    fixes the batch at 1 anyway (cached beside the corpus)."""
+    path = cache_dir() / "qwen2-plain-batch1.onnx"
+    if not path.is_file():
+        module, x = corpus.reference("qwen2-plain")
+        error = _export(module, x[:1], "input_ids", "dynamo", ("batch", "sequence"), path)
+        assert error is None, error
+    return str(path)
+
+
+@pytest.mark.slow
+def test_a_batch_fixed_at_one_decodes_one_request_and_refuses_more_with_the_cause(
+    batch1_export: str, tmp_path
+) -> None:
+    args = [
+        "--kind",
+        "cp",
+        "--cluster",
+        "local-cpu-split",
+        "--context",
+        "10",
+        "--output-len",
+        str(NEW_TOKENS),
+    ]
+    refused = run_cli("plan", batch1_export, *args, "--batch", "4", "-o", str(tmp_path / "no.json"))
+    assert refused.code == 2 and "fixed batch of 1" in refused.err, refused.err
+    assert "example batch of 2 or more" in refused.err and not (tmp_path / "no.json").exists()
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(" ".join(map(str, PROMPTS[0])) + "\n")
+    want = greedy_tokens(batch1_export, PROMPTS[:1], NEW_TOKENS)
+    for strategy in ("cp", "tp"):
+        plan = tmp_path / f"{strategy}.json"
+        planned = run_cli("plan", batch1_export, *args, "--batch", "1", "--strategy", strategy, "--degree", "2",
+                          "-o", str(plan))  # fmt: skip
+        assert planned.code == 0, planned.err
+        launched = run_cli("launch", str(plan), "--model", batch1_export, "--prompts", str(prompts),
+                           "--new-tokens", str(NEW_TOKENS), "--json", "--timeout", "60")  # fmt: skip
+        assert launched.code == 0, launched.err
+        assert json.loads(launched.out)["tokens"] == want, strategy

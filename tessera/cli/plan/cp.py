@@ -14,6 +14,7 @@ from rich.table import Table
 from tessera.cli.options import FigureFile, OptionGroup, check_outputs, load_model_option
 from tessera.cli.render import console, emit_json, human_bytes
 from tessera.core.errors import InputError
+from tessera.core.graph import Graph, batch_fix
 from tessera.core.plans import ModelRef, dump_plan, write_plan
 from tessera.core.specs import load_cluster
 from tessera.planners.cp.cost import STRATEGIES
@@ -111,6 +112,8 @@ def run(  # noqa: C901, PLR0913
         graph = load_model_option(model, input_shapes)
         decoder = recognize_decoder(graph)
         why = decoder.fixed_length_message(next(iter(graph.inputs)))
+        if why is None:
+            why = _fixed_batch_message(graph, batch)
         if why is not None:  # launch could not decode it: refused now (exit 2)
             raise InputError(why, source=graph.source)
         config = decoder.config
@@ -235,3 +238,15 @@ def _print_sweep(out: Any, rows: list[Any], *, unit: str) -> None:
         table.add_row(strategy.upper(), *cells)
     table.add_row("best", *[(row.winner or "none").upper() for row in rows])
     out.print(table)
+
+
+def _fixed_batch_message(graph: Graph, batch: int) -> str | None:
+    """Why a plan of ``batch`` requests cannot decode a model whose batch axis is a fixed number
+    smaller than that (requests then decode in batches of that size), with the fix; None if it can."""
+    for name, size in graph.fixed_batch.items():
+        if batch > size:
+            return (
+                f"input {name!r} has a fixed batch of {size}, so at most {size} request(s) decode at a time, "
+                f"but the plan has a batch of {batch}: {batch_fix(name, size)}, or plan --batch {size}"
+            )
+    return None

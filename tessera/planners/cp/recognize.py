@@ -41,6 +41,7 @@ class Decoder:
     parallel_residual: bool  # attention and FFN read one normed input (GPT-J, Phi)
     qkv: str  # fused (one projection) or separate
     fixed_length: int | None = None  # the sequence length the graph is tied to; None: any length
+    position_constant: bool = False  # learned positions folded into a constant added to the embedding
 
     @property
     def position_limit(self) -> int | None:
@@ -96,7 +97,7 @@ class Decoder:
             return "rotary"
         if self.scores and self.scores[0].alibi is not None:
             return "alibi"
-        return "learned" if self.positions is not None else "none"
+        return "learned" if self.positions is not None or self.position_constant else "none"
 
 
 class _Layers:
@@ -200,6 +201,30 @@ class _Layers:
             if self._from_input(op.inputs[1]):
                 return op.inputs[0], int(info.shape[0])
         return None
+
+    def added_positions(self, hidden: int) -> bool:
+        """Whether a constant ``[S, hidden]`` is added to the token embedding: a learned position
+        table an exporter sliced and folded for the fixed length it traced."""
+        embedding = self.embedding(hidden)
+        if embedding is None:
+            return False
+        for op in self.g.ops():
+            if op.op_type != "Gather" or op.inputs[0] != embedding[0]:
+                continue
+            tensor = op.outputs[0]
+            for _ in range(4):
+                readers = [self.g.op(c) for c in self.g.consumers.get(tensor, ())]
+                for add in (r for r in readers if r.op_type == "Add"):
+                    other = next((t for t in add.inputs if t != tensor), None)
+                    shape = None if other is None else self.m.shape(other)
+                    if other and self.m.is_constant(other) and shape and len(shape) >= 2:
+                        if shape[-1] == hidden and shape[-2] >= 2:
+                            return True
+                scaled = [r for r in readers if r.op_type in ("Cast", "Mul", "Identity")]
+                if len(scaled) != 1:
+                    break
+                tensor = scaled[0].outputs[0]
+        return False
 
     def _from_input(self, tensor: str) -> bool:
         for _ in range(4):
@@ -319,6 +344,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         parallel_residual=ffns[0][2],
         qkv="fused" if len(first.projections) == 1 else "separate",
         fixed_length=_fixed_length(graph, m),
+        position_constant=layers.added_positions(first.hidden),
     )
 
 

@@ -276,9 +276,9 @@ class ScoreProbe:
     def _lengths(self) -> list[int]:
         """The lengths to evaluate at: the graph's own when it is fixed, else :data:`LENGTHS`."""
         fixed = self.g.tensors[self.raw].shape
-        declared = {
+        declared = {  # every input's: a mask built from the scores' own shape reads no input
             d[1]
-            for n in self.inputs
+            for n in self.g.inputs
             if (d := self.g.declared_shapes.get(n)) and len(d) == 2 and isinstance(d[1], int)
         }
         if declared and fixed and fixed[-1] in declared:
