@@ -21,12 +21,22 @@ def greedy_tokens(
 ) -> list[list[int]]:
     """``n`` greedy tokens after each prompt (argmax, first index on ties)."""
     session = free_session(model)
-    name = session.get_inputs()[0].name
+    names = [i.name for i in session.get_inputs()]
     out = []
     for prompt in prompts:
         sequence, tokens = list(prompt), []
         for _ in range(n):
-            logits = session.run(None, {name: np.array([sequence], dtype=np.int64)})[0]
+            ids = np.array([sequence], dtype=np.int64)
+            # an attention mask of ones, positions 0..S-1, beside the token ids
+            feeds = {
+                name: np.ones_like(ids)
+                if "mask" in name
+                else np.arange(ids.shape[1])[None]
+                if "position" in name
+                else ids
+                for name in names
+            }
+            logits = session.run(None, feeds)[0]
             tokens.append(int(logits[0, -1].argmax()))
             sequence.append(tokens[-1])
         out.append(tokens)

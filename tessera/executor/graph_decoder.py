@@ -41,12 +41,13 @@ class GraphDecoder:
 
     def __init__(self, graph: Graph, decoder: Decoder) -> None:
         self.label = graph.source
-        tokens = [name for name, info in graph.inputs.items() if info.dtype.startswith("int")]
-        if len(graph.inputs) != 1 or len(tokens) != 1:
+        self.side = _side_inputs(graph)  # an attention mask (all ones), positions (past + 0..S-1)
+        tokens = [name for name in graph.inputs if name not in self.side]
+        if len(tokens) != 1 or not graph.inputs[tokens[0]].dtype.startswith("int"):
             raise InputError(
-                f"decoding feeds one input of token ids; the model has {len(graph.inputs)} input(s) "
-                f"({', '.join(graph.inputs)}): export it with input_ids alone (an all-ones attention "
-                "mask inside the exported forward)",
+                f"decoding feeds token ids, and optionally an attention mask and position ids; the model has "
+                f"{len(graph.inputs)} input(s) ({', '.join(graph.inputs)}), of which {len(tokens)} other than "
+                "a mask or positions: export it with input_ids (and attention_mask) alone",
                 source=self.label,
             )
         self.token_input = tokens[0]
@@ -90,8 +91,7 @@ class GraphDecoder:
             held: dict[str, Tensor] = {}
             hooks[core.qk] = _keep(held)
             hooks[core.av] = _attend(held, attend, layer, core.scores, past, tokens.shape[0])
-        feeds = {self.token_input: tokens}
-        out = self.module.run(feeds, after=hooks, only=self.needed)[self.logits_output]
+        out = self.module.run(self._feeds(tokens, past), after=hooks, only=self.needed)[self.logits_output]
         if out.dim() != 3 or out.shape[-1] != self.vocab:
             raise InputError(
                 f"output {self.logits_output!r} is {tuple(out.shape)}, not [batch, sequence, {self.vocab}] "
@@ -99,6 +99,18 @@ class GraphDecoder:
                 source=self.label,
             )
         return out
+
+    def _feeds(self, tokens: Tensor, past: int) -> dict[str, Tensor]:
+        """The graph's inputs for ``tokens`` at positions ``past ..``: an all-ones mask over the new
+        tokens (the cache's attention does the masking), position ids counted from ``past``."""
+        feeds = {self.token_input: tokens}
+        b, s = tokens.shape
+        for name, (kind, dtype) in self.side.items():
+            if kind == "mask":
+                feeds[name] = torch.ones(b, s, dtype=dtype, device=tokens.device)
+            else:
+                feeds[name] = torch.arange(past, past + s, device=tokens.device).to(dtype).expand(b, s)
+        return feeds
 
     def _position_nodes(self) -> list[str]:
         """The ``Range``/``CumSum`` nodes that count the sequence's positions (0..S-1, or 1..S): found
@@ -123,8 +135,21 @@ class GraphDecoder:
             }
             for core in self.cores:  # the probe runs the graph as written: its own attention
                 hooks.pop(core.av, None)
-            self.module.run({self.token_input: torch.zeros(1, s, dtype=torch.long)}, after=hooks)
+            self.module.run(self._feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)
         return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)]
+
+
+def _side_inputs(graph: Graph) -> dict[str, tuple[str, torch.dtype]]:
+    """The inputs besides the token ids decoding feeds: ``{name: ("mask" | "positions", dtype)}``,
+    told by name (attention_mask, position_ids as transformers exports them) and a ``[batch, seq]``
+    shape."""
+    side = {}
+    for name, info in graph.inputs.items():
+        lowered = name.lower()
+        kind = "mask" if "mask" in lowered else "positions" if "position" in lowered else None
+        if kind is not None and info.shape is not None and len(info.shape) == 2:
+            side[name] = (kind, getattr(torch, info.dtype, torch.float32))
+    return side
 
 
 def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:

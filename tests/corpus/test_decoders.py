@@ -7,8 +7,11 @@ the greedy tokens of onnxruntime running the whole graph without a cache."""
 from __future__ import annotations
 
 import json
+import os
 
+import onnx
 import pytest
+import torch
 from cli_runner import run_cli
 from corpus.exports import ENTRIES, Corpus, _export, cache_dir
 from corpus.models import FAMILIES, MODELS
@@ -171,6 +174,47 @@ def test_a_batch_fixed_at_one_decodes_one_request_and_refuses_more_with_the_caus
                           "-o", str(plan))  # fmt: skip
         assert planned.code == 0, planned.err
         launched = run_cli("launch", str(plan), "--model", batch1_export, "--prompts", str(prompts),
+                           "--new-tokens", str(NEW_TOKENS), "--json", "--timeout", "60")  # fmt: skip
+        assert launched.code == 0, launched.err
+        assert json.loads(launched.out)["tokens"] == want, strategy
+
+
+class _MaskInput(torch.nn.Module):
+    """``model(input_ids, attention_mask)``: the export with the mask as a second input."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2-plain", "mistral-window"])
+def test_an_export_with_a_mask_input_decodes_exactly(family: str, corpus: Corpus, tmp_path) -> None:
+    path = cache_dir() / f"{family}-mask-input.onnx"
+    if not path.is_file():
+        module, x = corpus.reference(family)
+        dims = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("sequence", min=2, max=32)}
+        tmp = tmp_path / "export.onnx"
+        torch.onnx.export(_MaskInput(module.model), (x, torch.ones_like(x)), str(tmp), dynamo=True,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_shapes=(dims, dims))  # fmt: skip
+        whole = path.with_suffix(f".tmp{os.getpid()}.onnx")  # beside it: the cache gets a whole file or none
+        onnx.save(onnx.load(str(tmp)), str(whole))  # external data folded in
+        whole.replace(path)
+    want = greedy_tokens(str(path), PROMPTS, NEW_TOKENS)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(" ".join(map(str, p)) + "\n" for p in PROMPTS))
+    for strategy in ("cp", "tp", "dp"):
+        plan = tmp_path / f"{strategy}.json"
+        planned = run_cli(
+            "plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "4", "--context", "10",
+            "--output-len", str(NEW_TOKENS), "--strategy", strategy, "--degree", "2", "-o", str(plan),
+        )  # fmt: skip
+        assert planned.code == 0, planned.err
+        launched = run_cli("launch", str(plan), "--model", str(path), "--prompts", str(prompts),
                            "--new-tokens", str(NEW_TOKENS), "--json", "--timeout", "60")  # fmt: skip
         assert launched.code == 0, launched.err
         assert json.loads(launched.out)["tokens"] == want, strategy
