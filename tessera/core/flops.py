@@ -104,11 +104,51 @@ def op_flops(  # noqa: C901
     if op_type in REDUCTIONS:
         return numel(ins[0]) if ins else 0
     if op_type in POOLS:
-        kernel = attributes.get("kernel_shape") or []
-        return numel(out) * math.prod(kernel)
+        if out is None or not ins or ins[0] is None:
+            return 0
+        kernel = list(attributes.get("kernel_shape") or [])
+        return out[0] * out[1] * window_taps(ins[0][2:], out[2:], kernel, attributes)
     if op_type in ELEMENTWISE:
         return numel(out)
     return 0
+
+
+def window_taps(
+    in_spatial: Sequence[int], out_spatial: Sequence[int], kernel: Sequence[int], attrs: Mapping[str, Any]
+) -> int:
+    """Kernel taps that fall on the padded input, summed over every output position (a product over
+    the spatial axes): ``prod(out) · prod(kernel)`` unless a window overhangs the padded input, as a
+    kernel larger than it does, or the last window of ``ceil_mode``."""
+    n = len(kernel)
+    dims = (*in_spatial[:n], *out_spatial[:n], *kernel)
+    if len(in_spatial) < n or len(out_spatial) < n or not all(isinstance(x, int) for x in dims):
+        return math.prod(out_spatial) * math.prod(kernel)
+    strides = list(attrs.get("strides") or [1] * n)
+    dilations = list(attrs.get("dilations") or [1] * n)
+    pads = list(attrs.get("pads") or [0] * (2 * n))
+    total = 1
+    for axis in range(n):
+        size, outs, k, s, d = (
+            in_spatial[axis],
+            out_spatial[axis],
+            kernel[axis],
+            strides[axis],
+            dilations[axis],
+        )
+        begin, end = pads[axis], pads[axis + n]
+        auto = attrs.get("auto_pad", "NOTSET")
+        auto = auto.decode() if isinstance(auto, bytes) else auto
+        if auto in ("SAME_UPPER", "SAME_LOWER"):
+            need = max(0, (outs - 1) * s + (k - 1) * d + 1 - size)
+            begin = need // 2 if auto == "SAME_UPPER" else need - need // 2
+            end = need - begin
+        lo, hi = -begin, size + end  # the padded input: positions lo .. hi - 1
+        taps = 0
+        for o in range(outs):
+            start = o * s - begin
+            taps += sum(1 for t in range(k) if lo <= start + t * d < hi)
+        total *= taps
+    return total
 
 
 def _conv_flops(
@@ -118,8 +158,12 @@ def _conv_flops(
         return 0
     weight = ins[1]  # [C_out, C_in/group, k...]
     batch, c_out, *spatial = out
-    per_output = 2 * weight[1] * math.prod(weight[2:])
-    flops = batch * c_out * math.prod(spatial) * per_output
+    taps = (
+        window_taps(ins[0][2:], spatial, list(weight[2:]), attrs)
+        if ins[0] is not None
+        else math.prod(spatial) * math.prod(weight[2:])
+    )
+    flops = batch * c_out * 2 * weight[1] * taps
     if has_bias:
         flops += batch * c_out * math.prod(spatial)
     return flops

@@ -130,6 +130,40 @@ def test_pooling_counts_window_elements_per_output():
     assert op.flops == (2 * 4 * 4) * 4
 
 
+def test_a_pooling_window_larger_than_the_padded_input_counts_only_what_it_overlaps():
+    # kernel 5x5 over a 2x2 input, ceil_mode: one output whose window overlaps 2x2 input cells.
+    _, op = only_op(
+        single_op_model(
+            "AveragePool", [("x", (1, 3, 2, 2))], kernel_shape=[5, 5], strides=[5, 5], ceil_mode=1
+        )
+    )
+    assert op.flops == 3 * 4
+    # padding counts: pads 1 make the padded input 4x4, the window still overhangs it.
+    _, op = only_op(
+        single_op_model(
+            "AveragePool",
+            [("x", (1, 3, 2, 2))],
+            kernel_shape=[5, 5],
+            strides=[5, 5],
+            pads=[1, 1, 1, 1],
+            ceil_mode=1,
+        )
+    )
+    assert op.flops == 3 * 16
+
+
+def test_a_conv_kernel_overhanging_the_padded_input_counts_the_overlap():
+    # w 3x3, pads 1 on a 1x1 input: one output, 1 tap of the real cell plus 8 of padding, all in range.
+    w = rng.normal(size=(2, 1, 3, 3))
+    _, op = only_op(single_op_model("Conv", [("x", (1, 1, 1, 1))], initializers={"w": w}, pads=[1, 1, 1, 1]))
+    assert op.flops == 2 * 2 * 1 * 9  # C_out · 2 FLOPs a MAC · C_in · taps
+    # strides 2 with a 2x2 kernel on a 3x3 input (ceil_mode pooling): the last window half outside.
+    _, op = only_op(
+        single_op_model("MaxPool", [("x", (1, 1, 3, 3))], kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)
+    )
+    assert op.flops == (2 + 1) * (2 + 1)
+
+
 def test_gather_moves_gathered_rows_and_indices_only():
     from onnx import TensorProto, helper, numpy_helper
 
