@@ -254,7 +254,7 @@ class ScoreProbe:
         model.ir_version = self.g.model.ir_version
         return model
 
-    def _run(self, raw: np.ndarray, length: int) -> np.ndarray:
+    def _run(self, raw: np.ndarray, length: int, *, exact: bool = True) -> np.ndarray:
         import onnxruntime as ort
 
         if self._session is None:
@@ -271,7 +271,7 @@ class ScoreProbe:
         except Exception as exc:  # noqa: BLE001 - onnxruntime's own error, one line, with the node
             why = " ".join(str(exc).split())[:200]
             raise ScoreError(self.softmax, f"the score path does not run: {why}") from None
-        return np.asarray(out, dtype=np.float64)
+        return np.asarray(out, dtype=np.float64) if exact else np.asarray(out)
 
     def _lengths(self) -> list[int]:
         """The lengths to evaluate at: the graph's own when it is fixed, else :data:`LENGTHS`."""
@@ -409,22 +409,38 @@ class ScoreProbe:
         """``(window, limit)``: a window wider than every length evaluated shows only past it, so
         each integer constant on the mask's path that could be one is tried at a length just past
         it; ``limit``: the first such length the path does not run at (a position table's end)."""
+        # One head of scores is enough to read a mask (it broadcasts over heads), and 32× smaller.
+        narrow = (*self.lead[:-1], 1) if len(self.lead) == 2 else self.lead
         for width in self._window_candidates(longest):
             n = width + 1
-            if int(np.prod((*self.lead, n, n))) > _MAX_PROBE_ELEMENTS:
-                raise ScoreError(
-                    self.softmax,
-                    f"the constant {width} on the mask's path may be a sliding window, too long to check "
-                    f"at {n} tokens",
-                )
-            try:
-                masked = self._scores(0.0, n) <= _MASKED
-            except ScoreError:
+            masked = None
+            for lead in dict.fromkeys((narrow, self.lead)):
+                if int(np.prod((*lead, n, n))) > _MAX_PROBE_ELEMENTS:
+                    continue
+                try:
+                    masked = self._masked(lead, n)
+                    break
+                except ScoreError:
+                    continue
+            if masked is None:
+                if int(np.prod((*self.lead, n, n))) > _MAX_PROBE_ELEMENTS:
+                    raise ScoreError(
+                        self.softmax,
+                        f"the constant {width} on the mask's path may be a sliding window, too long to check "
+                        f"at {n} tokens",
+                    )
                 return None, width
             _, window = self._mask(masked, n)
             if window is not None:
                 return window, None
         return None, None
+
+    def _masked(self, lead: tuple[int, ...], n: int) -> np.ndarray:
+        """Which cells the path masks at ``n`` tokens, for raw scores of ``[*lead, n, n]``."""
+        out = self._run(np.zeros((*lead, n, n), dtype=self.dtype), n, exact=False)
+        if out.shape[-2:] != (n, n):
+            raise ScoreError(self.softmax, f"the Softmax's input is {out.shape}, not [..., {n}, {n}]")
+        return (out <= _MASKED).reshape(-1, n, n)
 
     def _window_candidates(self, longest: int) -> list[int]:
         values: set[int] = set()
