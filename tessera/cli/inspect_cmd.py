@@ -46,8 +46,9 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
 
 def _decoder(graph: Graph) -> dict[str, Any] | None:
     """The decoder-only transformer ``plan --kind cp`` sees in ``graph`` (``recognized``: false and
-    ``why`` when it has attention that is not one); None for a model without a Softmax."""
-    if not any(op.op_type == "Softmax" for op in graph.ops()):
+    ``why`` when it has attention that is not one); None for a model without a Softmax or an
+    Attention operator."""
+    if not any(op.op_type in ("Softmax", "Attention") for op in graph.ops()):
         return None
     try:
         return {"recognized": True, **recognize_decoder(graph).to_json()}

@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from tessera.backends.torch_module import NodeHook, OnnxModule, to_torch
+from tessera.backends.torch_ops.attention import heads_first
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy, materialize
@@ -57,6 +58,12 @@ class GraphDecoder:
         self.module: OnnxModule = to_torch(model, label=self.label).train(False)
         self.vocab = decoder.config.vocab
         self.max_positions = decoder.position_limit  # a learned table's rows; None: no limit
+        # An Attention operator's head counts, for 3-D inputs ([B, S, H·D]).
+        self.op_heads = {
+            core.av_matmul: (core.heads, int(graph.op(core.av_matmul).attributes.get("kv_num_heads", 0) or 0))
+            for core in decoder.cores
+            if core.qk_matmul == core.av_matmul
+        }
         self.cores = [
             _Core(core.qk_matmul, core.av_matmul, mod)
             for core, mod in zip(decoder.cores, decoder.scores, strict=True)
@@ -88,6 +95,9 @@ class GraphDecoder:
         """``[B, S, vocab]`` logits of ``tokens`` ``[B, S]`` at positions ``past .. past + S - 1``."""
         hooks: dict[str, NodeHook] = {name: _offset(past) for name in self.positions}
         for layer, core in enumerate(self.cores):
+            if core.qk == core.av:  # an Attention operator: Q, K, V are its inputs
+                hooks[core.av] = _attend_op(attend, layer, core.scores, past, self.op_heads[core.av])
+                continue
             held: dict[str, Tensor] = {}
             hooks[core.qk] = _keep(held)
             hooks[core.av] = _attend(held, attend, layer, core.scores, past, tokens.shape[0])
@@ -164,7 +174,9 @@ def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:
             continue
         needed.add(node)
         inputs = graph.op(node).inputs
-        if node in replaced:  # ·V: V, and the Q·Kᵀ MatMul that hands Q and Kᵀ to the hook
+        if node in replaced and replaced[node] == node:  # an Attention operator: Q, K, V (no mask)
+            inputs = inputs[:3]
+        elif node in replaced:  # ·V: V, and the Q·Kᵀ MatMul that hands Q and Kᵀ to the hook
             needed.add(replaced[node])
             inputs = (inputs[1], *graph.op(replaced[node]).inputs)
         stack.extend(t for t in inputs if t)
@@ -199,5 +211,22 @@ def _attend(  # noqa: PLR0913
             o = attend(layer, q, k, v, scores, past)
             return (o.reshape(-1, *o.shape[2:]).to(v.dtype),)
         return (attend(layer, q, k, v, scores, past).to(v.dtype),)
+
+    return hook
+
+
+def _attend_op(attend: Attend, layer: int, scores: ScoreMod, past: int, heads: tuple[int, int]) -> NodeHook:
+    """The hook on an ``Attention`` operator: attention over the cache in its place, on its Q, K and
+    V brought to ``[B, H, S, D]`` (grouped KV heads repeated to the query heads, as the operator does)."""
+
+    def hook(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+        q_in, k_in, v_in = args[:3]
+        assert q_in is not None and k_in is not None and v_in is not None
+        q = heads_first(q_in, heads[0])
+        k, v = (heads_first(t, heads[1]) for t in (k_in, v_in))
+        if 1 < k.shape[1] < q.shape[1]:  # one KV head is broadcast; more are repeated per group
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        o = attend(layer, q, k, v, scores, past).to(v.dtype)
+        return (o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1) if q_in.dim() == 3 else o,)
 
     return hook

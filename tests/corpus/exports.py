@@ -20,7 +20,10 @@ from corpus.models import MODELS
 from torch.utils.flop_counter import FlopCounterMode
 
 CORPUS_VERSION = 5  # bump when the models or the export calls change
-EXPORTERS = ("legacy", "dynamo")  # legacy: TorchScript, opset 17; dynamo: torch.export, opset 20
+EXPORTERS = (
+    "legacy",
+    "dynamo",
+)  # legacy: TorchScript, opset 17; dynamo: torch.export, opset 20 (or a Spec's)
 BATCHES = ("dynamic", "static")
 
 
@@ -81,7 +84,9 @@ def entry(model: str, exporter: str, batch: str) -> Entry:
     module, x = reference(model)
     flops = torch_flops(module, x)
     axes = ("batch", "sequence") if spec.decoder else ("batch",)
-    error = _export(module, x, spec.input, exporter, axes if batch == "dynamic" else (), onnx_path)
+    error = _export(
+        module, x, spec.input, exporter, axes if batch == "dynamic" else (), onnx_path, spec.opset
+    )
     made = Entry(
         model, exporter, batch, spec.input, tuple(x.shape), flops, None if error else str(onnx_path), error
     )
@@ -91,8 +96,14 @@ def entry(model: str, exporter: str, batch: str) -> Entry:
     return made
 
 
-def _export(
-    module: torch.nn.Module, x: torch.Tensor, name: str, exporter: str, axes: tuple[str, ...], path: Path
+def _export(  # noqa: PLR0913
+    module: torch.nn.Module,
+    x: torch.Tensor,
+    name: str,
+    exporter: str,
+    axes: tuple[str, ...],
+    path: Path,
+    opset: int = 20,
 ) -> str | None:
     """Export to ``path`` atomically, the leading ``axes`` of the input dynamic (a decoder's batch and
     sequence, another model's batch); the exporter's error in one line if it fails."""
@@ -117,7 +128,7 @@ def _export(
                 }
                 shapes = (dims,) if axes else None
                 torch.onnx.export(
-                    module, (x,), str(tmp), dynamo=True, opset_version=20, verbose=False,
+                    module, (x,), str(tmp), dynamo=True, opset_version=opset, verbose=False,
                     input_names=[name], output_names=["output"], dynamic_shapes=shapes,
                 )  # fmt: skip
         onnx.save(onnx.load(str(tmp)), str(tmp))  # one file: external data folded in

@@ -70,8 +70,10 @@ def _rescaled(model: nn.Module, std: float) -> nn.Module:
     return model
 
 
-def _family(name: str, rescale: float | None = None, **config: object) -> Callable[[], nn.Module]:
-    """A plain export of transformers' ``{name}ForCausalLM`` with ``config`` (2 layers, eager)."""
+def _family(
+    name: str, rescale: float | None = None, attention: str = "eager", **config: object
+) -> Callable[[], nn.Module]:
+    """A plain export of transformers' ``{name}ForCausalLM`` with ``config`` (2 layers)."""
 
     def build() -> nn.Module:
         import transformers
@@ -79,7 +81,7 @@ def _family(name: str, rescale: float | None = None, **config: object) -> Callab
         cls = getattr(transformers, f"{name}ForCausalLM")
         settings = {"vocab_size": VOCAB, "initializer_range": DECODER_INIT, **config}
         model = cls(getattr(transformers, f"{name}Config")(**settings))
-        model.config._attn_implementation = "eager"
+        model.config._attn_implementation = attention
         return _PlainLogits(model if rescale is None else _rescaled(model, rescale))
 
     return build
@@ -111,6 +113,13 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
     "neox-partial": (_family("GPTNeoX", hidden_size=64, num_attention_heads=4, intermediate_size=128,
                              rotary_pct=0.25, **_LAYERS),
                      {"rotary": {"dim": 4, "partial": True}, "qkv": "fused", "parallel_residual": True}),
+    # opset 23: SDPA exports as the Attention operator (and rotary as RotaryEmbedding); Mistral's
+    # window then lives in the operator's mask input.
+    "qwen2-opset23": (_family("Qwen2", attention="sdpa", hidden_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=128, **_LAYERS), {}),
+    "mistral-opset23": (_family("Mistral", attention="sdpa", hidden_size=64, num_attention_heads=4,
+                                num_key_value_heads=2, intermediate_size=128, sliding_window=4, **_LAYERS),
+                        {"window": 4, "layer_windows": [4, 4]}),
     "mpt-alibi": (_family("Mpt", rescale=0.6, d_model=64, n_heads=4, n_layers=2, max_seq_len=64),
                   {"position": "alibi", "alibi": True, "qkv": "fused", "ffn": 256}),
 }  # fmt: skip
@@ -238,6 +247,7 @@ class Spec:
     example: Callable[[], torch.Tensor]
     decoder: bool = False  # a causal LM: its dynamic exports have a dynamic sequence axis too
     plain: bool = False  # a family exported plainly: torch.export (dynamo), dynamic axes only
+    opset: int = 20  # the dynamo exporter's opset
 
 
 def _ids() -> torch.Tensor:

@@ -3,7 +3,8 @@ output(s)``, differentiable where the operator is, and the conventions every fun
 
 One module per operator family registers its functions on import (the folder listing is the
 registry, as ONNX's reference operators): ``elementwise``, ``activations``, ``logic``, ``shape``,
-``creation``, ``indexing``, ``reductions``, ``linalg``, ``conv``, ``normalization``, ``resize``. The
+``creation``, ``indexing``, ``reductions``, ``linalg``, ``conv``, ``normalization``, ``resize``,
+``attention``. The
 table implements the schema versions in use at opsets :data:`MIN_OPSET`–:data:`MAX_OPSET`
 (:func:`schema_versions`); later versions only add element types (or attributes the functions
 check). A form a function cannot run exactly raises ``NotImplementedError``, never approximated."""
@@ -162,6 +163,7 @@ def from_numpy(value: np.ndarray) -> Tensor:
 # The operator families register themselves on import.
 from tessera.backends.torch_ops import (  # noqa: E402, F401
     activations,
+    attention,
     conv,
     creation,
     elementwise,

@@ -17,7 +17,7 @@ import onnx
 from onnx import numpy_helper
 
 from tessera.core.graph import Graph, OpNode
-from tessera.planners.cp.scores import GraphRun, ScoreError, ScoreMod, ScoreProbe, bound_batch
+from tessera.planners.cp.scores import GraphRun, OpScoreProbe, ScoreError, ScoreMod, ScoreProbe, bound_batch
 
 __all__ = ["AttentionCore", "Matcher", "NotAttention"]
 
@@ -151,18 +151,66 @@ class Matcher:
         failed: list[NotAttention] = []
         self._read_values()
         for op in self.g.ops():
-            if op.op_type == "Softmax":
-                try:
+            try:
+                if op.op_type == "Softmax":
                     found.append(self.core(op))
-                except NotAttention as why:
-                    failed.append(why)
+                elif op.op_type == "Attention" and op.domain in ("", "ai.onnx"):
+                    found.append(self.op_core(op))
+            except NotAttention as why:
+                failed.append(why)
         return found, failed
+
+    def op_core(self, node: OpNode) -> AttentionCore:
+        """An ``Attention`` operator (opset 23) as a core: Q, K and V are its inputs (``[B, H, S, D]``,
+        or ``[B, S, H·D]`` with ``q_num_heads``/``kv_num_heads``); it repeats grouped KV heads itself;
+        its scores come from its attributes and its mask input (:class:`OpScoreProbe`)."""
+        q_in, k_in, v_in = node.inputs[:3]
+        q, k, v = self._trace(q_in, "Q"), self._trace(k_in, "K"), self._trace(v_in, "V")
+        q_proj, k_proj, v_proj = (
+            self._projection(t, role, node) for t, role in ((q, "Q"), (k, "K"), (v, "V"))
+        )
+        q_shape, k_shape = self.shape(q_in), self.shape(k_in)
+        if q_shape is None or k_shape is None or len(q_shape) not in (3, 4) or len(k_shape) != len(q_shape):
+            raise NotAttention(
+                node.name, "the shapes of Q and K are unknown (bind the inputs with --input-shape)"
+            )
+        if len(q_shape) == 4:  # K as handed over may repeat each KV head: count the distinct ones
+            heads, head_dim = q_shape[1], q_shape[3]
+            kv_heads = self._distinct_heads(k_in, 4) or k_shape[1]
+        else:
+            heads, kv_heads = (
+                int(node.attributes.get("q_num_heads", 0)),
+                int(node.attributes.get("kv_num_heads", 0)),
+            )
+            if not heads or not kv_heads:
+                raise NotAttention(node.name, "3-D Q, K, V without q_num_heads and kv_num_heads")
+            head_dim = q_shape[2] // heads
+        if heads % kv_heads:
+            raise NotAttention(node.name, f"{kv_heads} KV head(s) do not divide {heads} query heads")
+        try:
+            scores, error = OpScoreProbe(self.g, node.name, head_dim).classify(), None
+        except ScoreError as why:
+            scores, error = None, (why.node, why.why)
+        weight = self.weight_of(q_proj)
+        assert weight is not None
+        out = self._out_projection(node.outputs[0])
+        rotary = q.rotary_dims | k.rotary_dims
+        return AttentionCore(
+            softmax=node.name, qk_matmul=node.name, av_matmul=node.name, q_projection=q_proj.name,
+            k_projection=k_proj.name, v_projection=v_proj.name, out_projection=None if out is None else out.name,
+            hidden=weight[1], heads=heads, kv_heads=kv_heads, head_dim=head_dim, scores=scores, score_error=error,
+            self_attention=len({p.inputs[0] for p in (q_proj, k_proj, v_proj)}) == 1,
+            rotary_dim=max(rotary) if rotary else None,
+            dtype=_NUMPY_TO_DTYPE.get(self.g.initializers[weight[0]].dtype, "fp32"),
+        )  # fmt: skip
 
     def _read_values(self) -> None:
         """Run the graph once (when it can run here) and keep K at every candidate core."""
         keys = []
         for op in self.g.ops():
-            if op.op_type == "Softmax":
+            if op.op_type == "Attention":
+                keys.append(op.inputs[1])
+            elif op.op_type == "Softmax":
                 try:
                     keys.append(self._scores(op).inputs[1])
                 except NotAttention:
@@ -318,6 +366,14 @@ class Matcher:
         kind = op.op_type
         if kind == "Concat" and any((p := self.producer(x)) and p.op_type == "Neg" for x in op.inputs):
             trace.rotary_dims.add(self._last_dim(op.outputs[0]))  # rotate_half: [-x2, x1]
+        if kind == "RotaryEmbedding":  # opset 23: the turned width, or the whole head
+            width = int(op.attributes.get("rotary_embedding_dim", 0) or 0)
+            shape = self.shape(op.inputs[0])
+            heads = int(op.attributes.get("num_heads", 0) or 0)
+            if not width and shape:
+                width = shape[-1] if len(shape) == 4 else shape[-1] // max(1, heads)
+            trace.rotary_dims.add(width)
+            return [op.inputs[0]]
         if kind in _DATA_FIRST:
             return [op.inputs[0]]
         if kind in _ELEMENTWISE:
@@ -347,6 +403,19 @@ class Matcher:
         names = ", ".join(sorted(trace.projections))
         raise NotAttention(qk.name, f"{role} comes from several projections ({names})")
 
+    def _distinct_heads(self, key: str, rank: int) -> int | None:
+        """How many different heads K has at the core (``[B, H, …]``, or ``[B·H, …]`` for rank 3), in
+        the one run of the graph; None where it was not run (or K came out all zeros)."""
+        kt = self.values.get(key)
+        if kt is None or kt.ndim != rank or not np.any(kt) or kt.shape[0] % self.batch:
+            return None
+        at_core = kt.shape[1] if kt.ndim == 4 else kt.shape[0] // self.batch  # < heads: broadcast
+        distinct: list[np.ndarray] = []
+        for row in kt.reshape(self.batch, at_core, -1)[0]:
+            if not any(np.array_equal(row, seen) for seen in distinct):
+                distinct.append(row)
+        return len(distinct)
+
     def _heads(self, qk: OpNode, k: _Trace, k_proj: OpNode, others: set[str]) -> tuple[int, int, int]:
         """``(heads, kv_heads, head_dim)``: heads and head_dim from Q's shape at the core (``[B, H,
         S, D]``, or ``[B·H, S, D]``); KV heads from K's values there (grouped-query attention hands
@@ -357,16 +426,8 @@ class Matcher:
             raise NotAttention(qk.name, "the shape of Q is unknown (bind the inputs with --input-shape)")
         head_dim = q_shape[-1]
         heads = q_shape[1] if len(q_shape) == 4 else q_shape[0] // self.batch
-        kt = self.values.get(qk.inputs[1])
-        if kt is not None and kt.ndim == len(q_shape) and np.any(kt) and kt.shape[0] % self.batch == 0:
-            at_core = kt.shape[1] if kt.ndim == 4 else kt.shape[0] // self.batch  # < heads: broadcast
-            per_head = kt.reshape(self.batch, at_core, -1)[0]
-            distinct: list[np.ndarray] = []
-            for row in per_head:
-                if not any(np.array_equal(row, seen) for seen in distinct):
-                    distinct.append(row)
-            kv_heads = len(distinct)
-        else:
+        kv_heads = self._distinct_heads(qk.inputs[1], len(q_shape))
+        if kv_heads is None:
             weight = self.weight_of(k_proj)
             assert weight is not None
             share = k.projections[k_proj.name]  # a fused projection's share of its width

@@ -24,7 +24,7 @@ from onnx import helper, numpy_helper
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy_tensor, lazy_values
 
-__all__ = ["GraphRun", "ScoreError", "ScoreMod", "ScoreProbe", "bound_batch", "probe_feeds"]
+__all__ = ["GraphRun", "OpScoreProbe", "ScoreError", "ScoreMod", "ScoreProbe", "bound_batch", "probe_feeds"]
 
 LENGTHS = (5, 9)  # sequence lengths the score path is evaluated at (a window below 8 shows)
 # Raw-score values fed to the path: φ is read at each (0 gives the bias and the mask).
@@ -246,7 +246,10 @@ class ScoreProbe:
         graph = helper.make_graph(
             nodes,
             "score_path",
-            [free(self.raw, self.dtype), *(free(n, np.dtype(self.g.inputs[n].dtype)) for n in self.inputs)],
+            [
+                *([free(self.raw, self.dtype)] if self.raw else []),
+                *(free(n, np.dtype(self.g.inputs[n].dtype)) for n in self.inputs),
+            ],
             [free(self.target, np.dtype(self.g.tensors[self.target].dtype))],
             initializer=inits,
         )
@@ -265,7 +268,8 @@ class ScoreProbe:
                 self._model().SerializeToString(), options, providers=["CPUExecutionProvider"]
             )
         feeds = probe_feeds(self.g, self.inputs, self.batch, length)
-        feeds[self.raw] = raw
+        if self.raw:
+            feeds[self.raw] = raw
         try:
             out = self._session.run([self.target], feeds)[0]
         except Exception as exc:  # noqa: BLE001 - onnxruntime's own error, one line, with the node
@@ -476,3 +480,58 @@ def _close_slopes(slopes: Sequence[tuple[float, ...] | None] | set) -> bool:
     if any(s is None for s in values):
         return False
     return all(np.allclose(s, values[0], rtol=1e-5, atol=1e-7) for s in values)
+
+
+class OpScoreProbe(ScoreProbe):
+    """The scores of an ``Attention`` operator (opset 23): its attributes give φ (``scale``,
+    ``softcap``) and the causal mask (``is_causal``); its ``attn_mask`` input, boolean or additive,
+    is evaluated from the graph inputs as a score path is, so a window or a bias built into it is
+    read the same way."""
+
+    def __init__(self, graph: Graph, node: str, head_dim: int) -> None:
+        op = graph.op(node)
+        self.g, self.qk, self.softmax = graph, node, node
+        self.attrs = op.attributes
+        scale = self.attrs.get("scale")
+        self.scale = float(scale) if scale is not None else 1 / float(np.sqrt(head_dim))
+        cap = float(self.attrs.get("softcap", 0.0) or 0.0)
+        self.cap = cap if cap > 0 else None
+        self.raw = ""
+        self.target = op.inputs[3] if len(op.inputs) > 3 and op.inputs[3] else ""
+        self.nodes, self.inputs = self._subgraph() if self.target else ([], [])
+        self.lead = (1,)  # the mask broadcasts over heads: one head of scores is read
+        self.dtype = (
+            np.dtype(graph.tensors[op.inputs[0]].dtype) if op.inputs[0] in graph.tensors else np.float32
+        )
+        self.batch = bound_batch(graph)
+        self._session = None
+
+    def _lengths(self) -> list[int]:
+        """The token input's fixed length when declared, else :data:`LENGTHS`."""
+        for name in self.g.inputs:
+            declared = self.g.declared_shapes.get(name)
+            if declared and len(declared) == 2 and isinstance(declared[1], int):
+                return [int(declared[1])]
+        return list(LENGTHS)
+
+    def _scores(self, value: float, n: int) -> np.ndarray:
+        phi = self.scale * value
+        if self.cap is not None:
+            phi = self.cap * float(np.tanh(phi / self.cap))
+        out = np.full((1, n, n), phi, dtype=np.float64)
+        if self.target:
+            mask = np.asarray(self._run(np.zeros(0), n, exact=False))
+            if mask.shape[-2:] != (n, n) and mask.shape[-1] != n:
+                raise ScoreError(
+                    self.qk, f"the attention mask is {mask.shape} at {n} tokens, not [..., {n}, {n}]"
+                )
+            if mask.dtype == np.bool_:
+                out = np.where(mask, out, -np.inf)
+            else:
+                out = out + mask.astype(np.float64)
+        if self.attrs.get("is_causal", 0):
+            out = np.where(np.triu(np.ones((n, n), dtype=bool), k=1), -np.inf, out)
+        return out.reshape(-1, n, n)
+
+    def _masked(self, lead: tuple[int, ...], n: int) -> np.ndarray:
+        return self._scores(0.0, n) <= _MASKED
