@@ -218,13 +218,13 @@ class Matcher:
         self.run = GraphRun.of(self.g, keys) if keys else None
         if self.run is not None:
             self.batch = self.run.batch
-            tokens = self._probe_tokens(self.run.batch, self.run.length())
+            tokens = self.probe_tokens(self.run.batch, self.run.length())
             try:
                 self.values = self.run.run(tokens)
             except Exception:  # noqa: BLE001 - not runnable at these shapes: sizes come from weights
                 self.run, self.values = None, {}
 
-    def _probe_tokens(self, batch: int, length: int) -> np.ndarray:
+    def probe_tokens(self, batch: int, length: int) -> np.ndarray:
         """Distinct token ids ``1, 2, …`` (0 is often the padding id, embedded as zeros), within the
         smallest table the token input indexes."""
         rows = [

@@ -353,7 +353,7 @@ def _check_causal(graph: Graph, m: Matcher, cores: list[AttentionCore]) -> None:
     earlier position's outputs. Skipped where the graph does not run here (lazy or large weights)."""
     if m.run is None:
         return
-    tokens = m._probe_tokens(m.run.batch, m.run.length())
+    tokens = m.probe_tokens(m.run.batch, m.run.length())
     changed = tokens.copy()
     changed[:, -1] = tokens[:, 0] if tokens[0, -1] != tokens[0, 0] else tokens[:, 1]
     name = next(iter(graph.outputs))

@@ -182,8 +182,13 @@ class ScoreProbe:
 
     def classify(self) -> ScoreMod:
         """The :class:`ScoreMod` the path computes; :class:`ScoreError` when it is none."""
-        lengths = self._lengths()
-        found = [self._at(n) for n in lengths]
+        lengths, fixed = list(LENGTHS), self._fixed_length()
+        try:
+            found = [self._at(n) for n in lengths]
+        except ScoreError:
+            if fixed is None:  # the graph's own length is the only other one it may run at
+                raise
+            lengths, found = [fixed], [self._at(fixed)]
         first = found[0]
         for n, other in zip(lengths[1:], found[1:], strict=True):
             if (other.scale, other.softcap, other.causal) != (first.scale, first.softcap, first.causal):
@@ -277,17 +282,14 @@ class ScoreProbe:
             raise ScoreError(self.softmax, f"the score path does not run: {why}") from None
         return np.asarray(out, dtype=np.float64) if exact else np.asarray(out)
 
-    def _lengths(self) -> list[int]:
-        """The lengths to evaluate at: the graph's own when it is fixed, else :data:`LENGTHS`."""
-        fixed = self.g.tensors[self.raw].shape
-        declared = {  # every input's: a mask built from the scores' own shape reads no input
-            d[1]
-            for n in self.g.inputs
-            if (d := self.g.declared_shapes.get(n)) and len(d) == 2 and isinstance(d[1], int)
-        }
-        if declared and fixed and fixed[-1] in declared:
-            return [int(fixed[-1])]
-        return list(LENGTHS)
+    def _fixed_length(self) -> int | None:
+        """The sequence length a graph input declares as a number (an export of a fixed length);
+        None where it is free. Such a graph may still run at others (tessera's zoo GPT does)."""
+        for name in self.g.inputs:
+            declared = self.g.declared_shapes.get(name)
+            if declared and len(declared) == 2 and isinstance(declared[1], int):
+                return int(declared[1])
+        return None
 
     # -- classification --
 
@@ -505,14 +507,6 @@ class OpScoreProbe(ScoreProbe):
         )
         self.batch = bound_batch(graph)
         self._session = None
-
-    def _lengths(self) -> list[int]:
-        """The token input's fixed length when declared, else :data:`LENGTHS`."""
-        for name in self.g.inputs:
-            declared = self.g.declared_shapes.get(name)
-            if declared and len(declared) == 2 and isinstance(declared[1], int):
-                return [int(declared[1])]
-        return list(LENGTHS)
 
     def _scores(self, value: float, n: int) -> np.ndarray:
         phi = self.scale * value
