@@ -107,17 +107,25 @@ def test_cp_tp_and_dp_launches_continue_prompts_with_the_reference_tokens(
     made = corpus.entries[key]
     want = greedy_tokens(made.path, PROMPTS, NEW_TOKENS)
     assert len({t for tokens in want for t in tokens}) > 3  # varied tokens: a wrong decode shows
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(" ".join(map(str, p)) + "\n" for p in PROMPTS))
-    for strategy in ("cp", "tp", "dp"):
+    _assert_decodes(made.path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
+
+
+def _assert_decodes(
+    model: str, prompts: list, want: list, strategies: tuple, tmp_path, batch: int = 4
+) -> None:
+    """``plan --kind cp --batch batch`` of ``model`` for each strategy on 2 ranks, then ``launch``
+    with ``prompts``: the tokens are ``want``."""
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
+    for strategy in strategies:
         plan = tmp_path / f"{strategy}.json"
         planned = run_cli(
-            "plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "4", "--context", "10",
-            "--output-len", str(NEW_TOKENS), "--strategy", strategy, "--degree", "2", "-o", str(plan),
+            "plan", model, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", str(batch),
+            "--context", "10", "--output-len", str(NEW_TOKENS), "--strategy", strategy, "--degree", "2", "-o", str(plan),
         )  # fmt: skip
         assert planned.code == 0, planned.err
         launched = run_cli(
-            "launch", str(plan), "--model", made.path, "--prompts", str(prompts), "--new-tokens", str(NEW_TOKENS),
+            "launch", str(plan), "--model", model, "--prompts", str(lines), "--new-tokens", str(NEW_TOKENS),
             "--json", "--timeout", "60",
         )  # fmt: skip
         assert launched.code == 0, launched.err
@@ -165,18 +173,8 @@ def test_a_batch_fixed_at_one_decodes_one_request_and_refuses_more_with_the_caus
     refused = run_cli("plan", batch1_export, *args, "--batch", "4", "-o", str(tmp_path / "no.json"))
     assert refused.code == 2 and "fixed batch of 1" in refused.err, refused.err
     assert "example batch of 2 or more" in refused.err and not (tmp_path / "no.json").exists()
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text(" ".join(map(str, PROMPTS[0])) + "\n")
     want = greedy_tokens(batch1_export, PROMPTS[:1], NEW_TOKENS)
-    for strategy in ("cp", "tp"):
-        plan = tmp_path / f"{strategy}.json"
-        planned = run_cli("plan", batch1_export, *args, "--batch", "1", "--strategy", strategy, "--degree", "2",
-                          "-o", str(plan))  # fmt: skip
-        assert planned.code == 0, planned.err
-        launched = run_cli("launch", str(plan), "--model", batch1_export, "--prompts", str(prompts),
-                           "--new-tokens", str(NEW_TOKENS), "--json", "--timeout", "60")  # fmt: skip
-        assert launched.code == 0, launched.err
-        assert json.loads(launched.out)["tokens"] == want, strategy
+    _assert_decodes(batch1_export, PROMPTS[:1], want, ("cp", "tp"), tmp_path, batch=1)
 
 
 class _MaskInput(torch.nn.Module):
@@ -205,16 +203,4 @@ def test_an_export_with_a_mask_input_decodes_exactly(family: str, corpus: Corpus
         onnx.save(onnx.load(str(tmp)), str(whole))  # external data folded in
         whole.replace(path)
     want = greedy_tokens(str(path), PROMPTS, NEW_TOKENS)
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(" ".join(map(str, p)) + "\n" for p in PROMPTS))
-    for strategy in ("cp", "tp", "dp"):
-        plan = tmp_path / f"{strategy}.json"
-        planned = run_cli(
-            "plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "4", "--context", "10",
-            "--output-len", str(NEW_TOKENS), "--strategy", strategy, "--degree", "2", "-o", str(plan),
-        )  # fmt: skip
-        assert planned.code == 0, planned.err
-        launched = run_cli("launch", str(plan), "--model", str(path), "--prompts", str(prompts),
-                           "--new-tokens", str(NEW_TOKENS), "--json", "--timeout", "60")  # fmt: skip
-        assert launched.code == 0, launched.err
-        assert json.loads(launched.out)["tokens"] == want, strategy
+    _assert_decodes(str(path), PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
