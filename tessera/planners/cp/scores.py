@@ -191,7 +191,14 @@ class ScoreProbe:
             lengths, found = [fixed], [self._at(fixed)]
         first = found[0]
         for n, other in zip(lengths[1:], found[1:], strict=True):
-            if (other.scale, other.softcap, other.causal) != (first.scale, first.softcap, first.causal):
+            same_cap = (other.softcap is None) == (first.softcap is None) and (
+                first.softcap is None or np.isclose(other.softcap, first.softcap, rtol=1e-5)
+            )
+            if (
+                other.causal != first.causal
+                or not same_cap
+                or not np.isclose(other.scale, first.scale, rtol=1e-5)
+            ):
                 raise ScoreError(self.softmax, f"the scores are modified differently at {n} tokens")
         windows = {m.window for m in found if m.window is not None}
         if len(windows) > 1:
