@@ -19,7 +19,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy, materialize
 from tessera.planners.cp.recognize import Decoder
-from tessera.planners.cp.scores import ScoreMod
+from tessera.planners.cp.scores import ScoreMod, input_role
 
 __all__ = ["Attend", "GraphDecoder"]
 
@@ -153,13 +153,11 @@ def _side_inputs(graph: Graph) -> dict[str, tuple[str, torch.dtype]]:
     """The inputs besides the token ids decoding feeds: ``{name: ("mask" | "positions", dtype)}``,
     told by name (attention_mask, position_ids as transformers exports them) and a ``[batch, seq]``
     shape."""
-    side = {}
-    for name, info in graph.inputs.items():
-        lowered = name.lower()
-        kind = "mask" if "mask" in lowered else "positions" if "position" in lowered else None
-        if kind is not None and info.shape is not None and len(info.shape) == 2:
-            side[name] = (kind, getattr(torch, info.dtype, torch.float32))
-    return side
+    return {
+        name: (input_role(name), getattr(torch, info.dtype, torch.float32))
+        for name, info in graph.inputs.items()
+        if input_role(name) != "tokens" and info.shape is not None and len(info.shape) == 2
+    }
 
 
 def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:

@@ -13,11 +13,17 @@ from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from tessera.core.graph import Graph, OpNode
-from tessera.planners.cp.scores import GraphRun, OpScoreProbe, ScoreError, ScoreMod, ScoreProbe, bound_batch
+from tessera.planners.cp.scores import (
+    GraphRun,
+    OpScoreProbe,
+    ScoreError,
+    ScoreMod,
+    ScoreProbe,
+    bound_batch,
+    constant_value,
+)
 
 __all__ = ["AttentionCore", "Matcher", "NotAttention"]
 
@@ -130,17 +136,9 @@ class Matcher:
         return weight, int(rows), int(cols)
 
     def array(self, tensor: str) -> np.ndarray | None:
-        """The value of an initializer or a ``Constant`` node's output; None when not constant."""
+        """The value of an initializer or a ``Constant`` node's output (:func:`constant_value`)."""
         if tensor not in self._arrays:
-            value = None
-            if tensor in self.g.initializers:
-                proto = self.g.initializer_protos.get(tensor)
-                # Weights kept outside the model (lazy or external data) are not read here.
-                inline = proto is not None and proto.data_location != onnx.TensorProto.EXTERNAL
-                value = _to_array(proto) if inline else None
-            elif (op := self.producer(tensor)) is not None and op.op_type == "Constant":
-                value = _to_array(op.attributes.get("value"))
-            self._arrays[tensor] = value
+            self._arrays[tensor] = constant_value(self.g, tensor)
         return self._arrays[tensor]
 
     # -- the core -------------------------------------------------------------------------------
@@ -452,15 +450,4 @@ class Matcher:
             if op.op_type not in ("Reshape", "Transpose", "Identity", "Cast", "Flatten"):
                 return None
             tensor = op.outputs[0]
-        return None
-
-
-def _to_array(value: object) -> np.ndarray | None:
-    if value is None or isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, list | int | float | bool):  # a Constant's value as the graph keeps it
-        return np.asarray(value)
-    try:
-        return numpy_helper.to_array(value)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - lazy/external data or not a tensor: not a mask we can read
         return None

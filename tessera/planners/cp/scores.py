@@ -24,7 +24,10 @@ from onnx import helper, numpy_helper
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy_tensor, lazy_values
 
-__all__ = ["GraphRun", "OpScoreProbe", "ScoreError", "ScoreMod", "ScoreProbe", "bound_batch", "probe_feeds"]
+__all__ = [
+    "GraphRun", "OpScoreProbe", "ScoreError", "ScoreMod", "ScoreProbe", "bound_batch", "constant_value",
+    "declared_length", "input_role", "probe_feeds", "token_input",
+]  # fmt: skip
 
 LENGTHS = (5, 9)  # sequence lengths the score path is evaluated at (a window below 8 shows)
 # Raw-score values fed to the path: φ is read at each (0 gives the bias and the mask).
@@ -61,16 +64,6 @@ class ScoreMod:
         """Causal attention with a scale alone: what every decode-attention kernel computes."""
         return self.causal and self.softcap is None and self.window is None and self.alibi is None
 
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "scale": self.scale,
-            "causal": self.causal,
-            "softcap": self.softcap,
-            "window": self.window,
-            "alibi": None if self.alibi is None else list(self.alibi),
-            "max_length": self.max_length,
-        }
-
 
 class ScoreError(Exception):
     """Why the score path cannot be reproduced; ``node`` names where."""
@@ -78,6 +71,31 @@ class ScoreError(Exception):
     def __init__(self, node: str, why: str) -> None:
         super().__init__(f"at {node}: {why}")
         self.node, self.why = node, why
+
+
+def input_role(name: str) -> str:
+    """What a decoder's graph input carries, told by its name as transformers exports it:
+    ``mask`` (attention_mask), ``positions`` (position_ids) or ``tokens``."""
+    lowered = name.lower()
+    return "mask" if "mask" in lowered else "positions" if "position" in lowered else "tokens"
+
+
+def token_input(graph: Graph) -> str | None:
+    """The graph input of token ids: the first integer input that is no mask or positions."""
+    return next(
+        (n for n, info in graph.inputs.items() if input_role(n) == "tokens" and info.dtype.startswith("int")),
+        None,
+    )
+
+
+def declared_length(graph: Graph) -> int | None:
+    """The sequence length a graph input declares as a number (an export of a fixed length); None
+    where it is free. Such a graph may still run at others (tessera's zoo GPT does)."""
+    for name in graph.inputs:
+        declared = graph.declared_shapes.get(name)
+        if declared and len(declared) == 2 and isinstance(declared[1], int):
+            return int(declared[1])
+    return None
 
 
 def probe_feeds(graph: Graph, inputs: Iterable[str], batch: int, length: int) -> dict[str, np.ndarray]:
@@ -88,10 +106,10 @@ def probe_feeds(graph: Graph, inputs: Iterable[str], batch: int, length: int) ->
         info = graph.inputs[name]
         dtype = np.dtype(info.dtype)
         rank = len(info.shape) if info.shape is not None else 2
-        lowered = name.lower()
-        if "mask" in lowered:
+        role = input_role(name)
+        if role == "mask":
             feeds[name] = np.ones((batch, length) if rank == 2 else (batch, 1, length, length), dtype=dtype)
-        elif "position" in lowered:
+        elif role == "positions":
             feeds[name] = np.broadcast_to(np.arange(length, dtype=dtype), (batch, length)).copy()
         else:
             feeds[name] = np.zeros((batch, length), dtype=dtype)
@@ -142,25 +160,22 @@ class GraphRun:
     def run(self, tokens: np.ndarray) -> dict[str, np.ndarray]:
         """The graph's outputs and the requested tensors for ``tokens`` ``[batch, length]``."""
         feeds = probe_feeds(self.g, self.g.inputs, tokens.shape[0], tokens.shape[1])
-        token = next(n for n in self.g.inputs if "mask" not in n.lower() and "position" not in n.lower())
-        feeds[token] = tokens.astype(feeds[token].dtype)
+        token = token_input(self.g)
+        if token is not None:
+            feeds[token] = tokens.astype(feeds[token].dtype)
         names = [o.name for o in self.session.get_outputs()]
         return dict(zip(names, self.session.run(names, feeds), strict=True))
 
     def length(self) -> int:
-        """The sequence length to run at: the declared one when fixed, else the longest of
-        :data:`LENGTHS`."""
-        for name in self.g.inputs:
-            declared = self.g.declared_shapes.get(name)
-            if declared and len(declared) == 2 and isinstance(declared[1], int):
-                return int(declared[1])
-        return max(LENGTHS)
+        """The sequence length to run at: the declared one when fixed (onnxruntime holds the graph
+        to its declared shapes), else the longest of :data:`LENGTHS`."""
+        return declared_length(self.g) or max(LENGTHS)
 
 
 def bound_batch(graph: Graph) -> int:
     """The batch the graph's token input is loaded at (1 where it is free)."""
-    tokens = [n for n in graph.inputs if graph.inputs[n].dtype.startswith("int")]
-    shape = graph.inputs[tokens[0]].shape if tokens else None
+    token = token_input(graph)
+    shape = graph.inputs[token].shape if token is not None else None
     return int(shape[0]) if shape and isinstance(shape[0], int) else 1
 
 
@@ -182,7 +197,7 @@ class ScoreProbe:
 
     def classify(self) -> ScoreMod:
         """The :class:`ScoreMod` the path computes; :class:`ScoreError` when it is none."""
-        lengths, fixed = list(LENGTHS), self._fixed_length()
+        lengths, fixed = list(LENGTHS), declared_length(self.g)
         try:
             found = [self._at(n) for n in lengths]
         except ScoreError:
@@ -288,15 +303,6 @@ class ScoreProbe:
             why = " ".join(str(exc).split())[:200]
             raise ScoreError(self.softmax, f"the score path does not run: {why}") from None
         return np.asarray(out, dtype=np.float64) if exact else np.asarray(out)
-
-    def _fixed_length(self) -> int | None:
-        """The sequence length a graph input declares as a number (an export of a fixed length);
-        None where it is free. Such a graph may still run at others (tessera's zoo GPT does)."""
-        for name in self.g.inputs:
-            declared = self.g.declared_shapes.get(name)
-            if declared and len(declared) == 2 and isinstance(declared[1], int):
-                return int(declared[1])
-        return None
 
     # -- classification --
 
@@ -460,7 +466,7 @@ class ScoreProbe:
         for node in self.nodes:
             op = self.g.op(node)
             for t in op.inputs:
-                array = _constant(self.g, t)
+                array = constant_value(self.g, t)
                 if array is None or array.size != 1 or not np.issubdtype(array.dtype, np.number):
                     continue
                 value = float(array.reshape(()))
@@ -469,19 +475,27 @@ class ScoreProbe:
         return sorted(values)
 
 
-def _constant(graph: Graph, tensor: str) -> np.ndarray | None:
+def constant_value(graph: Graph, tensor: str) -> np.ndarray | None:
+    """The value of an initializer or a ``Constant`` node's output; None when not constant, or kept
+    outside the model (lazy or external data: not read here)."""
     if tensor in graph.initializer_protos:
         proto = graph.initializer_protos[tensor]
-        if proto.data_location == onnx.TensorProto.EXTERNAL:
-            return None
-        return numpy_helper.to_array(proto)
+        return None if proto.data_location == onnx.TensorProto.EXTERNAL else _to_array(proto)
     node = graph.producer.get(tensor)
     if node is None or graph.op(node).op_type != "Constant":
         return None
-    value = graph.op(node).attributes.get("value")
-    if isinstance(value, onnx.TensorProto):
-        return numpy_helper.to_array(value)
-    return None if value is None else np.asarray(value)
+    return _to_array(graph.op(node).attributes.get("value"))
+
+
+def _to_array(value: object) -> np.ndarray | None:
+    if value is None or isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, list | int | float | bool):  # a Constant's value as the graph keeps it
+        return np.asarray(value)
+    try:
+        return numpy_helper.to_array(value)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - not a tensor we can read
+        return None
 
 
 def _close_slopes(slopes: Sequence[tuple[float, ...] | None] | set) -> bool:
