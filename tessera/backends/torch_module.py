@@ -11,6 +11,7 @@ Details: docs/backends.md.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import numpy as np
 import onnx
@@ -32,6 +33,18 @@ from tessera.core.weights import is_lazy_tensor, lazy_values
 
 # Replaces a node's outputs: hook(its inputs, its outputs) -> outputs (OnnxModule.run).
 NodeHook = Callable[[Sequence["Tensor | None"], tuple[Tensor, ...]], Sequence[Tensor]]
+
+
+class NodeStep(NamedTuple):
+    """One node as the interpreter runs it: ``fn(inputs, attrs)`` (from :data:`OPS`)."""
+
+    fn: Callable[..., Any]
+    op_type: str
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    attrs: dict[str, Any]
+    name: str
+
 
 # Node inputs (op_type, position) that are statistics, not weights: never trained.
 FROZEN_INPUTS = {("BatchNormalization", 3), ("BatchNormalization", 4)}
@@ -110,7 +123,14 @@ class OnnxModule(nn.Module):
                 self.register_buffer(f"c_{key}", value)
                 self._init_keys[t.name] = ("buffer", f"c_{key}")
         self._nodes = [
-            (OPS[n.op_type], tuple(n.input), tuple(n.output), node_attributes(n), n.name or n.op_type)
+            NodeStep(
+                OPS[n.op_type],
+                n.op_type,
+                tuple(n.input),
+                tuple(n.output),
+                node_attributes(n),
+                n.name or n.op_type,
+            )
             for n in g.node
         ]
         self._types = [(n.name or n.op_type, n.op_type) for n in g.node]
@@ -127,6 +147,14 @@ class OnnxModule(nn.Module):
     def node_types(self) -> dict[str, str]:
         """``{node name: op type}`` in execution order (the names :meth:`run`'s hooks take)."""
         return dict(self._types)
+
+    def steps(self) -> list[NodeStep]:
+        """The nodes as the interpreter runs them, in topological order."""
+        return list(self._nodes)
+
+    def initializers(self) -> dict[str, Tensor]:
+        """``{initializer name: tensor}`` (parameters and buffers, as the graph reads them)."""
+        return dict(zip(self._init_keys, self._initializer_values(), strict=True))
 
     def onnx_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(initializer name, parameter) for every trainable initializer, in model order."""
@@ -170,7 +198,7 @@ class OnnxModule(nn.Module):
         self, env: dict[str, Tensor], after: Mapping[str, NodeHook], only: frozenset[str] | None = None
     ) -> dict[str, Tensor]:
         env.update(zip(self._init_keys, self._initializer_values(), strict=True))
-        for fn, ins, outs, attrs, node in self._nodes:
+        for fn, _, ins, outs, attrs, node in self._nodes:
             if only is not None and node not in only:
                 continue
             args = [env.get(t) if t else None for t in ins]

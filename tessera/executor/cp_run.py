@@ -280,8 +280,14 @@ def cp_report(
         "communication_s": comm,
         "communication_fraction": comm / latency if latency > 0 else 0.0,
         "prefill_s": max(r["prefill_s"] for r in per_rank),
+        **serving_metrics(batch, max(r["prefill_s"] for r in per_rank), [s["step_s"] for s in steps]),
     }
-    extra = {"layers_evaluated": plan.predicted.get("layers_evaluated")}
+    extra: dict[str, Any] = {
+        "layers_evaluated": plan.predicted.get("layers_evaluated"),
+        "step": options.step,
+        "compile_s": max(r.get("compile_s", 0.0) for r in per_rank),
+        "programs": per_rank[0].get("programs", {}),
+    }
     if plan.predicted.get("per_layer"):
         extra["note"] = "the plan predicts only some layers (--layers); the run decodes all of them"
     predicted = _predicted(plan)
@@ -305,6 +311,22 @@ def cp_report(
         ),
         extra=extra,
     )
+
+
+def serving_metrics(batch: int, prefill_s: float, step_s: list[float]) -> dict[str, float]:
+    """What serving users read (vLLM's ``bench serve`` names, in seconds): time to first token (the
+    prefill, every request's first token), inter-token latency percentiles over the decode steps,
+    time per output token after the first, and output tokens per second over the whole decode."""
+    itl = np.asarray(step_s, dtype=np.float64)
+    total = prefill_s + float(itl.sum())
+    return {
+        "ttft_s": prefill_s,
+        "itl_p50_s": float(np.percentile(itl, 50)),
+        "itl_p90_s": float(np.percentile(itl, 90)),
+        "itl_p99_s": float(np.percentile(itl, 99)),
+        "tpot_s": float(itl.mean()),
+        "output_throughput": batch * (len(itl) + 1) / total if total > 0 else 0.0,
+    }
 
 
 def _predicted(plan: CpPlan) -> dict[str, float]:
@@ -331,6 +353,9 @@ def _rank_row(r: dict[str, Any]) -> dict[str, Any]:
         "weight_bytes": r["weight_bytes"],
         "peak_rss_bytes": r["peak_rss_bytes"],
         "prefill_s": r["prefill_s"],
+        "compile_s": r.get("compile_s", 0.0),
         "step_s": steady_mean([s["step_s"] for s in r["steps"]]),
+        "tokens_per_s": (r["requests"][1] - r["requests"][0])
+        / max(steady_mean([s["step_s"] for s in r["steps"]]), 1e-12),
         "comm_s": steady_mean([s["comm_s"] for s in r["steps"]]),
     }

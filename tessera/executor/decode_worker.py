@@ -31,13 +31,15 @@ class DecodeOptions:
     """One decode run: ``new_tokens`` generated per request; ``prompt_lens`` per request (None:
     every request has the plan's context; fewer than the batch are repeated cyclically); the
     ``seed`` of the prompts' token ids (and of the weights of an ``--llm`` plan); the shard
-    attention implementation (``torch`` reference or ``triton``)."""
+    attention implementation (``torch`` reference or ``triton``); how each step runs (``step``:
+    docs/executor.md, "Compiled decode steps")."""
 
     new_tokens: int = 8
     prompt_lens: tuple[int, ...] | None = None
     prompts: tuple[tuple[int, ...], ...] | None = None  # the requests' token ids (--prompts), in order
     seed: int = 0
     attention: str = "torch"
+    step: str = "fx"  # the decode step: a traced fx program, "inductor" (torch.compile of it), "interpret"
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
         watchdog.arm("start-up")
         dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
         worker = DecodeWorker(spec, rank, device)
+        watchdog.arm("compiling the decode steps")
+        t0 = time.perf_counter()
+        worker.compile(spec.options.step)
+        compile_s = time.perf_counter() - t0
         watchdog.arm("prefill")
         dist.barrier()
         t0 = time.perf_counter()
@@ -89,6 +95,8 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
             "device": spec.devices[rank],
             "requests": worker.request_range(),
             "prefill_s": prefill_s,
+            "compile_s": compile_s,
+            "programs": worker.compiled,
             "steps": steps,
             "tokens": worker.reported_tokens(),
             "kv_positions": worker.kv_positions,

@@ -21,7 +21,9 @@ from torch import Tensor
 
 from tessera.core.graph import load_graph
 from tessera.core.weights import materialize
+from tessera.executor.decode_program import compile_step
 from tessera.executor.graph_decoder import GraphDecoder
+from tessera.executor.kv_cache import GroupCache, attention_partial
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.kernels import merge_partials
 from tessera.models.gpt import llm_gpt
@@ -36,37 +38,6 @@ def graph_decoder(model: str | onnx.ModelProto, *, label: str | None = None) -> 
     recognized as loaded (symbolic dimensions bound to 1, as ``plan`` recognizes it)."""
     graph = load_graph(model, label=label)
     return GraphDecoder(graph, recognize_decoder(graph))
-
-
-def attention_partial(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scores: ScoreMod,
-    heads: slice = slice(None),
-) -> tuple[Tensor, Tensor]:
-    """Attention of queries ``q`` ``[H, S, D]`` at positions ``q_pos`` over keys/values ``[H or 1,
-    T, D]`` at ``k_pos``, scored as the graph scores them (``scores``; ``heads``: which of the
-    model's heads ``q`` holds, for ALiBi's slopes): ``(o [H, S, D], lse [H, S])``, normalized within
-    these keys (o = 0, lse = -inf for a query that sees none of them), mergeable with
-    :func:`merge_partials`. Masks and biases use absolute positions, so any shard of the cache
-    attends exactly as the whole would."""
-    s = (q.float() @ k.float().transpose(-1, -2)) * scores.scale
-    if scores.softcap is not None:
-        s = torch.tanh(s / scores.softcap) * scores.softcap
-    distance = k_pos[None, None, :] - q_pos[None, :, None]  # j - i
-    if scores.alibi is not None:
-        slopes = torch.tensor(scores.alibi, dtype=s.dtype, device=s.device)[heads]
-        s = s + slopes[:, None, None] * distance.to(s.dtype)
-    hidden = distance > 0
-    if scores.window is not None:
-        hidden = hidden | (distance <= -scores.window)
-    s = s.masked_fill(hidden, float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(s - safe[..., None]) @ v.float(), lse
 
 
 class DecodeWorker:
@@ -104,80 +75,70 @@ class DecodeWorker:
         self.groups = [
             groups[n][i : i + most] for n in sorted(groups) for i in range(0, len(groups[n]), most)
         ]
-        self.cache: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = {}  # (request, layer) -> K, V, pos
+        # Each group's static KV cache, sized for every position its requests will hold here.
+        self.caches = [GroupCache(self.owner[group[0]], rank, device) for group in self.groups]
         self.tokens: dict[int, list[int]] = {b: [] for b in self.requests}
         self.comm_s = 0.0
+        self.compiled: dict[str, str | None] = {}  # "batch×length" -> None (compiled) or why not
+
+    def compile(self, mode: str) -> None:
+        """Build each group's prefill and decode-step programs (``mode``: ``fx``, ``inductor``, or
+        ``interpret`` for none); the steps that cannot be compiled stay interpreted (``compiled``
+        says why)."""
+        if mode == "interpret":
+            return
+        for group in self.groups:
+            for length in (self.prompt_lens[group[0]], 1):
+                key = (len(group), length)
+                if f"{key[0]}x{key[1]}" not in self.compiled:
+                    why = compile_step(self.decoder, *key, inductor=mode == "inductor" and length == 1)
+                    self.compiled[f"{key[0]}x{key[1]}"] = why
 
     # -- the decode --
 
     def prefill(self) -> None:
         """Each group's prompts in one pass; the first generated token of each."""
-        for group in self.groups:
+        for i, group in enumerate(self.groups):
             prompts = torch.tensor(
                 [self.spec.prompts[b] for b in group], dtype=torch.long, device=self.device
             )
-            self._next(group, prompts, 0)
+            self._next(i, prompts, 0)
 
     def step(self, step: int) -> None:
         """Feed each request's last token (position ``prompt_len + step``), append one token."""
-        for group in self.groups:
+        for i, group in enumerate(self.groups):
             last = torch.tensor([[self.tokens[b][-1]] for b in group], dtype=torch.long, device=self.device)
-            self._next(group, last, self.prompt_lens[group[0]] + step)
+            self._next(i, last, self.prompt_lens[group[0]] + step)
 
-    def _next(self, group: list[int], tokens: Tensor, past: int) -> None:
-        logits = self.decoder.logits(tokens, past, self._attend(group))
-        for b, t in zip(group, torch.argmax(logits[:, -1], dim=-1).tolist(), strict=True):
+    def _next(self, i: int, tokens: Tensor, past: int) -> None:
+        logits = self.decoder.logits(tokens, past, self._attend(self.caches[i]))
+        for b, t in zip(self.groups[i], torch.argmax(logits[:, -1], dim=-1).tolist(), strict=True):
             self.tokens[b].append(int(t))
 
-    def _attend(self, group: list[int]) -> Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]:
+    def _attend(self, cache: GroupCache) -> Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]:
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:
-            q_pos = torch.arange(past, past + q.shape[2])
             heads = slice(None)
             if self.strategy == "tp":
                 heads = slice(*_share(q.shape[1], self.rank, self.world))
                 q = q[:, heads]
                 if k.shape[1] > 1:  # one K/V head (multi-query) is broadcast to every rank's heads
                     k, v = k[:, heads], v[:, heads]
-            parts = [
-                self._partial(b, layer, q[i], k[i], v[i], q_pos, scores, heads) for i, b in enumerate(group)
-            ]
-            o = torch.stack([p[0] for p in parts])
-            if self.world == 1 or self.strategy == "dp":
-                return o
-            if self.strategy == "tp":  # every rank's heads, in order
-                return torch.cat(self._all_gather(o), dim=1)
-            lse = torch.stack([p[1] for p in parts])
+            held = cache.write(layer, k, v, past)
+            keys, values, positions = cache.read(layer, held)
+            if self.strategy != "cp" or self.world == 1:  # every key of the request is here
+                o = _attention(q, keys, values, positions, past, scores, heads)
+                return (
+                    o if self.strategy == "dp" or self.world == 1 else torch.cat(self._all_gather(o), dim=1)
+                )
+            if q.shape[2] == 1 and scores.plain:  # every key held is at or before the query (--attention)
+                o, lse = self.kernel(q[:, :, 0], keys, values, scale=scores.scale)
+                o, lse = o[:, :, None], lse[:, :, None]
+            else:
+                q_pos = torch.arange(past, past + q.shape[2], device=q.device)
+                o, lse = attention_partial(q, keys, values, q_pos, positions, scores, heads)
             return merge_partials(torch.stack(self._all_gather(o)), torch.stack(self._all_gather(lse)))[0]
 
         return attend
-
-    def _partial(  # noqa: PLR0913
-        self,
-        b: int,
-        layer: int,
-        q: Tensor,
-        k: Tensor,
-        v: Tensor,
-        q_pos: Tensor,
-        scores: ScoreMod,
-        heads: slice,
-    ) -> tuple[Tensor, Tensor]:
-        """Store the new keys this rank holds for request ``b``, attend ``q`` over all it holds."""
-        # Which positions this rank holds: worked out on the CPU (``q_pos`` is), used where k is.
-        mine = torch.from_numpy(self.owner[b][q_pos.numpy()] == self.rank).to(k.device)
-        q_pos = q_pos.to(k.device)
-        new = (k[:, mine], v[:, mine], q_pos[mine])
-        held = self.cache.get((b, layer))
-        if held is not None:
-            new = tuple(
-                torch.cat([a, n], dim=-2 if n.dim() > 1 else 0) for a, n in zip(held, new, strict=True)
-            )
-        self.cache[(b, layer)] = new  # type: ignore[assignment]
-        keys, values, positions = self.cache[(b, layer)]
-        if q.shape[1] == 1 and scores.plain:  # every key held is at or before the query (--attention)
-            o, lse = self.kernel(q[None, :, 0], keys[None], values[None], scale=scores.scale)
-            return o[0, :, None], lse[0, :, None]
-        return attention_partial(q, keys, values, q_pos, positions, scores, heads)
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:
         parts = [torch.empty_like(t) for _ in range(self.world)]
@@ -193,14 +154,15 @@ class DecodeWorker:
         return sum(self.kv_positions_by_request().values())
 
     def kv_positions_by_request(self) -> dict[int, int]:
-        layer0 = {b: held[2].numel() for (b, layer), held in self.cache.items() if layer == 0}
-        return {b: layer0.get(b, 0) for b in self.requests}
+        return {
+            b: cache.positions_held
+            for group, cache in zip(self.groups, self.caches, strict=True)
+            for b in group
+        }
 
     @property
     def kv_cache_bytes(self) -> int:
-        return sum(
-            k.numel() * k.element_size() + v.numel() * v.element_size() for k, v, _ in self.cache.values()
-        )
+        return sum(cache.nbytes for cache in self.caches)
 
     def request_range(self) -> list[int]:
         """``[first, end)`` of the requests this rank decodes (dp: its own; tp, cp: all)."""
@@ -214,3 +176,18 @@ class DecodeWorker:
 def _share(n: int, rank: int, world: int) -> tuple[int, int]:
     per = n // world
     return rank * per, (rank + 1) * per
+
+
+def _attention(  # noqa: PLR0913
+    q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, past: int, scores: ScoreMod, heads: slice
+) -> Tensor:
+    """Attention over every key of the requests (dp, tp, one rank): one fused call where the
+    scores are plain and every key is visible (a decode step, or a prefill with nothing cached)."""
+    s_len, t_len = q.shape[2], keys.shape[2]
+    if scores.plain and (s_len == 1 or (past == 0 and s_len == t_len)):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, keys.to(q.dtype), values.to(q.dtype), is_causal=s_len > 1, scale=scores.scale,
+            enable_gqa=keys.shape[1] != q.shape[1],
+        )  # fmt: skip
+    q_pos = torch.arange(past, past + s_len, device=q.device)
+    return attention_partial(q, keys, values, q_pos, positions, scores, heads)[0]

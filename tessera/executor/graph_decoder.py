@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -69,6 +70,7 @@ class GraphDecoder:
             for core, mod in zip(decoder.cores, decoder.scores, strict=True)
         ]
         self.needed = _needed(graph, decoder, self.logits_output)
+        self.programs: dict[tuple[int, int], Any] = {}  # (batch, new tokens) -> its StepProgram
         try:
             found = self._position_nodes()
         except RuntimeError as exc:  # the graph runs only at the sequence length it was exported at
@@ -92,16 +94,53 @@ class GraphDecoder:
 
     @torch.no_grad()
     def logits(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
-        """``[B, S, vocab]`` logits of ``tokens`` ``[B, S]`` at positions ``past .. past + S - 1``."""
+        """``[B, S, vocab]`` logits of ``tokens`` ``[B, S]`` at positions ``past .. past + S - 1``:
+        the step's program where one was compiled (:func:`~tessera.executor.decode_program.compile_step`),
+        else the graph interpreted."""
+        program = self.programs.get(tuple(tokens.shape))
+        if program is not None:
+            return self._checked(program.run(tokens, past, attend))
+        return self.interpret(tokens, past, attend)
+
+    @torch.no_grad()
+    def interpret(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
+        """:meth:`logits`, the graph run node by node (each core's output replaced by ``attend``)."""
         hooks: dict[str, NodeHook] = {name: _offset(past) for name in self.positions}
+        batch = tokens.shape[0]
         for layer, core in enumerate(self.cores):
             if core.qk == core.av:  # an Attention operator: Q, K, V are its inputs
-                hooks[core.av] = _attend_op(attend, layer, core.scores, past, self.op_heads[core.av])
+                hooks[core.av] = _op_hook(self, layer, attend, past, batch)
                 continue
             held: dict[str, Tensor] = {}
             hooks[core.qk] = _keep(held)
-            hooks[core.av] = _attend(held, attend, layer, core.scores, past, tokens.shape[0])
-        out = self.module.run(self._feeds(tokens, past), after=hooks, only=self.needed)[self.logits_output]
+            hooks[core.av] = _av_hook(self, layer, held, attend, past, batch)
+        out = self.module.run(self.feeds(tokens, past), after=hooks, only=self.needed)[self.logits_output]
+        return self._checked(out)
+
+    def core_output(  # noqa: PLR0913
+        self, layer: int, a: Tensor, b: Tensor, v: Tensor, attend: Attend, past: int, batch: int
+    ) -> Tensor:
+        """What core ``layer``'s output node computes, as attention over the cache: ``a``, ``b``,
+        ``v`` its Q·Kᵀ MatMul's inputs (Q, Kᵀ) and V, or an Attention operator's Q, K, V. Cores whose
+        heads are folded into the batch (``[B·H, S, D]``, as a ``baddbmm`` exports) attend as
+        ``[B, H, S, D]``; an operator's grouped KV heads are repeated to the query heads, as it does."""
+        core = self.cores[layer]
+        if core.qk != core.av:
+            q, k = a, b.transpose(-1, -2)
+            if q.dim() == 3:
+                q, k, v = (t.reshape(batch, -1, *t.shape[1:]) for t in (q, k, v))
+                o = attend(layer, q, k, v, core.scores, past)
+                return o.reshape(-1, *o.shape[2:]).to(v.dtype)
+            return attend(layer, q, k, v, core.scores, past).to(v.dtype)
+        heads, kv_heads = self.op_heads[core.av]
+        q = heads_first(a, heads)
+        k, v_ = (heads_first(t, kv_heads) for t in (b, v))
+        if 1 < k.shape[1] < q.shape[1]:  # one KV head is broadcast; more are repeated per group
+            k, v_ = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v_))
+        o = attend(layer, q, k, v_, core.scores, past).to(v.dtype)
+        return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1) if a.dim() == 3 else o
+
+    def _checked(self, out: Tensor) -> Tensor:
         if out.dim() != 3 or out.shape[-1] != self.vocab:
             raise InputError(
                 f"output {self.logits_output!r} is {tuple(out.shape)}, not [batch, sequence, {self.vocab}] "
@@ -110,7 +149,7 @@ class GraphDecoder:
             )
         return out
 
-    def _feeds(self, tokens: Tensor, past: int) -> dict[str, Tensor]:
+    def feeds(self, tokens: Tensor, past: int) -> dict[str, Tensor]:
         """The graph's inputs for ``tokens`` at positions ``past ..``: an all-ones mask over the new
         tokens (the cache's attention does the masking), position ids counted from ``past``."""
         feeds = {self.token_input: tokens}
@@ -145,7 +184,7 @@ class GraphDecoder:
             }
             for core in self.cores:  # the probe runs the graph as written: its own attention
                 hooks.pop(core.av, None)
-            self.module.run(self._feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)
+            self.module.run(self.feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)
         return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)]
 
 
@@ -194,37 +233,24 @@ def _keep(held: dict[str, Tensor]) -> NodeHook:
     return hook
 
 
-def _attend(  # noqa: PLR0913
-    held: dict[str, Tensor], attend: Attend, layer: int, scores: ScoreMod, past: int, batch: int
+def _av_hook(  # noqa: PLR0913
+    decoder: GraphDecoder, layer: int, held: dict[str, Tensor], attend: Attend, past: int, batch: int
 ) -> NodeHook:
-    """The hook on a core's ·V MatMul: attention over the cache in its place. Cores whose heads are
-    folded into the batch (``[B·H, S, D]``, as a ``baddbmm`` exports) attend as ``[B, H, S, D]``."""
+    """The hook on a core's ·V MatMul: attention over the cache in its place."""
 
     def hook(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        v = args[1]
-        assert v is not None
-        q, k = held.pop("q"), held.pop("kt").transpose(-1, -2)
-        if q.dim() == 3:
-            q, k, v = (t.reshape(batch, -1, *t.shape[1:]) for t in (q, k, v))
-            o = attend(layer, q, k, v, scores, past)
-            return (o.reshape(-1, *o.shape[2:]).to(v.dtype),)
-        return (attend(layer, q, k, v, scores, past).to(v.dtype),)
+        assert args[1] is not None
+        return (decoder.core_output(layer, held.pop("q"), held.pop("kt"), args[1], attend, past, batch),)
 
     return hook
 
 
-def _attend_op(attend: Attend, layer: int, scores: ScoreMod, past: int, heads: tuple[int, int]) -> NodeHook:
-    """The hook on an ``Attention`` operator: attention over the cache in its place, on its Q, K and
-    V brought to ``[B, H, S, D]`` (grouped KV heads repeated to the query heads, as the operator does)."""
+def _op_hook(decoder: GraphDecoder, layer: int, attend: Attend, past: int, batch: int) -> NodeHook:
+    """The hook on an ``Attention`` operator: attention over the cache in its place."""
 
     def hook(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        q_in, k_in, v_in = args[:3]
-        assert q_in is not None and k_in is not None and v_in is not None
-        q = heads_first(q_in, heads[0])
-        k, v = (heads_first(t, heads[1]) for t in (k_in, v_in))
-        if 1 < k.shape[1] < q.shape[1]:  # one KV head is broadcast; more are repeated per group
-            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-        o = attend(layer, q, k, v, scores, past).to(v.dtype)
-        return (o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1) if q_in.dim() == 3 else o,)
+        q, k, v = args[:3]
+        assert q is not None and k is not None and v is not None
+        return (decoder.core_output(layer, q, k, v, attend, past, batch),)
 
     return hook

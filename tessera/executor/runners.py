@@ -28,7 +28,7 @@ class LaunchRequest:
     data: str | None = None  # gpp, spp, placement: an .npz of inputs (and targets)
     steps: int = 5  # gpp, spp
     lr: float = 0.01  # gpp, spp
-    compile: bool = False  # gpp, spp: torch.compile every stage's program
+    compile: bool = False  # torch.compile every stage's program (gpp, spp) or decode step (cp)
     new_tokens: int = 8  # cp
     prompt_lens: tuple[int, ...] | None = None  # cp
     prompts: tuple[tuple[int, ...], ...] | None = None  # cp: token ids of each request (--prompts)
@@ -64,6 +64,7 @@ def run_decode(plan: Plan, request: LaunchRequest) -> RunReport:
         prompts=request.prompts,
         seed=request.seed,
         attention=request.attention,
+        step="inductor" if request.compile else "fx",
     )
     model_path = None if request.graph is None else request.graph.source
     return run_cp_plan(plan, model_path, options, request.launch, plan_path=request.plan_path)

@@ -27,8 +27,10 @@ from tessera.cli.launch_cmd import _cp_summary
 from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
 from tessera.executor.cp_run import check_cp_plan, run_cp_plan
+from tessera.executor.decode_program import compile_step
 from tessera.executor.decode_worker import DecodeOptions
-from tessera.executor.graph_decode_worker import attention_partial, graph_decoder
+from tessera.executor.graph_decode_worker import graph_decoder
+from tessera.executor.kv_cache import GroupCache, attention_partial
 from tessera.executor.kv_layout import KvLayout
 from tessera.executor.launcher import FAULT_ENV, LaunchOptions
 from tessera.models import build
@@ -97,24 +99,23 @@ def expected_tokens(
 # -- without workers -------------------------------------------------------------------------------
 
 
-def test_the_graph_decoders_prefill_is_onnx_runtimes(gpt: Path) -> None:
-    """The zoo GPT decoded from its graph: attention over a whole cache gives onnxruntime's logits,
-    at the prompt and one token after it (positions offset by the cached tokens)."""
+@pytest.mark.parametrize("compiled", [False, True], ids=["interpreted", "traced"])
+def test_the_graph_decoders_prefill_is_onnx_runtimes(gpt: Path, compiled: bool) -> None:
+    """The zoo GPT decoded from its graph: attention over a static cache gives onnxruntime's logits,
+    at the prompt and one token after it (positions offset by the cached tokens), interpreted node
+    by node or as the traced programs of the prefill and the decode step."""
     decoder = graph_decoder(str(gpt))
-    cache: dict[int, tuple[torch.Tensor, ...]] = {}
+    prompt = [5, 17, 3, 99, 42, 7, 64, 1]
+    if compiled:
+        assert compile_step(decoder, 1, len(prompt)) is None
+        assert compile_step(decoder, 1, 1) is None
+    cache = GroupCache(np.zeros(len(prompt) + 1, dtype=np.int64), 0, torch.device("cpu"))
 
-    def attend(layer: int, q, k, v, scale: float, past: int) -> torch.Tensor:
-        held = cache.get(layer, (k[0, :, :0], v[0, :, :0], torch.arange(0)))
-        positions = torch.arange(past, past + q.shape[2])
-        keys, values, at = (
-            torch.cat([a, b], dim=-2 if b.dim() > 1 else 0)
-            for a, b in zip(held, (k[0], v[0], positions), strict=True)
-        )
-        cache[layer] = (keys, values, at)
-        return attention_partial(q[0], keys, values, positions, at, scale)[0][None]
+    def attend(layer: int, q, k, v, scores, past: int) -> torch.Tensor:
+        keys, values, at = cache.read(layer, cache.write(layer, k, v, past))
+        return attention_partial(q, keys, values, torch.arange(past, past + q.shape[2]), at, scores)[0]
 
     session = free_session(gpt)
-    prompt = [5, 17, 3, 99, 42, 7, 64, 1]
     ours = decoder.logits(torch.tensor([prompt]), 0, attend)[0]
     np.testing.assert_allclose(
         ours.numpy(), session.run(None, {"input_ids": np.array([prompt])})[0][0], rtol=1e-4, atol=1e-5
@@ -122,6 +123,7 @@ def test_the_graph_decoders_prefill_is_onnx_runtimes(gpt: Path) -> None:
     ours = decoder.logits(torch.tensor([[11]]), len(prompt), attend)[0, -1]
     want = session.run(None, {"input_ids": np.array([[*prompt, 11]])})[0][0, -1]
     np.testing.assert_allclose(ours.numpy(), want, rtol=1e-4, atol=1e-5)
+    assert cache.positions_held == len(prompt) + 1 and cache.slots == len(prompt) + 1
 
 
 def test_kv_layout_follows_the_plan_then_deals_blocks() -> None:

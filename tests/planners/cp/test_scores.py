@@ -7,12 +7,9 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
-import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.graph import load_graph
-from tessera.executor.graph_decode_worker import attention_partial
-from tessera.kernels import merge_partials
 from tessera.planners.cp.scores import ScoreError, ScoreMod, ScoreProbe
 
 Nodes = list
@@ -151,38 +148,3 @@ def test_a_bias_that_is_not_linear_in_the_distance_is_refused() -> None:
 def test_a_mask_that_is_no_window_is_refused() -> None:
     with pytest.raises(ScoreError, match="hides more than a sliding window"):
         _core(_scaled_masked(0.5, extra_hidden=2)).classify()
-
-
-@pytest.mark.parametrize(
-    "mod",
-    [
-        ScoreMod(0.3, True),
-        ScoreMod(0.3, True, window=5),
-        ScoreMod(0.3, True, softcap=2.0, alibi=(-0.5, -0.25, -0.125, -0.0625)),
-        ScoreMod(0.3, True, window=3, alibi=(-0.5, -0.25, -0.125, -0.0625)),
-    ],
-    ids=["causal", "window", "softcap-alibi", "window-alibi"],
-)
-def test_attention_over_cache_shards_merges_to_the_whole_cache(mod: ScoreMod) -> None:
-    """Masks and biases by absolute position: any split of the positions merges exactly."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(4, n, 8, generator=g) for n in (3, 12, 12))
-    q_pos, k_pos = torch.arange(9, 12), torch.arange(12)
-    whole, whole_lse = attention_partial(q, k, v, q_pos, k_pos, mod)
-    shards = [torch.tensor([0, 1, 2, 7, 8]), torch.tensor([3, 4, 5, 6, 9, 10, 11])]
-    parts = [attention_partial(q, k[:, s], v[:, s], q_pos, k_pos[s], mod) for s in shards]
-    o, lse = merge_partials(
-        torch.stack([p[0] for p in parts])[:, None], torch.stack([p[1] for p in parts])[:, None]
-    )
-    torch.testing.assert_close(o[0], whole, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(lse[0], whole_lse, rtol=1e-5, atol=1e-6)
-    # the reference: full softmax attention with the modification applied to every (i, j)
-    s = q @ k.transpose(-1, -2) * mod.scale
-    if mod.softcap:
-        s = torch.tanh(s / mod.softcap) * mod.softcap
-    dist = k_pos[None, :] - q_pos[:, None]
-    if mod.alibi:
-        s = s + torch.tensor(mod.alibi)[:, None, None] * dist
-    hidden = (dist > 0) | ((dist <= -mod.window) if mod.window else torch.zeros_like(dist, dtype=torch.bool))
-    want = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ v
-    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-6)

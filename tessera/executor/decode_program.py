@@ -1,0 +1,248 @@
+"""A decode step compiled: the decoder's graph at one (batch, new tokens) shape as one torch.fx
+program of aten operations, with no per-node Python left.
+
+The graph is run once at that shape; every value that depends on shapes and constants only (the
+exporter's Shape/Gather/Concat arithmetic, the attention mask input, position ``Range``s before
+their offset) is folded to a constant. The rest is traced with ``make_fx`` into aten operations;
+each attention core is one call back into the caller's ``attend`` (the KV cache). The program is
+checked against the interpreted graph at other tokens and positions before it is used: a value the
+trace would have frozen refuses the program. Details: docs/executor.md ("Compiled decode steps").
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor, fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from tessera.executor.kv_cache import attention_partial
+from tessera.planners.cp.scores import ScoreMod
+
+if TYPE_CHECKING:
+    from tessera.executor.graph_decoder import Attend, GraphDecoder
+
+__all__ = ["StepProgram", "Untraceable", "compile_step", "self_attention"]
+
+# Float initializers above this many elements are weights, read by the program; smaller ones
+# (epsilons, scales, shape constants) fold with the shape arithmetic they meet.
+WEIGHT_NUMEL = 4096
+_SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed by the step's shapes
+_PROGRAMS: weakref.WeakValueDictionary[int, StepProgram] = weakref.WeakValueDictionary()
+_HANDLES = itertools.count()
+
+
+class Untraceable(Exception):
+    """The step cannot be compiled (the message says why); the graph is interpreted instead."""
+
+
+@torch.library.custom_op("tessera::attend_core", mutates_args=())
+def _attend_core(a: Tensor, b: Tensor, v: Tensor, program: int, layer: int) -> Tensor:
+    """A core's output while tracing: one node in the traced graph, replaced by :func:`_call_core`."""
+    return _call_core(a, b, v, program, layer)
+
+
+@_attend_core.register_fake
+def _(a: Tensor, b: Tensor, v: Tensor, program: int, layer: int) -> Tensor:
+    return _PROGRAMS[program].core_shape(layer, a, b, v)
+
+
+def _call_core(a: Tensor, b: Tensor, v: Tensor, program: int, layer: int) -> Tensor:
+    return _PROGRAMS[program].core(layer, a, b, v)
+
+
+def compile_step(decoder: GraphDecoder, batch: int, length: int, *, inductor: bool = False) -> str | None:
+    """Trace ``decoder``'s step of ``batch`` requests of ``length`` new tokens into a program it then
+    runs (``inductor``: compiled further by torch.compile); None when it is used, else why that
+    step stays interpreted."""
+    try:
+        decoder.programs[(batch, length)] = StepProgram(decoder, batch, length, inductor=inductor)
+    except Untraceable as exc:
+        return str(exc)
+    return None
+
+
+def self_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:
+    """Attention of the new tokens over themselves alone (no cache), as the graph scores them: the
+    stateless ``attend`` a program is traced and checked with."""
+    pos = torch.arange(past, past + q.shape[2], device=q.device)
+    return attention_partial(q, k, v, pos, pos, scores)[0]
+
+
+class StepProgram:
+    """``run(tokens, past, attend)``: the decoder's logits for ``tokens`` ``[batch, length]`` at
+    positions ``past ..``, each core attending through ``attend`` (as :meth:`GraphDecoder.logits`)."""
+
+    def __init__(self, decoder: GraphDecoder, batch: int, length: int, *, inductor: bool = False) -> None:
+        self.decoder, self.batch, self.length = decoder, batch, length
+        self.handle = next(_HANDLES)
+        _PROGRAMS[self.handle] = self
+        self._attend: Attend = self_attention
+        self._past = 0
+        device = next(iter(decoder.module.initializers().values())).device
+        self.device = device
+        self.shapes: dict[int, tuple[int, ...]] = {}  # layer -> its core's output shape (traced)
+        self.graph_module = _finished(self._trace(device), keep_cores=inductor)
+        self.program: Any = self.graph_module
+        if inductor:  # C++ kernels for everything between the cores (torch.compile, fixed shapes)
+            self.program = torch.compile(self.graph_module, fullgraph=True, dynamic=False)
+        self._check(device)
+
+    def run(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
+        self._attend, self._past = attend, past
+        try:
+            return self.program(tokens, torch.tensor(past, device=tokens.device))
+        finally:
+            self._attend = self_attention
+
+    def core(self, layer: int, a: Tensor, b: Tensor, v: Tensor) -> Tensor:
+        out = self.decoder.core_output(layer, a, b, v, self._attend, self._past, self.batch)
+        self.shapes.setdefault(layer, tuple(out.shape))
+        return out
+
+    def core_shape(self, layer: int, a: Tensor, b: Tensor, v: Tensor) -> Tensor:
+        """A core's output without running it (what torch.compile traces with): its traced shape."""
+        return v.new_empty(self.shapes[layer])
+
+    @property
+    def operations(self) -> int:
+        """The aten operations one run calls (attention cores included)."""
+        return sum(1 for n in self.graph_module.graph.nodes if n.op == "call_function")
+
+    # -- building --
+
+    @torch.no_grad()
+    def _trace(self, device: torch.device) -> fx.GraphModule:
+        d = self.decoder
+        values, static = _fold(d, self._example(0, device), 0, self.batch)
+        dynamic = [s for s in d.module.steps() if s.name in d.needed and not static.get(s.name, False)]
+        read = {t for s in dynamic for t in s.inputs if t}
+        consts = {t: values[t] for t in read if t in values and static.get(f"tensor:{t}", False)}
+        weights = {t: w.detach() for t, w in d.module.initializers().items() if t in read and t not in consts}
+        qk = {c.qk: layer for layer, c in enumerate(d.cores) if c.qk != c.av}
+        av = {c.av: layer for layer, c in enumerate(d.cores)}
+        positions = set(d.positions)
+        counts = {
+            s.name: values[s.outputs[0]]
+            for s in dynamic
+            if s.name in positions and all(static.get(f"tensor:{t}", False) for t in s.inputs if t)
+        }
+        handle = self.handle
+
+        def step(tokens: Tensor, past: Tensor) -> Tensor:
+            env: dict[str, Tensor] = {**consts, **weights, d.token_input: tokens}
+            for name, (kind, dtype) in d.side.items():
+                if kind == "positions":
+                    count = torch.arange(self.length, device=tokens.device) + past
+                    env[name] = count.to(dtype).expand(self.batch, self.length)
+            held: dict[int, tuple[Tensor, Tensor]] = {}
+            for s in dynamic:
+                args = [env.get(t) if t else None for t in s.inputs]
+                if s.name in qk:
+                    held[qk[s.name]] = (args[0], args[1])  # type: ignore[assignment]
+                    continue
+                if s.name in av:
+                    layer = av[s.name]
+                    a, b, v = (*held.pop(layer), args[1]) if layer in held else args[:3]
+                    env[s.outputs[0]] = torch.ops.tessera.attend_core(a, b, v, handle, layer)
+                    continue
+                if s.name in counts:  # positions counted from shapes: offset by the tokens cached
+                    results = [counts[s.name]]
+                else:
+                    result = s.fn(args, s.attrs)
+                    results = list(result) if isinstance(result, tuple) else [result]
+                if s.name in positions:
+                    results[0] = results[0] + past.to(results[0].dtype)
+                env.update((t, r) for t, r in zip(s.outputs, results, strict=False) if t)
+            return env[d.logits_output]
+
+        try:
+            return make_fx(step, tracing_mode="real")(*self._example(0, device))
+        except Exception as exc:  # data-dependent Python in an operator: it stays interpreted
+            raise Untraceable(f"tracing the step failed: {type(exc).__name__}: {str(exc)[:200]}") from None
+
+    def _example(self, seed: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        tokens = torch.randint(0, self.decoder.vocab, (self.batch, self.length), generator=g)
+        return tokens.to(device), torch.tensor(3 + 5 * seed, device=device)
+
+    def _check(self, device: torch.device) -> None:
+        """The program against the interpreted graph at other tokens and positions: anything the
+        trace froze that should have followed them shows here, and the program is refused."""
+        for seed in (1, 2):
+            tokens, past = self._example(seed, device)
+            want = self.decoder.interpret(tokens, int(past), self_attention)
+            with torch.no_grad():
+                got = self.run(tokens, int(past), self_attention)
+            if got.shape != want.shape or not torch.allclose(
+                got, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())
+            ):
+                raise Untraceable(
+                    "the traced step differs from the graph at other tokens or positions "
+                    f"(max difference {float((got - want).abs().max()):.3g}): a value was frozen"
+                )
+
+
+def _fold(
+    decoder: GraphDecoder, example: tuple[Tensor, Tensor], past: int, batch: int
+) -> tuple[dict[str, Tensor], dict[str, bool]]:
+    """Run the step's nodes once; return every tensor's value and which nodes and tensors are
+    static (``static[node]``, ``static["tensor:" + name]``): fixed by the step's shapes alone."""
+    d = decoder
+    tokens = example[0]
+    inits = {t: w.detach() for t, w in d.module.initializers().items()}
+    values: dict[str, Tensor] = dict(inits)
+    static: dict[str, bool] = {
+        f"tensor:{t}": not (w.is_floating_point() and w.numel() > WEIGHT_NUMEL) for t, w in inits.items()
+    }
+    feeds = d.feeds(tokens, past)
+    values.update(feeds)
+    for name in feeds:
+        static[f"tensor:{name}"] = d.side.get(name, ("tokens",))[0] == "mask"  # ones of a fixed shape
+    qk = {c.qk: layer for layer, c in enumerate(d.cores) if c.qk != c.av}
+    av = {c.av: layer for layer, c in enumerate(d.cores)}
+    held: dict[int, tuple[Tensor, Tensor]] = {}
+    for s in d.module.steps():
+        if s.name not in d.needed:
+            continue
+        args = [values.get(t) if t else None for t in s.inputs]
+        if s.name in qk:
+            held[qk[s.name]] = (args[0], args[1])  # type: ignore[assignment]
+            static[s.name] = False
+            continue
+        if s.name in av:
+            layer = av[s.name]
+            a, b, v = (*held.pop(layer), args[1]) if layer in held else (args[0], args[1], args[2])
+            out = d.core_output(layer, a, b, v, self_attention, past, batch)  # type: ignore[arg-type]
+            results = [out]
+            static[s.name] = False
+        else:
+            result = s.fn(args, s.attrs)
+            results = list(result) if isinstance(result, tuple) else [result]
+            fixed = s.op_type in _SHAPE_OPS or all(static.get(f"tensor:{t}", False) for t in s.inputs if t)
+            static[s.name] = fixed and s.name not in d.positions
+        for t, r in zip(s.outputs, results, strict=False):
+            if t:
+                values[t] = r
+                static[f"tensor:{t}"] = static[s.name]
+    return values, static
+
+
+def _finished(traced: fx.GraphModule, *, keep_cores: bool) -> fx.GraphModule:
+    """The traced program with each core's node calling back into the cache directly (unless
+    ``keep_cores``: torch.compile needs the operator), and no per-run copies of its constants
+    (``lift_fresh_copy``: nothing writes to them)."""
+    for node in list(traced.graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch.ops.tessera.attend_core.default and not keep_cores:
+            node.target = _call_core
+        elif node.target is torch.ops.aten.lift_fresh_copy.default:
+            node.replace_all_uses_with(node.args[0])
+            traced.graph.erase_node(node)
+    traced.graph.eliminate_dead_code()
+    traced.recompile()
+    return traced

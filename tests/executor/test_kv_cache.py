@@ -1,0 +1,139 @@
+"""The decode step's pieces: attention over any shard of a static KV cache, the cache itself, and
+the traced step program's refusal of a value it would freeze."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tessera.executor.decode_program import compile_step, self_attention
+from tessera.executor.graph_decode_worker import graph_decoder
+from tessera.executor.kv_cache import GroupCache, attention_partial
+from tessera.kernels import merge_partials
+from tessera.models import build
+from tessera.planners.cp.scores import ScoreMod
+
+SLOPES = (-0.5, -0.25, -0.125, -0.0625)
+
+
+@pytest.fixture
+def gpt(tmp_path: Path) -> Path:
+    path = tmp_path / "gpt.onnx"
+    path.write_bytes(build("gpt", "tiny", seed=3, kv_heads=2, seq=96).SerializeToString())
+    return path
+
+
+@pytest.mark.parametrize(
+    "mod",
+    [
+        ScoreMod(0.3, True),
+        ScoreMod(0.3, True, window=5),
+        ScoreMod(0.3, True, softcap=2.0, alibi=SLOPES),
+        ScoreMod(0.3, True, window=3, alibi=SLOPES),
+    ],
+    ids=["causal", "window", "softcap-alibi", "window-alibi"],
+)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_attention_over_cache_shards_merges_to_the_whole_cache(mod: ScoreMod, kv_heads: int) -> None:
+    """Masks and biases by absolute position, grouped KV heads read once: any split of the positions
+    merges exactly to full softmax attention with the modification applied to every (i, j)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, 12, 8, generator=g) for _ in range(2))
+    q_pos, k_pos = torch.arange(9, 12), torch.arange(12)
+    whole, whole_lse = attention_partial(q, k, v, q_pos, k_pos, mod)
+    shards = [torch.tensor([0, 1, 2, 7, 8]), torch.tensor([3, 4, 5, 6, 9, 10, 11])]
+    parts = [attention_partial(q, k[:, :, s], v[:, :, s], q_pos, k_pos[s], mod) for s in shards]
+    o, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(o, whole, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-6)
+    kr, vr = (t.repeat_interleave(4 // kv_heads, dim=1) for t in (k, v))
+    s = q @ kr.transpose(-1, -2) * mod.scale
+    if mod.softcap:
+        s = torch.tanh(s / mod.softcap) * mod.softcap
+    dist = k_pos[None, :] - q_pos[:, None]
+    if mod.alibi:
+        s = s + torch.tensor(mod.alibi)[:, None, None] * dist
+    hidden = (dist > 0) | ((dist <= -mod.window) if mod.window else torch.zeros_like(dist, dtype=torch.bool))
+    want = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ vr
+    torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_shard_that_holds_no_key_yet_is_an_empty_partial() -> None:
+    q, k = torch.randn(1, 4, 1, 8), torch.randn(1, 2, 0, 8)
+    o, lse = attention_partial(
+        q, k, k, torch.tensor([5]), torch.zeros(0, dtype=torch.long), ScoreMod(0.3, True)
+    )
+    assert o.shape == (1, 4, 1, 8) and not o.any() and torch.isinf(lse).all()
+
+
+def test_the_cache_keeps_its_ranks_positions_in_place_and_repeated_heads_once() -> None:
+    """Positions 0..9 dealt to ranks 0 and 1; rank 1's cache holds exactly its positions, in the
+    order they came, in slots preallocated for all of them; K/V heads the graph repeats (two query
+    heads per KV head) are stored once."""
+    owner = np.array([0, 0, 1, 1, 1, 0, 1, 0, 1, 1])
+    cache = GroupCache(owner, 1, torch.device("cpu"))
+    assert cache.slots == 6
+    g = torch.Generator().manual_seed(0)
+    kv = torch.randn(2, 2, 10, 4, generator=g).repeat_interleave(2, dim=1)  # [B, 4 heads (2 distinct), S, D]
+    held = cache.write(0, kv[:, :, :7], kv[:, :, :7], 0)  # a prefill of 7 positions
+    buffer = cache.layers[0][0]
+    held = cache.write(0, kv[:, :, 7:8], kv[:, :, 7:8], 7)  # position 7 is rank 0's
+    held = cache.write(0, kv[:, :, 8:9], kv[:, :, 8:9], 8)
+    keys, values, positions = cache.read(0, held)
+    assert positions.tolist() == [2, 3, 4, 6, 8]
+    assert keys.shape == (2, 2, 5, 4) and cache.layers[0][0] is buffer  # written in place
+    torch.testing.assert_close(keys, kv[:, ::2, [2, 3, 4, 6, 8]])
+    assert cache.nbytes == 2 * 2 * 2 * 6 * 4 * 4  # K and V, [2, 2, 6, 4] fp32: the planned slots
+
+
+def test_heads_that_differ_are_all_stored() -> None:
+    cache = GroupCache(np.zeros(3, dtype=np.int64), 0, torch.device("cpu"))
+    k = torch.randn(1, 4, 3, 8)
+    cache.write(0, k, k, 0)
+    assert cache.read(0, 3)[0].shape == (1, 4, 3, 8)
+
+
+def test_a_step_that_would_freeze_a_value_is_refused_and_stays_interpreted(gpt: Path) -> None:
+    """An operator that reads a tensor's values in Python (here: one Add of the graph turned into
+    one) would be frozen by the trace at the traced tokens: the check against the graph at other
+    tokens and positions refuses the program, and the step is interpreted, still exact."""
+    decoder = graph_decoder(str(gpt))
+    steps = decoder.module._nodes
+    i = next(i for i, s in enumerate(steps) if s.op_type == "Add" and s.name in decoder.needed)
+    add = steps[i].fn
+    steps[i] = steps[i]._replace(
+        fn=lambda args, attrs: add([torch.tensor(args[0].tolist()), *args[1:]], attrs)
+    )
+    why = compile_step(decoder, 1, 1)
+    assert why is not None and "frozen" in why
+    assert (1, 1) not in decoder.programs
+    tokens = torch.tensor([[7]])
+    torch.testing.assert_close(
+        decoder.logits(tokens, 3, self_attention), decoder.interpret(tokens, 3, self_attention)
+    )
+
+
+def test_a_traced_step_folds_the_shape_arithmetic_and_computes_what_the_graph_does(gpt: Path) -> None:
+    """The graph's Shape arithmetic is folded at trace time; a batch-2 step computes the graph's
+    logits at a position it was not traced at."""
+    decoder = graph_decoder(str(gpt))
+    assert compile_step(decoder, 2, 1) is None
+    program = decoder.programs[(2, 1)]
+    shape_ops = sum(
+        1
+        for s in decoder.module.steps()
+        if s.name in decoder.needed and s.op_type in ("Shape", "Gather", "Concat", "Unsqueeze")
+    )
+    assert shape_ops > 0
+    assert not any("shape" in str(n.target) for n in program.graph_module.graph.nodes)
+    tokens = torch.tensor([[7], [9]])
+    torch.testing.assert_close(
+        program.run(tokens, 5, self_attention),
+        decoder.interpret(tokens, 5, self_attention),
+        rtol=1e-5,
+        atol=1e-6,
+    )
