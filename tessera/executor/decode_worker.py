@@ -69,6 +69,7 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
         watchdog.arm("start-up")
         dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
         worker = DecodeWorker(spec, rank, device)
+        worker.connect()
         watchdog.arm("compiling the decode steps")
         t0 = time.perf_counter()
         worker.compile(spec.options.step)

@@ -23,14 +23,17 @@ from tessera.core.graph import load_graph
 from tessera.core.weights import materialize
 from tessera.executor.decode_program import compile_step
 from tessera.executor.graph_decoder import GraphDecoder
-from tessera.executor.kv_cache import GroupCache, attention_partial
+from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
 from tessera.executor.kv_layout import KvLayout, request_slices
+from tessera.executor.shm_gather import ShmGather, usable
 from tessera.kernels import merge_partials
 from tessera.models.gpt import llm_gpt
 from tessera.planners.cp.recognize import recognize_decoder
 from tessera.planners.cp.scores import ScoreMod
 
 __all__ = ["DecodeWorker", "attention_partial", "graph_decoder"]
+
+MAX_SHM_BYTES = 64 * 2**20  # per rank and buffer; larger exchanges (long prefills) go through gloo
 
 
 def graph_decoder(model: str | onnx.ModelProto, *, label: str | None = None) -> GraphDecoder:
@@ -49,6 +52,7 @@ class DecodeWorker:
         self.spec, self.rank, self.world, self.strategy = spec, rank, spec.world_size, spec.strategy
         self.device = device  # the model, its inputs and the KV cache live there (a GPU under NCCL)
         self.kernel = get_partial_attention(spec.options.attention)  # a decode step's shard attention
+        self.fused = spec.options.attention == "torch"  # torch's fused CPU kernel where it applies
         if spec.model_path is not None:
             self.decoder = graph_decoder(spec.model_path)
         else:  # an --llm plan: the GPT of its config, seeded random weights
@@ -79,6 +83,7 @@ class DecodeWorker:
         self.caches = [GroupCache(self.owner[group[0]], rank, device) for group in self.groups]
         self.tokens: dict[int, list[int]] = {b: [] for b in self.requests}
         self.comm_s = 0.0
+        self.shm: ShmGather | None = None  # see connect()
         self.compiled: dict[str, str | None] = {}  # "batch×length" -> None (compiled) or why not
 
     def compile(self, mode: str) -> None:
@@ -131,19 +136,36 @@ class DecodeWorker:
                     o if self.strategy == "dp" or self.world == 1 else torch.cat(self._all_gather(o), dim=1)
                 )
             if q.shape[2] == 1 and scores.plain:  # every key held is at or before the query (--attention)
-                o, lse = self.kernel(q[:, :, 0], keys, values, scale=scores.scale)
+                fused = decode_partial(q[:, :, 0], keys, values, scores.scale) if self.fused else None
+                o, lse = fused or self.kernel(q[:, :, 0], keys, values, scale=scores.scale)
                 o, lse = o[:, :, None], lse[:, :, None]
             else:
                 q_pos = torch.arange(past, past + q.shape[2], device=q.device)
                 o, lse = attention_partial(q, keys, values, q_pos, positions, scores, heads)
-            return merge_partials(torch.stack(self._all_gather(o)), torch.stack(self._all_gather(lse)))[0]
+            # one exchange a layer: each rank's partial with its log-sum-exp as one more column
+            parts = torch.stack(self._all_gather(torch.cat([o.float(), lse.float()[..., None]], dim=-1)))
+            return merge_partials(parts[..., :-1], parts[..., -1])[0].to(o.dtype)
 
         return attend
 
+    def connect(self) -> None:
+        """After the process group is up: gather through shared memory where the ranks share a host
+        (:mod:`~tessera.executor.shm_gather`), sized for the largest exchange of the run."""
+        if self.strategy == "dp" or not usable(self.world) or self.device.type != "cpu":
+            return
+        heads, head_dim = int(self.spec.llm["heads"]), int(self.spec.llm["head_dim"])
+        largest = max(
+            len(g) * heads * max(self.prompt_lens[g[0]], 1) * (head_dim + 1) * 4 for g in self.groups
+        )
+        self.shm = ShmGather(self.rank, self.world, min(largest, MAX_SHM_BYTES), self.spec.timeout_s)
+
     def _all_gather(self, t: Tensor) -> list[Tensor]:
-        parts = [torch.empty_like(t) for _ in range(self.world)]
         t0 = time.perf_counter()
-        dist.all_gather(parts, t.contiguous())
+        if self.shm is not None and self.shm.fits(t):
+            parts = self.shm.all_gather(t)
+        else:
+            parts = [torch.empty_like(t) for _ in range(self.world)]
+            dist.all_gather(parts, t.contiguous())
         self.comm_s += time.perf_counter() - t0
         return parts
 

@@ -16,7 +16,22 @@ from torch import Tensor
 
 from tessera.planners.cp.scores import ScoreMod
 
-__all__ = ["GroupCache", "attention_partial"]
+__all__ = ["GroupCache", "attention_partial", "decode_partial"]
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def decode_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
+    """One new token's plain attention over these keys as a mergeable partial, in one fused call:
+    ``q`` ``[B, H, D]``, ``k``/``v`` ``[B, Hc, T, D]`` → ``(o [B, H, Dv], lse [B, H])`` (natural log),
+    each KV head's query heads taken as its queries. None where torch's fused CPU kernel does not
+    apply (another device, no keys, no such kernel): the caller's kernel does it."""
+    if _FLASH_CPU is None or q.device.type != "cpu" or k.shape[2] == 0 or q.dtype != k.dtype:
+        return None
+    b, h, d = q.shape
+    hc = k.shape[1]
+    o, lse = _FLASH_CPU(q.reshape(b, hc, h // hc, d), k, v, scale=scale)
+    return o.reshape(b, h, v.shape[-1]), lse.reshape(b, h)
 
 
 def attention_partial(  # noqa: PLR0913

@@ -11,7 +11,7 @@ import torch
 
 from tessera.executor.decode_program import compile_step, self_attention
 from tessera.executor.graph_decode_worker import graph_decoder
-from tessera.executor.kv_cache import GroupCache, attention_partial
+from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
 from tessera.kernels import merge_partials
 from tessera.models import build
 from tessera.planners.cp.scores import ScoreMod
@@ -137,3 +137,19 @@ def test_a_traced_step_folds_the_shape_arithmetic_and_computes_what_the_graph_do
         rtol=1e-5,
         atol=1e-6,
     )
+
+
+def test_the_fused_decode_partial_is_the_reference_partial() -> None:
+    """torch's fused CPU kernel, each KV head's query heads as its queries, gives the same output and
+    log-sum-exp as the reference for grouped heads (and defers where it does not apply)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 8, 16, generator=g)
+    k, v = (torch.randn(2, 2, 30, 16, generator=g) for _ in range(2))
+    fused = decode_partial(q, k, v, 0.25)
+    assert fused is not None
+    o, lse = attention_partial(
+        q[:, :, None], k, v, torch.tensor([29]), torch.arange(30), ScoreMod(0.25, True)
+    )
+    torch.testing.assert_close(fused[0], o[:, :, 0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused[1], lse[:, :, 0], rtol=1e-5, atol=1e-6)
+    assert decode_partial(q, k[:, :, :0], v[:, :, :0], 0.25) is None  # no keys: the caller's kernel
