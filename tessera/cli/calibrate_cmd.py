@@ -119,6 +119,11 @@ def summary(report: dict[str, Any]) -> str:
             f"kernel_launch_overhead {seconds_text(device['kernel_launch_overhead'])}",
         ),
         (
+            "decode step per op",
+            f"{seconds_text(m['decode_op']['step_s'])} a step / {m['decode_op']['operations']} operations",
+            f"decode_op_overhead {seconds_text(device.get('decode_op_overhead') or 0.0)}",
+        ),
+        (
             "p2p one way",
             f"{seconds_text(p2p['latency_s'])} + bytes / {bandwidth_text(p2p['bandwidth_bytes_per_s'])}",
             f"links.intra_node.bandwidth {bandwidth_text(link['bandwidth'])}",

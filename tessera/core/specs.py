@@ -153,6 +153,10 @@ class DeviceType(_SpecModel):
     contention_overhead: Seconds = 0.0
     """The compute a forward or backward adds while other ranks of a plan compute on the same node
     (shared caches, memory bandwidth and cores; ``tessera calibrate`` measures it on CPU ranks)."""
+    decode_op_overhead: Seconds | None = None
+    """Host time of one operation of a traced decode step (its dispatch and a small kernel; ``tessera
+    calibrate`` measures it on CPU ranks); the cp cost model charges it per operation of the
+    plan's decode step. None: ``kernel_launch_overhead``."""
     replica_contention: float = Field(default=0.0, ge=0.0, le=10.0)
     """Replicas of one data-parallel stage on the same node run the same operators at the same
     moment: each forward and backward takes this fraction longer than on one rank alone (instead of
@@ -443,6 +447,7 @@ class ClusterSpec(_SpecModel):
                         else {}
                     ),
                     **({"replica_contention": dtype.replica_contention} if dtype.replica_contention else {}),
+                    **({"decode_op_overhead": dtype.decode_op_overhead} if dtype.decode_op_overhead else {}),
                 }
                 for name, dtype in sorted(self.device_types.items())
             },

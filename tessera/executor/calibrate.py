@@ -213,6 +213,11 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "copy_bytes_per_s": copy,
             "sum_bytes_per_s": statistics.median(r["bandwidth"]["sum_bytes_per_s"] for r in raw),
         },
+        "decode_op": {
+            "operations": raw[0]["decode_op"]["operations"],
+            "step_s": statistics.median(r["decode_op"]["step_s"] for r in raw),
+            "op_s": statistics.median(r["decode_op"]["op_s"] for r in raw),
+        },
         "per_op": {
             "nodes": list(CHAIN_NODES),
             "forward_s": statistics.median(r["per_op"]["forward_s"] for r in raw),
@@ -392,6 +397,8 @@ def _comments(cal: Calibration) -> list[str]:
         f"backward ({seconds_text(per_op['forward_s'])} forward). The cost model",
         "    charges the overhead in the forward and again in the backward: half of it, less the",
         "    roofline time of such a node.",
+        "  decode_op_overhead: the zoo's tiny GPT decoded as a dp rank does (a traced step, a static cache):",
+        f"    {seconds_text(m['decode_op']['step_s'])} a step over its {m['decode_op']['operations']} operations",
         f"  memory: {MEMORY_FRACTION:.0%} of this machine's {bytes_text(cal.memory_total)} over {cal.ranks} ranks",
         f"  links.intra_node: gloo send/recv between ranks {pairs} (pairs at once), half the round trip:",
         f"    {p2p_text(p2p)};",
@@ -491,6 +498,7 @@ def _spec_yaml(cal: Calibration) -> str:
         f"    flops: {{fp32: {flops_text(m['matmul']['flops_per_s'])}}}",
         f"    memory_bandwidth: {bandwidth_text(m['bandwidth']['copy_bytes_per_s'])}",
         f"    kernel_launch_overhead: {seconds_text(m['per_op']['kernel_launch_overhead_s'])}",
+        f"    decode_op_overhead: {seconds_text(m['decode_op']['op_s'])}",
         *(
             [
                 f"    action_overhead: {seconds_text(m['pipeline']['action_overhead_s'])}",

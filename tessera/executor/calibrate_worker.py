@@ -15,7 +15,15 @@ from datetime import timedelta
 from typing import Any
 
 # Fractions of the --seconds budget each phase may spend (the start-up of the workers is extra).
-BUDGET = {"matmul": 0.2, "bandwidth": 0.15, "per_op": 0.2, "p2p": 0.2, "p2p_loaded": 0.1, "allreduce": 0.15}
+BUDGET = {
+    "matmul": 0.2,
+    "bandwidth": 0.15,
+    "per_op": 0.15,
+    "decode_op": 0.05,
+    "p2p": 0.2,
+    "p2p_loaded": 0.1,
+    "allreduce": 0.15,
+}
 MIN_REPEATS = 3
 MAX_REPEATS = 1000
 MATMUL_SIZES = (256, 512, 1024, 2048)
@@ -55,6 +63,7 @@ def calibrate_worker(spec: CalibrateWorkerSpec) -> dict[str, Any]:
         "matmul": measure_matmul,
         "bandwidth": measure_bandwidth,
         "per_op": measure_per_op,
+        "decode_op": measure_decode_op,
         "p2p": lambda budget: measure_p2p(rank, spec.world_size, budget),
         "p2p_loaded": lambda budget: measure_p2p_loaded(rank, spec.world_size, budget),
         "allreduce": lambda budget: measure_allreduce(rank, budget),
@@ -189,6 +198,23 @@ def measure_per_op(budget_s: float) -> dict[str, Any]:
         return (long_s - short_s) / span
 
     return {"nodes": [short, long], "forward_s": slope(0), "forward_backward_s": slope(1)}
+
+
+def measure_decode_op(budget_s: float) -> dict[str, Any]:
+    """The host time of one operation of a traced decode step: the zoo's tiny GPT decoded as a dp
+    rank decodes it, its median step over the operations the cp cost model counts for it."""
+    from tessera.core.weights import materialize
+    from tessera.executor.decode_program import step_operations
+    from tessera.executor.graph_decode_worker import graph_decoder, time_decode_step
+    from tessera.models import build
+
+    decoder = graph_decoder(materialize(build("gpt", "tiny", seed=0, seq=512)), label="zoo gpt tiny")
+    operations = step_operations(decoder) or 1
+    t0 = time.perf_counter()
+    step_s = time_decode_step(decoder, 8)
+    steps = max(8, min(256, int(budget_s / max(time.perf_counter() - t0, 1e-6) * 8)))
+    step_s = time_decode_step(decoder, steps)
+    return {"operations": operations, "step_s": step_s, "op_s": step_s / operations}
 
 
 def _pair_of(rank: int, world_size: int) -> int | None:

@@ -25,11 +25,16 @@ from tessera.planners.cp.scores import ScoreMod
 if TYPE_CHECKING:
     from tessera.executor.graph_decoder import Attend, GraphDecoder
 
-__all__ = ["StepProgram", "Untraceable", "compile_step", "self_attention"]
+__all__ = ["StepProgram", "Untraceable", "compile_step", "self_attention", "step_operations"]
 
 # Float initializers above this many elements are weights, read by the program; smaller ones
 # (epsilons, scales, shape constants) fold with the shape arithmetic they meet.
 WEIGHT_NUMEL = 4096
+# What a decode step runs besides its program's aten calls, in operations of about the same cost:
+# each core's callback (the cache write and read, the attention call, the layout changes) and the
+# step's own (the positions tensor, the argmax, the tokens read back).
+CORE_OPERATIONS = 12
+STEP_OPERATIONS = 6
 _SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed by the step's shapes
 _PROGRAMS: weakref.WeakValueDictionary[int, StepProgram] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
@@ -63,6 +68,17 @@ def compile_step(decoder: GraphDecoder, batch: int, length: int, *, inductor: bo
     except Untraceable as exc:
         return str(exc)
     return None
+
+
+def step_operations(decoder: GraphDecoder) -> int | None:
+    """The operations one batch-1 decode step of ``decoder`` runs (its traced program's, each core
+    and the step counted as above): what the cp cost model charges per step. None where the step
+    cannot be traced."""
+    try:
+        program = StepProgram(decoder, 1, 1)
+    except Untraceable:
+        return None
+    return program.operations + len(decoder.cores) * (CORE_OPERATIONS - 1) + STEP_OPERATIONS
 
 
 def self_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:

@@ -213,3 +213,25 @@ def _attention(  # noqa: PLR0913
         )  # fmt: skip
     q_pos = torch.arange(past, past + s_len, device=q.device)
     return attention_partial(q, keys, values, q_pos, positions, scores, heads)[0]
+
+
+def time_decode_step(decoder: GraphDecoder, steps: int, context: int = 64) -> float:
+    """Median seconds of one batch-1 decode step of ``decoder`` as a dp rank runs it (its traced
+    program, a static cache, the fused attention), after a ``context``-token prefill: what
+    ``calibrate`` divides by the step's operations."""
+    cache = GroupCache(np.zeros(context + steps + 1, dtype=np.int64), 0, torch.device("cpu"))
+    compile_step(decoder, 1, 1)
+
+    def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:
+        keys, values, positions = cache.read(layer, cache.write(layer, k, v, past))
+        return _attention(q, keys, values, positions, past, scores, slice(None))
+
+    tokens = torch.arange(context)[None] % decoder.vocab
+    last = int(torch.argmax(decoder.logits(tokens, 0, attend)[0, -1]))
+    times = []
+    for k in range(steps):
+        t0 = time.perf_counter()
+        logits = decoder.logits(torch.tensor([[last]]), context + k, attend)
+        last = int(torch.argmax(logits[0, -1]))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))

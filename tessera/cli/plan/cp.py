@@ -17,10 +17,11 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph, batch_fix
 from tessera.core.plans import ModelRef, dump_plan, write_plan
 from tessera.core.specs import load_cluster
-from tessera.planners.cp.cost import STRATEGIES
+from tessera.core.weights import is_lazy
+from tessera.planners.cp.cost import STRATEGIES, CostParams
 from tessera.planners.cp.llm import LlmSource, load_llm_config
 from tessera.planners.cp.plan import plan_cp_request, sweep_to_json
-from tessera.planners.cp.recognize import recognize_decoder
+from tessera.planners.cp.recognize import Decoder, recognize_decoder
 from tessera.planners.cp.workload import parse_output_lengths, parse_token_count, parse_token_counts
 
 OPTIONS = OptionGroup(
@@ -107,7 +108,7 @@ def run(  # noqa: C901, PLR0913
         {"-o": output, "--plot": plot},
         {"model": model, "LLM config": llm, "cluster spec": cluster if os.path.isfile(cluster) else None},
     )
-    model_ref = None
+    model_ref, params = None, None
     if model is not None:
         graph = load_model_option(model, input_shapes)
         decoder = recognize_decoder(graph)
@@ -119,6 +120,7 @@ def run(  # noqa: C901, PLR0913
         config = decoder.config
         source = LlmSource(kind="onnx", path=graph.source, sha256=graph.sha256)
         model_ref = ModelRef.of(graph)
+        params = _counted(graph, decoder)
     else:
         assert llm is not None
         config, source = load_llm_config(llm)
@@ -139,6 +141,7 @@ def run(  # noqa: C901, PLR0913
         positions=decoder.position_limit if model is not None else None,
         strategy=None if strategy == "auto" else strategy,
         degree=degree,
+        params=params,
     )
     if plan is not None and output:
         write_plan(plan, output)
@@ -238,6 +241,24 @@ def _print_sweep(out: Any, rows: list[Any], *, unit: str) -> None:
         table.add_row(strategy.upper(), *cells)
     table.add_row("best", *[(row.winner or "none").upper() for row in rows])
     out.print(table)
+
+
+MAX_COUNTED_BYTES = 1 << 30  # a model's weights up to this are loaded to count its decode step
+
+
+def _counted(graph: Graph, decoder: Decoder) -> CostParams | None:
+    """The cost model's constants with the operations of the decode step ``launch`` will run, traced
+    from the model (weights in memory up to 1 GiB); None: the default count per layer."""
+    if is_lazy(graph.model) or graph.param_bytes > MAX_COUNTED_BYTES:
+        return None
+    from tessera.executor.decode_program import step_operations
+    from tessera.executor.graph_decoder import GraphDecoder
+
+    try:
+        operations = step_operations(GraphDecoder(graph, decoder))
+    except InputError:  # a graph the decoder cannot step: launch refuses it, with the reason
+        return None
+    return None if operations is None else CostParams(step_operations=operations)
 
 
 def _fixed_batch_message(graph: Graph, batch: int) -> str | None:

@@ -61,7 +61,12 @@ class CostParams:
     block_table_entry_s: float = 20e-9
     kernels_per_layer: int = 12
     """GPU kernels per layer and step: 2 norms, Q/K/V, attention, output projection, 2 residual
-    adds, FFN (up, activation, down) and a rotary/bias op; CP adds one merge kernel."""
+    adds, FFN (up, activation, down) and a rotary/bias op; CP adds one merge kernel. Used where
+    ``step_operations`` is not known."""
+    step_operations: int = 0
+    """The operations one decode step of the whole model runs, counted from the step program the
+    executor traces of the plan's ONNX model (``plan`` counts them; 0: ``kernels_per_layer`` a
+    layer). Each is charged the device's ``decode_op_overhead``."""
     dp_trials: int = 2048
     """Monte Carlo draws of the output lengths for the DP straggler (seeded, so deterministic)."""
     seed: int = 0
@@ -71,6 +76,7 @@ class CostParams:
             "kv_block": self.kv_block,
             "block_table_entry_s": self.block_table_entry_s,
             "kernels_per_layer": self.kernels_per_layer,
+            **({"step_operations": self.step_operations} if self.step_operations else {}),
             "dp_trials": self.dp_trials,
             "seed": self.seed,
         }
@@ -334,6 +340,9 @@ def estimate(  # noqa: C901
                 tokens * 2 * llm.vocab * llm.hidden * head_share / peak, head_read_bytes * head_share / bw
             )
         compute = num_layers * (dense + attention) + head
+        if p.step_operations:  # the executor's own count, the layers' share of it per layer
+            op = device.type.decode_op_overhead or device.type.kernel_launch_overhead
+            return compute, p.step_operations * num_layers / llm.layers * op
         launches = (num_layers * kernels + (1 if with_head else 0)) * device.type.kernel_launch_overhead
         return compute, launches
 

@@ -196,6 +196,7 @@ def plan_cp_request(  # noqa: PLR0913
     positions: int | None = None,
     strategy: str | None = None,
     degree: int | None = None,
+    params: CostParams | None = None,
 ) -> tuple[CpPlan | None, list[SweepRow]]:
     """What ``tessera plan --kind cp`` asks: the plan at ``context`` (None: the sweep alone) and the
     prediction at each of ``sweep_contexts``. ``positions``: the model's position table, when it has
@@ -225,8 +226,9 @@ def plan_cp_request(  # noqa: PLR0913
             model=model,
             source=source,
             layers=layers,
+            params=params,
             strategy=strategy,
             degree=degree,
         )
-    rows = sweep_context(llm, cluster, workload, contexts, layers=layers) if contexts else []
+    rows = sweep_context(llm, cluster, workload, contexts, layers=layers, params=params) if contexts else []
     return plan, rows
