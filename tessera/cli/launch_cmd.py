@@ -23,10 +23,11 @@ from tessera.executor.launcher import LaunchOptions
 from tessera.executor.placement import worst_output
 from tessera.planners.cp.workload import MAX_TOKENS
 
+TRAINING_OPTIONS = ("optimizer", "momentum", "weight_decay", "lr_schedule", "warmup_steps", "max_grad_norm")
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
 _KIND_OPTIONS: dict[str, frozenset[str]] = {
-    "gpp": frozenset({"steps", "lr", "data", "compile_", "distributed"}),
-    "spp": frozenset({"steps", "lr", "data", "compile_", "distributed"}),
+    "gpp": frozenset({"steps", "lr", "data", "compile_", "distributed", *TRAINING_OPTIONS}),
+    "spp": frozenset({"steps", "lr", "data", "compile_", "distributed", *TRAINING_OPTIONS}),
     "cp": frozenset({"new_tokens", "prompt_lens", "prompts", "attention", "compile_", "distributed"}),
     "placement": frozenset({"repeat", "data"}),
 }
@@ -44,15 +45,17 @@ class PositiveFloat(click.ParamType):
 
     name = "float"
 
-    def __init__(self, maximum: float | None = None) -> None:
-        self.maximum = maximum
+    def __init__(self, maximum: float | None = None, *, zero: bool = False) -> None:
+        self.maximum, self.zero = maximum, zero
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
         number = click.FLOAT.convert(value, param, ctx)
-        if math.isfinite(number) and number > 0 and (self.maximum is None or number <= self.maximum):
+        low = number >= 0 if self.zero else number > 0
+        if math.isfinite(number) and low and (self.maximum is None or number <= self.maximum):
             return number
         bound = "" if self.maximum is None else f" and at most {self.maximum:g}"
-        self.fail(f"{value!r}: expected a finite number greater than 0{bound}", param, ctx)
+        least = "0 or more" if self.zero else "greater than 0"
+        self.fail(f"{value!r}: expected a finite number {least}{bound}", param, ctx)
 
 
 def _refuse_options_of_other_kinds(kind: str) -> None:
@@ -90,7 +93,37 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     "--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Training steps (mini-batches)."
 )
 @click.option(
-    "--lr", type=PositiveFloat(), default=0.01, show_default=True, help="SGD learning rate (finite, > 0)."
+    "--lr", type=PositiveFloat(), default=0.01, show_default=True, help="Peak learning rate (finite, > 0)."
+)
+@click.option(
+    "--optimizer",
+    type=click.Choice(["sgd", "adamw", "adam"]),
+    default="sgd",
+    show_default=True,
+    help="[gpp/spp] torch.optim optimizer of every stage.",
+)
+@click.option("--momentum", type=PositiveFloat(zero=True), default=0.0, help="[gpp/spp] SGD momentum.")
+@click.option(
+    "--weight-decay",
+    type=PositiveFloat(zero=True),
+    default=None,
+    help="[gpp/spp] Weight decay (default: the optimizer's own: 0.01 for AdamW, else 0).",
+)
+@click.option(
+    "--lr-schedule",
+    type=click.Choice(["constant", "cosine", "linear"]),
+    default="constant",
+    show_default=True,
+    help="[gpp/spp] After the warm-up, the learning rate stays, or falls to 0 at the last step.",
+)
+@click.option(
+    "--warmup-steps", type=click.IntRange(min=0), default=0, help="[gpp/spp] Steps of linear warm-up to --lr."
+)
+@click.option(
+    "--max-grad-norm",
+    type=PositiveFloat(),
+    default=None,
+    help="[gpp/spp] Clip the gradients to this global norm (over every stage and replica).",
 )
 @click.option(
     "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the synthetic data."
@@ -162,6 +195,12 @@ def launch(  # noqa: PLR0913
     master_port: int | None,
     steps: int,
     lr: float,
+    optimizer: str,
+    momentum: float,
+    weight_decay: float | None,
+    lr_schedule: str,
+    warmup_steps: int,
+    max_grad_norm: float | None,
     seed: int,
     data: str | None,
     compile_: bool,
@@ -176,11 +215,13 @@ def launch(  # noqa: PLR0913
     """Run PLAN on worker processes and report measured against predicted.
 
     gpp/spp plans: every device of the plan is one process running one stage replica; it trains
-    STEPS mini-batches (SGD, loss = mean of squared outputs) and reports loss, iteration time,
+    STEPS mini-batches (loss = mean of squared outputs; --optimizer, default SGD) and reports loss, iteration time,
     per-stage busy time and peak memory per step. cp plans: one process per device decodes the
     plan's batch greedily (NEW_TOKENS per request) and reports tokens/s and per-token latency.
     Exit codes: 0 done, 2 bad plan/model/data, 4 a worker failed (the rank and reason are printed).
     """
+    if momentum and optimizer != "sgd":
+        raise click.UsageError(f"--momentum is SGD's; {optimizer} keeps its own moments (betas)")
     if prompts is not None and prompt_lens is not None:
         raise click.UsageError("--prompts gives the requests' tokens, their lengths too: drop --prompt-lens")
     plan = load_plan(plan_path)
@@ -207,6 +248,14 @@ def launch(  # noqa: PLR0913
         data=data,
         steps=steps,
         lr=lr,
+        training={
+            "optimizer": optimizer,
+            "momentum": momentum,
+            "weight_decay": weight_decay,
+            "lr_schedule": lr_schedule,
+            "warmup_steps": warmup_steps,
+            "max_grad_norm": max_grad_norm,
+        },
         compile=compile_,
         new_tokens=new_tokens,
         prompt_lens=_prompt_lens(prompt_lens),

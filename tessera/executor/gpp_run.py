@@ -55,7 +55,7 @@ class GppRun(RunReport):
             "mini_batch_size": self.mini_batch_size,
             "training": {
                 "steps": self.options.steps,
-                "optimizer": f"SGD(lr={self.options.lr:g})",
+                "optimizer": self.options.describe(),
                 "loss": LOSS,
                 "data": self.options.data or f"synthetic (seed {self.options.seed})",
             },

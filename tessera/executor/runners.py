@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
@@ -28,6 +29,7 @@ class LaunchRequest:
     data: str | None = None  # gpp, spp, placement: an .npz of inputs (and targets)
     steps: int = 5  # gpp, spp
     lr: float = 0.01  # gpp, spp
+    training: dict[str, Any] = field(default_factory=dict)  # gpp, spp: TrainOptions' other fields
     compile: bool = False  # torch.compile every stage's program (gpp, spp) or decode step (cp)
     new_tokens: int = 8  # cp
     prompt_lens: tuple[int, ...] | None = None  # cp
@@ -47,7 +49,12 @@ def run_pipeline(plan: Plan, request: LaunchRequest) -> RunReport:
 
     graph = _graph(request)
     options = TrainOptions(
-        steps=request.steps, lr=request.lr, seed=request.seed, data=request.data, compile=request.compile
+        steps=request.steps,
+        lr=request.lr,
+        seed=request.seed,
+        data=request.data,
+        compile=request.compile,
+        **request.training,
     )
     return run_gpp_plan(plan, graph, graph.source, options, request.launch, plan_path=request.plan_path)
 

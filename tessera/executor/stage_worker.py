@@ -26,6 +26,7 @@ from tessera.backends.torch_module import OnnxModule, to_torch
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan
+from tessera.executor.gradients import GradBucket, global_norm_clip
 from tessera.executor.launcher import (
     WATCHDOG_FACTOR,
     Watchdog,
@@ -36,7 +37,7 @@ from tessera.executor.launcher import (
 )
 from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
-from tessera.executor.training import TrainingData, TrainOptions, loss_term
+from tessera.executor.training import TrainingData, TrainOptions, loss_term, make_optimizer
 from tessera.planners.pipeline.profile import torch_dtype_of
 
 
@@ -118,7 +119,7 @@ class StageWorker:
         # Activation recomputation (the stage's recompute): the forward keeps only its inputs and
         # outputs, and the backward runs it again (torch.utils.checkpoint).
         self.recompute = self.stage.recompute
-        self.opt = torch.optim.SGD(self.params, lr=spec.options.lr) if self.params else None
+        self.opt, self.schedule = make_optimizer(self.params, spec.options) if self.params else (None, None)
         self.data = TrainingData(graph, routing.mini_batch, spec.options.seed, spec.options.data)
         self.graph_inputs = set(graph.inputs)
         # Data-parallel groups: created on every rank in the same order (torch.distributed's rule).
@@ -146,13 +147,19 @@ class StageWorker:
                 if params:
                     self.shared_groups.append((group, params))
         tied = {id(p) for _, params in self.shared_groups for p in params}
+        # The global gradient norm counts each weight once: on replica 0 of its stage, and a weight
+        # several stages hold on the first of them.
+        first = {w: ids[min(idx)] for w, idx in shared.items()}
+        self.norm_params = [
+            p for w, p in mine.items() if self.replica == 0 and first.get(w, self.stage_id) == self.stage_id
+        ]
         self.dp_params = [p for p in self.params if id(p) not in tied]
         groups = [(self.dp_group, self.dp_params)] if self.dp_group is not None and self.dp_params else []
         # A rank on cores of its own spins (yielding) on its all-reduces rather than sleeping in
-        # them (_Bucket.all_reduce).
+        # them (GradBucket.all_reduce).
         gloo_yields = spec.backend == "gloo" and hasattr(os, "sched_yield")
         self.buckets = [
-            _Bucket(params, group, gloo_yields and own_cores())
+            GradBucket(params, group, gloo_yields and own_cores())
             for group, params in [*groups, *self.shared_groups]
         ]
         # Gradients go over connections of their own, activations over the default group's: over
@@ -447,8 +454,11 @@ class StageWorker:
         for bucket in self.buckets:
             bucket.all_reduce()
         allreduce = time.perf_counter() - t0
-        if self.opt is not None:
+        if self.spec.options.max_grad_norm is not None:  # every rank joins: the norm is global
+            global_norm_clip(self.norm_params, self.params, self.spec.options.max_grad_norm)
+        if self.opt is not None and self.schedule is not None:
             self.opt.step()
+            self.schedule.step()
             self.opt.zero_grad(set_to_none=not self.buckets)  # buckets' views stay, zeroed
         # No end-of-step barrier: a stage starts its next step as soon as its own is done (its
         # next inputs wait on their producers anyway); the losses are summed once, after the run.
@@ -498,35 +508,6 @@ def _packs(
     for msg in sorted(messages, key=order):
         packs.setdefault(peer(msg), []).append(msg)
     return packs
-
-
-class _Bucket:
-    """The gradients ``params`` sum over ``group``, as views of one flat buffer (DDP's
-    ``gradient_as_bucket_view``): the backward accumulates into it in place and one all-reduce sums
-    it, with no copy in or out. A gradient nobody wrote stays 0."""
-
-    def __init__(self, params: list[Tensor], group: Any, spins: bool = False) -> None:
-        self.group, self.spins = group, spins
-        self.flat = torch.zeros(
-            sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device
-        )
-        offset = 0
-        for p in params:
-            p.grad = self.flat[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
-
-    def all_reduce(self) -> None:
-        """Sum the buffer over the group. With ``spins``, the rank polls the all-reduce and yields
-        its core between polls instead of sleeping until gloo's thread wakes it: a sleeping rank's
-        all-reduce of BERT's 344 KB stalled 2-6 ms in one step of four here, a polling one in one of
-        ten (mean step 5.9 -> 5.2 ms; docs/executor.md, "Fidelity")."""
-        if not self.spins:
-            dist.all_reduce(self.flat, group=self.group)
-            return
-        work = dist.all_reduce(self.flat, group=self.group, async_op=True)
-        while not work.is_completed():  # done on gloo's thread (a receive's work only inside wait())
-            os.sched_yield()
-        work.wait()  # raises what the all-reduce raised
 
 
 def _total_losses(steps: list[dict[str, Any]], world_size: int, device: torch.device) -> None:

@@ -2,13 +2,15 @@
 
 Owns the run's options (:class:`TrainOptions`), its mini-batches (:class:`TrainingData`: seeded
 synthetic data or an ``.npz`` file), the loss (``Σ_o mean((o − t_o)²)`` over the float outputs,
-target 0 unless the data gives ``target:<output>``; :func:`loss_term` is one piece's share) and
-plain SGD. :func:`train_reference` trains in one process: the ground truth a plan must reproduce.
+target 0 unless the data gives ``target:<output>``; :func:`loss_term` is one piece's share), the
+optimizer and its learning-rate schedule (:func:`make_optimizer`: torch.optim). :func:`train_reference`
+trains in one process: the ground truth a plan must reproduce.
 See docs/executor.md ("Training semantics").
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -25,16 +27,78 @@ from tessera.core.graph import Graph, load_graph
 __all__ = ["TrainingData", "load_npz"]  # re-exported: the training semantics' data, from core
 
 
+OPTIMIZERS = ("sgd", "adamw", "adam")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
 @dataclass(frozen=True)
 class TrainOptions:
-    """What one training run does: ``steps`` SGD steps with learning rate ``lr`` on ``data``
-    (an ``.npz`` file) or seeded synthetic data."""
+    """What one training run does: ``steps`` optimizer steps on ``data`` (an ``.npz`` file) or
+    seeded synthetic data. The optimizer (torch.optim's ``sgd``, ``adamw`` or ``adam``) at peak
+    learning rate ``lr``, ``weight_decay`` (None: the optimizer's default) and ``momentum`` (SGD);
+    the rate warms up linearly over ``warmup_steps``, then follows ``lr_schedule`` down to 0 at the
+    last step (``constant``: stays); gradients clipped to the global norm ``max_grad_norm``."""
 
     steps: int = 3
     lr: float = 0.01
     seed: int = 0
     data: str | None = None
     compile: bool = False  # stages run torch.compile of their program (launch --compile)
+    optimizer: str = "sgd"
+    momentum: float = 0.0
+    weight_decay: float | None = None
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    max_grad_norm: float | None = None
+
+    def describe(self) -> str:
+        """``AdamW(lr=0.001, weight_decay=0.01, cosine, warmup 3, clip 1)`` as the report prints it."""
+        name = {"sgd": "SGD", "adamw": "AdamW", "adam": "Adam"}[self.optimizer]
+        parts = [f"lr={self.lr:g}"]
+        if self.momentum:
+            parts.append(f"momentum={self.momentum:g}")
+        if self.weight_decay is not None:
+            parts.append(f"weight_decay={self.weight_decay:g}")
+        if self.lr_schedule != "constant":
+            parts.append(self.lr_schedule)
+        if self.warmup_steps:
+            parts.append(f"warmup {self.warmup_steps}")
+        if self.max_grad_norm is not None:
+            parts.append(f"clip {self.max_grad_norm:g}")
+        return f"{name}({', '.join(parts)})"
+
+
+def make_optimizer(
+    params: list[Tensor], options: TrainOptions
+) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
+    """The run's optimizer over ``params`` and its schedule (stepped once per optimizer step): the
+    same objects in one process and on every stage, so each weight takes the same updates."""
+    decay = {} if options.weight_decay is None else {"weight_decay": options.weight_decay}
+    if options.optimizer == "sgd":
+        opt: torch.optim.Optimizer = torch.optim.SGD(
+            params, lr=options.lr, momentum=options.momentum, **decay
+        )
+    elif options.optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=options.lr, **decay)
+    elif options.optimizer == "adam":
+        opt = torch.optim.Adam(params, lr=options.lr, **decay)
+    else:
+        raise ValueError(f"unknown optimizer {options.optimizer!r}; expected one of {OPTIMIZERS}")
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, options))
+
+
+def lr_factor(step: int, options: TrainOptions) -> float:
+    """The learning rate of optimizer step ``step`` (0-based) over the peak: linear warm-up to 1 over
+    ``warmup_steps``, then ``lr_schedule`` from 1 to 0 at the last step."""
+    warmup = options.warmup_steps
+    if step < warmup:
+        return (step + 1) / warmup
+    if options.lr_schedule == "constant":
+        return 1.0
+    progress = (step - warmup) / max(1, options.steps - warmup)
+    if options.lr_schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    return 1.0 - progress
 
 
 def loss_term(output: Tensor, target: Tensor | None, samples: int, mini_batch: int) -> Tensor:
@@ -68,13 +132,18 @@ def train_reference(
     *,
     data: str | None = None,
     input_shapes: Mapping[str, Sequence[int]] | None = None,
+    options: TrainOptions | None = None,
 ) -> ReferenceRun:
-    """Train ``model`` for ``steps`` SGD steps on whole mini-batches in this process (see the
-    module docstring for data, loss and optimizer): the ground truth of a GPP run."""
+    """Train ``model`` for ``steps`` steps on whole mini-batches in this process (see the module
+    docstring for data, loss and optimizer; ``options``, when given, for the optimizer, schedule and
+    clipping, else SGD at ``lr``): the ground truth of a GPP run."""
+    from tessera.executor.gradients import global_norm_clip
+
+    options = options or TrainOptions(steps=steps, lr=lr, seed=seed, data=data)
     graph = model if isinstance(model, Graph) else load_graph(model, input_shapes=input_shapes)
     module = to_torch(graph.model, label=graph.source)
     params = [p for _, p in module.onnx_parameters()]
-    opt = torch.optim.SGD(params, lr=lr)
+    opt, schedule = make_optimizer(params, options)
     source = TrainingData(graph, mini_batch, seed, data)
     outputs = float_outputs(graph)
     losses: list[float] = []
@@ -86,7 +155,10 @@ def train_reference(
         )
         opt.zero_grad()
         loss.backward()  # type: ignore[union-attr]
+        if options.max_grad_norm is not None:
+            global_norm_clip(params, params, options.max_grad_norm)
         opt.step()
+        schedule.step()
         losses.append(float(loss.detach()))  # type: ignore[union-attr]
     weights = {n: p.detach().numpy().copy() for n, p in module.onnx_parameters()}
     return ReferenceRun(losses, weights)

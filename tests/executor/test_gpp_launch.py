@@ -6,6 +6,7 @@ biases move by ~1e-4; summing micro-batch gradients in another order changes the
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,9 @@ RTOL, ATOL = 1e-5, 1e-6
 
 def _check_exact(plan, graph, path: Path, options: TrainOptions):
     run = run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=60), return_weights=True)
-    ref = train_reference(graph, options.steps, plan.mini_batch_size, seed=options.seed, lr=options.lr)
+    ref = train_reference(
+        graph, options.steps, plan.mini_batch_size, seed=options.seed, lr=options.lr, options=options
+    )
     np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
     assert run.losses[-1] != run.losses[0]  # the weights moved
     assert set(run.weights) == set(ref.weights)
@@ -82,7 +85,9 @@ def test_recomputed_activations_train_exactly_and_keep_less(tmp_path: Path) -> N
         run_gpp_plan(p, graph, str(path), options, LaunchOptions(timeout_s=60), return_weights=True)
         for p in (plan, again)
     ]
-    ref = train_reference(graph, options.steps, plan.mini_batch_size, seed=options.seed, lr=options.lr)
+    ref = train_reference(
+        graph, options.steps, plan.mini_batch_size, seed=options.seed, lr=options.lr, options=options
+    )
     for run in runs:
         np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
         for name, want in ref.weights.items():
@@ -130,6 +135,39 @@ def test_a_weight_read_by_two_stages_trains_as_one(tmp_path: Path, replicas: int
     second = ["d1", "d2"][:replicas]
     plan = make_plan(graph, [(graph.order[:6], ["d0"], 2), (graph.order[6:], second, 2)], 8)
     _check_exact(plan, graph, path, TrainOptions(steps=4, lr=0.1, seed=2))
+
+
+@pytest.mark.parametrize("replicas", [1, 2], ids=["2-stages", "2-stages-dp2"])
+def test_adamw_with_a_schedule_and_global_clipping_trains_as_one_process(
+    tmp_path: Path, replicas: int
+) -> None:
+    """AdamW, linear warm-up then cosine decay, gradients clipped to a global norm that binds: the
+    norm counts every weight once (a weight two stages hold, a stage's data-parallel replicas), so
+    20 steps of the plan give single-process training's losses and weights."""
+    path = tmp_path / "tied.onnx"
+    graph = save_model(tied_chain(), path)
+    second = ["d1", "d2"][:replicas]
+    plan = make_plan(graph, [(graph.order[:6], ["d0"], 2), (graph.order[6:], second, 2)], 8)
+    options = TrainOptions(
+        steps=20, lr=0.05, seed=3, optimizer="adamw", weight_decay=0.1, lr_schedule="cosine",
+        warmup_steps=3, max_grad_norm=0.05,
+    )  # fmt: skip
+    run = _check_exact(plan, graph, path, options)
+    unclipped = train_reference(graph, 20, 8, seed=3, options=replace(options, max_grad_norm=None))
+    assert not np.allclose(run.losses, unclipped.losses, rtol=1e-3)  # the clipping binds
+    assert (
+        run.to_json()["training"]["optimizer"]
+        == "AdamW(lr=0.05, weight_decay=0.1, cosine, warmup 3, clip 0.05)"
+    )
+
+
+def test_sgd_with_momentum_on_a_dag_trains_as_one_process(tmp_path: Path) -> None:
+    path = tmp_path / "candle.onnx"
+    graph = save_model(build("candle_uno", "tiny", 0), path)
+    a, b, c = candle_dag(graph)
+    plan = make_plan(graph, [(a, ["d0"], 2), (b, ["d1"], 4), (c, ["d2", "d3"], 2)], 8)
+    options = TrainOptions(steps=6, lr=0.02, seed=1, momentum=0.9, lr_schedule="linear", max_grad_norm=1.0)
+    _check_exact(plan, graph, path, options)
 
 
 def test_tensors_of_three_dtypes_cross_to_a_peer_in_one_message(tmp_path: Path) -> None:

@@ -16,7 +16,7 @@ from executor.processes import interrupt_launch, still_running
 
 from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, write_plan
 from tessera.executor.launcher import FAULT_ENV
-from tessera.executor.training import train_reference
+from tessera.executor.training import TrainOptions, train_reference
 from tessera.models import build
 
 
@@ -187,6 +187,38 @@ def test_ctrl_c_stops_every_worker(chain_plan) -> None:
     assert code == 130, err
     time.sleep(0.5)
     assert still_running(workers) == []
+
+
+@pytest.mark.slow
+def test_the_optimizer_flags_train_as_one_process_does(chain_plan) -> None:
+    graph, plan_path = chain_plan
+    flags = ["--optimizer", "adamw", "--lr", "0.01", "--weight-decay", "0.05", "--lr-schedule", "linear",
+             "--warmup-steps", "1", "--max-grad-norm", "0.5"]  # fmt: skip
+    res = run_cli("launch", str(plan_path), "--steps", "4", "--seed", "4", *flags, "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["training"]["optimizer"] == "AdamW(lr=0.01, weight_decay=0.05, linear, warmup 1, clip 0.5)"
+    options = TrainOptions(
+        steps=4, lr=0.01, seed=4, optimizer="adamw", weight_decay=0.05, lr_schedule="linear",
+        warmup_steps=1, max_grad_norm=0.5,
+    )  # fmt: skip
+    ref = train_reference(graph, 4, 4, seed=4, options=options)
+    np.testing.assert_allclose([s["loss"] for s in report["steps"]], ref.losses, rtol=1e-5)
+
+
+def test_bad_optimizer_flags_are_usage_errors(chain_plan) -> None:
+    _, plan_path = chain_plan
+    for args, says in (
+        (["--optimizer", "adamw", "--momentum", "0.9"], "--momentum is SGD's"),
+        (["--max-grad-norm", "0"], "greater than 0"),
+        (["--max-grad-norm", "nan"], "greater than 0"),
+        (["--weight-decay", "-1"], "0 or more"),
+        (["--optimizer", "lamb"], "'lamb' is not one of"),
+        (["--warmup-steps", "-1"], "-1"),
+    ):
+        res = run_cli("launch", str(plan_path), *args)
+        assert res.code == 2, (args, res.err)
+        assert says in res.err, (args, res.err)
 
 
 def test_options_of_another_plan_kind_are_refused_not_ignored(chain_plan) -> None:
