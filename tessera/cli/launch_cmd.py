@@ -13,17 +13,33 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import check_plan_llm_config, json_option, load_plan_model, plan_model_option
+from tessera.cli.options import (
+    check_outputs,
+    check_plan_llm_config,
+    json_option,
+    load_plan_model,
+    plan_model_option,
+)
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError, LaunchError
+from tessera.core.files import check_writable
 from tessera.core.graph import Graph
 from tessera.core.plans import CpPlan, Plan, load_plan
+from tessera.core.tokens import TOKEN_SUFFIXES
 from tessera.executor import RUNNERS, LaunchRequest
 from tessera.executor.launcher import LaunchOptions
 from tessera.executor.placement import worst_output
 from tessera.planners.cp.workload import MAX_TOKENS
 
-TRAINING_OPTIONS = ("optimizer", "momentum", "weight_decay", "lr_schedule", "warmup_steps", "max_grad_norm")
+TRAINING_OPTIONS = (
+    "optimizer",
+    "momentum",
+    "weight_decay",
+    "lr_schedule",
+    "warmup_steps",
+    "max_grad_norm",
+    "loss",
+)
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
 _KIND_OPTIONS: dict[str, frozenset[str]] = {
     "gpp": frozenset({"steps", "lr", "data", "compile_", "distributed", *TRAINING_OPTIONS}),
@@ -96,6 +112,20 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     "--lr", type=PositiveFloat(), default=0.01, show_default=True, help="Peak learning rate (finite, > 0)."
 )
 @click.option(
+    "--save-model",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="[gpp/spp] Write the trained model there (ONNX, atomically; weights past 1 GiB as OUT.data beside it).",
+)
+@click.option(
+    "--loss",
+    type=click.Choice(["mse", "ce"]),
+    default=None,
+    help="[gpp/spp] mse: mean squared error to the data's targets (0 without); ce: cross-entropy of the "
+    "logits against integer labels (target:<output> arrays, or a token file's next tokens). Default: ce for "
+    "a token file, else mse.",
+)
+@click.option(
     "--optimizer",
     type=click.Choice(["sgd", "adamw", "adam"]),
     default="sgd",
@@ -132,7 +162,9 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     "--data",
     type=click.Path(dir_okay=False, path_type=str),
     default=None,
-    help="An .npz with one array per model input (rows = samples), optionally target:<output> arrays.",
+    help="An .npz with one array per model input (rows = samples), optionally target:<output> arrays; "
+    "or [gpp/spp] a flat token file (.bin of uint16 ids, nanoGPT's format, or a 1-D integer .npy) whose "
+    "windows of the model's sequence length train next-token prediction (memory-mapped).",
 )
 @click.option(
     "--compile",
@@ -201,6 +233,8 @@ def launch(  # noqa: PLR0913
     lr_schedule: str,
     warmup_steps: int,
     max_grad_norm: float | None,
+    loss: str | None,
+    save_model: str | None,
     seed: int,
     data: str | None,
     compile_: bool,
@@ -226,6 +260,10 @@ def launch(  # noqa: PLR0913
         raise click.UsageError("--prompts gives the requests' tokens, their lengths too: drop --prompt-lens")
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
+    if save_model is not None:  # before the run: a path that cannot be written loses nothing
+        source = model or (plan.model.path if plan.model is not None else None)
+        check_outputs({"--save-model": save_model}, {"plan": plan_path, "model": source, "data": data})
+        check_writable(save_model)
     runner = RUNNERS.get(plan.kind)
     if runner is None:
         raise InputError(
@@ -255,8 +293,10 @@ def launch(  # noqa: PLR0913
             "lr_schedule": lr_schedule,
             "warmup_steps": warmup_steps,
             "max_grad_norm": max_grad_norm,
+            "loss": loss or ("ce" if data is not None and data.endswith(TOKEN_SUFFIXES) else "mse"),
         },
         compile=compile_,
+        save_model=save_model,
         new_tokens=new_tokens,
         prompt_lens=_prompt_lens(prompt_lens),
         prompts=None if prompts is None else read_prompts(prompts),

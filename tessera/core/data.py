@@ -1,5 +1,5 @@
-"""The mini-batches a training run draws (:class:`TrainingData`): seeded synthetic data or the
-arrays of an ``.npz`` file. Core, so that the stage profiler measures a stage on the very inputs
+"""The mini-batches a training run draws (:class:`TrainingData`): seeded synthetic data, the
+arrays of an ``.npz`` file, or windows of a flat token file (:mod:`tessera.core.tokens`). Core, so that the stage profiler measures a stage on the very inputs
 the stage workers train on. Semantics: docs/executor.md ("Training semantics").
 """
 
@@ -10,6 +10,7 @@ import numpy as np
 from tessera.core.errors import InputError
 from tessera.core.files import read_npz
 from tessera.core.graph import Graph
+from tessera.core.tokens import TOKEN_SUFFIXES, TokenWindows
 
 
 class TrainingData:
@@ -18,20 +19,35 @@ class TrainingData:
     Synthetic data is drawn from ``numpy.random.default_rng([seed, step])``, so every rank and the
     reference draw the same mini-batch without talking. An ``.npz`` file holds one array per graph
     input (and optionally ``target:<output>``) with ``N`` rows, ``N`` a multiple of the mini-batch;
-    step ``k`` takes rows ``[(k mod N/B)·B, …+B)``.
+    step ``k`` takes rows ``[(k mod N/B)·B, …+B)``. A token file (``.bin``, ``.npy``) feeds a
+    decoder's one ``[batch, sequence]`` id input with windows of its sequence length, and labels its
+    ``[batch, sequence, vocab]`` logits with the next tokens (``targets``).
     """
 
-    def __init__(self, graph: Graph, mini_batch: int, seed: int = 0, path: str | None = None) -> None:
+    def __init__(
+        self, graph: Graph, mini_batch: int, seed: int = 0, path: str | None = None, loss: str = "mse"
+    ) -> None:
         self.mini_batch = mini_batch
         self.seed = seed
         self.specs = {name: (info.shape or (1,), info.dtype) for name, info in graph.inputs.items()}
         self.id_range = {name: _id_range(graph, name) for name, (_, dtype) in self.specs.items()}
         self.arrays: dict[str, np.ndarray] | None = None
-        if path is not None:
-            self.arrays = load_npz(path, graph, mini_batch)
+        self.tokens: tuple[str, str, TokenWindows] | None = None  # (ids input, logits output, windows)
+        if path is not None and path.endswith(TOKEN_SUFFIXES):
+            if loss != "ce":
+                raise InputError(
+                    f"a token file trains next-token prediction with --loss ce, not {loss}", source=path
+                )
+            self.tokens = _token_windows(graph, path, seed, self.id_range)
+        elif path is not None:
+            self.arrays = load_npz(path, graph, mini_batch, loss)
 
     def batch(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         B = self.mini_batch
+        if self.tokens is not None:
+            ids, logits, windows = self.tokens
+            tokens, labels = windows.batch(step, B)
+            return {ids: tokens.astype(self.specs[ids][1])}, {logits: labels}
         if self.arrays is not None:
             n = next(iter(self.arrays.values())).shape[0] // B
             lo = (step % n) * B
@@ -51,6 +67,63 @@ class TrainingData:
         return inputs, {}
 
 
+def _class_ids(name: str, array: np.ndarray, shape: tuple | None, path: str) -> np.ndarray:
+    """Cross-entropy labels: integer ids (-100: ignored), the output's sample shape less its classes."""
+    if not np.issubdtype(array.dtype, np.integer):
+        raise InputError(
+            f"array {name!r} holds {array.dtype}; --loss ce takes integer class ids", source=path
+        )
+    if shape is not None and tuple(array.shape[1:]) != tuple(shape[1:-1]):
+        raise InputError(
+            f"array {name!r} has sample shape {list(array.shape[1:])}; cross-entropy labels of an output of "
+            f"shape {list(shape)} have {list(shape[1:-1])}",
+            source=path,
+        )
+    classes = shape[-1] if shape is not None and isinstance(shape[-1], int) else None
+    if (
+        classes is not None
+        and array.size
+        and (array.max() >= classes or array[array != -100].min(initial=0) < 0)
+    ):
+        raise InputError(
+            f"array {name!r} has class ids outside 0..{classes - 1} (and -100, ignored)", source=path
+        )
+    return array.astype(np.int64)
+
+
+def _token_windows(
+    graph: Graph, path: str, seed: int, vocab: dict[str, int]
+) -> tuple[str, str, TokenWindows]:
+    """A token file's windows for ``graph``: its one integer ``[batch, sequence]`` input (a fixed
+    sequence length) and its ``[batch, sequence, vocab]`` logits."""
+    ids = [n for n, info in graph.inputs.items() if not np.issubdtype(np.dtype(info.dtype), np.floating)]
+    shape = graph.inputs[ids[0]].shape if len(ids) == 1 else None
+    if (
+        len(ids) != 1
+        or len(graph.inputs) != 1
+        or shape is None
+        or len(shape) != 2
+        or not isinstance(shape[1], int)
+    ):
+        raise InputError(
+            f"a token file feeds a model whose one input is token ids [batch, sequence] of a fixed length; "
+            f"the model has inputs {', '.join(f'{n} {graph.inputs[n].shape}' for n in graph.inputs)}",
+            source=path,
+        )
+    logits = [
+        n
+        for n, info in graph.outputs.items()
+        if info.floating and info.shape is not None and len(info.shape) == 3
+    ]
+    if len(logits) != 1:
+        raise InputError(
+            "a token file trains next-token prediction: the model needs one [batch, sequence, vocab] "
+            f"output; it has {', '.join(graph.outputs)}",
+            source=path,
+        )
+    return ids[0], logits[0], TokenWindows(path, shape[1], vocab[ids[0]], seed)
+
+
 def _id_range(graph: Graph, name: str) -> int:
     """Rows of the smallest Gather table an integer input indexes (1 when it indexes none)."""
     rows = [
@@ -64,9 +137,10 @@ def _id_range(graph: Graph, name: str) -> int:
     return max(1, min(rows)) if rows else 1
 
 
-def load_npz(path: str, graph: Graph, mini_batch: int) -> dict[str, np.ndarray]:
+def load_npz(path: str, graph: Graph, mini_batch: int, loss: str = "mse") -> dict[str, np.ndarray]:
     """The arrays of a data file, checked against ``graph`` (every input present, sample shapes,
-    ``target:<output>`` names) and cast to its dtypes; InputError naming the file otherwise."""
+    ``target:<output>`` names) and cast to its dtypes; InputError naming the file otherwise. Under
+    ``loss="ce"`` a target holds integer class ids, one per output row without its last (class) axis."""
     arrays = read_npz(path)
     missing = [n for n in graph.inputs if n not in arrays]
     if missing:
@@ -83,6 +157,9 @@ def load_npz(path: str, graph: Graph, mini_batch: int) -> dict[str, np.ndarray]:
             if name[7:] not in graph.outputs:
                 raise InputError(f"{name!r} names no model output", source=path)
             info, wants = graph.outputs[name[7:]], f"the model's output {name[7:]!r} has"
+            if loss == "ce":
+                out[name] = _class_ids(name, array, info.shape, path)
+                continue
         elif name in graph.inputs:
             info, wants = graph.inputs[name], "the model wants"
         else:

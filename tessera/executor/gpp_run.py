@@ -23,9 +23,12 @@ from tessera.executor.launcher import LaunchOptions, choose_backend, launch_work
 from tessera.executor.report import RunReport, counted_steps, gathered, over, ratios, slowest, steady_mean
 from tessera.executor.routing import Routing, build_routing, tensor_layouts
 from tessera.executor.stage_worker import WorkerSpec, gpp_worker
-from tessera.executor.training import TrainOptions, load_npz
+from tessera.executor.training import TrainingData, TrainOptions
 
-LOSS = "sum over float outputs of mean((output - target)^2); target 0 unless the data gives one"
+LOSSES = {
+    "mse": "sum over float outputs of mean((output - target)^2); target 0 unless the data gives one",
+    "ce": "cross-entropy of the logits against the labels, mean over the mini-batch's labels (-100: ignored)",
+}
 
 
 @dataclass(kw_only=True)
@@ -43,6 +46,7 @@ class GppRun(RunReport):
     rank_steps: dict[int, list[dict[str, Any]]] = field(default_factory=dict)
     # Per stage, the stages whose ranks join an all-reduce with its ranks (tied weights).
     allreduce_peers: dict[int, list[int]] = field(default_factory=dict)
+    saved_model: list[str] = field(default_factory=list)  # --save-model: the files written
 
     @property
     def losses(self) -> list[float]:
@@ -56,8 +60,9 @@ class GppRun(RunReport):
             "training": {
                 "steps": self.options.steps,
                 "optimizer": self.options.describe(),
-                "loss": LOSS,
+                "loss": LOSSES[self.options.loss],
                 "data": self.options.data or f"synthetic (seed {self.options.seed})",
+                **({"saved_model": self.saved_model} if self.saved_model else {}),
             },
             "stages": self.stages,
             "fidelity": fidelity(
@@ -82,8 +87,8 @@ def run_gpp_plan(
     if options.steps < 1:
         raise InputError(f"--steps {options.steps}: must be at least 1")
     check_supported(graph.model, model_path)  # refuse what the workers could not build, before they start
-    if options.data is not None:
-        load_npz(options.data, graph, plan.mini_batch_size)  # refuse bad data before starting workers
+    if options.data is not None:  # refuse bad data before starting workers
+        TrainingData(graph, plan.mini_batch_size, options.seed, options.data, options.loss)
     routing = build_routing(plan, graph, tensor_layouts(graph, model_path))
     devices = [d for st in plan.stages for d in st.devices]
     backend = choose_backend(plan.cluster, devices)

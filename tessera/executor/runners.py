@@ -30,6 +30,7 @@ class LaunchRequest:
     steps: int = 5  # gpp, spp
     lr: float = 0.01  # gpp, spp
     training: dict[str, Any] = field(default_factory=dict)  # gpp, spp: TrainOptions' other fields
+    save_model: str | None = None  # gpp, spp: write the trained model there
     compile: bool = False  # torch.compile every stage's program (gpp, spp) or decode step (cp)
     new_tokens: int = 8  # cp
     prompt_lens: tuple[int, ...] | None = None  # cp
@@ -56,7 +57,21 @@ def run_pipeline(plan: Plan, request: LaunchRequest) -> RunReport:
         compile=request.compile,
         **request.training,
     )
-    return run_gpp_plan(plan, graph, graph.source, options, request.launch, plan_path=request.plan_path)
+    save = request.save_model
+    run = run_gpp_plan(
+        plan,
+        graph,
+        graph.source,
+        options,
+        request.launch,
+        plan_path=request.plan_path,
+        return_weights=bool(save),
+    )
+    if save and run.failure is None:
+        from tessera.executor.trained_model import save_trained_model, trained_model
+
+        run.saved_model = [str(p) for p in save_trained_model(trained_model(graph.model, run.weights), save)]
+    return run
 
 
 def run_decode(plan: Plan, request: LaunchRequest) -> RunReport:

@@ -37,7 +37,7 @@ from tessera.executor.launcher import (
 )
 from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
-from tessera.executor.training import TrainingData, TrainOptions, loss_term, make_optimizer
+from tessera.executor.training import TrainingData, TrainOptions, labelled, loss_term, make_optimizer
 from tessera.planners.pipeline.profile import torch_dtype_of
 
 
@@ -120,7 +120,9 @@ class StageWorker:
         # outputs, and the backward runs it again (torch.utils.checkpoint).
         self.recompute = self.stage.recompute
         self.opt, self.schedule = make_optimizer(self.params, spec.options) if self.params else (None, None)
-        self.data = TrainingData(graph, routing.mini_batch, spec.options.seed, spec.options.data)
+        self.data = TrainingData(
+            graph, routing.mini_batch, spec.options.seed, spec.options.data, spec.options.loss
+        )
         self.graph_inputs = set(graph.inputs)
         # Data-parallel groups: created on every rank in the same order (torch.distributed's rule).
         self.dp_group = None
@@ -355,8 +357,11 @@ class StageWorker:
                 None if target is None else torch.from_numpy(target[lo:hi]).to(self.device),
                 hi - lo,
                 self.routing.mini_batch,
+                kind=self.spec.options.loss,
+                labels=self.labels,
             )
-            loss = term if loss is None else loss + term
+            if term is not None:
+                loss = term if loss is None else loss + term
         if loss is not None:
             self.loss_sum += float(loss.detach())
         t2 = time.perf_counter()
@@ -427,6 +432,7 @@ class StageWorker:
         self.busy = self.forward_busy = self.wait = self.loss_sum = 0.0
         self.saved: dict[int, _Saved] = {}
         inputs, targets = self.data.batch(step)
+        self.labels = labelled(targets)  # a cross-entropy's divisor: the whole mini-batch's labels
         t0 = time.perf_counter()
         self._posted = self._next_posted if self._next_posted is not None else self._post_receives(step)
         self._next_posted = None

@@ -50,6 +50,7 @@ class TrainOptions:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     max_grad_norm: float | None = None
+    loss: str = "mse"  # "ce": cross-entropy against labels (token files: next-token labels)
 
     def describe(self) -> str:
         """``AdamW(lr=0.001, weight_decay=0.01, cosine, warmup 3, clip 1)`` as the report prints it."""
@@ -101,9 +102,36 @@ def lr_factor(step: int, options: TrainOptions) -> float:
     return 1.0 - progress
 
 
-def loss_term(output: Tensor, target: Tensor | None, samples: int, mini_batch: int) -> Tensor:
-    """This piece's share of ``mean((o − t)²)`` over the mini-batch: ``Σ (o − t)² / (B · n)``,
-    ``n`` the elements per sample. Summed over micro-batches and replicas it is the mean."""
+LOSSES = ("mse", "ce")
+IGNORED = -100  # a cross-entropy label that counts for nothing (torch's ignore_index)
+
+
+def labelled(targets: Mapping[str, np.ndarray]) -> int:
+    """The cross-entropy labels of a whole mini-batch (those not ``IGNORED``): its mean's divisor."""
+    return int(sum(np.count_nonzero(t != IGNORED) for t in targets.values()))
+
+
+def loss_term(  # noqa: PLR0913
+    output: Tensor,
+    target: Tensor | None,
+    samples: int,
+    mini_batch: int,
+    *,
+    kind: str = "mse",
+    labels: int = 0,
+) -> Tensor | None:
+    """This piece's share of the mini-batch's loss; summed over micro-batches and replicas it is the
+    loss. ``mse``: ``Σ (o − t)² / (B · n)``, ``n`` the elements per sample (target 0 when None).
+    ``ce``: the cross-entropy of logits ``output`` (classes last) against integer ``target``, summed,
+    over ``labels``, the mini-batch's labels (None: an output without labels scores nothing)."""
+    if kind == "ce":
+        if target is None:
+            return None
+        logits = output.reshape(-1, output.shape[-1]).float()
+        total = torch.nn.functional.cross_entropy(
+            logits, target.reshape(-1).long(), reduction="sum", ignore_index=IGNORED
+        )
+        return total / max(labels, 1)
     diff = output if target is None else output - target
     per_sample = output.numel() / max(samples, 1)
     return (diff * diff).sum() / (mini_batch * per_sample)
@@ -144,15 +172,25 @@ def train_reference(
     module = to_torch(graph.model, label=graph.source)
     params = [p for _, p in module.onnx_parameters()]
     opt, schedule = make_optimizer(params, options)
-    source = TrainingData(graph, mini_batch, seed, data)
+    source = TrainingData(graph, mini_batch, options.seed, options.data, options.loss)
     outputs = float_outputs(graph)
     losses: list[float] = []
-    for step in range(steps):
+    for step in range(options.steps):
         inputs, targets = source.batch(step)
         outs = module.run({k: torch.from_numpy(v) for k, v in inputs.items()})
-        loss = sum(
-            loss_term(outs[o], _tensor_or_none(targets.get(o)), mini_batch, mini_batch) for o in outputs
-        )
+        count = labelled(targets)
+        terms = [
+            loss_term(
+                outs[o],
+                _tensor_or_none(targets.get(o)),
+                mini_batch,
+                mini_batch,
+                kind=options.loss,
+                labels=count,
+            )
+            for o in outputs
+        ]
+        loss = sum(t for t in terms if t is not None)
         opt.zero_grad()
         loss.backward()  # type: ignore[union-attr]
         if options.max_grad_norm is not None:

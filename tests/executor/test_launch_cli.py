@@ -221,6 +221,17 @@ def test_bad_optimizer_flags_are_usage_errors(chain_plan) -> None:
         assert says in res.err, (args, res.err)
 
 
+def test_a_token_file_for_a_model_without_token_ids_is_refused_naming_it(chain_plan, tmp_path: Path) -> None:
+    _, plan_path = chain_plan
+    tokens = tmp_path / "text.npy"
+    np.save(tokens, np.arange(100))
+    res = run_cli("launch", str(plan_path), "--data", str(tokens))
+    assert res.code == 2, res.err
+    assert str(tokens) in res.err and "token ids [batch, sequence]" in res.err
+    res = run_cli("launch", str(plan_path), "--data", str(tokens), "--loss", "mse")
+    assert res.code == 2 and "--loss ce, not mse" in res.err, res.err
+
+
 def test_options_of_another_plan_kind_are_refused_not_ignored(chain_plan) -> None:
     _, plan_path = chain_plan
     for args in (["--new-tokens", "4"], ["--repeat", "3"], ["--attention", "triton"]):
@@ -283,3 +294,52 @@ def test_rendezvous_address_and_port_are_checked_before_workers_start(
     lines = res.err.strip().splitlines()
     assert res.code == code and len(lines) == 1, res.err
     assert fragment.replace("{busy}", port) in lines[0] and "rank" not in lines[0]
+
+
+@pytest.mark.slow
+def test_a_decoder_trained_on_a_token_file_is_saved_and_onnxruntime_computes_its_next_loss(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The zoo GPT on 2 stages, a token file, cross-entropy and AdamW: --save-model writes the trained
+    model, whose logits under onnxruntime give the loss one process computes after those steps (the
+    next mini-batch's loss before its update), and inspect reads it."""
+    import onnxruntime as ort
+
+    monkeypatch.chdir(tmp_path)
+    graph = save_model(build("gpt", "tiny", 0), Path("gpt.onnx"))
+    plan = write(
+        make_plan(graph, [(graph.order[:2], ["cpu:0"], 2), (graph.order[2:], ["cpu:1"], 4)], 8),
+        tmp_path / "p.json",
+    )
+    np.save(
+        "text.npy", np.frombuffer(Path(__file__).read_bytes()[:6000], dtype=np.uint8).astype(np.int64) % 128
+    )
+    flags = ["--data", "text.npy", "--optimizer", "adamw", "--lr", "3e-3", "--steps", "5", "--seed", "1"]
+    res = run_cli("launch", str(plan), *flags, "--save-model", "trained.onnx", "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["training"]["saved_model"] == ["trained.onnx"]
+    options = TrainOptions(steps=6, lr=3e-3, seed=1, data="text.npy", loss="ce", optimizer="adamw")
+    ref = train_reference(graph, 6, 8, options=options)
+    np.testing.assert_allclose([s["loss"] for s in report["steps"]], ref.losses[:5], rtol=1e-5)
+    from tessera.core.data import TrainingData
+
+    inputs, targets = TrainingData(graph, 8, 1, "text.npy", "ce").batch(5)
+    session = ort.InferenceSession("trained.onnx")  # the zoo GPT declares a batch of 1: row by row
+    logits = np.concatenate([session.run(None, {"input_ids": row[None]})[0] for row in inputs["input_ids"]])
+    logp = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+        - logits.max(-1, keepdims=True)
+    )
+    loss = -np.take_along_axis(logp, targets["logits"][..., None], axis=-1).mean()
+    assert loss == pytest.approx(ref.losses[5], rel=1e-4)
+    assert run_cli("inspect", "trained.onnx").code == 0
+
+
+def test_save_model_refuses_a_path_it_cannot_write_before_training(chain_plan, tmp_path: Path) -> None:
+    _, plan_path = chain_plan
+    res = run_cli("launch", str(plan_path), "--save-model", "/proc/trained.onnx")
+    assert res.code == 2 and "/proc/trained.onnx" in res.err and "cannot write" in res.err, res.err
+    res = run_cli("launch", str(plan_path), "--save-model", "candle.onnx")
+    assert res.code == 2 and "is also the model" in res.err, res.err
