@@ -112,6 +112,25 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     "--lr", type=PositiveFloat(), default=0.01, show_default=True, help="Peak learning rate (finite, > 0)."
 )
 @click.option(
+    "--checkpoint",
+    type=click.Path(file_okay=False, path_type=str),
+    default=None,
+    help="[gpp/spp] A folder of checkpoints (torch.distributed.checkpoint): DIR/step-N after N steps, "
+    "complete or absent.",
+)
+@click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=None,
+    help="[gpp/spp] Steps between checkpoints (default: after the last step only).",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="[gpp/spp] Continue from the newest complete checkpoint in --checkpoint (none yet: from the start); "
+    "--steps counts from the start of the run.",
+)
+@click.option(
     "--save-model",
     type=click.Path(dir_okay=False, path_type=str),
     default=None,
@@ -235,6 +254,9 @@ def launch(  # noqa: PLR0913
     max_grad_norm: float | None,
     loss: str | None,
     save_model: str | None,
+    checkpoint: str | None,
+    checkpoint_every: int | None,
+    resume: bool,
     seed: int,
     data: str | None,
     compile_: bool,
@@ -254,6 +276,8 @@ def launch(  # noqa: PLR0913
     plan's batch greedily (NEW_TOKENS per request) and reports tokens/s and per-token latency.
     Exit codes: 0 done, 2 bad plan/model/data, 4 a worker failed (the rank and reason are printed).
     """
+    if checkpoint is None and (resume or checkpoint_every is not None):
+        raise click.UsageError("--resume and --checkpoint-every need --checkpoint DIR")
     if momentum and optimizer != "sgd":
         raise click.UsageError(f"--momentum is SGD's; {optimizer} keeps its own moments (betas)")
     if prompts is not None and prompt_lens is not None:
@@ -293,6 +317,9 @@ def launch(  # noqa: PLR0913
             "lr_schedule": lr_schedule,
             "warmup_steps": warmup_steps,
             "max_grad_norm": max_grad_norm,
+            "checkpoint": checkpoint,
+            "checkpoint_every": checkpoint_every or 0,
+            "resume": resume,
             "loss": loss or ("ce" if data is not None and data.endswith(TOKEN_SUFFIXES) else "mse"),
         },
         compile=compile_,

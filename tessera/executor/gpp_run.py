@@ -9,6 +9,8 @@ and peak memory, measured against the plan's prediction.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from tessera.backends.torch_module import check_supported
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.plans import GppPlan, Stage
+from tessera.executor.checkpoint import CheckpointSpec, latest, run_identity
 from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, plan_threads
 from tessera.executor.report import RunReport, counted_steps, gathered, over, ratios, slowest, steady_mean
 from tessera.executor.routing import Routing, build_routing, tensor_layouts
@@ -95,6 +98,7 @@ def run_gpp_plan(
     if launch.threads_per_rank is None:  # as the plan's measurements assumed
         launch = dataclasses.replace(launch, threads_per_rank=plan_threads(plan.cluster, devices))
     spec = WorkerSpec(
+        checkpoint=checkpoint_spec(plan, graph, options),
         plan=plan.model_dump(mode="json"),
         model_path=str(Path(model_path).resolve()),
         input_shapes={k: list(v) for k, v in graph.input_shapes.items()},
@@ -124,7 +128,8 @@ def gpp_report(
     """The report of a run from its ranks' results (a stage's value: its slowest replica)."""
     # On a node other than 0 of a multi-node launch only this node's ranks are known.
     present = [st for st in plan.stages if any(r["stage"] == st.id for r in per_rank)]
-    steps = [_step_row(per_rank, present, k) for k in range(options.steps)]
+    ran = len(per_rank[0]["steps"])  # options.steps, less those a resumed checkpoint had done
+    steps = [_step_row(per_rank, present, k) for k in range(ran)]
     times = [s["iteration_s"] for s in steps]
     iteration = steady_mean(times)
     measured = {
@@ -150,7 +155,7 @@ def gpp_report(
         mini_batch_size=plan.mini_batch_size,
         options=options,
         steps=steps,
-        stages=[_stage_row(st, per_rank, options.steps) for st in present],
+        stages=[_stage_row(st, per_rank, ran) for st in present],
         ranks=[_rank_row(r) for r in sorted(per_rank, key=lambda r: r["rank"])],
         rank_steps={r["rank"]: r["steps"] for r in per_rank},
         allreduce_peers={
@@ -162,6 +167,25 @@ def gpp_report(
         ratio=ratios(measured, predicted, {"iteration_time": "iteration_time_s"}),
         weights=weights,
     )
+
+
+def checkpoint_spec(plan: GppPlan, graph: Graph, options: TrainOptions) -> CheckpointSpec | None:
+    """The run's checkpoints (``options.checkpoint``), and the one it resumes from (``--resume``: the
+    newest complete one of the same plan, model and options; none yet: from step 0). InputError,
+    before any worker starts, for a checkpoint of another run or one past ``--steps``."""
+    if options.checkpoint is None:
+        return None
+    plan_json = json.dumps(plan.model_dump(mode="json"), sort_keys=True).encode()
+    identity = run_identity(hashlib.sha256(plan_json).hexdigest(), graph.sha256, dataclasses.asdict(options))
+    found = latest(options.checkpoint, identity) if options.resume else None
+    if found is not None and found[0] >= options.steps:
+        raise InputError(
+            f"the newest checkpoint is after step {found[0]}; --steps {options.steps} leaves nothing to train "
+            "(--steps counts from the start of the run)",
+            source=str(found[1]),
+        )
+    resume, start = (str(found[1]), found[0]) if found else (None, 0)
+    return CheckpointSpec(options.checkpoint, options.checkpoint_every, identity, resume, start)
 
 
 def fidelity(
@@ -209,8 +233,9 @@ def _replicas(per_rank: list[dict[str, Any]], stage: int) -> list[dict[str, Any]
 
 
 def _step_row(per_rank: list[dict[str, Any]], stages: list[Stage], step: int) -> dict[str, Any]:
+    """The run's ``step``-th step (its number: after a resume, counted from the checkpoint's)."""
     return {
-        "step": step,
+        "step": per_rank[0]["steps"][step]["step"],
         "loss": per_rank[0]["steps"][step]["loss"],
         "iteration_s": slowest(per_rank, step, "iteration_s"),
         "busy_s": {str(st.id): slowest(_replicas(per_rank, st.id), step, "busy_s") for st in stages},

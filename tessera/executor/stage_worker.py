@@ -26,6 +26,7 @@ from tessera.backends.torch_module import OnnxModule, to_torch
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan
+from tessera.executor.checkpoint import CheckpointSpec, resume, save_state
 from tessera.executor.gradients import GradBucket, global_norm_clip
 from tessera.executor.launcher import (
     WATCHDOG_FACTOR,
@@ -53,6 +54,7 @@ class WorkerSpec:
     timeout_s: float
     backend: str  # gloo | nccl
     return_weights: bool = False
+    checkpoint: CheckpointSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -539,10 +541,16 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         watchdog.arm("start-up")
         dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
         worker = StageWorker(spec, rank, device)
+        ckpt, total = spec.checkpoint, spec.options.steps
+        named = list(worker.module.onnx_parameters())
+        start = resume(ckpt, named, worker.opt, worker.schedule) if ckpt is not None else 0
         steps = []
-        for k in range(spec.options.steps):
+        for k in range(start, total):
             watchdog.arm(f"step {k}")
-            steps.append(worker.step(k, more=k + 1 < spec.options.steps))
+            steps.append(worker.step(k, more=k + 1 < total))
+            if ckpt is not None and ckpt.due(k + 1, total):
+                watchdog.arm(f"checkpoint after step {k}")
+                save_state(ckpt.folder, k + 1, named, worker.opt, ckpt.identity)
         watchdog.arm("summing the losses")
         _total_losses(steps, spec.routing.world_size, device)
         watchdog.disarm()

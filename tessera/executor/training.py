@@ -51,6 +51,9 @@ class TrainOptions:
     warmup_steps: int = 0
     max_grad_norm: float | None = None
     loss: str = "mse"  # "ce": cross-entropy against labels (token files: next-token labels)
+    checkpoint: str | None = None  # a folder of checkpoints (executor/checkpoint.py)
+    checkpoint_every: int = 0  # steps between checkpoints (0: after the last step only)
+    resume: bool = False  # continue from the newest complete checkpoint in ``checkpoint``
 
     def describe(self) -> str:
         """``AdamW(lr=0.001, weight_decay=0.01, cosine, warmup 3, clip 1)`` as the report prints it."""

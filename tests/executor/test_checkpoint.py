@@ -1,0 +1,80 @@
+"""Checkpoints: written every N steps with torch.distributed.checkpoint, complete or absent; a
+resumed run continues exactly where the uninterrupted one was; another run's checkpoint is refused."""
+
+from __future__ import annotations
+
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from cli_runner import run_cli
+from executor.plans import make_plan, save_model, write
+from onnx_builders import tied_chain
+
+from tessera.core.errors import InputError
+from tessera.executor.gpp_run import run_gpp_plan
+from tessera.executor.launcher import LaunchOptions
+from tessera.executor.training import TrainOptions
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def tied(tmp_path: Path):
+    """The tied chain on 2 stages, the second data-parallel over 2 ranks: 3 gloo ranks."""
+    path = tmp_path / "tied.onnx"
+    graph = save_model(tied_chain(), path)
+    plan = make_plan(graph, [(graph.order[:6], ["d0"], 2), (graph.order[6:], ["d1", "d2"], 2)], 8)
+    return graph, plan, path
+
+
+def test_a_resumed_run_continues_exactly_where_the_whole_run_was(tied, tmp_path: Path) -> None:
+    graph, plan, path = tied
+    folder = tmp_path / "ckpt"
+    options = TrainOptions(
+        steps=8, lr=0.05, seed=3, optimizer="adamw", lr_schedule="cosine", warmup_steps=2, max_grad_norm=0.1,
+        checkpoint=str(folder), checkpoint_every=3,
+    )  # fmt: skip
+    whole = run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=60), return_weights=True)
+    assert sorted(p.name for p in folder.iterdir()) == ["step-3", "step-6", "step-8"]
+    shutil.rmtree(folder / "step-8")
+    shutil.rmtree(folder / "step-6")
+    (folder / ".step-6.partial").mkdir()  # a run killed while writing: ignored
+    resumed = run_gpp_plan(
+        plan,
+        graph,
+        str(path),
+        replace(options, resume=True),
+        LaunchOptions(timeout_s=60),
+        return_weights=True,
+    )
+    assert [s["step"] for s in resumed.steps] == [3, 4, 5, 6, 7]
+    assert resumed.losses == whole.losses[3:]  # exactly
+    for name, want in whole.weights.items():
+        np.testing.assert_array_equal(resumed.weights[name], want, err_msg=name)
+
+
+def test_another_runs_checkpoint_is_refused_naming_what_differs(tied, tmp_path: Path) -> None:
+    graph, plan, path = tied
+    folder = tmp_path / "ckpt"
+    options = TrainOptions(steps=2, lr=0.05, optimizer="adamw", checkpoint=str(folder))
+    run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=60))
+    other = replace(options, optimizer="sgd", steps=4, resume=True)
+    with pytest.raises(InputError, match="optimizer: checkpoint 'adamw', this run 'sgd'") as err:
+        run_gpp_plan(plan, graph, str(path), other, LaunchOptions(timeout_s=60))
+    assert err.value.source == str(folder / "step-2")
+    with pytest.raises(InputError, match="leaves nothing to train"):
+        run_gpp_plan(plan, graph, str(path), replace(options, resume=True), LaunchOptions(timeout_s=60))
+
+
+def test_checkpoint_flags_on_the_command_line(tied, tmp_path: Path) -> None:
+    _, plan, _ = tied
+    plan_path = write(plan, tmp_path / "plan.json")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    res = run_cli("launch", str(plan_path), "--resume")
+    assert res.code == 2 and "need --checkpoint DIR" in res.err, res.err
+    res = run_cli("launch", str(plan_path), "--checkpoint", str(afile), "--resume")
+    assert res.code == 2 and "is a file" in res.err and str(afile) in res.err, res.err
