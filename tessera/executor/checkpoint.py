@@ -53,7 +53,17 @@ class CheckpointSpec:
 def run_identity(plan_sha256: str, model_sha256: str, options: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: the plan, the model and the training options
     that shape the state (the optimizer, its settings, the loss, the data, the seed)."""
-    keep = ("optimizer", "momentum", "weight_decay", "lr", "lr_schedule", "warmup_steps", "loss", "data", "seed")
+    keep = (
+        "optimizer",
+        "momentum",
+        "weight_decay",
+        "lr",
+        "lr_schedule",
+        "warmup_steps",
+        "loss",
+        "data",
+        "seed",
+    )
     return {"plan_sha256": plan_sha256, "model_sha256": model_sha256, **{k: options.get(k) for k in keep}}
 
 
@@ -82,7 +92,9 @@ def latest(folder: str | os.PathLike[str], identity: dict[str, Any]) -> tuple[in
     return step, path
 
 
-def _state(named: list[tuple[str, Tensor]], optimizer: torch.optim.Optimizer | None, rank: int) -> dict[str, Any]:
+def _state(
+    named: list[tuple[str, Tensor]], optimizer: torch.optim.Optimizer | None, rank: int
+) -> dict[str, Any]:
     """This rank's state by global names: ``weights/<name>``, ``optimizer/<name>/<key>``, the RNG."""
     state: dict[str, Any] = {f"weights/{n}": p.data for n, p in named}
     if optimizer is not None:
