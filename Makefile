@@ -45,6 +45,16 @@ demo: $(VENV)/.core
 	$(VENV)/bin/tessera validate $(DEMO_DIR)/candle_uno.gpp.json
 	$(VENV)/bin/tessera plan $(DEMO_DIR)/mmt.onnx --kind spp --cluster local-cpu-split --mini-batch 16 -o $(DEMO_DIR)/mmt.spp.json
 	$(VENV)/bin/tessera launch $(DEMO_DIR)/mmt.spp.json --steps 3
+	$(VENV)/bin/tessera zoo build gpt --size tiny -o $(DEMO_DIR)/gpt.onnx
+	$(VENV)/bin/python -c "import numpy as np; np.save('$(DEMO_DIR)/text.npy', np.frombuffer(open('README.md', 'rb').read(), np.uint8) % 128)"
+	$(VENV)/bin/tessera plan $(DEMO_DIR)/gpt.onnx --kind gpp --cluster local-cpu-split --devices 2 --mini-batch 8 \
+		-o $(DEMO_DIR)/gpt.gpp.json
+	$(VENV)/bin/tessera launch $(DEMO_DIR)/gpt.gpp.json --data $(DEMO_DIR)/text.npy --optimizer adamw --lr 3e-3 \
+		--lr-schedule cosine --warmup-steps 5 --max-grad-norm 1.0 --steps 60 --save-model $(DEMO_DIR)/gpt.trained.onnx
+	$(VENV)/bin/tessera plan $(DEMO_DIR)/gpt.trained.onnx --kind cp --cluster local-cpu-split --batch 1 --context 8 \
+		--output-len 8 --strategy cp --degree 2 -o $(DEMO_DIR)/gpt.cp.json
+	printf '116 101 115 115 101 114 97 32\n' > $(DEMO_DIR)/prompt.txt
+	$(VENV)/bin/tessera launch $(DEMO_DIR)/gpt.cp.json --prompts $(DEMO_DIR)/prompt.txt --new-tokens 8
 	$(VENV)/bin/tessera plan --kind cp --llm llama-7b --cluster a5000-4x --batch 32 --layers 1 \
 		--context 32K --sweep-context 1K,4K,10K,32K,100K -o $(DEMO_DIR)/llama.cp.json
 

@@ -153,3 +153,18 @@ def test_the_fused_decode_partial_is_the_reference_partial() -> None:
     torch.testing.assert_close(fused[0], o[:, :, 0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused[1], lse[:, :, 0], rtol=1e-5, atol=1e-6)
     assert decode_partial(q, k[:, :, :0], v[:, :, :0], 0.25) is None  # no keys: the caller's kernel
+
+
+def test_a_step_near_the_end_of_a_position_table_is_traced_and_checked_within_it() -> None:
+    """The zoo GPT's table has 16 positions: a prefill of 12 or of all 16 is checked at positions the
+    table has (not past it), and compiles."""
+    from tessera.core.weights import materialize
+
+    decoder = graph_decoder(materialize(build("gpt", "tiny", seed=1)), label="gpt16")
+    assert decoder.max_positions == 16
+    assert compile_step(decoder, 1, 12) is None
+    assert compile_step(decoder, 2, 16) is None
+    tokens = torch.randint(0, decoder.vocab, (2, 16))
+    torch.testing.assert_close(
+        decoder.logits(tokens, 0, self_attention), decoder.interpret(tokens, 0, self_attention)
+    )
