@@ -270,19 +270,33 @@ def reference_outputs(graph: Graph, feeds: Mapping[str, np.ndarray]) -> dict[str
     return runnable.run(dict(feeds))
 
 
-def relative_error(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> float:
-    """The largest output error relative to that output's scale: ``max |got - want| / max |want|``
-    over every output (the measure ``place --tolerance`` bounds; inf for a shape mismatch)."""
-    worst = 0.0
+def output_error(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> dict[str, float]:
+    """The one error measure of place, validate and launch: ``max_abs``, the largest ``|got − want|``
+    over every output element, and ``max_rel``, the largest ``max |got − want| / max |want|`` over the
+    outputs (each output relative to its own scale: what ``place --tolerance`` bounds). A NaN or an
+    infinity where the reference has none (or another) is infinitely wrong, as is a shape mismatch;
+    the same non-finite value in both agrees."""
+    worst_abs = worst_rel = 0.0
     for name, expected in want.items():
         expected = np.asarray(expected, dtype=np.float64)
         actual = np.asarray(got[name], dtype=np.float64)
         if actual.shape != expected.shape:
-            return math.inf
-        if expected.size:
-            scale = max(float(np.abs(expected).max()), 1e-30)
-            worst = max(worst, float(np.abs(actual - expected).max()) / scale)
-    return worst
+            return {"max_abs": math.inf, "max_rel": math.inf}
+        if not expected.size:
+            continue
+        finite = np.isfinite(expected) & np.isfinite(actual)
+        same = (np.isnan(expected) & np.isnan(actual)) | (~np.isnan(expected) & (actual == expected))
+        if not (finite | same).all():
+            return {"max_abs": math.inf, "max_rel": math.inf}
+        diff = float(np.abs(actual[finite] - expected[finite]).max(initial=0.0))
+        scale = max(float(np.abs(expected[np.isfinite(expected)]).max(initial=0.0)), 1e-30)
+        worst_abs, worst_rel = max(worst_abs, diff), max(worst_rel, diff / scale)
+    return {"max_abs": worst_abs, "max_rel": worst_rel}
+
+
+def relative_error(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> float:
+    """:func:`output_error`'s ``max_rel``."""
+    return output_error(got, want)["max_rel"]
 
 
 def within_tolerance(

@@ -106,8 +106,9 @@ def _token_windows(
         or not isinstance(shape[1], int)
     ):
         raise InputError(
-            f"a token file feeds a model whose one input is token ids [batch, sequence] of a fixed length; "
-            f"the model has inputs {', '.join(f'{n} {graph.inputs[n].shape}' for n in graph.inputs)}",
+            f"a token file feeds a model whose one input is token ids [batch, sequence] of a fixed length "
+            f"(plan a dynamic export with --input-shape NAME=BxS); the model has inputs "
+            f"{', '.join(f'{n} {graph.inputs[n].shape}' for n in graph.inputs)}",
             source=path,
         )
     logits = [

@@ -4,7 +4,6 @@ the checks of a placement's groups and outputs against them (exact, or within ``
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,9 +12,9 @@ from tessera.backends.composite import (
     CompositeModel,
     compare_outputs,
     load_feeds,
+    output_error,
     random_feeds,
     reference_outputs,
-    relative_error,
     within_tolerance,
 )
 from tessera.backends.onnxruntime_int8 import TensorValues
@@ -74,10 +73,9 @@ def fp32_comparison(exact: dict[str, float], latency: float, tolerance: float | 
 
 
 def error_of(outputs: dict[str, Any], reference: dict[str, Any]) -> dict[str, float]:
-    """``{max_abs, max_rel}`` of the placed model's outputs against the fp32 onnxruntime reference."""
-    diffs = compare_outputs(outputs, reference)["outputs"].values()
-    return {"max_abs": max((d.get("max_abs_diff", math.inf) for d in diffs), default=0.0),
-            "max_rel": relative_error(outputs, reference)}  # fmt: skip
+    """``{max_abs, max_rel}`` of the placed model's outputs against the fp32 onnxruntime reference
+    (:func:`~tessera.backends.composite.output_error`)."""
+    return output_error(outputs, reference)
 
 
 def within(got: dict[str, Any], want: dict[str, Any], backend: Any, tolerance: float | None) -> bool:
