@@ -74,10 +74,9 @@ def step_operations(decoder: GraphDecoder) -> int | None:
     """The operations one batch-1 decode step of ``decoder`` runs (its traced program's, each core
     and the step counted as above): what the cp cost model charges per step. None where the step
     cannot be traced."""
-    try:
-        program = StepProgram(decoder, 1, 1)
-    except Untraceable:
+    if (1, 1) not in decoder.programs and compile_step(decoder, 1, 1) is not None:
         return None
+    program = decoder.programs[(1, 1)]
     return program.operations + len(decoder.cores) * (CORE_OPERATIONS - 1) + STEP_OPERATIONS
 
 
