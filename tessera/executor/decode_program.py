@@ -98,7 +98,6 @@ class StepProgram:
         self._attend: Attend = self_attention
         self._past = 0
         device = next(iter(decoder.module.initializers().values())).device
-        self.device = device
         self.shapes: dict[int, tuple[int, ...]] = {}  # layer -> its core's output shape (traced)
         self.graph_module = _finished(self._trace(device), keep_cores=inductor)
         self.program: Any = self.graph_module
