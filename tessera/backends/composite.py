@@ -437,20 +437,25 @@ def random_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
 def load_feeds(graph: Graph, path: str) -> dict[str, np.ndarray]:
     """Inputs from an ``.npz`` with one array per model input (checked against the model)."""
     from tessera.core.errors import InputError
-    from tessera.core.files import read_npz
+    from tessera.core.user_files import read_npz
 
-    arrays = read_npz(path, "inputs")
+    def wanted(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> bool:
+        info = graph.inputs.get(name)
+        if info is None or name in graph.initializers:
+            return False  # never inflated
+        expected = info.shape
+        if expected is not None and shape != tuple(expected):
+            raise InputError(
+                f"input {name!r} has shape {list(shape)}, the model expects {list(expected)}", source=path
+            )
+        return True
+
+    arrays = read_npz(path, "inputs", wanted=wanted)
     feeds = {}
     for name, info in graph.inputs.items():
         if name in graph.initializers:
             continue
         if name not in arrays:
             raise InputError(f"no array for model input {name!r}", source=path)
-        array = arrays[name]
-        if info.shape is not None and tuple(array.shape) != tuple(info.shape):
-            raise InputError(
-                f"input {name!r} has shape {list(array.shape)}, the model expects {list(info.shape)}",
-                source=path,
-            )
-        feeds[name] = array.astype(info.dtype, copy=False)
+        feeds[name] = arrays[name].astype(info.dtype, copy=False)
     return feeds

@@ -18,7 +18,7 @@ import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -110,6 +110,7 @@ class ProfileCache:
         self._lock = threading.Lock()
         self._conn: sqlite3.Connection | None = None
         self.read_only = False  # the file or its folder is not writable: used without storing
+        self.unwritable: str | None = None  # why the disk refused a write: no more are tried
         self._warned: set[str] = set()
 
     # -- connection and recovery ----------------------------------------------------------------
@@ -145,25 +146,40 @@ class ProfileCache:
                 if existed:
                     raise
                 raise InputError(f"cannot create the profile cache: {exc}", source=self.path) from None
-            # SQLite answers "database is locked" at once, without waiting out the busy timeout,
-            # when connections race to switch a new file to WAL or to create the schema (a lock
-            # upgrade it cannot wait for): retry the set-up until the timeout instead.
-            deadline = time.monotonic() + BUSY_TIMEOUT_S
-            while True:
-                try:
-                    self._set_up(conn)
-                    break
-                except sqlite3.OperationalError as exc:
-                    if "locked" in str(exc) and time.monotonic() < deadline:
-                        time.sleep(0.01)
-                        continue
-                    conn.close()
-                    raise
-                except BaseException:
-                    conn.close()
-                    raise
+            self._set_up_retrying(conn, existed)
             self._conn = conn
         return self._conn
+
+    def _set_up_retrying(self, conn: sqlite3.Connection, existed: bool) -> None:
+        # SQLite answers "database is locked" at once, without waiting out the busy timeout,
+        # when connections race to switch a new file to WAL or to create the schema (a lock
+        # upgrade it cannot wait for): retry the set-up until the timeout instead.
+        deadline = time.monotonic() + BUSY_TIMEOUT_S
+        while True:
+            try:
+                self._set_up(conn)
+                break
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc) and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    continue
+                conn.close()
+                if existed:
+                    raise
+                self._remove_new_files()  # a new file the disk refused to grow: nothing to keep
+                raise InputError(
+                    f"cannot create the profile cache: {exc} (a full disk or a file-size limit?); "
+                    "give --cache another path",
+                    source=self.path,
+                ) from None
+            except BaseException:
+                conn.close()
+                raise
+
+    def _remove_new_files(self) -> None:
+        for suffix in ("", "-wal", "-shm", "-journal"):
+            with suppress(OSError):
+                Path(f"{self.path}{suffix}").unlink()
 
     def _connect_read_only(self) -> sqlite3.Connection:
         """A cache the user may not write (mode 0444, a read-only folder or file system) is read as
@@ -196,10 +212,11 @@ class ProfileCache:
             log.warning(message, *args)
 
     def _stored(self, what: str) -> bool:
-        """Whether a write may go ahead; on a read-only cache it is skipped (said once)."""
+        """Whether a write may go ahead; on a read-only cache it is skipped (said once), and after
+        a write the disk refused."""
         if self.read_only:
             self._warn_once("skipped", "profile cache %s is read-only: %s not stored", self.path, what)
-        return not self.read_only
+        return not self.read_only and self.unwritable is None
 
     @staticmethod
     def _set_up(conn: sqlite3.Connection) -> None:
@@ -273,6 +290,23 @@ class ProfileCache:
                         raise
                     self._recover(err)
             raise AssertionError("unreachable")  # pragma: no cover
+
+    def _write(self, fn: Callable[[sqlite3.Connection], None]) -> None:
+        """Store a measurement. A write the disk refuses (full, a file-size limit, an I/O error) is
+        said once and the run goes on without storing: the cache saves time, it holds no result.
+        The file is never moved aside for it (it is not corrupt)."""
+        with self._lock:
+            try:
+                fn(self._connect())
+            except sqlite3.OperationalError as err:
+                if "locked" in str(err) or "busy" in str(err):
+                    raise
+                self.unwritable = str(err)
+                log.warning(
+                    "profile cache %s cannot store measurements (%s); going on without storing",
+                    self.path,
+                    err,
+                )
 
     def _read_only_call(self, fn: Callable[[sqlite3.Connection], T], conn: sqlite3.Connection) -> T:
         try:
@@ -356,7 +390,7 @@ class ProfileCache:
                     ),
                 )
 
-        self._with_conn(write)
+        self._write(write)
 
     def count(self) -> int:
         return int(self._with_conn(lambda c: c.execute("SELECT COUNT(*) FROM profiles").fetchone()[0]))
@@ -388,7 +422,7 @@ class ProfileCache:
                     (src, dst, versions, device, nbytes, seconds, time.time()),
                 )
 
-        self._with_conn(write)
+        self._write(write)
 
 
 # --- the canonical subgraph hash ---------------------------------------------------------------

@@ -12,7 +12,7 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import OutputFile, json_option
+from tessera.cli.options import FiniteFloat, OutputFile, json_option
 from tessera.cli.render import emit_json
 from tessera.executor.calibrate import (
     MAX_SECONDS,
@@ -64,7 +64,7 @@ class SpecFile(OutputFile):
 )
 @click.option(
     "--seconds",
-    type=click.FloatRange(min=0, min_open=True, max=MAX_SECONDS),
+    type=FiniteFloat(maximum=MAX_SECONDS),
     default=10.0,
     show_default=True,
     help="Measuring budget, shared by the measurements (the workers' start-up comes on top).",

@@ -7,13 +7,13 @@ fails stops the launch with exit 4 and the failing rank named.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
 import click
 
 from tessera.cli.options import (
+    FiniteFloat,
     check_outputs,
     check_plan_llm_config,
     json_option,
@@ -26,6 +26,7 @@ from tessera.core.files import check_writable
 from tessera.core.graph import Graph
 from tessera.core.plans import CpPlan, Plan, load_plan
 from tessera.core.tokens import TOKEN_SUFFIXES
+from tessera.core.user_files import MAX_TEXT_BYTES, read_user_file
 from tessera.executor import RUNNERS, LaunchRequest
 from tessera.executor.launcher import LaunchOptions
 from tessera.executor.placement import worst_output
@@ -49,29 +50,9 @@ _KIND_OPTIONS: dict[str, frozenset[str]] = {
 }
 _DISTRIBUTED = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port", "timeout_s")
 
-MAX_PROMPTS_BYTES = 64 * 2**20  # a --prompts file: far beyond any batch of contexts launch decodes here
 MAX_TIMEOUT_S = 86400.0
 """The longest ``--timeout`` accepted: a day (the workers' timers and process-group timeouts overflow
 on absurd values, and a hang should not be waited out for longer)."""
-
-
-class PositiveFloat(click.ParamType):
-    """A finite number greater than 0 (and at most ``maximum``): ``inf``, ``nan``, 0 and negatives
-    are refused when the command line is parsed (exit code 2), before any worker starts."""
-
-    name = "float"
-
-    def __init__(self, maximum: float | None = None, *, zero: bool = False) -> None:
-        self.maximum, self.zero = maximum, zero
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
-        number = click.FLOAT.convert(value, param, ctx)
-        low = number >= 0 if self.zero else number > 0
-        if math.isfinite(number) and low and (self.maximum is None or number <= self.maximum):
-            return number
-        bound = "" if self.maximum is None else f" and at most {self.maximum:g}"
-        least = "0 or more" if self.zero else "greater than 0"
-        self.fail(f"{value!r}: expected a finite number {least}{bound}", param, ctx)
 
 
 def _refuse_options_of_other_kinds(kind: str) -> None:
@@ -109,7 +90,7 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     "--steps", type=click.IntRange(min=1), default=5, show_default=True, help="Training steps (mini-batches)."
 )
 @click.option(
-    "--lr", type=PositiveFloat(), default=0.01, show_default=True, help="Peak learning rate (finite, > 0)."
+    "--lr", type=FiniteFloat(), default=0.01, show_default=True, help="Peak learning rate (finite, > 0)."
 )
 @click.option(
     "--checkpoint",
@@ -151,10 +132,10 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     show_default=True,
     help="[gpp/spp] torch.optim optimizer of every stage.",
 )
-@click.option("--momentum", type=PositiveFloat(zero=True), default=0.0, help="[gpp/spp] SGD momentum.")
+@click.option("--momentum", type=FiniteFloat(minimum=0), default=0.0, help="[gpp/spp] SGD momentum.")
 @click.option(
     "--weight-decay",
-    type=PositiveFloat(zero=True),
+    type=FiniteFloat(minimum=0),
     default=None,
     help="[gpp/spp] Weight decay (default: the optimizer's own: 0.01 for AdamW, else 0).",
 )
@@ -170,7 +151,7 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
 )
 @click.option(
     "--max-grad-norm",
-    type=PositiveFloat(),
+    type=FiniteFloat(),
     default=None,
     help="[gpp/spp] Clip the gradients to this global norm (over every stage and replica).",
 )
@@ -195,7 +176,7 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
 @click.option(
     "--timeout",
     "timeout_s",
-    type=PositiveFloat(maximum=MAX_TIMEOUT_S),
+    type=FiniteFloat(maximum=MAX_TIMEOUT_S),
     default=60.0,
     show_default=True,
     help="Seconds a worker may wait on a peer before the launch is stopped (a step stuck elsewhere: 1.5x); "
@@ -367,13 +348,7 @@ def _prompt_lens(text: str | None) -> tuple[int, ...] | None:
 
 def read_prompts(path: str) -> tuple[tuple[int, ...], ...]:
     """``--prompts FILE``: one request per non-blank line, its token ids separated by spaces."""
-    try:
-        with open(path, "rb") as stream:
-            raw = stream.read(MAX_PROMPTS_BYTES + 1)
-    except OSError as exc:
-        raise InputError(f"cannot read prompts: {exc.strerror or exc}", source=path) from None
-    if len(raw) > MAX_PROMPTS_BYTES:
-        raise InputError(f"more than {MAX_PROMPTS_BYTES // 2**20} MiB of prompts", source=path)
+    raw = read_user_file(path, what="prompts", limit=MAX_TEXT_BYTES)
     try:
         lines = [
             (i, line.split()) for i, line in enumerate(raw.decode("utf-8").splitlines(), 1) if line.strip()

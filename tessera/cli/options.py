@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -122,6 +123,27 @@ def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> Non
                 f"llm.{key} is {plan.llm.get(key)!r} but the LLM config {ref.path} gives {value!r}",
                 source=plan_path,
             )
+
+
+class FiniteFloat(click.ParamType):
+    """Every float option's type: a finite number above ``minimum`` (0 by default, excluded unless
+    ``minimum`` is given) and at most ``maximum``. ``nan``, ``inf`` and out-of-range values are
+    refused when the command line is parsed (exit code 2), before any work; click's FloatRange lets
+    NaN through (every comparison with it is false)."""
+
+    name = "float"
+
+    def __init__(self, *, minimum: float | None = None, maximum: float | None = None) -> None:
+        self.minimum, self.maximum = minimum, maximum
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> float:
+        number = click.FLOAT.convert(value, param, ctx)
+        low = number > 0 if self.minimum is None else number >= self.minimum
+        if math.isfinite(number) and low and (self.maximum is None or number <= self.maximum):
+            return number
+        least = "greater than 0" if self.minimum is None else f"{self.minimum:g} or more"
+        bound = "" if self.maximum is None else f" and at most {self.maximum:g}"
+        self.fail(f"{value!r}: expected a finite number {least}{bound}", param, ctx)
 
 
 def json_option(f: F) -> F:

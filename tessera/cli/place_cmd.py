@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import check_outputs, json_option, model_options, output_option
+from tessera.cli.options import FiniteFloat, check_outputs, json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, progress_bar
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
@@ -42,7 +42,7 @@ def _ms(seconds: float | None) -> str:
 @click.option(
     "--budget",
     "budget_s",
-    type=click.FloatRange(min=0, min_open=True),
+    type=FiniteFloat(),
     default=60.0,
     show_default=True,
     help="Seconds the graph-level search may spend.",
@@ -78,7 +78,7 @@ def _ms(seconds: float | None) -> str:
 )
 @click.option(
     "--tolerance",
-    type=click.FloatRange(min=0, max=1, min_open=True),
+    type=FiniteFloat(maximum=1),
     default=None,
     help="Largest relative output error allowed (max |error| / max |fp32 output|): lets reduced-precision "
     "backends (openvino-bf16, onnxruntime-int8) run groups. Default: exact fp32.",

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from tessera.core.errors import InputError
+from tessera.core.user_files import read_user_file, regular_file
 
 # Values a config may hold once its aliases are expanded: a cluster spec or LLM config holds a few
 # hundred; nested aliases (a "billion laughs" document of a few hundred bytes) expand past any bound.
@@ -96,7 +97,7 @@ def resolve_config(
         return path, "file"
     text = str(path_or_preset)
     if path.exists():
-        raise InputError(f"expected {_a(what)} YAML file; this is a directory", source=path)
+        regular_file(path, what=f"{what} YAML")  # names what it is instead: a directory, a FIFO
     if "/" in text or "\\" in text or path.suffix in (".yaml", ".yml"):
         raise InputError(f"{what} file not found", source=path)
     preset = presets_dir(kind) / f"{text}.yaml"
@@ -111,21 +112,11 @@ def resolve_config(
 
 def read_yaml(path: Path, *, what: str) -> tuple[Any, bytes]:
     """Safe-load a YAML file (duplicate keys rejected); returns the data and the raw bytes."""
+    raw = read_user_file(path, what=what, limit=MAX_CONFIG_BYTES)
     try:
-        with open(path, "rb") as stream:
-            raw = stream.read(MAX_CONFIG_BYTES + 1)
-        if len(raw) > MAX_CONFIG_BYTES:
-            size = path.stat().st_size if path.is_file() else len(raw)
-            raise InputError(
-                f"not {_a(what)}: {size:,} bytes, more than the {MAX_CONFIG_BYTES:,} (1 MiB) a config "
-                "file may hold",
-                source=path,
-            )
         text = raw.decode("utf-8")
     except UnicodeDecodeError:
         raise InputError(f"not {_a(what)}: not UTF-8 text", source=path) from None
-    except OSError as err:
-        raise InputError(f"cannot read the {what}: {err.strerror or err}", source=path) from None
     try:
         data = yaml.load(text, Loader=UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except yaml.YAMLError as err:

@@ -8,9 +8,9 @@ from __future__ import annotations
 import numpy as np
 
 from tessera.core.errors import InputError
-from tessera.core.files import read_npz
 from tessera.core.graph import Graph
 from tessera.core.tokens import TOKEN_SUFFIXES, TokenWindows
+from tessera.core.user_files import read_npz
 
 
 class TrainingData:
@@ -68,16 +68,11 @@ class TrainingData:
 
 
 def _class_ids(name: str, array: np.ndarray, shape: tuple | None, path: str) -> np.ndarray:
-    """Cross-entropy labels: integer ids (-100: ignored), the output's sample shape less its classes."""
+    """Cross-entropy labels: integer ids (-100: ignored) below the output's class count (their
+    shape is checked on the header, by :func:`load_npz`)."""
     if not np.issubdtype(array.dtype, np.integer):
         raise InputError(
             f"array {name!r} holds {array.dtype}; --loss ce takes integer class ids", source=path
-        )
-    if shape is not None and tuple(array.shape[1:]) != tuple(shape[1:-1]):
-        raise InputError(
-            f"array {name!r} has sample shape {list(array.shape[1:])}; cross-entropy labels of an output of "
-            f"shape {list(shape)} have {list(shape[1:-1])}",
-            source=path,
         )
     classes = shape[-1] if shape is not None and isinstance(shape[-1], int) else None
     if (
@@ -141,34 +136,45 @@ def _id_range(graph: Graph, name: str) -> int:
 def load_npz(path: str, graph: Graph, mini_batch: int, loss: str = "mse") -> dict[str, np.ndarray]:
     """The arrays of a data file, checked against ``graph`` (every input present, sample shapes,
     ``target:<output>`` names) and cast to its dtypes; InputError naming the file otherwise. Under
-    ``loss="ce"`` a target holds integer class ids, one per output row without its last (class) axis."""
-    arrays = read_npz(path)
-    missing = [n for n in graph.inputs if n not in arrays]
-    if missing:
-        raise InputError(f"no array for model input(s) {', '.join(missing)}", source=path)
-    rows = {v.shape[0] if v.ndim else 0 for v in arrays.values()}
-    if len(rows) != 1 or (n := rows.pop()) < mini_batch or n % mini_batch:
-        raise InputError(
-            f"every array needs the same number of rows, a multiple of the mini-batch {mini_batch}",
-            source=path,
-        )
-    out: dict[str, np.ndarray] = {}
-    for name, array in arrays.items():
+    ``loss="ce"`` a target holds integer class ids, one per output row without its last (class) axis.
+    Shapes are checked on the arrays' headers, before any is read; other arrays are never read."""
+    rows: set[int] = set()
+
+    def wanted(name: str, dtype: np.dtype, shape: tuple[int, ...]) -> bool:
         if name.startswith("target:"):
             if name[7:] not in graph.outputs:
                 raise InputError(f"{name!r} names no model output", source=path)
-            info, wants = graph.outputs[name[7:]], f"the model's output {name[7:]!r} has"
+            info, ce = graph.outputs[name[7:]], loss == "ce"
+            wants = f"{'cross-entropy labels of ' if ce else ''}the model's output {name[7:]!r}"
+            wants += f" of shape {list(info.shape)} have" if ce else " has"
+        elif name in graph.inputs:
+            info, ce, wants = graph.inputs[name], False, "the model wants"
+        else:
+            return False
+        if info.shape is not None and shape[1:] != (sample := tuple(info.shape[1 : -1 if ce else None])):
+            raise InputError(
+                f"array {name!r} has sample shape {list(shape[1:])}, {wants} {list(sample)}", source=path
+            )
+        rows.add(shape[0] if shape else 0)
+        if len(rows) != 1 or (n := next(iter(rows))) < mini_batch or n % mini_batch:
+            raise InputError(
+                f"every array needs the same number of rows, a multiple of the mini-batch {mini_batch}",
+                source=path,
+            )
+        return True
+
+    arrays = read_npz(path, wanted=wanted)
+    missing = [n for n in graph.inputs if n not in arrays]
+    if missing:
+        raise InputError(f"no array for model input(s) {', '.join(missing)}", source=path)
+    out: dict[str, np.ndarray] = {}
+    for name, array in arrays.items():
+        if name.startswith("target:"):
+            info = graph.outputs[name[7:]]
             if loss == "ce":
                 out[name] = _class_ids(name, array, info.shape, path)
                 continue
-        elif name in graph.inputs:
-            info, wants = graph.inputs[name], "the model wants"
         else:
-            continue
-        if info.shape is not None and tuple(array.shape[1:]) != tuple(info.shape[1:]):
-            raise InputError(
-                f"array {name!r} has sample shape {list(array.shape[1:])}, {wants} {list(info.shape[1:])}",
-                source=path,
-            )
+            info = graph.inputs[name]
         out[name] = array.astype(info.dtype)
     return out

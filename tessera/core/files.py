@@ -6,7 +6,6 @@ import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from tessera.core.errors import InputError
 
@@ -105,30 +104,3 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def read_npz(path: str | os.PathLike[str], what: str = "data") -> dict[str, Any]:
-    """The arrays of an ``.npz`` archive by name; InputError naming ``path`` for anything else
-    (missing, empty, a lone ``.npy``, a broken archive, pickled objects). Without this, an empty
-    file's EOFError reached click, which reports it as an abort (exit 130)."""
-    import zipfile
-
-    import numpy as np
-
-    try:
-        with open(path, "rb") as fh:
-            head = fh.read(6)
-        if head and not head.startswith((b"PK\x03\x04", b"PK\x05\x06", b"\x93NUMPY")):
-            # np.load reads anything else as a pickle and refuses it as "pickled data".
-            raise ValueError("not an .npz archive (a zip of named .npy arrays)")
-        loaded = np.load(path)
-        if not isinstance(loaded, np.lib.npyio.NpzFile):
-            raise ValueError(
-                f"an array of shape {list(np.shape(loaded))}, not an .npz archive of named arrays"
-            )
-        with loaded:
-            return {k: loaded[k] for k in loaded.files}
-    except EOFError:
-        raise InputError(f"cannot read {what}: the file is empty", source=str(path)) from None
-    except (OSError, ValueError, zipfile.BadZipFile) as exc:
-        raise InputError(f"cannot read {what}: {' '.join(str(exc).split())}", source=str(path)) from None

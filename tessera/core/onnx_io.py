@@ -26,6 +26,7 @@ from onnx import external_data_helper
 
 from tessera.core.errors import InputError
 from tessera.core.shape_fold import folded_shapes
+from tessera.core.user_files import MAX_MODEL_BYTES, read_user_file
 
 Shape = tuple[int, ...]
 
@@ -42,15 +43,9 @@ _DTYPE_MIN_IR: dict[int, int] = {
 
 
 def read_bytes(path: str | os.PathLike[str]) -> bytes:
-    """A model file's bytes, or an InputError naming the file."""
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError:
-        raise InputError("no such file", source=path) from None
-    except IsADirectoryError:
-        raise InputError("is a directory, not an ONNX file", source=path) from None
-    except OSError as exc:
-        raise InputError(f"cannot read file: {exc.strerror}", source=path) from None
+    """A model file's bytes, or an InputError naming the file (a FIFO, a device or a file past
+    protobuf's 2 GiB is refused before it is read)."""
+    return read_user_file(path, what="ONNX model", limit=MAX_MODEL_BYTES)
 
 
 def read_model(

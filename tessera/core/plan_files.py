@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from tessera.core.errors import InputError
+from tessera.core.user_files import read_user_file
 
 # A plan is JSON text of at most this many bytes (a gpp plan of a 10,000-operator model is a few MB).
 MAX_PLAN_BYTES = 256 * 2**20
@@ -46,21 +47,11 @@ def _takes(command: str | None) -> str:
 
 def _plan_text(path: str | os.PathLike[str], label: str, command: str | None) -> str:
     """The file's text; InputError for a missing, unreadable, binary, non-UTF-8 or huge file."""
-    try:
-        with open(path, "rb") as stream:
-            raw = stream.read(MAX_PLAN_BYTES + 1)
-    except FileNotFoundError:
-        raise InputError("no such file", source=label) from None
-    except IsADirectoryError:
-        raise InputError("a plan is a JSON file; this is a directory", source=label) from None
-    except OSError as exc:
-        raise InputError(f"cannot read plan: {exc.strerror or exc}", source=label) from None
+    raw = read_user_file(path, what="plan", limit=MAX_PLAN_BYTES)
     takes = _takes(command)
     binary = _binary_kind(raw, label)
     if binary is not None:
         raise InputError(f"{takes} ({binary}): the JSON file tessera plan or place writes", source=label)
-    if len(raw) > MAX_PLAN_BYTES:
-        raise InputError(f"not a plausible plan: larger than {MAX_PLAN_BYTES // 2**20} MiB", source=label)
     try:
         return raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.core.errors import InputError
+from tessera.core.user_files import regular_file
 
 __all__ = ["TOKEN_SUFFIXES", "TokenWindows"]
 
@@ -62,7 +63,7 @@ class TokenWindows:
 
 
 def _open(path: str) -> np.ndarray:
-    suffix = Path(path).suffix
+    suffix = regular_file(path, what="token").suffix
     try:
         if suffix == ".npy":
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)

@@ -100,7 +100,7 @@ def test_bad_plans(name):
 
 def test_missing_file_and_directory(tmp_path):
     missing = tmp_path / "nope.onnx"
-    assert_one_line_error(run_cli("inspect", str(missing)), missing, "no such file")
+    assert_one_line_error(run_cli("inspect", str(missing)), missing, "no such ONNX model file")
     assert_one_line_error(run_cli("inspect", str(tmp_path)), tmp_path, "directory")
 
 

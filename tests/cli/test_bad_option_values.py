@@ -97,3 +97,14 @@ def test_emit_json_writes_non_finite_numbers_as_null(capsys: pytest.CaptureFixtu
 def test_inspect_input_shape_too_large(shape: str):
     result = run_cli("inspect", str(BAD / "plan_model.onnx"), "--input-shape", shape)
     assert_bad_option(result, "--input-shape", "not a plausible input")
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("--tolerance", "nan"), ("--tolerance", "inf"), ("--tolerance", "2"), ("--budget", "nan"), ("--budget", "inf")],
+)
+def test_place_float_options_refuse_nan_and_infinity(option: str, value: str):
+    """click's FloatRange let NaN through (every comparison with it is false): ``place --tolerance
+    nan`` and ``--budget nan|inf`` ran. One option type refuses them for every float option."""
+    result = run_cli("place", str(BAD / "missing-model.onnx"), option, value)
+    assert_bad_option(result, option, "expected a finite number greater than 0")

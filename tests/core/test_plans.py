@@ -231,7 +231,7 @@ def test_a_malformed_cp_plan_is_refused_naming_the_field(cp_plan, edit, fragment
 
 def test_load_plan_names_the_file_and_what_is_wrong(tmp_path: Path, gpp_plan) -> None:
     missing = tmp_path / "nowhere.json"
-    with pytest.raises(InputError, match="no such file") as info:
+    with pytest.raises(InputError, match="no such plan file") as info:
         load_plan(missing)
     assert info.value.source == str(missing)
     path = tmp_path / "plan.json"

@@ -10,7 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from tessera.cli.options import FigureFile, OptionGroup, OutputFile, check_outputs, load_model_option
+from tessera.cli.options import (
+    FigureFile,
+    FiniteFloat,
+    OptionGroup,
+    OutputFile,
+    check_outputs,
+    load_model_option,
+)
 from tessera.cli.plan.gantt import write_gantt
 from tessera.cli.render import progress_bar
 from tessera.core.errors import InputError
@@ -97,7 +104,7 @@ OPTIONS = OptionGroup(
     ),
     click.option(
         "--bytes-per-param",
-        type=click.FloatRange(min=0, min_open=True, max=1024),
+        type=FiniteFloat(maximum=1024),
         default=None,
         help="[gpp/spp] Training memory per parameter: weights + gradients + optimizer state [default: 16, Adam in mixed precision: 2 + 2 + 12].",
     ),

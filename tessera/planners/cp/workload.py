@@ -20,6 +20,7 @@ import numpy as np
 
 from tessera.core.errors import InputError
 from tessera.core.plans import MAX_BATCH, MAX_CONTEXT
+from tessera.core.user_files import MAX_TEXT_BYTES, read_user_file
 
 __all__ = [
     "MAX_BATCH",
@@ -161,12 +162,11 @@ def parse_output_lengths(text: str | int, *, option: str = "--output-len") -> Ou
         return OutputLengths("uniform", low, high)
     if spec.startswith("file:"):
         path = Path(spec[len("file:") :])
+        raw = read_user_file(path, what=f"{option} lengths", limit=MAX_TEXT_BYTES)
         try:
-            raw = path.read_bytes()
             lines = raw.decode("utf-8").splitlines()
-        except (OSError, UnicodeDecodeError) as err:
-            reason = getattr(err, "strerror", None) or str(err)
-            raise InputError(f"{option}: cannot read output lengths: {reason}", source=path) from None
+        except UnicodeDecodeError:
+            raise InputError(f"{option}: the output lengths are not UTF-8 text", source=path) from None
         samples: list[int] = []
         for number, line in enumerate(lines, start=1):
             line = line.split("#", 1)[0].strip()

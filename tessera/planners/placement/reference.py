@@ -60,7 +60,8 @@ def inputs_label(data: str | None, seed: int) -> str:
     import hashlib
     from pathlib import Path
 
-    digest = hashlib.sha256(Path(data).read_bytes()).hexdigest()[:16]
+    with open(data, "rb") as stream:  # read by load_feeds already: a regular file
+        digest = hashlib.file_digest(stream, "sha256").hexdigest()[:16]
     return f"{Path(data).name} (sha256 {digest})"
 
 
