@@ -101,7 +101,13 @@ def test_inspect_input_shape_too_large(shape: str):
 
 @pytest.mark.parametrize(
     ("option", "value"),
-    [("--tolerance", "nan"), ("--tolerance", "inf"), ("--tolerance", "2"), ("--budget", "nan"), ("--budget", "inf")],
+    [
+        ("--tolerance", "nan"),
+        ("--tolerance", "inf"),
+        ("--tolerance", "2"),
+        ("--budget", "nan"),
+        ("--budget", "inf"),
+    ],
 )
 def test_place_float_options_refuse_nan_and_infinity(option: str, value: str):
     """click's FloatRange let NaN through (every comparison with it is false): ``place --tolerance
