@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import click
@@ -14,6 +13,7 @@ from tessera.cli.render import console, emit_json, human_bytes, human_count
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
 from tessera.core.graph import Graph, write_model
+from tessera.core.plan_files import json_text
 from tessera.core.structure import branch_structure
 from tessera.planners.cp.recognize import recognize_decoder
 
@@ -79,7 +79,7 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
     if write_named:
         write_model(graph.named_model(), write_named)
     if output:
-        write_output(output, json.dumps(report, indent=2, ensure_ascii=False) + "\n")
+        write_output(output, json_text(report))
     if as_json:
         emit_json(report)
         return

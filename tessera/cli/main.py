@@ -6,6 +6,7 @@ Exit codes: 0 success, 1 internal error, 2 bad input (click usage errors too), 3
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -30,6 +31,7 @@ from tessera.core.errors import (
     EXIT_TERMINATED,
     Terminated,
     TesseraError,
+    terminal_safe,
 )
 
 
@@ -46,7 +48,17 @@ def cli(verbose: int, no_progress: bool) -> None:
     if no_progress:
         os.environ[NO_PROGRESS_ENV] = "1"
     level = logging.WARNING - 10 * min(verbose, 2)
-    logging.basicConfig(level=level, stream=sys.stderr, format="%(levelname)s %(name)s: %(message)s")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_TerminalSafe("%(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level, handlers=[handler])
+
+
+class _TerminalSafe(logging.Formatter):
+    """Log lines with what they quote from files (a model's dim_param, a file name) escaped: one
+    line each, no escape sequences reaching the terminal (tracebacks under -vv keep their lines)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # noqa: N802 - logging's name
+        return terminal_safe(super().formatMessage(record))
 
 
 cli.add_command(backends)
@@ -59,6 +71,9 @@ cli.add_command(validate)
 cli.add_command(zoo)
 
 
+_DISK_FULL = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+
+
 def _terminate(signum: int, frame: object) -> None:
     raise Terminated
 
@@ -69,6 +84,7 @@ def main(argv: list[str] | None = None) -> None:
     signal.signal(signal.SIGTERM, _terminate)  # unwind (temporary files removed), then exit 143
     try:
         cli.main(args=args, prog_name="tessera", standalone_mode=False)
+        sys.stdout.flush()  # a full device fails here, inside the handlers below
     except TesseraError as exc:
         click.echo(f"tessera: error: {exc.one_line()}", err=True)
         sys.exit(exc.exit_code)
@@ -97,12 +113,21 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:
         sys.exit(0)
     except Exception as exc:  # noqa: BLE001 - the last line of defence: no traceback unless asked
-        if os.environ.get("TESSERA_DEBUG") or "-v" in args or "--verbose" in args:
-            raise
-        click.echo(
-            f"tessera: internal error: {type(exc).__name__}: {' '.join(str(exc).split())} "
-            "(set TESSERA_DEBUG=1 for the traceback; please report it)",
-            err=True,
-        )
-        sys.exit(EXIT_INTERNAL)
+        _unexpected(exc, args)
     sys.exit(0)
+
+
+def _unexpected(exc: Exception, args: list[str]) -> None:
+    if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
+        # Files tessera writes say this themselves (InputError); what is left is standard output.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit
+        click.echo(f"tessera: error: cannot write the output: {exc.strerror}", err=True)
+        sys.exit(EXIT_BAD_INPUT)
+    if os.environ.get("TESSERA_DEBUG") or "-v" in args or "--verbose" in args:
+        raise exc
+    click.echo(
+        f"tessera: internal error: {type(exc).__name__}: {terminal_safe(' '.join(str(exc).split()))} "
+        "(set TESSERA_DEBUG=1 for the traceback; please report it)",
+        err=True,
+    )
+    sys.exit(EXIT_INTERNAL)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
@@ -11,6 +10,9 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+
+from tessera.core.errors import terminal_safe
+from tessera.core.plan_files import json_text
 
 # Set by `tessera --no-progress` (and honoured by library code that shows progress).
 NO_PROGRESS_ENV = "TESSERA_NO_PROGRESS"
@@ -32,7 +34,7 @@ def emit_json(data: Any) -> None:
 
     Always valid JSON: a non-finite number (a diverged loss, a ratio over zero) is written as null.
     """
-    sys.stdout.write(json.dumps(json_safe(data), indent=2, ensure_ascii=False, allow_nan=False) + "\n")
+    sys.stdout.write(json_text(json_safe(data)))
     sys.stdout.flush()
 
 
@@ -41,6 +43,14 @@ PLAIN_WIDTH = 1000
 
 
 class _Console(Console):
+    def render_str(self, text: str, **kwargs: Any) -> Any:
+        """Every string rich shows (a line, a table cell) with its control characters escaped: a
+        name read from a model (an input, a dim_param) cannot break a line or reach the terminal
+        as an escape sequence. Lines tessera writes hold no control characters of their own."""
+        return super().render_str(text if self._rendered else terminal_safe(text), **kwargs)
+
+    _rendered = False  # set while a table rendered (and escaped) already is written out
+
     def print(self, *objects: Any, **kwargs: Any) -> None:
         """Tables as plain text when stdout is not a terminal: columns separated by spaces, no box
         characters (a script reading ``tessera inspect m.onnx | grep`` sees words and numbers)."""
@@ -54,7 +64,11 @@ class _Console(Console):
         with self.capture() as captured:
             super().print(*objects, **kwargs)
         # rich pads every cell to its column's width: no trailing blanks in plain text
-        self.out("\n".join(line.rstrip() for line in captured.get().splitlines()), highlight=False)
+        self._rendered = True
+        try:
+            self.out("\n".join(line.rstrip() for line in captured.get().splitlines()), highlight=False)
+        finally:
+            self._rendered = False
 
     def on_broken_pipe(self) -> None:
         """A reader that went away (``tessera inspect m.onnx | head -1``): rich exits 1 here; raise

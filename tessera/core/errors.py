@@ -8,6 +8,7 @@ verification failure, 130 interrupted (SIGINT, Ctrl-C), 143 terminated (SIGTERM)
 
 from __future__ import annotations
 
+import re
 from os import PathLike
 
 EXIT_OK = 0
@@ -31,7 +32,28 @@ class TesseraError(Exception):
         super().__init__(self.one_line())
 
     def one_line(self) -> str:
-        return f"{self.source}: {self.message}" if self.source else self.message
+        """``source: message``, safe for a terminal: a file name or a value read from a file
+        cannot break the line or send escape sequences (see :func:`terminal_safe`)."""
+        text = f"{self.source}: {self.message}" if self.source else self.message
+        return terminal_safe(text)
+
+
+# C0 and C1 controls, DEL, and lone surrogates (the bytes of a file name that is not UTF-8).
+_UNSAFE = re.compile("[\x00-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with every control character written as an escape (``\\n``, ``\\x1b``) and each
+    undecodable file-name byte as ``\\xff``, so that a name or a string from a model file shows
+    as what it is and cannot move the cursor, recolour the terminal or split a line."""
+
+    def escape(match: re.Match[str]) -> str:
+        code = ord(match.group())
+        if 0xDC80 <= code <= 0xDCFF:  # os.fsdecode's stand-in for the byte code - 0xDC00
+            return f"\\x{code - 0xDC00:02x}"
+        return repr(match.group())[1:-1] if code < 0xD800 else f"\\u{code:04x}"
+
+    return _UNSAFE.sub(escape, text)
 
 
 class InputError(TesseraError):

@@ -7,10 +7,23 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Any
 
 from tessera.core.errors import InputError
 from tessera.core.user_files import read_user_file
+
+# A file name that is not UTF-8 reaches Python as text with lone surrogates (os.fsdecode); no
+# UTF-8 file can hold them raw, but JSON's \uXXXX escape can, and reads back to the same name.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def json_text(data: Any) -> str:
+    """``data`` as the JSON text tessera writes (plans, reports, ``--json``): 2-space indent, UTF-8
+    characters as they are, NaN refused, and a non-UTF-8 file name escaped (as ``\\udcff``)."""
+    text = json.dumps(data, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    return _LONE_SURROGATE.sub(lambda m: f"\\u{ord(m.group()):04x}", text)
+
 
 # A plan is JSON text of at most this many bytes (a gpp plan of a 10,000-operator model is a few MB).
 MAX_PLAN_BYTES = 256 * 2**20

@@ -10,7 +10,6 @@ register in ``PLAN_CHECKS``.
 from __future__ import annotations
 
 import itertools
-import json
 import math
 import os
 from collections.abc import Callable, Iterator
@@ -34,7 +33,7 @@ from pydantic import (
 from tessera import __version__
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
-from tessera.core.plan_files import read_plan_json
+from tessera.core.plan_files import json_text, read_plan_json
 from tessera.core.rewrite import REWRITES, apply_rewrites, unknown_rewrite
 from tessera.core.schedule import ScheduleKind
 from tessera.core.specs import MAX_DEVICES
@@ -421,7 +420,7 @@ PLAN_CHECKS: dict[str, list[Callable[[Any, Any], list[str]]]] = {}
 
 def dump_plan(plan: _PlanBase) -> str:
     """The plan as canonical JSON text (field order fixed by the schema; 2-space indent)."""
-    return json.dumps(plan.model_dump(mode="json"), indent=2, ensure_ascii=False) + "\n"
+    return json_text(plan.model_dump(mode="json"))
 
 
 def write_plan(plan: _PlanBase, path: str | os.PathLike[str]) -> Path:
