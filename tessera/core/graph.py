@@ -24,11 +24,11 @@ from tessera.core.onnx_io import (
     Shape,
     outer_scope_inputs,
     prepare_model,
-    read_bytes,
     restore_declared_shapes,
 )
 from tessera.core.parameters import find_constant_nodes, parameter_owners
 from tessera.core.rewrite import REWRITES, apply_rewrites
+from tessera.core.user_files import read_model_bytes
 
 
 @dataclass(frozen=True)
@@ -332,7 +332,7 @@ def load_graph(
     if isinstance(source, onnx.ModelProto):
         source = source.SerializeToString(deterministic=True)
     elif not isinstance(source, bytes | bytearray):
-        source = read_bytes(source)
+        source = read_model_bytes(source)
     digest = hashlib.sha256(source).hexdigest()
     model, defaulted, declared = prepare_model(
         source, input_shapes=input_shapes, label=label, base_dir=base_dir

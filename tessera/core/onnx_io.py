@@ -26,7 +26,8 @@ from onnx import external_data_helper
 
 from tessera.core.errors import InputError
 from tessera.core.shape_fold import folded_shapes
-from tessera.core.user_files import MAX_MODEL_BYTES, read_user_file
+from tessera.core.user_files import read_model_bytes
+from tessera.core.weights import LAZY_LOCATION, lazy_spec
 
 Shape = tuple[int, ...]
 
@@ -40,12 +41,6 @@ _DTYPE_MIN_IR: dict[int, int] = {
     onnx.TensorProto.INT4: 10,
     onnx.TensorProto.FLOAT4E2M1: 11,
 }
-
-
-def read_bytes(path: str | os.PathLike[str]) -> bytes:
-    """A model file's bytes, or an InputError naming the file (a FIFO, a device or a file past
-    protobuf's 2 GiB is refused before it is read)."""
-    return read_user_file(path, what="ONNX model", limit=MAX_MODEL_BYTES)
 
 
 def read_model(
@@ -64,7 +59,7 @@ def read_model(
         data = bytes(source)
         label = label or "<bytes>"
     else:
-        data = read_bytes(source)
+        data = read_model_bytes(source)
         label = label or str(source)
         base_dir = Path(source).parent if base_dir is None else base_dir
     if not data:
@@ -96,6 +91,12 @@ def _load_present_external_data(model: onnx.ModelProto, base_dir: Path, label: s
                 "(ONNX requires a relative path without '..')",
                 source=label,
             )
+        if relative == LAZY_LOCATION:
+            try:
+                lazy_spec(tensor)  # checked where it is read, not in a worker after planning
+            except ValueError as exc:
+                raise InputError(str(exc), source=label) from None
+            continue
         location = base_dir / relative
         if not location.is_file():
             continue  # lazily generated or missing weights: shapes still plan, execution will say

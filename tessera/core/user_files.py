@@ -76,6 +76,11 @@ def read_user_file(path: str | os.PathLike[str], *, what: str, limit: int) -> by
     return raw
 
 
+def read_model_bytes(path: str | os.PathLike[str]) -> bytes:
+    """An ONNX file's bytes (a FIFO, a device or a file past protobuf's 2 GiB refused unread)."""
+    return read_user_file(path, what="ONNX model", limit=MAX_MODEL_BYTES)
+
+
 def _too_large(what: str, size: int, limit: int) -> str:
     return f"{size:,} bytes, more than the {_size(limit)} {_a(what)} file may hold"
 

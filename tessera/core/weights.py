@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 import onnx
@@ -116,17 +116,71 @@ def materialize(model: onnx.ModelProto) -> onnx.ModelProto:
     return result
 
 
+@dataclass(frozen=True)
+class LazySpec:
+    """What a lazy parameter's markers say, checked: its values are those of ``source`` (of
+    ``dims``) generated with ``init`` and ``seed``, then ``cut`` = (axis, start, stop) taken."""
+
+    source: str
+    dims: tuple[int, ...]
+    init: Init
+    seed: int
+    cut: tuple[int, int, int] | None
+
+
+def lazy_spec(tensor: TensorProto) -> LazySpec:
+    """The markers of the lazy parameter ``tensor``, each checked where it is parsed: a ValueError
+    naming the marker for an unknown init, a std that is not a finite number ≥ 0, a seed that is no
+    integer, or a slice that does not fit its source or the tensor's dims. Nothing is defaulted."""
+    entries = {entry.key: entry.value for entry in tensor.external_data}
+    missing = [k for k in (_INIT_KEY, _STD_KEY, _SEED_KEY) if k not in entries]
+    if missing:
+        raise ValueError(f"lazy parameter {tensor.name!r} lacks {', '.join(missing)}")
+    if tensor.data_type != TensorProto.FLOAT:
+        raise ValueError(f"lazy parameter {tensor.name!r} is not float32 (data_type {tensor.data_type})")
+    kind, std = entries[_INIT_KEY], _number(tensor.name, _STD_KEY, entries[_STD_KEY], float)
+    if kind not in ("normal", "ones", "zeros"):
+        raise ValueError(f"lazy parameter {tensor.name!r}: {_INIT_KEY} {kind!r} is not normal, ones or zeros")
+    if not (np.isfinite(std) and std >= 0):
+        raise ValueError(f"lazy parameter {tensor.name!r}: {_STD_KEY} {std!r} is not a finite number >= 0")
+    seed = _number(tensor.name, _SEED_KEY, entries[_SEED_KEY], int)
+    if not 0 <= seed < 2**63:
+        raise ValueError(f"lazy parameter {tensor.name!r}: {_SEED_KEY} {seed} is outside 0..2^63-1")
+    dims = tuple(int(d) for d in tensor.dims)
+    if _SLICE_KEY not in entries:
+        return LazySpec(tensor.name, dims, Init(kind, std), seed, None)  # type: ignore[arg-type]
+    parts = entries[_SLICE_KEY].split(";")
+    try:
+        source, origin_text, *numbers = parts
+        origin = tuple(int(d) for d in origin_text.split(","))
+        axis, start, stop = (int(n) for n in numbers)
+    except ValueError:
+        raise ValueError(
+            f"lazy parameter {tensor.name!r}: {_SLICE_KEY} {entries[_SLICE_KEY][:60]!r} is not "
+            "SOURCE;D0,D1;AXIS;START;STOP"
+        ) from None
+    fits = len(origin) == 2 and axis in (0, 1) and 0 <= start < stop <= origin[axis]
+    if not fits or tuple(stop - start if i == axis else d for i, d in enumerate(origin)) != dims:
+        raise ValueError(
+            f"lazy parameter {tensor.name!r}: {_SLICE_KEY} cuts {start}:{stop} on axis {axis} of "
+            f"{list(origin)}, which is not its dims {list(dims)}"
+        )
+    return LazySpec(source, origin, Init(kind, std), seed, (axis, start, stop))  # type: ignore[arg-type]
+
+
+def _number(name: str, key: str, text: str, kind: type) -> Any:
+    try:
+        return kind(text)
+    except (ValueError, OverflowError):
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"lazy parameter {name!r}: {key} {text[:40]!r} is not {what}") from None
+
+
 def lazy_values(tensor: TensorProto) -> np.ndarray:
     """The values of the lazy parameter ``tensor`` (:func:`is_lazy_tensor`), generated."""
-    entries = {entry.key: entry.value for entry in tensor.external_data}
-    init = Init(entries[_INIT_KEY], float(entries[_STD_KEY]))  # type: ignore[arg-type]
-    name, dims = tensor.name, tuple(tensor.dims)
-    cut = entries.get(_SLICE_KEY)
-    if cut is not None:
-        name, origin, axis, start, stop = cut.split(";")
-        dims = tuple(int(d) for d in origin.split(","))
-    values = generate(name, dims, init, int(entries[_SEED_KEY]))
-    if cut is not None:
-        span = slice(int(start), int(stop))
-        values = np.ascontiguousarray(values[span] if axis == "0" else values[:, span])
+    spec = lazy_spec(tensor)
+    values = generate(spec.source, spec.dims, spec.init, spec.seed)
+    if spec.cut is not None:
+        axis, start, stop = spec.cut
+        values = np.ascontiguousarray(values[start:stop] if axis == 0 else values[:, start:stop])
     return values
