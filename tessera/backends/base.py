@@ -236,3 +236,10 @@ def default_cache_dir() -> Path:
         return Path(explicit).expanduser()
     root = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(root).expanduser() / "tessera"
+
+
+def runs_on(backend_device: str, device: str) -> bool:
+    """Whether a backend's device (``"cpu: Intel …"``, ``"cuda:0 …"``) is of kind ``device``
+    (``cpu``, ``cuda``; ``gpu`` names ``cuda``)."""
+    kind = backend_device.split(":")[0].strip()
+    return kind == device or (device == "gpu" and kind == "cuda")

@@ -74,6 +74,7 @@ def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
     against it: sha256, node names, coverage and the planner's constraints. InputError otherwise."""
     from tessera.backends import plan_check  # noqa: F401 - registers the placement check
     from tessera.core.plans import check_plan_against_model, problems_error
+    from tessera.planners.cp import plan_check as _cp_check  # noqa: F401 - registers the llm-block check
     from tessera.planners.pipeline import checks  # noqa: F401 - registers C1–C5 + memory checks
 
     model_path = plan_model_path(plan_path, plan.model.path, given)

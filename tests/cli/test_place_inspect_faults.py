@@ -228,7 +228,7 @@ def test_lazy_zoo_model_is_refused_before_measuring(tmp_path: Path) -> None:
     cache = tmp_path / "c.sqlite"
     result = _place(str(path), cache=cache)
     assert result.code == 2, result.err
-    assert str(path) in result.err and "lazy placeholders" in result.err
+    assert str(path) in result.err and "lazy parameter 'w' lacks tessera.init" in result.err
     assert ProfileCache(cache).count() == 0  # refused before any measuring
 
 

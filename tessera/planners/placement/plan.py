@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tessera.backends.base import runs_on
 from tessera.backends.composite import (
     CompileCache,
     CompositeModel,
@@ -96,13 +97,6 @@ class PlacementResult:
     groups: list[Group]
     latency_s: dict[str, float]  # "placement" and every single backend
     report: dict[str, Any]
-
-
-def runs_on(backend_device: str, device: str) -> bool:
-    """Whether a backend's device (``"cpu: Intel …"``, ``"cuda:0 …"``) is of kind ``device``
-    (``cpu``, ``cuda``; ``gpu`` names ``cuda``)."""
-    kind = backend_device.split(":")[0].strip()
-    return kind == device or (device == "gpu" and kind == "cuda")
 
 
 def resolve_backends(
