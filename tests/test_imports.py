@@ -43,3 +43,31 @@ def test_every_module_imports_first() -> None:
     assert "tessera.planners.sim" in names and len(names) > 50
     done = subprocess.run([sys.executable, "-c", _CHECK, *names], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_the_cli_loads_torch_only_for_a_command_that_needs_it(tmp_path: Path) -> None:
+    """``inspect`` loaded torch (and torch._dynamo, which makes a folder in TMPDIR) through the
+    plan command's imports: under a low ``ulimit -v`` it failed with a raw ImportError. It now
+    loads no torch and inspects within 700 MB of address space."""
+    import resource
+
+    from tessera.models import build
+
+    model = tmp_path / "gpt.onnx"
+    import onnx
+
+    onnx.save(build("gpt", "tiny"), model)
+    probe = "import sys, tessera.cli.main; print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.strip()
+        == "False"
+    )
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (700 * 2**20, 700 * 2**20))
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera", "inspect", str(model), "--json"],
+        capture_output=True, text=True, preexec_fn=limited, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr

@@ -117,6 +117,14 @@ def main(argv: list[str] | None = None) -> None:
     sys.exit(0)
 
 
+def _out_of_memory_import(exc: Exception) -> bool:
+    """A library that cannot be loaded for want of address space (``ulimit -v``)."""
+    text = str(exc).lower()
+    return isinstance(exc, ImportError) and (
+        "failed to map segment" in text or "cannot allocate memory" in text
+    )
+
+
 def _unexpected(exc: Exception, args: list[str]) -> None:
     if isinstance(exc, OSError) and exc.errno in _DISK_FULL:
         # Files tessera writes say this themselves (InputError); what is left is standard output.
@@ -125,6 +133,12 @@ def _unexpected(exc: Exception, args: list[str]) -> None:
         sys.exit(EXIT_BAD_INPUT)
     if os.environ.get("TESSERA_DEBUG") or "-v" in args or "--verbose" in args:
         raise exc
+    if isinstance(exc, MemoryError) or _out_of_memory_import(exc):
+        click.echo(
+            "tessera: error: out of memory (the machine's, or a limit on this process such as ulimit -v)",
+            err=True,
+        )
+        sys.exit(EXIT_INTERNAL)
     click.echo(
         f"tessera: internal error: {type(exc).__name__}: {terminal_safe(' '.join(str(exc).split()))} "
         "(set TESSERA_DEBUG=1 for the traceback; please report it)",

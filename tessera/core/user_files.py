@@ -68,10 +68,12 @@ def read_user_file(path: str | os.PathLike[str], *, what: str, limit: int) -> by
         if info.st_size > limit:
             raise InputError(_too_large(what, info.st_size, limit), source=path)
         try:
-            raw = stream.read(limit + 1)
+            raw = stream.read(info.st_size + 1)  # not limit + 1: read(n) allocates n bytes first
+            while info.st_size < len(raw) <= limit and (more := stream.read(2**20)):  # it grows
+                raw += more
         except OSError as exc:
             raise InputError(f"cannot read the {what}: {exc.strerror or exc}", source=path) from None
-    if len(raw) > limit:  # grew while read
+    if len(raw) > limit:
         raise InputError(_too_large(what, len(raw), limit), source=path)
     return raw
 

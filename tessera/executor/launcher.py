@@ -13,10 +13,12 @@ import contextlib
 import dataclasses
 import errno
 import faulthandler
+import ipaddress
 import logging
 import os
 import re
 import resource
+import shutil
 import signal
 import socket
 import tempfile
@@ -81,12 +83,20 @@ def _probe_listen(addr: str, port: int) -> int:
 
 
 def _address(addr: str, port: int) -> tuple:
-    """``addr:port`` resolved (the first of ``getaddrinfo``); InputError when it does not resolve."""
+    """``addr:port`` resolved (the first of ``getaddrinfo``); InputError when it does not resolve
+    or names every interface (``0.0.0.0``, ``::``): the rendezvous store takes any connection
+    without authentication, so it listens on one address the workers share, never on all."""
     try:
-        return socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
+        found = socket.getaddrinfo(addr, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError) as exc:
         reason = exc.strerror if isinstance(exc, socket.gaierror) else str(exc)
         raise InputError(f"--master-addr {addr!r}: the host name does not resolve ({reason})") from None
+    if ipaddress.ip_address(found[4][0].split("%")[0]).is_unspecified:
+        raise InputError(
+            f"--master-addr {addr!r} means every interface; the rendezvous store is unauthenticated, so "
+            "give the one address the nodes reach node 0 at (127.0.0.1 on one node)"
+        )
+    return found
 
 
 def _port_in_use(addr: str, port: int) -> LaunchError:
@@ -141,6 +151,7 @@ def launch_workers(
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on every local rank of a ``world_size``-rank job; return this
     node's results by global rank. Raises LaunchError (exit 4) when a worker fails."""
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -156,10 +167,12 @@ def launch_workers(
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
+        logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # set in _scratch: nothing made yet
         **_shutdown_grace(LaunchConfig),
     )
     threads = str(options.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
     with (
+        _scratch(config, DefaultLogsSpecs),
         tempfile.TemporaryDirectory(prefix="tessera-progress-") as heartbeats,
         _env(HEARTBEAT_ENV, heartbeats),
         # c10d's C++ warnings (a socket timing out when a peer stops) would print many lines per
@@ -192,6 +205,22 @@ def launch_workers(
                     raise _port_in_use(options.master_addr, port) from None
                 raise LaunchError(f"rendezvous at {options.master_addr}:{port} failed: {exc}") from None
             raise
+
+
+@contextlib.contextmanager
+def _scratch(config: Any, logs_specs: type) -> Iterator[None]:
+    """A folder for what the elastic agent writes for a run (its log folders, the
+    ``pytorch-errorfile-*`` pickles torch's spawn makes in the temporary directory), removed when
+    the run ends however it ends: a launch leaves nothing in TMPDIR. Workers keep theirs."""
+    folder = tempfile.mkdtemp(prefix="tessera-launch-")
+    previous = tempfile.tempdir
+    tempfile.tempdir = folder
+    try:
+        config.logs_specs = logs_specs(log_dir=os.path.join(folder, "logs"))
+        yield
+    finally:
+        tempfile.tempdir = previous
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _cpp_log_level() -> str:

@@ -274,6 +274,10 @@ def test_an_operator_the_executor_lacks_is_refused_before_workers_start(tmp_path
           "--master-port", "29612"], 2, "the host name does not resolve"),
         (["--master-addr", "192.0.2.1"], 2, "--master-addr '192.0.2.1': cannot listen there"),
         (["--master-port", "{busy}"], 4, "--master-port {busy} on 127.0.0.1 is in use (another job?)"),
+        (["--master-addr", "0.0.0.0"], 2, "--master-addr '0.0.0.0' means every interface"),
+        (["--master-addr", "::"], 2, "--master-addr '::' means every interface"),
+        (["--master-addr", "0.0.0.0", "--nnodes", "2", "--node-rank", "1", "--nproc-per-node", "1",
+          "--master-port", "29613"], 2, "means every interface; the rendezvous store is unauthenticated"),
     ],
 )  # fmt: skip
 def test_rendezvous_address_and_port_are_checked_before_workers_start(
@@ -343,3 +347,25 @@ def test_save_model_refuses_a_path_it_cannot_write_before_training(chain_plan, t
     assert res.code == 2 and "/proc/trained.onnx" in res.err and "cannot write" in res.err, res.err
     res = run_cli("launch", str(plan_path), "--save-model", "candle.onnx")
     assert res.code == 2 and "is also the model" in res.err, res.err
+
+
+@pytest.mark.parametrize("fault", [None, "1:1:raise"])
+def test_a_launch_leaves_nothing_in_the_temporary_directory(chain_plan, tmp_path: Path, fault) -> None:
+    """Every launch left a ``torchelastic_*`` folder in TMPDIR (the agent's logs), and a failed one
+    ``pytorch-errorfile-*.pickle`` files too; the launcher's own files go with the run."""
+    import subprocess
+    import sys
+
+    _, plan_path = chain_plan
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_DEBUG", FAULT_ENV)}
+    env.update({"TMPDIR": str(scratch), **({FAULT_ENV: fault} if fault else {})})
+    proc = subprocess.run(
+        [sys.executable, "-m", "tessera", "launch", str(plan_path), "--steps", "2"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert proc.returncode == (4 if fault else 0), proc.stderr
+    left = sorted(p.name for p in scratch.iterdir())
+    # onnxruntime writes one shared .ses file in TMPDIR when imported: not the launch's
+    assert [name for name in left if name != ".ses"] == [], left

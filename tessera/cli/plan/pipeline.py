@@ -28,15 +28,13 @@ from tessera.core.rewrite import REWRITES, applicable
 from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
 from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.core.units import format_bytes
-from tessera.planners.pipeline.checks import untrainable_message
-from tessera.planners.pipeline.plan import RewriteChoice, pipeline_options, plan_gpp_best
-from tessera.planners.pipeline.profile import MeasuredCosts, open_cache, profile_graph
-from tessera.planners.pipeline.search import planned_device_type
-from tessera.planners.pipeline.stage_profile import StageProfiler, stages_measurable
-from tessera.planners.pipeline.types import Pipeline
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the planner imports torch: loaded when a plan is made, not for every command
     from tessera.backends.profile_cache import ProfileCache
+    from tessera.planners.pipeline.plan import RewriteChoice
+    from tessera.planners.pipeline.profile import MeasuredCosts
+    from tessera.planners.pipeline.stage_profile import StageProfiler
+    from tessera.planners.pipeline.types import Pipeline
 
 
 class RecomputeChoice(click.Choice):
@@ -148,6 +146,8 @@ def runner(kind: str) -> Callable[..., None]:
         no_baseline: bool = False,
     ) -> None:
         """Graph-pipeline-parallel (gpp) or sequential (spp) training plan: GraphPipe, thesis ch. 3."""
+        from tessera.planners.pipeline.search import planned_device_type
+
         spec = load_cluster(cluster)
         if model is None:
             raise click.UsageError(f"--kind {kind} needs MODEL (an ONNX file)")
@@ -219,6 +219,12 @@ def run_pipeline_plan(  # noqa: PLR0913
     faster plan (the search, and the baseline, run twice). Otherwise, on a graph loaded without
     rewrites, the text output hints at those that would apply.
     """
+    from tessera.planners.pipeline.checks import untrainable_message
+    from tessera.planners.pipeline.plan import pipeline_options, plan_gpp_best
+    from tessera.planners.pipeline.profile import open_cache
+    from tessera.planners.pipeline.search import planned_device_type
+    from tessera.planners.pipeline.stage_profile import stages_measurable
+
     if cache is not None and not profile:
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
     options = pipeline_options(
@@ -307,6 +313,9 @@ def stage_profiler(
     graph: Graph, cluster: ClusterSpec, store: ProfileCache, devices: int | None
 ) -> StageProfiler:
     """``--profile``'s second part: the chosen plan's stages measured as the executor runs them."""
+    from tessera.planners.pipeline.search import planned_device_type
+    from tessera.planners.pipeline.stage_profile import StageProfiler
+
     return StageProfiler(graph, planned_device_type(cluster, devices), store, cluster=cluster)
 
 
@@ -318,6 +327,9 @@ def profile_costs(
 ) -> MeasuredCosts:
     """``--profile``: measure every operator on this machine (progress bar on a terminal; one summary
     line on stderr); ``devices``: how many of the cluster's devices the plan uses."""
+    from tessera.planners.pipeline.profile import profile_graph
+    from tessera.planners.pipeline.search import planned_device_type
+
     device_type = planned_device_type(cluster, devices)
     with progress_bar() as bar:
         task = bar.add_task("profiling operators", total=None)
