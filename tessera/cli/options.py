@@ -56,17 +56,30 @@ def plan_model_option(f: F) -> F:
     )(f)
 
 
-def plan_model_path(plan_path: str, recorded: str, given: str | None) -> str:
-    """--model, else the plan's recorded model path (relative to the working directory or the plan)."""
-    candidates = [Path(given)] if given else [Path(recorded), Path(plan_path).parent / recorded]
-    for candidate in candidates:
-        if candidate.is_file():
-            return str(candidate)
+def plan_model_path(plan_path: str, recorded: str, given: str | None, sha256: str | None = None) -> str:
+    """--model, else the plan's recorded model path: beside the plan first (where plan -o put it
+    relative to), then relative to the working directory. Of those that exist, the first whose
+    sha256 is the plan's; a same-named other model elsewhere does not shadow it."""
+    candidates = (
+        [Path(given)] if given else list(dict.fromkeys([Path(plan_path).parent / recorded, Path(recorded)]))
+    )
+    present = [c for c in candidates if c.is_file()]
+    if sha256 is not None and len(present) > 1:
+        present.sort(key=lambda c: _file_sha256(c) != sha256)  # stable: the plan's folder first
+    if present:
+        return str(present[0])
     if given:
         raise InputError("no such model file (given as --model)", source=given)
     raise InputError(
         f"the model {str(candidates[0])!r} the plan names does not exist (give --model)", source=plan_path
     )
+
+
+def _file_sha256(path: Path) -> str:
+    import hashlib
+
+    with path.open("rb") as stream:
+        return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
 def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
@@ -77,7 +90,7 @@ def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
     from tessera.planners.cp import plan_check as _cp_check  # noqa: F401 - registers the llm-block check
     from tessera.planners.pipeline import checks  # noqa: F401 - registers C1–C5 + memory checks
 
-    model_path = plan_model_path(plan_path, plan.model.path, given)
+    model_path = plan_model_path(plan_path, plan.model.path, given, plan.model.sha256)
     shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
     try:
         graph = load_model_option(model_path, shapes, plan.model.rewrites)

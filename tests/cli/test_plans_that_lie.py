@@ -5,6 +5,7 @@ it in one line naming the field, where each used to validate and launch."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,13 +22,15 @@ def plans(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import onnx
 
     onnx.save(build("gpt", "tiny"), folder / "gpt.onnx")
-    placed = run_cli(
-        "place", str(folder / "gpt.onnx"), "--backends", "onnxruntime", "-o", str(folder / "place.json")
-    )
-    assert placed.code == 0, placed.err
-    planned = run_cli("plan", str(folder / "gpt.onnx"), "--kind", "cp", "--cluster", "local-cpu", "--batch", "2",
-                      "--context", "8", "--output-len", "4", "-o", str(folder / "cp.json"))  # fmt: skip
-    assert planned.code == 0, planned.err
+    here = os.getcwd()
+    os.chdir(folder)  # the plans record the model as the user named it: "gpt.onnx"
+    try:
+        placed = run_cli("place", "gpt.onnx", "--backends", "onnxruntime", "-o", "place.json")
+        planned = run_cli("plan", "gpt.onnx", "--kind", "cp", "--cluster", "local-cpu", "--batch", "2",
+                          "--context", "8", "--output-len", "4", "-o", "cp.json")  # fmt: skip
+    finally:
+        os.chdir(here)
+    assert placed.code == 0 and planned.code == 0, placed.err + planned.err
     return {"placement": folder / "place.json", "cp": folder / "cp.json"}
 
 
@@ -89,3 +92,24 @@ def test_a_plan_that_lies_is_refused(plans: dict[str, Path], tmp_path: Path, lie
 def test_the_plans_as_written_validate(plans: dict[str, Path], kind: str) -> None:
     result = run_cli("validate", str(plans[kind]))
     assert result.code == 0 and "valid" in result.out, result.err
+
+
+def test_a_same_named_model_in_the_working_directory_does_not_shadow_the_plans(
+    plans: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan names ``gpt.onnx``; another ``gpt.onnx`` in the working directory was taken first
+    and validate failed on its sha256. The model whose sha256 is the plan's is used."""
+    import onnx
+
+    onnx.save(build("gpt", "tiny", 7), tmp_path / "gpt.onnx")  # other weights: another sha256
+    monkeypatch.chdir(tmp_path)
+    for kind in ("placement", "cp"):
+        result = run_cli("validate", str(plans[kind]))
+        assert result.code == 0, result.err
+        assert f"for {plans[kind].parent / 'gpt.onnx'}" in result.out, result.out
+    (plans["cp"].parent / "gpt.onnx").rename(plans["cp"].parent / "moved.onnx")
+    try:  # only the other one is left: the mismatch is reported
+        result = run_cli("validate", str(plans["cp"]))
+        assert result.code == 2 and "model changed: the plan was made for sha256" in result.err
+    finally:
+        (plans["cp"].parent / "moved.onnx").rename(plans["cp"].parent / "gpt.onnx")
