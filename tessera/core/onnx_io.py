@@ -26,6 +26,7 @@ from onnx import external_data_helper
 
 from tessera.core.errors import InputError
 from tessera.core.shape_fold import folded_shapes
+from tessera.core.sparse_weights import densify
 from tessera.core.user_files import read_model_bytes
 from tessera.core.weights import LAZY_LOCATION, lazy_spec
 
@@ -133,7 +134,6 @@ def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:  # noq
     """
     graph = model.graph
     available = {vi.name for vi in graph.input} | {t.name for t in graph.initializer}
-    available |= {t.name for t in graph.sparse_initializer}
     producer: dict[str, int] = {}
     for i, node in enumerate(graph.node):
         for out in node.output:
@@ -543,6 +543,7 @@ def prepare_model(
     graph inputs' and outputs' shapes as the model declares them (:func:`declared_shapes`)."""
     model = read_model(source, label=label, base_dir=base_dir)
     label = label or ("<bytes>" if isinstance(source, bytes | bytearray) else str(source))
+    model = densify(model, label=label)
     model = hoist_initializer_inputs(model)
     model = sort_nodes(model, label=label)
     model = name_nodes(model)
