@@ -262,12 +262,15 @@ def _levels(graph: Graph, members: Sequence[frozenset[str]], order: Sequence[int
     return [levels[d] for d in sorted(levels)]
 
 
-def reference_outputs(graph: Graph, feeds: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    """onnxruntime's outputs of the full model (the reference ``--verify`` compares against)."""
+def reference_outputs(
+    graph: Graph, feeds: Mapping[str, np.ndarray], *, timeout_s: float | None = None
+) -> dict[str, np.ndarray]:
+    """onnxruntime's outputs of the full model (the reference ``--verify`` compares against);
+    TimeoutError past ``timeout_s``."""
     from tessera.backends.onnxruntime import OnnxRuntimeBackend
 
     runnable = OnnxRuntimeBackend().compile(graph.extract(graph.order))
-    return runnable.run(dict(feeds))
+    return runnable.run(dict(feeds), timeout_s=timeout_s)
 
 
 def output_error(got: Mapping[str, np.ndarray], want: Mapping[str, np.ndarray]) -> dict[str, float]:

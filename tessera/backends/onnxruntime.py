@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from collections.abc import Iterable
 from functools import cached_property
 from typing import Any
@@ -68,11 +69,30 @@ class OrtRunnable:
         self.output_names = tuple(o.name for o in session.get_outputs())
         self._dtypes = {i.name: _ort_input_dtype(i.type) for i in session.get_inputs()}
 
-    def run(self, feeds: Feeds) -> dict[str, np.ndarray]:
+    def run(self, feeds: Feeds, *, timeout_s: float | None = None) -> dict[str, np.ndarray]:
+        """The outputs for ``feeds``; with ``timeout_s``, a run still going then is stopped (ONNX
+        Runtime's terminate flag, checked between kernels and loop iterations) and raises
+        :class:`TimeoutError`: a Loop of 2^62 iterations ends instead of hanging."""
         inputs = {
             name: np.ascontiguousarray(feeds[name], dtype=self._dtypes.get(name)) for name in self.input_names
         }
-        outputs = self.session.run(list(self.output_names), inputs)
+        if timeout_s is None:
+            outputs = self.session.run(list(self.output_names), inputs)
+            return dict(zip(self.output_names, outputs, strict=True))
+        import onnxruntime as ort
+
+        options = ort.RunOptions()
+        options.log_severity_level = 4  # the stop is reported here, not as ORT's error log
+        timer = threading.Timer(timeout_s, lambda: setattr(options, "terminate", True))
+        timer.start()
+        try:
+            outputs = self.session.run(list(self.output_names), inputs, options)
+        except Exception:
+            if options.terminate:
+                raise TimeoutError(f"the run took more than {timeout_s:g} s and was stopped") from None
+            raise
+        finally:
+            timer.cancel()
         return dict(zip(self.output_names, outputs, strict=True))
 
 

@@ -90,6 +90,14 @@ def _ms(seconds: float | None) -> str:
     help="Inputs to check the outputs on (.npz, one array per model input at the model's shapes), "
     "e.g. real samples for --tolerance. Default: seeded random inputs.",
 )
+@click.option(
+    "--timeout",
+    "timeout_s",
+    type=FiniteFloat(maximum=86400),
+    default=120.0,
+    show_default=True,
+    help="Seconds one whole-model run of the reference (onnxruntime) may take before place stops it.",
+)
 @output_option
 @json_option
 def place(  # noqa: PLR0913
@@ -105,6 +113,7 @@ def place(  # noqa: PLR0913
     verify: bool,
     tolerance: float | None,
     data: str | None,
+    timeout_s: float,
     output: str | None,
     as_json: bool,
 ) -> None:
@@ -133,6 +142,7 @@ def place(  # noqa: PLR0913
         tolerance=tolerance,
         data=data,
         tvm_trials=tvm_trials,
+        run_timeout_s=timeout_s,
     )
     if cache_path is not None and not cache_path.strip():
         raise InputError("--cache '' names no file")

@@ -349,3 +349,52 @@ def test_backends_lists_a_raising_plugin_with_its_reason(monkeypatch) -> None:
     assert result.code == 0, result.err
     assert "[red]boom[/]" in result.out and "unavailable: availability check failed" in result.out
     assert "driver exploded" in result.out
+
+
+# -- a reference run that would not end ----------------------------------------------------------
+
+
+def _endless_loop(path: Path) -> Path:
+    """``y = x + 2^62`` by a Loop adding 1 per iteration: onnxruntime runs it for centuries."""
+    one = numpy_helper.from_array(np.ones(4, np.float32), "one")
+    body = helper.make_graph(
+        [helper.make_node("Add", ["x_in", "one"], ["x_out"]), helper.make_node("Identity", ["c_in"], ["c_out"])],
+        "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("c_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_in", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("c_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_out", TensorProto.FLOAT, [4])],
+        [one],
+    )  # fmt: skip
+    graph = helper.make_graph(
+        [helper.make_node("Loop", ["trip", "cond", "x"], ["y"], body=body)],
+        "endless",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [
+            numpy_helper.from_array(np.array(2**62, np.int64), "trip"),
+            numpy_helper.from_array(np.array(True), "cond"),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_a_reference_run_that_would_not_end_is_stopped_at_the_timeout(tmp_path: Path) -> None:
+    """A Loop with trip count 2^62 hung place in its reference run; it is stopped (onnxruntime's
+    terminate flag) and refused in one line, before any measuring."""
+    import time
+
+    path = _endless_loop(tmp_path / "loop.onnx")
+    cache = tmp_path / "c.sqlite"
+    start = time.perf_counter()
+    result = _place(str(path), "--timeout", "2", cache=cache)
+    assert time.perf_counter() - start < 20
+    assert result.code == 2, result.err
+    lines = result.err.strip().splitlines()
+    assert (
+        len(lines) == 1
+        and f"{path}: onnxruntime's reference run of the whole model did not end within 2 s" in lines[0]
+    )
+    assert ProfileCache(cache).count() == 0

@@ -88,6 +88,7 @@ class PlacementOptions:
     data: str | None = None  # an .npz of inputs the outputs are checked on (default: seeded random)
     tolerance: float | None = None  # max relative output error: reduced-precision backends may run
     tvm_trials: int = 0  # MetaSchedule trials to tune the model's TVM kernels before the search
+    run_timeout_s: float = 120.0  # the reference run (one whole-model run) stops past this
     evolution: EvolutionOptions = field(default_factory=EvolutionOptions)
 
 
@@ -156,7 +157,7 @@ def plan_placement(  # noqa: C901
     if options.search not in ("op", "graph"):
         raise InputError(f"search must be 'op' or 'graph', not {options.search!r}")
     backends = resolve_backends(registry, options.device, options.backends, tolerance=options.tolerance)
-    feeds, reference = reference_run(graph, options.seed, options.data)
+    feeds, reference = reference_run(graph, options.seed, options.data, timeout_s=options.run_timeout_s)
     calibrate(registry, backends, graph, feeds)
     if options.tvm_trials and "tvm" in backends:
         tuned = registry.backend("tvm").tune(

@@ -24,7 +24,9 @@ from tessera.core.graph import Graph
 from tessera.planners.placement.evolution import Group
 
 
-def reference_run(graph: Graph, seed: int, data: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+def reference_run(
+    graph: Graph, seed: int, data: str | None = None, *, timeout_s: float | None = None
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """Inputs (seeded, or ``data``'s arrays) and onnxruntime's outputs of the whole model, which every
     placement is checked against. A model that cannot give them (no operators, lazy placeholder
     weights, a model onnxruntime cannot load or run) or a data file that does not fit the model is
@@ -41,7 +43,13 @@ def reference_run(graph: Graph, seed: int, data: str | None = None) -> tuple[dic
         )
     feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
     try:
-        return feeds, reference_outputs(graph, feeds)
+        return feeds, reference_outputs(graph, feeds, timeout_s=timeout_s)
+    except TimeoutError:
+        raise InputError(
+            f"onnxruntime's reference run of the whole model did not end within {timeout_s:g} s (a Loop "
+            "with a huge trip count?); give place --timeout more seconds if it is meant to run that long",
+            source=graph.source,
+        ) from None
     except Exception as exc:  # noqa: BLE001 - ORT's and numpy's many refusals of a model
         why = " ".join(str(exc).split())
         why = why if len(why) <= 300 else why[:300] + "…"
