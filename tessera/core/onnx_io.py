@@ -22,13 +22,12 @@ from pathlib import Path
 import networkx as nx
 import onnx
 from google.protobuf.message import DecodeError
-from onnx import external_data_helper
 
 from tessera.core.errors import InputError
+from tessera.core.external_data import load_present_external_data
 from tessera.core.shape_fold import folded_shapes
 from tessera.core.sparse_weights import densify
 from tessera.core.user_files import read_model_bytes
-from tessera.core.weights import LAZY_LOCATION, lazy_spec
 
 Shape = tuple[int, ...]
 
@@ -75,38 +74,8 @@ def read_model(
     if not model.HasField("graph") or (not model.graph.node and not model.graph.output):
         raise InputError("not an ONNX model (no graph with nodes or outputs)", source=label)
     if base_dir is not None:
-        _load_present_external_data(model, Path(base_dir), label)
+        load_present_external_data(model, Path(base_dir), label)
     return model
-
-
-def _load_present_external_data(model: onnx.ModelProto, base_dir: Path, label: str) -> None:
-    for tensor in external_data_helper._get_all_tensors(model):
-        if not external_data_helper.uses_external_data(tensor):
-            continue
-        entries = {e.key: e.value for e in tensor.external_data}
-        relative = entries.get("location", "")
-        # ONNX requires a location inside the model's folder; refuse others before touching them.
-        if os.path.isabs(relative) or ".." in relative.replace("\\", "/").split("/"):
-            raise InputError(
-                f"external data of {tensor.name!r} has location {relative!r}, outside the model's folder "
-                "(ONNX requires a relative path without '..')",
-                source=label,
-            )
-        if relative == LAZY_LOCATION:
-            try:
-                lazy_spec(tensor)  # checked where it is read, not in a worker after planning
-            except ValueError as exc:
-                raise InputError(str(exc), source=label) from None
-            continue
-        location = base_dir / relative
-        if not location.is_file():
-            continue  # lazily generated or missing weights: shapes still plan, execution will say
-        try:
-            external_data_helper.load_external_data_for_tensor(tensor, str(base_dir))
-        except (OSError, ValueError, onnx.checker.ValidationError) as exc:
-            raise InputError(f"external data of {tensor.name!r} unreadable: {exc}", source=label) from None
-        tensor.data_location = onnx.TensorProto.DEFAULT
-        del tensor.external_data[:]
 
 
 def hoist_initializer_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -324,8 +293,8 @@ def check_model(model: onnx.ModelProto, *, label: str) -> None:
                 "symbolic dims)",
                 source=label,
             )
-    try:
-        onnx.checker.check_model(model)
+    try:  # weights left outside the file are checked by their shapes, not by reading them
+        onnx.checker.check_model(_external_as_inputs(model))
     except onnx.checker.ValidationError as exc:
         first = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), "invalid model")
         raise InputError(f"invalid ONNX model: {first}", source=label) from None

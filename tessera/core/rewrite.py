@@ -18,7 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.errors import InputError
 from tessera.core.onnx_io import infer_shapes
-from tessera.core.weights import is_lazy_tensor, lazy_slice
+from tessera.core.weights import UNREAD_LOCATION, is_lazy_tensor, lazy_slice
 
 
 def _attrs(node: onnx.NodeProto) -> dict[str, object]:
@@ -62,6 +62,14 @@ def _slice_weight(weight: TensorProto, name: str, axis: int, start: int, stop: i
     """Rows (``axis`` 0) or columns (``axis`` 1) ``start:stop`` of a 2-D initializer, named ``name``."""
     if is_lazy_tensor(weight):
         return lazy_slice(weight, name, axis, start, stop)
+    if weight.data_location == TensorProto.EXTERNAL:  # left on disk (or missing): only its shape plans
+        part = TensorProto()
+        part.CopyFrom(weight)
+        part.name = name
+        part.dims[axis] = stop - start
+        del part.external_data[:]
+        part.external_data.add(key="location", value=UNREAD_LOCATION)
+        return part
     values = numpy_helper.to_array(weight)
     part = values[start:stop] if axis == 0 else values[:, start:stop]
     return numpy_helper.from_array(np.ascontiguousarray(part), name)

@@ -20,6 +20,8 @@ from onnx import TensorProto
 
 LAZY_LOCATION = "#tessera-lazy"
 """The external-data ``location`` of a lazily generated parameter."""
+UNREAD_LOCATION = "#tessera-unread"
+"""The external-data ``location`` of a part of a weight that was not read (shapes only)."""
 
 _INIT_KEY = "tessera.init"
 _STD_KEY = "tessera.std"

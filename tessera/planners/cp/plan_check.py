@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from tessera.core.errors import InputError
+from tessera.core.external_data import unread_weights
 from tessera.core.plans import PLAN_CHECKS
 from tessera.planners.cp.recognize import recognize_decoder
 
@@ -17,6 +18,8 @@ _FREE = ("name", "dtype")
 def check_cp_plan(plan: Any, graph: Any) -> list[str]:
     if plan.model is None:
         return []  # made from an LLM config: checked against that config (cli.options)
+    if (why := unread_weights(graph.model)) is not None:
+        return [f"launch cannot decode the model: {why}"]
     try:
         config = recognize_decoder(graph).config.to_json()
     except InputError as exc:

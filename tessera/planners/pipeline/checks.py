@@ -13,6 +13,7 @@ import networkx as nx
 
 from tessera.backends.torch_module import unsupported_operators
 from tessera.core.cost import CostModel, per_device_samples
+from tessera.core.external_data import unread_weights
 from tessera.core.plans import PLAN_CHECKS
 from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
 from tessera.planners.pipeline.memory import StageMemoryEstimate, stage_memory
@@ -138,7 +139,9 @@ def untrainable_operators(graph: Any) -> dict[str, list[str]]:
 
 
 def untrainable_message(graph: Any) -> str | None:
-    """One line naming the operators launch could not train, or None."""
+    """One line naming what launch could not train (operators, weights not in memory), or None."""
+    if (why := unread_weights(graph.model)) is not None:
+        return why
     found = untrainable_operators(graph)
     if not found:
         return None

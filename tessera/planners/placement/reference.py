@@ -20,6 +20,7 @@ from tessera.backends.composite import (
 from tessera.backends.onnxruntime_int8 import TensorValues
 from tessera.backends.registry import BackendRegistry
 from tessera.core.errors import InputError
+from tessera.core.external_data import unread_weights
 from tessera.core.graph import Graph
 from tessera.planners.placement.evolution import Group
 
@@ -41,6 +42,8 @@ def reference_run(
             "(tessera.models.materialize)",
             source=graph.source,
         )
+    if (why := unread_weights(graph.model)) is not None:
+        raise InputError(f"{why}: place runs the model, so it needs them", source=graph.source)
     feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
     try:
         return feeds, reference_outputs(graph, feeds, timeout_s=timeout_s)
