@@ -71,7 +71,9 @@ def plan_model_path(plan_path: str, recorded: str, given: str | None, sha256: st
     if given:
         raise InputError("no such model file (given as --model)", source=given)
     raise InputError(
-        f"the model {str(candidates[0])!r} the plan names does not exist (give --model)", source=plan_path
+        f"the model {recorded!r} the plan names does not exist beside the plan or in the working directory "
+        "(give --model)",
+        source=plan_path,
     )
 
 
