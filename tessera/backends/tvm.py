@@ -92,6 +92,7 @@ class TvmBackend(Backend):
     """TVM Relax on the host CPU (LLVM), with MetaSchedule tuning records reused across runs."""
 
     name = "tvm"
+    by_default = False  # a compile per candidate takes seconds: placed on when --backends names it
     distribution = "apache-tvm"
 
     def __init__(self, work_dir: str | Path | None = None) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 from cli_runner import Result, run_cli
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 BAD = Path(__file__).parents[1] / "data" / "bad"
 MODEL = str(BAD / "plan_model.onnx")
@@ -70,3 +72,91 @@ def test_special_files_are_refused_before_they_are_read(tmp_path: Path, case: st
         and f"expected {'an' if what[0] in 'aeiouAEIOU' else 'a'} {what} file; this is {kind_text}"
         in lines[0]
     ), lines[0]
+
+
+# -- generated: special files and bombs in every reader slot ------------------------------------
+
+FAST_S = 20.0
+
+
+def _npz(path: Path, members: dict[str, bytes], compress: bool = False) -> None:
+    import zipfile
+
+    with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED if compress else zipfile.ZIP_STORED) as archive:
+        for name, data in members.items():
+            archive.writestr(name, data)
+
+
+def _npy_header(dtype: str, shape: tuple[int, ...]) -> bytes:
+    import io
+
+    import numpy as np
+
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": dtype, "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def _make(kind: str, path: Path, size: int) -> None:
+    """A hostile file of ``kind`` at ``path`` (``size`` scales the ones with a size)."""
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "link to /dev/zero":
+        path.symlink_to("/dev/zero")
+    elif kind == "link to a fifo":
+        os.mkfifo(path.with_name(path.name + ".target"))
+        path.symlink_to(path.with_name(path.name + ".target"))
+    elif kind == "empty":
+        path.write_bytes(b"")
+    elif kind == "header declaring 10^11 floats":
+        _npz(path, {"x.npy": _npy_header("<f4", (10**11,)) + bytes(size)})
+    elif kind == "member inflating to 400 MB":
+        import zipfile
+
+        with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as archive:
+            with archive.open("x.npy", "w", force_zip64=True) as member:
+                member.write(_npy_header("<f4", (100_000_000,)))
+                for _ in range(40):
+                    member.write(bytes(10_000_000))
+    elif kind == "bad npy header":
+        _npz(path, {"x.npy": b"\x93NUMPY\x01\x00\x10\x00{'descr': 'zz'}\n" + bytes(size)})
+    elif kind == "binary noise":
+        path.write_bytes(os.urandom(size + 1))
+
+
+KINDS = ["fifo", "directory", "link to /dev/zero", "link to a fifo", "empty", "header declaring 10^11 floats",
+         "member inflating to 400 MB", "bad npy header", "binary noise"]  # fmt: skip
+
+
+@settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(slot=st.sampled_from(sorted(READS)), kind=st.sampled_from(KINDS), size=st.integers(0, 4096))
+def test_generated_hostile_files_are_refused_in_one_line(
+    tmp_path_factory, slot: str, kind: str, size: int
+) -> None:
+    """Whatever a reader slot gets (a special file, a link to one, an archive bomb, noise), the
+    command exits 2 within 20 s with one line naming the file, no traceback, and writes nothing."""
+    import time
+
+    folder = tmp_path_factory.mktemp("gen")
+    template, _ = READS[slot]
+    target = folder / ("input.npz" if "{f}.npz" in template else "input")
+    _make(kind, target, size)
+    given_path = str(target)[: -len(".npz")] if "{f}.npz" in template else str(target)
+    args = [a.replace("{f}", given_path) for a in template]
+    before = set(folder.iterdir())
+    start = time.perf_counter()
+    result = _run_bounded(args, seconds=int(FAST_S) + 10)
+    took = time.perf_counter() - start
+    lines = result.err.strip().splitlines()
+    assert result.code == 2, (slot, kind, result.code, result.err)
+    assert len(lines) == 1 and "Traceback" not in result.err, (slot, kind, result.err)
+    assert str(target) in lines[0] or given_path in lines[0], (slot, kind, lines[0])
+    assert took < FAST_S, (slot, kind, took)
+    assert set(folder.iterdir()) == before

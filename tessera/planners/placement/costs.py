@@ -26,6 +26,10 @@ from tessera.planners.placement.candidates import PlacementCandidate, owned_cons
 log = logging.getLogger(__name__)
 
 SWITCH_SIZES = tuple(1024 * 16**k for k in range(5))  # 1 KiB … 64 MiB
+# A fused group reading more activations than this is not measured (a wide Sum or Concat with one of
+# its producers fused in): each costs a session over every input, and fusing one producer of hundreds
+# wins next to nothing.
+MAX_FUSED_INPUTS = 64
 
 
 def structure_key(graph: Graph, nodes: frozenset[str], index: dict[str, int]) -> tuple[object, ...]:
@@ -73,6 +77,8 @@ class CandidateCosts:
     _keys: dict[PlacementCandidate, tuple[object, ...]] = field(default_factory=dict)
     _single: dict[tuple[str, str], float] = field(default_factory=dict)
 
+    max_fused: int | None = None  # fused candidates measured at most: those that can win the most
+    unmeasured: int = 0  # fused candidates left out by max_fused
     composed: bool = False  # measure onnxruntime as a placement with several backends runs it
     known: dict[tuple[str, frozenset[str]], float] = field(default_factory=dict)  # from the search memo
 
@@ -130,7 +136,41 @@ class CandidateCosts:
             if len(anchors) == 1:
                 self._single[(c.backend, anchors[0])] = self.measurement(c).median_s
 
+    def bound(self, candidates: Sequence[PlacementCandidate]) -> None:
+        """Keep at most ``max_fused`` fused (several-operator) candidates to measure: those that can
+        still win the most, the sum of the best one-operator times of their operators (what the
+        group replaces at best), ties in candidate order. The rest cost infinity: the search stays
+        bounded on wide graphs (a fan-out of 1,000 operators has 1,000 fused candidates of its
+        1,000-input ``Sum``), and is the same on a warm cache as on a cold one."""
+        if self.max_fused is None:
+            return
+        best: dict[str, float] = {}
+        for (_, n), v in self._single.items():
+            best[n] = min(v, best.get(n, math.inf))
+        fused = [(i, c) for i, c in enumerate(candidates) if len(self._anchors(c)) > 1]
+        wide = {c for _, c in fused if self._inputs(c) > MAX_FUSED_INPUTS}
+        win = {c: sum(best.get(n, 0.0) for n in self._anchors(c)) for _, c in fused}
+        ranked = sorted((ic for ic in fused if ic[1] not in wide), key=lambda ic: (-win[ic[1]], ic[0]))
+        self._left_out = wide | {c for _, c in ranked[self.max_fused :]}
+        self.unmeasured = len(self._left_out)
+
+    def _inputs(self, c: PlacementCandidate) -> int:
+        """Activations a group reads from outside (what its measurement binds on every run)."""
+        made = {t for n in c.nodes for t in self.graph.op(n).outputs}
+        return len(
+            {
+                t
+                for n in c.nodes
+                for t in self.graph.op(n).inputs
+                if t and t not in made and t not in self.graph.initializers
+            }
+        )
+
+    _left_out: frozenset[PlacementCandidate] | set[PlacementCandidate] = frozenset()
+
     def __call__(self, c: PlacementCandidate) -> float:
+        if c in self._left_out:
+            return math.inf
         anchors = self._anchors(c)
         if self.screen_ratio is not None and len(anchors) > 1 and self._single:
             slow = True

@@ -90,6 +90,7 @@ class _Cand:
     outside_preds: int
     inputs: tuple[tuple[str, int], ...]  # (producer, bytes) of activations read from outside
     cost_s: float
+    producers: tuple[str, ...] = ()  # operators outside the group it reads from (they may close)
 
 
 class NoCompletePlacement(Exception):  # noqa: N818
@@ -134,9 +135,18 @@ def op_level_placement(  # noqa: C901
 
     # A state is an explored prefix with the backends of its open producers (placed operators with an
     # unplaced reader): ε of every later group depends on nothing else, so the recurrence is exact.
-    # state key -> (cost, ε so far, previous key, candidate, open producers -> backend)
-    Key = tuple[int, tuple[tuple[str, str], ...]]
-    start: Key = (0, ())
+    # state key -> (cost, ε so far, previous key, candidate, open producers -> backend). The open
+    # producers enter the key as a 64-bit sum of a mix of each (producer, backend), kept up to date as
+    # producers open and close: a fan-out keeps hundreds open, and a sorted tuple of them per
+    # transition made the search quadratic (a 1,000-operator fan-out: a minute).
+    Key = tuple[int, int]
+    start: Key = (0, 0)
+    backend_code: dict[str, int] = {}
+
+    def item(producer: str, backend: str) -> int:
+        code = backend_code.setdefault(backend, len(backend_code))
+        return _mix(rank[producer] * 1024 + code)
+
     states: dict[Key, tuple[float, float, Key | None, _Cand | None, dict[str, str]]] = {
         start: (0.0, 0.0, None, None, {})
     }
@@ -164,11 +174,15 @@ def op_level_placement(  # noqa: C901
                         eps += min(epsilon(src, cand.candidate.backend, nbytes), UNUSABLE_S)
                 new_mask = mask | cand.mask
                 new_cost = c_s + cand.cost_s + eps
-                new_open = {n: b for n, b in open_.items() if succ_mask[n] & ~new_mask}
+                new_open, code = dict(open_), key[1]
+                for producer in cand.producers:  # only the group's producers can close
+                    if producer in new_open and not succ_mask[producer] & ~new_mask:
+                        code = (code - item(producer, new_open.pop(producer))) & _BITS
                 for n in cand.candidate.nodes:
                     if succ_mask[n] & ~new_mask:
                         new_open[n] = cand.candidate.backend
-                new_key: Key = (new_mask, tuple(sorted(new_open.items())))
+                        code = (code + item(n, cand.candidate.backend)) & _BITS
+                new_key: Key = (new_mask, code)
                 old = states.get(new_key)
                 if old is not None and old[0] <= new_cost:
                     continue
@@ -207,7 +221,10 @@ def _prepare(graph: Graph, c: PlacementCandidate, rank: dict[str, int], cost_s: 
             if producer is not None and producer not in members:
                 info = graph.tensors.get(t)
                 inputs[t] = (producer, info.nbytes if info is not None else 0)
-    return _Cand(c, _mask(rank, members), outside, tuple(inputs[t] for t in sorted(inputs)), cost_s)
+    producers = tuple(sorted({p for n in members for p in graph.dag.predecessors(n) if p not in members}))
+    return _Cand(
+        c, _mask(rank, members), outside, tuple(inputs[t] for t in sorted(inputs)), cost_s, producers
+    )
 
 
 def _mask(rank: dict[str, int], nodes: object) -> int:
@@ -215,6 +232,18 @@ def _mask(rank: dict[str, int], nodes: object) -> int:
     for n in nodes:  # type: ignore[attr-defined]
         m |= 1 << rank[n]
     return m
+
+
+_BITS = 2**64 - 1
+
+
+def _mix(x: int) -> int:
+    """splitmix64's finalizer: a deterministic 64-bit spread of ``x`` (Python's str hash is salted
+    per process; plans must not depend on it)."""
+    x = (x + 0x9E3779B97F4A7C15) & _BITS
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _BITS
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _BITS
+    return x ^ (x >> 31)
 
 
 def _lowest_unset(mask: int) -> int:

@@ -81,6 +81,7 @@ class PlacementOptions:
     seed: int = 0
     max_states: int = 128
     screen_ratio: float | None = 4.0
+    max_fused: int | None = 512  # fused candidates measured at most (those that can win the most)
     max_group_ops: int = 16  # kernels and small fused groups (pattern and rule candidates)
     region_cuts: int = 6  # regions: spans between this many narrow cuts, up to the whole model
     rounds: int = 9  # interleaved timing rounds of the final comparison (at most)
@@ -105,7 +106,8 @@ def resolve_backends(
 ) -> list[str]:
     """The backends to place on: ``wanted`` (each must exist, be available and run on ``device``) or
     every available backend whose device is ``device``; reduced-precision ones (``openvino-bf16``)
-    only with a ``tolerance``. Raises :class:`InputError` naming what is missing."""
+    only with a ``tolerance``, slow-compiling ones (``tvm``: :attr:`Backend.by_default`) only when
+    named. Raises :class:`InputError` naming what is missing."""
     if wanted:
         out = []
         for name in wanted:
@@ -132,6 +134,7 @@ def resolve_backends(
             ok
             and runs_on(entry.backend().device, device)
             and (tolerance is not None or entry.backend().exact)
+            and entry.backend().by_default
         ):
             out.append(entry.name)
         elif not ok:
@@ -173,6 +176,7 @@ def plan_placement(  # noqa: C901
         "max_group_ops": options.max_group_ops,
         "region_cuts": options.region_cuts,
         "screen_ratio": options.screen_ratio,
+        "max_fused": options.max_fused,
     }
     memo = SearchMemo.for_search(graph, measurer.cache, registry, backends, setting)
     remembered = memo.candidates()
@@ -187,11 +191,13 @@ def plan_placement(  # noqa: C901
         registry,
         measurer,
         screen_ratio=options.screen_ratio,
+        max_fused=options.max_fused,
         progress=progress,
         composed=len(backends) > 1,
     )
     costs.known = memo.costs()
     costs.screen(candidates)
+    costs.bound(candidates)
     epsilon = ContextSwitch(registry, measurer)
     compiled: CompileCache = {}
     # Backends are trusted by the DP, not by the plan: a group whose outputs differ from onnxruntime's
@@ -422,6 +428,8 @@ def plan_placement(  # noqa: C901
         "screen_ratio": options.screen_ratio,
         "candidates": len(candidates),
         "screened_candidates": costs.screened,
+        "max_fused": options.max_fused,
+        "unmeasured_candidates": costs.unmeasured,
         "dp_states": op_level.states,
         "max_group_ops": options.max_group_ops,
         "banned_groups": len(banned),
