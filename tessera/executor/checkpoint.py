@@ -16,6 +16,8 @@ import json
 import os
 import re
 import shutil
+import signal
+import threading
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,3 +171,20 @@ def _fresh_state(optimizer: torch.optim.Optimizer, p: Tensor) -> dict[str, Tenso
     if isinstance(optimizer, torch.optim.SGD) and optimizer.defaults.get("momentum"):
         return {"momentum_buffer": torch.zeros_like(p)}
     return {}
+
+
+def stop_on_sigterm() -> threading.Event:
+    """A run that writes checkpoints ends on SIGTERM (the launcher's, passed on by the elastic
+    agent) after the step in progress, with a checkpoint of it: set here, agreed on by every rank
+    after each step (:func:`stop_agreed`), so they all stop after the same one."""
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.set())
+    return stop
+
+
+def stop_agreed(stop: threading.Event, world_size: int) -> bool:
+    """Whether any rank was asked to stop (one small all-reduce a step, only with --checkpoint)."""
+    flag = torch.tensor([1 if stop.is_set() else 0], dtype=torch.int32)
+    if world_size > 1:
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from tessera.backends.torch_module import check_supported
-from tessera.core.errors import InputError
+from tessera.core.errors import InputError, Terminated
 from tessera.core.graph import Graph
 from tessera.core.plans import GppPlan, Stage
 from tessera.executor.checkpoint import CheckpointSpec, latest, run_identity
@@ -32,6 +33,8 @@ LOSSES = {
     "mse": "sum over float outputs of mean((output - target)^2); target 0 unless the data gives one",
     "ce": "cross-entropy of the logits against the labels, mean over the mini-batch's labels (-100: ignored)",
 }
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(kw_only=True)
@@ -113,7 +116,19 @@ def run_gpp_plan(
         stage, replica = next(k for k, r in routing.ranks.items() if r == rank)
         return f"rank {rank} (stage {stage}, replica {replica}, device {routing.devices[rank]})"
 
-    results = launch_workers(gpp_worker, (spec,), routing.world_size, launch, describe_rank=describe)
+    # With checkpoints, SIGTERM ends the run after the step in progress and its checkpoint: the
+    # workers get the fault timeout to write it before the agent kills them.
+    grace = launch.timeout_s if spec.checkpoint is not None else 0.0
+    try:
+        results = launch_workers(
+            gpp_worker, (spec,), routing.world_size, launch, describe_rank=describe, grace_s=grace
+        )
+    except Terminated:
+        if spec.checkpoint is not None and (
+            found := latest(spec.checkpoint.folder, spec.checkpoint.identity)
+        ):
+            log.warning("stopped after step %d: checkpoint %s written; --resume continues from it", *found)
+        raise
     return gpp_report(plan, plan_path, backend, routing, options, gathered(results))
 
 

@@ -134,11 +134,11 @@ def resolve(options: LaunchOptions, world_size: int) -> tuple[int, int]:
     return nproc, port
 
 
-def _shutdown_grace(config: type) -> dict[str, float]:
+def _shutdown_grace(config: type, grace_s: float = 0.0) -> dict[str, float]:
     """``shutdown_timeout`` where this torch's LaunchConfig has it (torch 2.11's has not: there the
     agent's own grace applies)."""
     names = {f.name for f in dataclasses.fields(config)} if dataclasses.is_dataclass(config) else set()
-    return {"shutdown_timeout": SHUTDOWN_GRACE_S} if "shutdown_timeout" in names else {}
+    return {"shutdown_timeout": max(SHUTDOWN_GRACE_S, grace_s)} if "shutdown_timeout" in names else {}
 
 
 def launch_workers(
@@ -148,9 +148,12 @@ def launch_workers(
     options: LaunchOptions,
     *,
     describe_rank: Callable[[int], str] = lambda r: f"rank {r}",
+    grace_s: float = 0.0,
 ) -> dict[int, Any]:
     """Run ``entrypoint(*args)`` on every local rank of a ``world_size``-rank job; return this
-    node's results by global rank. Raises LaunchError (exit 4) when a worker fails."""
+    node's results by global rank. Raises LaunchError (exit 4) when a worker fails. ``grace_s``:
+    how long workers asked to stop (SIGTERM) may take before they are killed, beyond the usual
+    few seconds (a run that writes a checkpoint as it stops)."""
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -168,7 +171,7 @@ def launch_workers(
         monitor_interval=0.1,
         start_method="spawn",
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # set in _scratch: nothing made yet
-        **_shutdown_grace(LaunchConfig),
+        **_shutdown_grace(LaunchConfig, grace_s),
     )
     threads = str(options.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
     with (
@@ -448,7 +451,8 @@ def worker_setup(world_size: int, backend: str) -> tuple[int, Any]:
 
 
 # Test-only fault injection: "RANK:STEP:KIND" makes that rank fail at the start of that step
-# (KIND: exit = os._exit(3), raise = an exception, hang = sleep until the timeouts act).
+# (KIND: exit = os._exit(3), raise = an exception, hang = sleep until the timeouts act, term = SIGTERM
+# to the launcher, as a scheduler stopping the job would).
 FAULT_ENV = "TESSERA_TEST_FAULT"
 # A worker's watchdog fires at this multiple of --timeout (the launcher's own wait comes first).
 WATCHDOG_FACTOR = 1.5
@@ -482,6 +486,8 @@ def inject_test_fault(rank: int, step: int) -> None:
         raise RuntimeError(f"injected fault ({FAULT_ENV}={spec})")
     if kind == "hang":
         time.sleep(10**6)
+    if kind == "term":  # the launcher asked to stop (as by kill or a scheduler) during this step
+        os.kill(os.getppid(), signal.SIGTERM)
 
 
 class Watchdog:

@@ -26,7 +26,7 @@ from tessera.backends.torch_module import OnnxModule, to_torch
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan
-from tessera.executor.checkpoint import CheckpointSpec, resume, save_state
+from tessera.executor.checkpoint import CheckpointSpec, resume, save_state, stop_agreed, stop_on_sigterm
 from tessera.executor.gradients import GradBucket, global_norm_clip
 from tessera.executor.launcher import (
     WATCHDOG_FACTOR,
@@ -544,13 +544,18 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         ckpt, total = spec.checkpoint, spec.options.steps
         named = list(worker.module.onnx_parameters())
         start = resume(ckpt, named, worker.opt, worker.schedule) if ckpt is not None else 0
-        steps = []
+        stop = stop_on_sigterm() if ckpt is not None else None
+        steps, stopped_after = [], None
         for k in range(start, total):
             watchdog.arm(f"step {k}")
             steps.append(worker.step(k, more=k + 1 < total))
-            if ckpt is not None and ckpt.due(k + 1, total):
+            stopping = stop is not None and stop_agreed(stop, spec.routing.world_size)
+            if ckpt is not None and (ckpt.due(k + 1, total) or stopping):
                 watchdog.arm(f"checkpoint after step {k}")
                 save_state(ckpt.folder, k + 1, named, worker.opt, ckpt.identity)
+            if stopping:
+                stopped_after = k + 1
+                break
         watchdog.arm("summing the losses")
         _total_losses(steps, spec.routing.world_size, device)
         watchdog.disarm()
@@ -562,6 +567,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             "threads": torch.get_num_threads(),
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "steps": steps,
+            "stopped_after": stopped_after,
             "peak_rss_bytes": memory_status("VmHWM"),
             "weight_bytes": worker.weight_bytes,
             "gradient_bytes": worker.weight_bytes,

@@ -78,3 +78,39 @@ def test_checkpoint_flags_on_the_command_line(tied, tmp_path: Path) -> None:
     assert res.code == 2 and "need --checkpoint DIR" in res.err, res.err
     res = run_cli("launch", str(plan_path), "--checkpoint", str(afile), "--resume")
     assert res.code == 2 and "is a file" in res.err and str(afile) in res.err, res.err
+
+
+def test_sigterm_ends_the_run_with_a_checkpoint_that_resumes_exactly(tied, tmp_path: Path) -> None:
+    """A launch asked to stop (SIGTERM, as a scheduler does) with --checkpoint finishes the step in
+    progress on every rank, writes its checkpoint, and exits 143; --resume continues to the same
+    losses as the run that was never stopped."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tessera.executor.launcher import FAULT_ENV
+
+    graph, plan, path = tied
+    plan_path = write(plan, tmp_path / "plan.json")
+    folder = tmp_path / "ckpt"
+    flags = ["--steps", "8", "--lr", "0.05", "--seed", "3", "--optimizer", "adamw", "--max-grad-norm", "0.1"]
+    env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_DEBUG", FAULT_ENV)}
+
+    def launch(*extra: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "tessera", "launch", str(plan_path), *flags, *extra, "--json"],
+            capture_output=True, text=True, timeout=300, env={**env, **({FAULT_ENV: fault} if fault else {})},
+        )  # fmt: skip
+
+    stopped = launch("--checkpoint", str(folder), fault="0:3:term")
+    assert stopped.returncode == 143, stopped.stderr
+    written = [p.name for p in folder.iterdir() if p.name.startswith("step-")]
+    assert len(written) == 1 and 4 <= int(written[0][5:]) < 8, written
+    assert f"stopped after step {written[0][5:]}: checkpoint" in stopped.stderr
+    resumed = launch("--checkpoint", str(folder), "--resume")
+    whole = launch()
+    assert resumed.returncode == 0 and whole.returncode == 0, resumed.stderr + whole.stderr
+    done = int(written[0][5:])
+    losses = [s["loss"] for s in json.loads(resumed.stdout)["steps"]]
+    assert losses == [s["loss"] for s in json.loads(whole.stdout)["steps"]][done:]
