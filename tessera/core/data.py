@@ -156,17 +156,17 @@ def load_npz(path: str, graph: Graph, mini_batch: int, loss: str = "mse") -> dic
                 f"array {name!r} has sample shape {list(shape[1:])}, {wants} {list(sample)}", source=path
             )
         rows.add(shape[0] if shape else 0)
-        if len(rows) != 1 or (n := next(iter(rows))) < mini_batch or n % mini_batch:
-            raise InputError(
-                f"every array needs the same number of rows, a multiple of the mini-batch {mini_batch}",
-                source=path,
-            )
         return True
 
     arrays = read_npz(path, wanted=wanted)
     missing = [n for n in graph.inputs if n not in arrays]
     if missing:
         raise InputError(f"no array for model input(s) {', '.join(missing)}", source=path)
+    if len(rows) != 1 or (n := rows.pop()) < mini_batch or n % mini_batch:
+        raise InputError(
+            f"every array needs the same number of rows, a multiple of the mini-batch {mini_batch}",
+            source=path,
+        )
     out: dict[str, np.ndarray] = {}
     for name, array in arrays.items():
         if name.startswith("target:"):
