@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from tessera.core.errors import InputError
-from tessera.core.user_files import regular_file
+from tessera.core.user_files import npy_header, regular_file
 
 __all__ = ["TOKEN_SUFFIXES", "TokenWindows"]
 
@@ -66,6 +66,8 @@ def _open(path: str) -> np.ndarray:
     suffix = regular_file(path, what="token").suffix
     try:
         if suffix == ".npy":
+            with open(path, "rb") as stream:
+                npy_header(stream)  # a broken header is a ValueError here, not numpy's TokenError
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
             if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
                 raise InputError(

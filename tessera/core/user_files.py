@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import stat
+import tokenize
 import zipfile
 from collections.abc import Callable
 from pathlib import Path
@@ -123,7 +124,7 @@ def read_npz(
         if not head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
             if head.startswith(b"\x93NUMPY"):
                 with open(path, "rb") as fh:
-                    _, shape, _ = _header(fh)
+                    _, shape, _ = npy_header(fh)
                 raise ValueError(f"an array of shape {list(shape)}, not an .npz archive of named arrays")
             # np.load reads anything else as a pickle and refuses it as "pickled data".
             raise ValueError("not an .npz archive (a zip of named .npy arrays)")
@@ -142,7 +143,7 @@ def _members(
             continue
         name = info.filename[: -len(".npy")]
         with archive.open(info) as member:
-            dtype, shape, fortran = _header(member)
+            dtype, shape, fortran = npy_header(member)
             declared = dtype.itemsize * int(np.prod(shape, dtype=object))
             if declared > info.file_size:
                 raise InputError(
@@ -160,14 +161,19 @@ def _members(
     return arrays
 
 
-def _header(stream: Any) -> tuple[np.dtype, tuple[int, ...], bool]:
-    """dtype, shape and order of the ``.npy`` at the start of ``stream``; refuses object arrays."""
+def npy_header(stream: Any) -> tuple[np.dtype, tuple[int, ...], bool]:
+    """dtype, shape and order of the ``.npy`` at the start of ``stream``; ValueError for anything
+    else (numpy parses the header as a Python literal: a broken one raised tokenize's TokenError or
+    a SyntaxError, which no caller expects), and for object arrays."""
     fmt = np.lib.format
     version = fmt.read_magic(stream)
     reader = {(1, 0): fmt.read_array_header_1_0, (2, 0): fmt.read_array_header_2_0}.get(version)
     if reader is None:
         raise ValueError(f".npy format version {version} is not supported")
-    shape, fortran, dtype = reader(stream)
+    try:
+        shape, fortran, dtype = reader(stream)
+    except (SyntaxError, tokenize.TokenError, TypeError, RecursionError, MemoryError) as exc:
+        raise ValueError(f"the .npy header is not valid ({type(exc).__name__})") from None
     if dtype.hasobject:
         raise ValueError("Object arrays cannot be loaded when allow_pickle=False")
     return dtype, tuple(shape), fortran

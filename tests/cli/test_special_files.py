@@ -122,12 +122,15 @@ def _make(kind: str, path: Path, size: int) -> None:
                     member.write(bytes(10_000_000))
     elif kind == "bad npy header":
         _npz(path, {"x.npy": b"\x93NUMPY\x01\x00\x10\x00{'descr': 'zz'}\n" + bytes(size)})
+    elif kind == "unterminated npy header":
+        header = b"{'descr': '<f4', 'shape': (3,"
+        _npz(path, {"x.npy": b"\x93NUMPY\x01\x00" + len(header).to_bytes(2, "little") + header + bytes(size)})
     elif kind == "binary noise":
         path.write_bytes(os.urandom(size + 1))
 
 
 KINDS = ["fifo", "directory", "link to /dev/zero", "link to a fifo", "empty", "header declaring 10^11 floats",
-         "member inflating to 400 MB", "bad npy header", "binary noise"]  # fmt: skip
+         "member inflating to 400 MB", "bad npy header", "unterminated npy header", "binary noise"]  # fmt: skip
 
 
 @settings(

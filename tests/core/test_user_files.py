@@ -106,3 +106,25 @@ def test_the_check_refuses_before_reading(tmp_path):
         read_npz(tmp_path / "d.npz", wanted=wanted)
     got = read_npz(tmp_path / "d.npz")
     assert got["x"].shape == (4, 3) and got["f"].flags.f_contiguous and got["f"].sum() == 4
+
+
+@pytest.mark.parametrize(
+    "header",
+    [b"{'descr': '<f4', 'fortran_order': False, 'shape': (3,", b"(" * 40 + b"\n", b"{'descr': 'zz'}\n"],
+    ids=["unterminated", "nested", "bad dtype"],
+)
+def test_a_broken_npy_header_is_input_error_in_an_npz_and_a_token_file(tmp_path, header: bytes) -> None:
+    """numpy parses the header as a Python literal: a broken one raised tokenize's TokenError
+    (exit 1) from ``--data`` and from a token file."""
+    import struct
+
+    from tessera.core.tokens import TokenWindows
+
+    body = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + bytes(12)
+    with zipfile.ZipFile(tmp_path / "d.npz", "w") as archive:
+        archive.writestr("x.npy", body)
+    (tmp_path / "t.npy").write_bytes(body)
+    with pytest.raises(InputError, match=r"d\.npz: cannot read data"):
+        read_npz(tmp_path / "d.npz")
+    with pytest.raises(InputError, match=r"t\.npy: cannot read the token file"):
+        TokenWindows(str(tmp_path / "t.npy"), 4, 100)
