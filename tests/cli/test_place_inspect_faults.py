@@ -398,3 +398,20 @@ def test_a_reference_run_that_would_not_end_is_stopped_at_the_timeout(tmp_path: 
         and f"{path}: onnxruntime's reference run of the whole model did not end within 2 s" in lines[0]
     )
     assert ProfileCache(cache).count() == 0
+
+
+def test_a_cache_path_that_is_no_regular_file_is_refused_before_the_search(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """``--cache /dev/null`` was refused only after the whole search."""
+    import tessera.planners.placement.plan as plan_module
+
+    def never(*args, **kwargs):
+        raise AssertionError("the search started")
+
+    monkeypatch.setattr(plan_module, "reference_run", never)
+    result = run_cli(
+        "place", str(_relu(tmp_path / "m.onnx")), "--backends", "onnxruntime", "--cache", "/dev/null"
+    )
+    assert result.code == 2, result.err
+    assert result.err.strip() == "tessera: error: /dev/null: the profile cache is not a regular file"
