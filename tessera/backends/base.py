@@ -15,7 +15,7 @@ import importlib.metadata
 import logging
 import os
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -47,13 +47,6 @@ class Runnable(Protocol):
     output_names: tuple[str, ...]
 
     def run(self, feeds: Feeds) -> dict[str, np.ndarray]: ...
-
-
-def timed_call(runnable: Runnable, feeds: Feeds) -> Callable[[], Any]:
-    """What a measurement times: ``runnable.run(feeds)``, or the runnable's own prepared call for
-    these feeds when it has one (``bound``: inputs bound once, no per-call conversion or checks)."""
-    bound = getattr(runnable, "bound", None)
-    return bound(feeds) if bound is not None else lambda: runnable.run(feeds)
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from tessera.backends.base import Backend, BuildError, Runnable, timed_call
+from tessera.backends.base import Backend, BuildError, Runnable
 from tessera.backends.profile_cache import Profile, ProfileCache, device_fingerprint, subgraph_hash
 from tessera.core.graph import Graph
 
@@ -122,7 +122,7 @@ class Measurer:
             start = time.perf_counter()
             runnable = backend.compile(model)
             compile_s = time.perf_counter() - start
-            timing = time_runs(timed_call(runnable, feeds), warmup=self.warmup, repeat=self.repeat)
+            timing = time_runs(lambda: runnable.run(feeds), warmup=self.warmup, repeat=self.repeat)
         except Exception as exc:  # noqa: BLE001 - any failure is an infinite cost, never a crash
             error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
             log.warning("%s failed on a %d-node subgraph: %s", backend.name, len(members), error)
