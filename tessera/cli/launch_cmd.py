@@ -119,11 +119,12 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
 )
 @click.option(
     "--loss",
-    type=click.Choice(["mse", "ce"]),
+    type=click.Choice(["mse", "ce", "graph"]),
     default=None,
     help="[gpp/spp] mse: mean squared error to the data's targets (0 without); ce: cross-entropy of the "
-    "logits against integer labels (target:<output> arrays, or a token file's next tokens). Default: ce for "
-    "a token file, else mse.",
+    "logits against integer labels (target:<output> arrays, or a token file's next tokens); graph: the "
+    "model's own scalar loss output (an exported training graph; its labels are inputs in --data). "
+    "Default: ce for a token file, else mse.",
 )
 @click.option(
     "--optimizer",

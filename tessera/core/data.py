@@ -33,6 +33,8 @@ class TrainingData:
         self.id_range = {name: _id_range(graph, name) for name, (_, dtype) in self.specs.items()}
         self.arrays: dict[str, np.ndarray] | None = None
         self.tokens: tuple[str, str, TokenWindows] | None = None  # (ids input, logits output, windows)
+        if loss == "graph":
+            _check_graph_loss(graph)
         if path is not None and path.endswith(TOKEN_SUFFIXES):
             if loss != "ce":
                 raise InputError(
@@ -65,6 +67,27 @@ class TrainingData:
             else:
                 inputs[name] = rng.integers(0, self.id_range[name], full).astype(dtype)
         return inputs, {}
+
+
+def _check_graph_loss(graph: Graph) -> None:
+    """``--loss graph`` needs exactly one scalar floating-point output: the loss the model computes."""
+    scalars = [
+        n
+        for n, info in graph.outputs.items()
+        if info.floating
+        and info.shape is not None
+        and len(info.shape) <= 1
+        and all(d == 1 for d in info.shape)
+    ]
+    if len(scalars) != 1:
+        shapes = ", ".join(
+            f"{n} {list(i.shape) if i.shape is not None else '?'}" for n, i in graph.outputs.items()
+        )
+        raise InputError(
+            f"--loss graph trains on the model's own loss, one scalar float output; it has {len(scalars)} "
+            f"(outputs: {shapes})",
+            source=graph.source,
+        )
 
 
 def _class_ids(name: str, array: np.ndarray, shape: tuple | None, path: str) -> np.ndarray:

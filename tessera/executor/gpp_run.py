@@ -32,6 +32,7 @@ from tessera.executor.training import TrainingData, TrainOptions
 LOSSES = {
     "mse": "sum over float outputs of mean((output - target)^2); target 0 unless the data gives one",
     "ce": "cross-entropy of the logits against the labels, mean over the mini-batch's labels (-100: ignored)",
+    "graph": "the model's own scalar loss output, the mean over the samples it is given",
 }
 
 log = logging.getLogger(__name__)

@@ -50,7 +50,7 @@ class TrainOptions:
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     max_grad_norm: float | None = None
-    loss: str = "mse"  # "ce": cross-entropy against labels (token files: next-token labels)
+    loss: str = "mse"  # "ce": cross-entropy against labels (token files: next-token labels); "graph"
     checkpoint: str | None = None  # a folder of checkpoints (executor/checkpoint.py)
     checkpoint_every: int = 0  # steps between checkpoints (0: after the last step only)
     resume: bool = False  # continue from the newest complete checkpoint in ``checkpoint``
@@ -105,7 +105,7 @@ def lr_factor(step: int, options: TrainOptions) -> float:
     return 1.0 - progress
 
 
-LOSSES = ("mse", "ce")
+LOSSES = ("mse", "ce", "graph")
 IGNORED = -100  # a cross-entropy label that counts for nothing (torch's ignore_index)
 
 
@@ -126,7 +126,12 @@ def loss_term(  # noqa: PLR0913
     """This piece's share of the mini-batch's loss; summed over micro-batches and replicas it is the
     loss. ``mse``: ``Σ (o − t)² / (B · n)``, ``n`` the elements per sample (target 0 when None).
     ``ce``: the cross-entropy of logits ``output`` (classes last) against integer ``target``, summed,
-    over ``labels``, the mini-batch's labels (None: an output without labels scores nothing)."""
+    over ``labels``, the mini-batch's labels (None: an output without labels scores nothing).
+    ``graph``: the model's one scalar output, the mean loss of the ``samples`` it was given (an
+    exported training graph's loss), weighted by its share of the mini-batch; other outputs score
+    nothing."""
+    if kind == "graph":
+        return output.reshape(()) * (samples / mini_batch) if output.numel() == 1 else None
     if kind == "ce":
         if target is None:
             return None

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
+import onnx
 import pytest
 from executor.plans import candle_dag, make_plan, save_model
 from onnx_builders import shape_passing_chain, tied_chain
@@ -212,3 +213,68 @@ def test_tensors_of_three_dtypes_cross_to_a_peer_in_one_message(tmp_path: Path) 
     run = _check_exact(plan, graph, path, TrainOptions(steps=3, lr=0.1, seed=4))
     # 4 micro-batches: stage 0 sends 4 messages and receives 4 gradients (of h0 alone).
     assert [steps[0]["messages"] for _, steps in sorted(run.rank_steps.items())] == [8, 8]
+
+
+def _graph_loss_model() -> onnx.ModelProto:
+    """A regression training graph: ``pred = relu(x·W1)·W2`` and its own ``loss = mean((pred − y)²)``,
+    the labels ``y`` an input, as a training export writes it."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(1)
+    w1 = numpy_helper.from_array(rng.standard_normal((6, 8)).astype(np.float32) * 0.5, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((8, 3)).astype(np.float32) * 0.5, "w2")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="fc1"),
+        helper.make_node("Relu", ["h"], ["a"], name="act"),
+        helper.make_node("MatMul", ["a", "w2"], ["pred"], name="fc2"),
+        helper.make_node("Sub", ["pred", "y"], ["d"], name="diff"),
+        helper.make_node("Mul", ["d", "d"], ["sq"], name="square"),
+        helper.make_node("ReduceMean", ["sq"], ["loss"], name="mean", keepdims=0),
+    ]
+    graph = helper.make_graph(
+        nodes, "regression",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 6]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
+        [helper.make_tensor_value_info("loss", TensorProto.FLOAT, [])],
+        [w1, w2],
+    )  # fmt: skip
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_the_models_own_loss_trains_as_one_process_and_as_mse_would(tmp_path: Path) -> None:
+    """``--loss graph``: the scalar the model computes is the objective, each micro-batch's mean
+    weighted by its share: on 2 stages (the second data-parallel) it trains as one process does, and
+    as ``--loss mse`` trains the same model without its loss head against the same labels."""
+    path = tmp_path / "train.onnx"
+    graph = save_model(_graph_loss_model(), path)
+    rng = np.random.default_rng(0)
+    x, y = rng.standard_normal((16, 6)).astype(np.float32), rng.standard_normal((16, 3)).astype(np.float32)
+    data = tmp_path / "data.npz"
+    np.savez(data, x=x, y=y)
+    plan = make_plan(graph, [(graph.order[:3], ["d0"], 2), (graph.order[3:], ["d1", "d2"], 2)], 8)
+    options = TrainOptions(steps=5, lr=0.05, seed=0, data=str(data), loss="graph", optimizer="adamw")
+    run = _check_exact(plan, graph, path, options)
+
+    head = onnx.load(path)  # the same model, its output the prediction: mse against y
+    head.graph.node.pop()
+    head.graph.node.pop()
+    head.graph.node.pop()
+    del head.graph.output[:]
+    head.graph.output.append(onnx.helper.make_tensor_value_info("pred", onnx.TensorProto.FLOAT, ["batch", 3]))
+    del head.graph.input[1]
+    plain = save_model(head, tmp_path / "pred.onnx")
+    np.savez(tmp_path / "mse.npz", x=x, **{"target:pred": y})
+    mse = replace(options, data=str(tmp_path / "mse.npz"), loss="mse")
+    ref = train_reference(plain, 5, 8, seed=0, lr=0.05, options=mse)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=RTOL)
+
+
+def test_graph_loss_needs_one_scalar_output(tmp_path: Path) -> None:
+    from tessera.core.data import TrainingData
+    from tessera.core.errors import InputError
+
+    graph = save_model(build("candle_uno", "tiny", 0), tmp_path / "candle.onnx")
+    with pytest.raises(
+        InputError, match=r"--loss graph trains on the model's own loss, one scalar float output; it has 0"
+    ):
+        TrainingData(graph, 4, loss="graph")
