@@ -29,6 +29,7 @@ from onnx import helper
 
 from tessera.backends.base import cpu_cores, cpu_model, default_cache_dir
 from tessera.core.errors import InputError
+from tessera.core.files import check_writable
 
 log = logging.getLogger(__name__)
 
@@ -119,6 +120,19 @@ class ProfileCache:
         """Open (or create) the cache now: a path that cannot hold one is an :class:`InputError`
         before any measuring work, not a failure after it."""
         self._with_conn(lambda conn: None)
+
+    def check(self) -> None:
+        """:meth:`open` a cache that exists; for one that does not, only check that it could be
+        created (the file appears with the first measurement), so that a run refused before it
+        measures anything (a bad ``--data``) leaves no file behind."""
+        if self.path.is_symlink() or self.path.exists():
+            self.open()
+        else:
+            try:
+                check_writable(self.path)
+            except InputError as exc:
+                why = exc.message.removeprefix("cannot write: ")
+                raise InputError(f"cannot create the profile cache: {why}", source=self.path) from None
 
     def _connect(self) -> sqlite3.Connection:
         if self._conn is None:

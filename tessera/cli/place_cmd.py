@@ -148,7 +148,7 @@ def place(  # noqa: PLR0913
         raise InputError("--cache '' names no file")
     check_outputs({"-o": output}, {"model": graph.source, "--cache": cache_path})
     cache = ProfileCache(cache_path)
-    cache.open()  # a path that cannot hold the cache fails now, before any measuring
+    cache.check()  # a path that cannot hold the cache fails now, before any measuring
     measurer = Measurer(cache, seed=seed)
     start = time.perf_counter()
     with progress_bar() as bar:

@@ -415,3 +415,12 @@ def test_a_cache_path_that_is_no_regular_file_is_refused_before_the_search(
     )
     assert result.code == 2, result.err
     assert result.err.strip() == "tessera: error: /dev/null: the profile cache is not a regular file"
+
+
+def test_a_place_refused_before_measuring_leaves_no_cache_file(tmp_path: Path) -> None:
+    """The named cache was created before the data was read: a refused run left ``c.sqlite``."""
+    model = _relu(tmp_path / "m.onnx")
+    (tmp_path / "bad.npz").write_bytes(b"not an archive")
+    result = _place(str(model), "--data", str(tmp_path / "bad.npz"), cache=tmp_path / "c.sqlite")
+    assert result.code == 2 and "bad.npz" in result.err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.npz", "m.onnx"]
