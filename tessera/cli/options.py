@@ -57,9 +57,9 @@ def plan_model_option(f: F) -> F:
 
 
 def plan_model_path(plan_path: str, recorded: str, given: str | None, sha256: str | None = None) -> str:
-    """--model, else the plan's recorded model path: beside the plan first (where plan -o put it
-    relative to), then relative to the working directory. Of those that exist, the first whose
-    sha256 is the plan's; a same-named other model elsewhere does not shadow it."""
+    """--model, else the plan's recorded model path (as it was given when planning), looked for
+    beside the plan and in the working directory: of those that exist, the one whose sha256 is the
+    plan's (beside the plan on a tie), so a same-named other model does not shadow it."""
     candidates = (
         [Path(given)] if given else list(dict.fromkeys([Path(plan_path).parent / recorded, Path(recorded)]))
     )
