@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 import tempfile
+import time
 from pathlib import Path
 
 from tessera.core.errors import InputError
@@ -22,8 +24,7 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
     payload = data.encode() if isinstance(data, str) else data
     target = _replaced(Path(path))
     if target is None:
-        with open(path, "wb") as stream:
-            stream.write(payload)
+        _write_into(path, payload)
         return Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = _temp_file(target.parent, target)
@@ -42,6 +43,32 @@ def write_atomic(path: str | os.PathLike[str], data: bytes | str) -> Path:
             pass
         raise
     return Path(path)
+
+
+PIPE_WAIT_S = 5.0  # how long an output that is a named pipe may wait for its reader
+
+
+def _write_into(path: str | os.PathLike[str], payload: bytes) -> None:
+    """Write into an existing non-regular file. Opened without blocking: a named pipe that no process
+    opens for reading within :data:`PIPE_WAIT_S` is refused (ENXIO) instead of waited on forever; one
+    that is read (``-o >(jq .)``, ``/dev/stdout`` on a pipe) is then written to as usual."""
+    deadline = time.monotonic() + PIPE_WAIT_S
+    while True:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_NONBLOCK)
+            break
+        except OSError as exc:
+            if exc.errno != errno.ENXIO:
+                raise
+            if time.monotonic() > deadline:
+                raise InputError(
+                    f"a named pipe that no process read within {PIPE_WAIT_S:g} s: nothing takes the output",
+                    source=path,
+                ) from None
+            time.sleep(0.02)
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "wb") as stream:
+        stream.write(payload)
 
 
 def write_output(path: str | os.PathLike[str], data: bytes | str) -> Path:

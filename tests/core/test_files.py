@@ -161,3 +161,15 @@ def test_read_npz_returns_the_arrays_by_name(tmp_path):
     np.savez(tmp_path / "d.npz", a=np.arange(3), b=np.ones((2, 2), np.float32))
     got = read_npz(tmp_path / "d.npz")
     assert sorted(got) == ["a", "b"] and got["a"].tolist() == [0, 1, 2] and got["b"].dtype == np.float32
+
+
+def test_a_named_pipe_no_process_reads_is_refused_not_waited_on(tmp_path, monkeypatch):
+    """Writing into an existing FIFO that no process reads blocked forever; it is refused after a
+    short wait for a reader (a reader that comes in time gets the output: the test above)."""
+    import tessera.core.files as files
+
+    monkeypatch.setattr(files, "PIPE_WAIT_S", 0.2)
+    fifo = tmp_path / "out.json"
+    os.mkfifo(fifo)
+    with pytest.raises(InputError, match="a named pipe that no process read within 0.2 s"):
+        write_output(fifo, "{}\n")
