@@ -77,8 +77,9 @@ class CandidateCosts:
     _keys: dict[PlacementCandidate, tuple[object, ...]] = field(default_factory=dict)
     _single: dict[tuple[str, str], float] = field(default_factory=dict)
 
-    max_fused: int | None = None  # fused candidates measured at most: those that can win the most
-    unmeasured: int = 0  # fused candidates left out by max_fused
+    max_fused: int | None = None  # fused candidates measured at most (None: no bound at all)
+    unmeasured: int = 0  # fused candidates left out by bound(): too wide, or past max_fused
+    _left_out: set[PlacementCandidate] = field(default_factory=set)
     composed: bool = False  # measure onnxruntime as a placement with several backends runs it
     known: dict[tuple[str, frozenset[str]], float] = field(default_factory=dict)  # from the search memo
 
@@ -165,8 +166,6 @@ class CandidateCosts:
                 if t and t not in made and t not in self.graph.initializers
             }
         )
-
-    _left_out: frozenset[PlacementCandidate] | set[PlacementCandidate] = frozenset()
 
     def __call__(self, c: PlacementCandidate) -> float:
         if c in self._left_out:
