@@ -71,14 +71,7 @@ class TrainingData:
 
 def _check_graph_loss(graph: Graph) -> None:
     """``--loss graph`` needs exactly one scalar floating-point output: the loss the model computes."""
-    scalars = [
-        n
-        for n, info in graph.outputs.items()
-        if info.floating
-        and info.shape is not None
-        and len(info.shape) <= 1
-        and all(d == 1 for d in info.shape)
-    ]
+    scalars = [n for n, info in graph.outputs.items() if info.floating and info.scalar]
     if len(scalars) != 1:
         shapes = ", ".join(
             f"{n} {list(i.shape) if i.shape is not None else '?'}" for n, i in graph.outputs.items()

@@ -48,6 +48,11 @@ class TensorInfo:
         return self.numel * _itemsize(self.dtype)
 
     @property
+    def scalar(self) -> bool:
+        """One element on at most one axis (a loss a training graph computes), not a batch of 1."""
+        return self.shape is not None and len(self.shape) <= 1 and all(d == 1 for d in self.shape)
+
+    @property
     def floating(self) -> bool:
         """A floating-point tensor: one a gradient can flow through."""
         return np.issubdtype(np.dtype(self.dtype), np.floating)

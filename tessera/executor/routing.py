@@ -196,8 +196,7 @@ def _boundaries(
         stage_inputs[st.id], stage_outputs[st.id] = ins, outs
         loss_outputs[st.id] = [t for t in outs if t in scored]
         for t in loss_outputs[st.id]:
-            info = graph.outputs[t]
-            scalar = info.shape is not None and all(d == 1 for d in info.shape)  # a loss the model computes
+            scalar = graph.outputs[t].scalar  # a loss the model computes (--loss graph)
             if layouts.get(t, Layout(None, (), "")).rows_per_sample is None and not scalar:
                 raise LaunchError(f"model output {t!r} does not hold one row per sample on axis 0")
     for t in graph.inputs:
