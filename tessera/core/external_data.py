@@ -12,7 +12,7 @@ import onnx
 from onnx import external_data_helper
 
 from tessera.core.errors import InputError
-from tessera.core.weights import LAZY_LOCATION, lazy_spec
+from tessera.core.weights import LAZY_LOCATION, is_lazy_tensor, lazy_spec
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ def unread_weights(model: onnx.ModelProto) -> str | None:
     unread = [
         t
         for t in model.graph.initializer
-        if t.data_location == onnx.TensorProto.EXTERNAL
-        and not any(e.key == "location" and e.value == LAZY_LOCATION for e in t.external_data)
+        if t.data_location == onnx.TensorProto.EXTERNAL and not is_lazy_tensor(t)
     ]
     if not unread:
         return None
