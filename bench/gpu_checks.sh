@@ -11,6 +11,7 @@
 #     bash bench/gpu_checks.sh launch     # the planning and launch checks alone (about 2 minutes)
 #     bash bench/gpu_checks.sh llm        # CP decode of GPT-2's shape, Triton against torch attention
 #     bash bench/gpu_checks.sh fidelity   # bench/gpu_fidelity.py (corpus exports in .gl/corpus), then llm
+#     bash bench/gpu_checks.sh decode     # bench/gpu_decode.py and cp launches of GPT-2's shape (5 minutes)
 set -u
 OUT=${OUT:-gpu_out}
 mkdir -p "$OUT"
@@ -37,8 +38,22 @@ print(\"torch\", torch.__version__, \"cuda\", torch.version.cuda, torch.cuda.get
 print(\"triton\", triton.__version__, \"onnx\", onnx.__version__, \"onnxruntime\", onnxruntime.__version__, onnxruntime.get_available_providers())
 print(\"cudnn\", torch.backends.cudnn.version(), \"nccl\", torch.cuda.nccl.version())"'
 step 60 "backends" $T backends --json
-ONLY=${1:-all}  # "launch": the launches alone; "llm": the GPT-2-shaped decode alone; "fidelity": below
-if [ "$ONLY" = fidelity ]; then  # stages measured on the GPU: predicted against launched, then "llm"
+ONLY=${1:-all}  # "launch": the launches alone; "llm": the GPT-2-shaped decode alone; "fidelity", "decode": below
+CLUSTER=h200
+nvidia-smi -L 2>/dev/null | grep -q H100 && CLUSTER=h100
+if [ "$ONLY" = decode ]; then  # the decode step on the GPU: captured, against generate() and the roofline
+    step 120 "the captured step and the interpreter on cuda" python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/executor/test_graphed_step.py tests/backends/test_torch_module_cuda.py
+    step 240 "bench/gpu_decode.py" python3 bench/gpu_decode.py --out "$OUT/gpu_decode.md"
+    step 60 "cp plan (--llm gpt2, $CLUSTER)" $T plan --llm gpt2 --kind cp --cluster $CLUSTER --batch 1 \
+        --context 128 --output-len 64 -o "$W/llm.json"
+    step 120 "cp launch --llm gpt2 (captured step)" $T launch "$W/llm.json" --new-tokens 64 --prompt-lens 128 --json
+    step 150 "cp launch --llm gpt2 --compile" $T launch "$W/llm.json" --new-tokens 64 --prompt-lens 128 --compile --json
+    step 150 "generate() compiled (bench/gpu_decode.py --hf-compiled)" python3 bench/gpu_decode.py --batch 1 \
+        --prompt 128 --hf-compiled --out "$OUT/gpu_decode_compiled.md"
+    echo "done" | tee -a "$LOG"
+    exit 0
+elif [ "$ONLY" = fidelity ]; then  # stages measured on the GPU: predicted against launched, then "llm"
     step 120 "stage profiler and the interpreter on cuda" python3 -m pytest -q -m gpu -p no:cacheprovider \
         tests/planners/pipeline/test_stage_profile.py tests/backends/test_torch_module_cuda.py
     step 330 "predicted against launched (bench/gpu_fidelity.py)" python3 bench/gpu_fidelity.py \

@@ -9,10 +9,15 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnxruntime as ort
+import torch
 
 from tessera.core.plans import CpPlan
 from tessera.core.weights import materialize
 from tessera.executor.cp_run import make_prompts
+from tessera.executor.decode_program import compile_step
+from tessera.executor.graph_decoder import GraphDecoder
+from tessera.executor.graphed_step import GraphedStep
+from tessera.executor.kv_cache import GroupCache, attention_partial
 from tessera.models.gpt import llm_gpt
 
 
@@ -63,3 +68,37 @@ def plan_tokens(
     seeded prompts, decoded by the plan's ONNX model, or by its ``--llm`` config's GPT."""
     decoder = materialize(llm_gpt(plan.llm, seed)) if model is None else model
     return greedy_tokens(decoder, make_prompts(int(plan.llm["vocab"]), lens, seed), n)
+
+
+def group_tokens(
+    decoder: GraphDecoder, prompts: list[list[int]], new: int, *, fixed: bool, device: str = "cpu"
+) -> list[list[int]]:
+    """Greedy tokens of one group of requests, each step the fixed-shape one (``fixed``) or the
+    dynamic-shape one (attending over the slots written so far); on a CUDA ``device`` the fixed
+    step is captured as a CUDA graph."""
+    batch, length = len(prompts), len(prompts[0])
+    for key in ((batch, length), (batch, 1)):
+        assert compile_step(decoder, *key) is None
+    on = torch.device(device)
+    decoder.module.to(on)
+    cache = GroupCache(np.zeros(length + new - 1, dtype=np.int64), 0, on)
+
+    def attend(layer, q, k, v, scores, past):
+        keys, values, positions = cache.read(layer, cache.write(layer, k, v, past))
+        q_pos = torch.arange(past, past + q.shape[2], device=on)
+        return attention_partial(q, keys, values, q_pos, positions, scores)[0]
+
+    steps = [
+        torch.argmax(decoder.logits(torch.tensor(prompts, device=on), 0, attend)[:, -1], dim=-1).tolist()
+    ]
+    graphed = GraphedStep(decoder, cache, batch, capture=on.type == "cuda") if fixed else None
+    for k in range(new - 1):
+        if graphed is not None:
+            steps.append(graphed.run(steps[-1], length + k))
+        else:
+            logits = decoder.logits(torch.tensor(steps[-1], device=on)[:, None], length + k, attend)
+            steps.append(torch.argmax(logits[:, -1], dim=-1).tolist())
+    assert cache.positions_held == length + new - 1
+    if graphed is not None and on.type == "cuda":
+        assert graphed.graph is not None, graphed.why_not
+    return [list(t) for t in zip(*steps, strict=True)]

@@ -106,9 +106,14 @@ class StepProgram:
         self._check(device)
 
     def run(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
+        return self.run_at(tokens, torch.tensor(past, device=tokens.device), past, attend)
+
+    def run_at(self, tokens: Tensor, at: Tensor, past: int, attend: Attend) -> Tensor:
+        """:meth:`run` with the position also as a tensor ``at`` on the tokens' device (a buffer a
+        captured step reads; ``past`` is what ``attend`` is told)."""
         self._attend, self._past = attend, past
         try:
-            return self.program(tokens, torch.tensor(past, device=tokens.device))
+            return self.program(tokens, at)
         finally:
             self._attend = self_attention
 
@@ -168,8 +173,8 @@ class StepProgram:
                 else:
                     result = s.fn(args, s.attrs)
                     results = list(result) if isinstance(result, tuple) else [result]
-                if s.name in positions:
-                    results[0] = results[0] + past.to(results[0].dtype)
+                if s.name in positions:  # counted where shapes are (the CPU): moved to the step's device
+                    results[0] = results[0].to(past.device) + past.to(results[0].dtype)
                 env.update((t, r) for t, r in zip(s.outputs, results, strict=False) if t)
             return env[d.logits_output]
 
@@ -254,8 +259,10 @@ def _fold(
 
 def _finished(traced: fx.GraphModule, *, keep_cores: bool) -> fx.GraphModule:
     """The traced program with each core's node calling back into the cache directly (unless
-    ``keep_cores``: torch.compile needs the operator), and no per-run copies of its constants
-    (``lift_fresh_copy``: nothing writes to them)."""
+    ``keep_cores``: torch.compile needs the operator), no per-run copies of its constants
+    (``lift_fresh_copy``: nothing writes to them), and small host constants that meet device
+    tensors moved there once (no host-to-device copy per run, which a CUDA graph cannot hold)."""
+    moved = itertools.count()
     for node in list(traced.graph.nodes):
         if node.op != "call_function":
             continue
@@ -264,6 +271,22 @@ def _finished(traced: fx.GraphModule, *, keep_cores: bool) -> fx.GraphModule:
         elif node.target is torch.ops.aten.lift_fresh_copy.default:
             node.replace_all_uses_with(node.args[0])
             traced.graph.erase_node(node)
+        elif node.target is torch.ops.aten._to_copy.default and _host_constant(traced, node.args[0]):
+            value = node.target(getattr(traced, node.args[0].target), *node.args[1:], **node.kwargs)
+            name = f"_moved_constant{next(moved)}"
+            traced.register_buffer(name, value)
+            with traced.graph.inserting_before(node):
+                node.replace_all_uses_with(traced.graph.get_attr(name))
+            traced.graph.erase_node(node)
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def _host_constant(traced: fx.GraphModule, node: Any) -> bool:
+    """``node`` reads a small constant of the program held on the CPU (shape arithmetic, a
+    position count, an epsilon)."""
+    if not isinstance(node, fx.Node) or node.op != "get_attr":
+        return False
+    value = getattr(traced, node.target, None)
+    return isinstance(value, Tensor) and value.device.type == "cpu" and value.numel() <= WEIGHT_NUMEL

@@ -23,6 +23,7 @@ from tessera.core.graph import load_graph
 from tessera.core.weights import materialize
 from tessera.executor.decode_program import compile_step
 from tessera.executor.graph_decoder import GraphDecoder
+from tessera.executor.graphed_step import GraphedStep
 from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.shm_gather import ShmGather, usable
@@ -85,6 +86,8 @@ class DecodeWorker:
         self.comm_s = 0.0
         self.shm: ShmGather | None = None  # see connect()
         self.compiled: dict[str, str | None] = {}  # "batch×length" -> None (compiled) or why not
+        self.graphed: dict[int, GraphedStep | None] = {}  # group -> its decode step in fixed shapes
+        self.capture = False  # see compile()
 
     def compile(self, mode: str) -> None:
         """Build each group's prefill and decode-step programs (``mode``: ``fx``, ``inductor``, or
@@ -98,6 +101,11 @@ class DecodeWorker:
                 if f"{key[0]}x{key[1]}" not in self.compiled:
                     why = compile_step(self.decoder, *key, inductor=mode == "inductor" and length == 1)
                     self.compiled[f"{key[0]}x{key[1]}"] = why
+        # On a GPU each traced decode step is captured as a CUDA graph (graphed_step), where this
+        # rank holds every position of its requests and attends without collectives.
+        self.capture = (
+            mode == "fx" and self.device.type == "cuda" and (self.strategy == "dp" or self.world == 1)
+        )
 
     # -- the decode --
 
@@ -112,8 +120,27 @@ class DecodeWorker:
     def step(self, step: int) -> None:
         """Feed each request's last token (position ``prompt_len + step``), append one token."""
         for i, group in enumerate(self.groups):
+            graphed = self._graphed(i) if self.capture else None
+            if graphed is not None:
+                past = self.prompt_lens[group[0]] + step
+                nexts = graphed.run([self.tokens[b][-1] for b in group], past)
+                self.compiled[f"cuda graph {len(group)}x1"] = graphed.why_not  # None: captured
+                for b, t in zip(group, nexts, strict=True):
+                    self.tokens[b].append(int(t))
+                continue
             last = torch.tensor([[self.tokens[b][-1]] for b in group], dtype=torch.long, device=self.device)
             self._next(i, last, self.prompt_lens[group[0]] + step)
+
+    def _graphed(self, i: int) -> GraphedStep | None:
+        """Group ``i``'s step in fixed shapes, made at its first decode step (the prefill has sized
+        its cache); None, with the reason in ``compiled``, where it cannot be made."""
+        if i not in self.graphed:
+            try:
+                self.graphed[i] = GraphedStep(self.decoder, self.caches[i], len(self.groups[i]), capture=True)
+            except ValueError as exc:
+                self.graphed[i] = None
+                self.compiled[f"cuda graph {len(self.groups[i])}x1"] = str(exc)
+        return self.graphed[i]
 
     def _next(self, i: int, tokens: Tensor, past: int) -> None:
         logits = self.decoder.logits(tokens, past, self._attend(self.caches[i]))

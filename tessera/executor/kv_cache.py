@@ -10,6 +10,8 @@ graph scores them, as a mergeable partial. See docs/executor.md ("Decoding from 
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import Tensor
@@ -59,7 +61,7 @@ def attention_partial(  # noqa: PLR0913
         s = torch.tanh(s / scores.softcap) * scores.softcap
     distance = k_pos[None, :] - q_pos[:, None]  # j - i, [S, T]
     if scores.alibi is not None:
-        slopes = torch.tensor(scores.alibi, dtype=s.dtype, device=s.device)[heads]
+        slopes = _slopes(scores.alibi, s.device)[heads]
         s = s + slopes[:, None, None] * distance.to(s.dtype)
     hidden = distance > 0
     if scores.window is not None:
@@ -69,6 +71,12 @@ def attention_partial(  # noqa: PLR0913
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(s - safe[..., None]).reshape(b, hc, h // hc * s_len, t_len)
     return (p @ v.float()).reshape(b, h, s_len, v.shape[-1]), lse
+
+
+@functools.cache
+def _slopes(alibi: tuple[float, ...], device: torch.device) -> Tensor:
+    """ALiBi's slopes on ``device``, made once (a captured step may not copy from the host)."""
+    return torch.tensor(alibi, dtype=torch.float32, device=device)
 
 
 class GroupCache:

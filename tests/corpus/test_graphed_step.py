@@ -1,0 +1,47 @@
+"""The decode step in fixed shapes (what a GPU captures as a CUDA graph, executor/graphed_step.py),
+run uncaptured on the CPU: for every kind of score the corpus's decoders compute (plain causal,
+sliding window, ALiBi, soft-capping, grouped and single KV heads), a batch of requests decodes the
+tokens of onnxruntime running the whole graph, as the dynamic-shape step does."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from corpus.exports import Corpus
+from decode_reference import greedy_tokens, group_tokens
+
+from tessera.executor.decode_program import compile_step
+from tessera.executor.graph_decode_worker import graph_decoder
+from tessera.executor.graphed_step import GraphedStep
+from tessera.executor.kv_cache import GroupCache
+
+pytestmark = [pytest.mark.corpus]
+
+PROMPTS = [[5, 17, 3, 99, 42, 7, 64, 1], [33, 2, 120, 8, 8, 51, 9, 14]]  # one group: one position
+NEW_TOKENS = 12  # past mistral-window's window of 8
+
+
+@pytest.mark.parametrize(
+    "model",
+    ["gpt2", "llama-gqa-sdpa", "mistral-window", "bloom-alibi", "gemma2-softcap", "falcon-mqa", "mpt-alibi"],
+)
+def test_the_fixed_shape_step_decodes_the_reference_tokens(model: str, corpus: Corpus) -> None:
+    made = corpus.entries[(model, "dynamo", "dynamic")]
+    assert made.path is not None, made.error
+    decoder = graph_decoder(made.path)
+    want = greedy_tokens(made.path, PROMPTS, NEW_TOKENS)
+    assert len({t for tokens in want for t in tokens}) > 3  # varied tokens: a wrong decode shows
+    assert group_tokens(decoder, PROMPTS, NEW_TOKENS, fixed=True) == want
+    assert group_tokens(decoder, PROMPTS, NEW_TOKENS, fixed=False) == want
+
+
+def test_the_fixed_shape_step_needs_a_traced_program_and_every_position(corpus: Corpus) -> None:
+    made = corpus.entries[("gpt2", "dynamo", "dynamic")]
+    decoder = graph_decoder(made.path)
+    cache = GroupCache(np.zeros(8, dtype=np.int64), 0, torch.device("cpu"))
+    with pytest.raises(ValueError, match="no traced program"):
+        GraphedStep(decoder, cache, 1, capture=False)
+    assert compile_step(decoder, 1, 1) is None
+    with pytest.raises(ValueError, match="every position"):  # a cp shard: half the positions
+        GraphedStep(decoder, GroupCache(np.arange(8) % 2, 0, torch.device("cpu")), 1, capture=False)
