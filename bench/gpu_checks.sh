@@ -50,7 +50,8 @@ if [ "$ONLY" = decode ]; then  # the decode step on the GPU: captured, against g
     step 120 "cp launch --llm gpt2 (captured step)" $T launch "$W/llm.json" --new-tokens 64 --prompt-lens 128 --json
     step 120 "generate() compiled (bench/gpu_decode.py --hf-compiled)" python3 bench/gpu_decode.py --batch 1 \
         --prompt 128 --hf-compiled --out "$OUT/gpu_decode_compiled.md"
-    step 120 "cp launch --llm gpt2 --compile" $T launch "$W/llm.json" --new-tokens 64 --prompt-lens 128 --compile --json
+    step 120 "cp launch --llm gpt2 --compile (captured)" $T launch "$W/llm.json" --new-tokens 64 --prompt-lens 128 \
+        --compile --json
     echo "done" | tee -a "$LOG"
     exit 0
 elif [ "$ONLY" = fidelity ]; then  # stages measured on the GPU: predicted against launched, then "llm"

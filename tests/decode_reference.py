@@ -77,10 +77,10 @@ def group_tokens(
     dynamic-shape one (attending over the slots written so far); on a CUDA ``device`` the fixed
     step is captured as a CUDA graph."""
     batch, length = len(prompts), len(prompts[0])
+    on = torch.device(device)
+    decoder.module.to(on)  # before tracing: a program reads the weights where they were traced
     for key in ((batch, length), (batch, 1)):
         assert compile_step(decoder, *key) is None
-    on = torch.device(device)
-    decoder.module.to(on)
     cache = GroupCache(np.zeros(length + new - 1, dtype=np.int64), 0, on)
 
     def attend(layer, q, k, v, scores, past):

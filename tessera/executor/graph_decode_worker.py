@@ -104,7 +104,7 @@ class DecodeWorker:
         # On a GPU each traced decode step is captured as a CUDA graph (graphed_step), where this
         # rank holds every position of its requests and attends without collectives.
         self.capture = (
-            mode == "fx" and self.device.type == "cuda" and (self.strategy == "dp" or self.world == 1)
+            mode != "interpret" and self.device.type == "cuda" and (self.strategy == "dp" or self.world == 1)
         )
 
     # -- the decode --
