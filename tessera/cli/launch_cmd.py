@@ -371,6 +371,15 @@ def read_prompts(path: str) -> tuple[tuple[int, ...], ...]:
     return tuple(prompts)
 
 
+def _captured(programs: dict[str, str | None]) -> str:
+    """``, captured as a CUDA graph`` where every group's step was; else why one was not."""
+    graphs = {k: v for k, v in programs.items() if k.startswith("cuda graph")}
+    if not graphs:
+        return ""
+    failed = next((why for why in graphs.values() if why is not None), None)
+    return ", captured as a CUDA graph" if failed is None else f", not captured ({failed})"
+
+
 def _ratio(x: float | None) -> str:
     return f"{x:.2f}x" if x is not None else "-"
 
@@ -478,7 +487,8 @@ def _cp_summary(report: dict[str, Any]) -> str:
     lines.append(
         f"time to first token {m['ttft_s'] * 1e3:.2f} ms; inter-token latency p50 {m['itl_p50_s'] * 1e3:.3f} "
         f"p90 {m['itl_p90_s'] * 1e3:.3f} p99 {m['itl_p99_s'] * 1e3:.3f} ms; output {m['output_throughput']:.4g} "
-        f"tokens/s; decode step {d['step']} (compiled in {d['compile_s']:.2f} s, before the clock starts)"
+        f"tokens/s; decode step {d['step']}{_captured(d.get('programs', {}))} (compiled in {d['compile_s']:.2f} s, "
+        "before the clock starts)"
     )
     lines.append(
         f"communication {m['communication_fraction'] * 100:.0f}% of a step; prefill {m['prefill_s'] * 1e3:.1f} ms "

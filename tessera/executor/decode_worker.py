@@ -80,6 +80,11 @@ def cp_worker(spec: CpWorkerSpec) -> dict[str, Any]:
         worker.prefill()
         _sync(device)
         prefill_s = time.perf_counter() - t0
+        watchdog.arm("capturing the decode steps")
+        t0 = time.perf_counter()
+        worker.prepare_steps()
+        _sync(device)
+        compile_s += time.perf_counter() - t0
         dist.barrier()  # decode steps start together
         steps = []
         for k in range(spec.options.new_tokens - 1):

@@ -117,6 +117,14 @@ class DecodeWorker:
             )
             self._next(i, prompts, 0)
 
+    def prepare_steps(self) -> None:
+        """After the prefill: each group's decode step captured (on a GPU), before the clock starts."""
+        for i, group in enumerate(self.groups):
+            graphed = self._graphed(i) if self.capture else None
+            if graphed is not None:
+                graphed.prepare([self.tokens[b][-1] for b in group], self.prompt_lens[group[0]])
+                self.compiled[f"cuda graph {len(group)}x1"] = graphed.why_not  # None: captured
+
     def step(self, step: int) -> None:
         """Feed each request's last token (position ``prompt_len + step``), append one token."""
         for i, group in enumerate(self.groups):

@@ -50,12 +50,16 @@ class GraphedStep:
         self.graph: torch.cuda.CUDAGraph | None = None
         self.why_not: str | None = None if capture else "not captured"
 
-    def run(self, tokens: list[int], past: int) -> list[int]:
-        """The greedy next token of each request, after ``tokens`` (one each) at position ``past``."""
-        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long).view(-1, 1), non_blocking=False)
-        self.past.fill_(past)
+    def prepare(self, tokens: list[int], past: int) -> None:
+        """Capture the step (where ``capture``) with the first step's own inputs, so that no decode
+        step pays for it: the runs it makes write what that step will write."""
+        self._feed(tokens, past)
         if self.graph is None and self.capture and self.why_not is None:
             self._record(past)
+
+    def run(self, tokens: list[int], past: int) -> list[int]:
+        """The greedy next token of each request, after ``tokens`` (one each) at position ``past``."""
+        self.prepare(tokens, past)
         if self.graph is not None:
             self.graph.replay()
         else:
@@ -64,6 +68,10 @@ class GraphedStep:
             self.cache.held[layer] = past + 1
         assert self.next is not None
         return self.next.tolist()
+
+    def _feed(self, tokens: list[int], past: int) -> None:
+        self.tokens.copy_(torch.tensor(tokens, dtype=torch.long).view(-1, 1))
+        self.past.fill_(past)
 
     def _body(self, past: int) -> None:
         logits = self.program.run_at(self.tokens, self.past, past, self._attend)
