@@ -40,11 +40,15 @@ TRAINING_OPTIONS = (
     "warmup_steps",
     "max_grad_norm",
     "loss",
+    "save_model",
+    "checkpoint",
+    "checkpoint_every",
+    "resume",
 )
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
 _KIND_OPTIONS: dict[str, frozenset[str]] = {
-    "gpp": frozenset({"steps", "lr", "data", "compile_", "distributed", *TRAINING_OPTIONS}),
-    "spp": frozenset({"steps", "lr", "data", "compile_", "distributed", *TRAINING_OPTIONS}),
+    "gpp": frozenset({"steps", "lr", "data", "compile_", "distributed", "trace", *TRAINING_OPTIONS}),
+    "spp": frozenset({"steps", "lr", "data", "compile_", "distributed", "trace", *TRAINING_OPTIONS}),
     "cp": frozenset({"new_tokens", "prompt_lens", "prompts", "attention", "compile_", "distributed"}),
     "placement": frozenset({"repeat", "data"}),
 }
@@ -116,6 +120,14 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     type=click.Path(dir_okay=False, path_type=str),
     default=None,
     help="[gpp/spp] Write the trained model there (ONNX, atomically; weights past 1 GiB as OUT.data beside it).",
+)
+@click.option(
+    "--trace",
+    type=click.Path(dir_okay=False, path_type=str),
+    default=None,
+    help="[gpp/spp] Write the run's timeline as a trace (Chrome trace-event JSON: open it in ui.perfetto.dev): "
+    "every rank's forwards, backwards, waits, sends and receives (arrows), all-reduce and optimizer step, and "
+    "beside each rank the plan's simulated iteration from the start of every step.",
 )
 @click.option(
     "--loss",
@@ -236,6 +248,7 @@ def launch(  # noqa: PLR0913
     max_grad_norm: float | None,
     loss: str | None,
     save_model: str | None,
+    trace: str | None,
     checkpoint: str | None,
     checkpoint_every: int | None,
     resume: bool,
@@ -266,10 +279,11 @@ def launch(  # noqa: PLR0913
         raise click.UsageError("--prompts gives the requests' tokens, their lengths too: drop --prompt-lens")
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
-    if save_model is not None:  # before the run: a path that cannot be written loses nothing
-        source = model or (plan.model.path if plan.model is not None else None)
-        check_outputs({"--save-model": save_model}, {"plan": plan_path, "model": source, "data": data})
-        check_writable(save_model)
+    source = model or (plan.model.path if plan.model is not None else None)
+    for flag, path in (("--save-model", save_model), ("--trace", trace)):
+        if path is not None:  # before the run: a path that cannot be written loses nothing
+            check_outputs({flag: path}, {"plan": plan_path, "model": source, "data": data})
+            check_writable(path)
     runner = RUNNERS.get(plan.kind)
     if runner is None:
         raise InputError(
@@ -306,6 +320,7 @@ def launch(  # noqa: PLR0913
         },
         compile=compile_,
         save_model=save_model,
+        trace=trace,
         new_tokens=new_tokens,
         prompt_lens=_prompt_lens(prompt_lens),
         prompts=None if prompts is None else read_prompts(prompts),

@@ -1,7 +1,7 @@
 """Run a GPP (or SPP) training plan: check it, start a stage worker per device, report.
 
 :func:`run_gpp_plan` refuses what the workers could not run before any starts (unsupported
-operators, bad data, an unroutable plan), launches :func:`~tessera.executor.stage_worker.gpp_worker`
+operators, bad data, an unroutable plan), launches :func:`~tessera.executor.gpp_worker.gpp_worker`
 on every rank of the plan and returns a :class:`GppRun`: loss, iteration time, per-stage busy time
 and peak memory, measured against the plan's prediction.
 """
@@ -23,10 +23,12 @@ from tessera.core.errors import InputError, Terminated
 from tessera.core.graph import Graph
 from tessera.core.plans import GppPlan, Stage
 from tessera.executor.checkpoint import CheckpointSpec, latest, run_identity
+from tessera.executor.gpp_worker import gpp_worker
 from tessera.executor.launcher import LaunchOptions, choose_backend, launch_workers, plan_threads
 from tessera.executor.report import RunReport, counted_steps, gathered, over, ratios, slowest, steady_mean
 from tessera.executor.routing import Routing, build_routing, tensor_layouts
-from tessera.executor.stage_worker import WorkerSpec, gpp_worker
+from tessera.executor.stage_worker import WorkerSpec
+from tessera.executor.timeline import run_trace
 from tessera.executor.training import TrainingData, TrainOptions
 
 LOSSES = {
@@ -54,6 +56,7 @@ class GppRun(RunReport):
     # Per stage, the stages whose ranks join an all-reduce with its ranks (tied weights).
     allreduce_peers: dict[int, list[int]] = field(default_factory=dict)
     saved_model: list[str] = field(default_factory=list)  # --save-model: the files written
+    trace: dict[str, Any] | None = None  # --trace: the run's trace-event document (timeline.run_trace)
 
     @property
     def losses(self) -> list[float]:
@@ -87,6 +90,7 @@ def run_gpp_plan(
     *,
     plan_path: str = "<plan>",
     return_weights: bool = False,
+    trace: bool = False,
 ) -> GppRun:
     """Launch ``plan`` (checked against ``graph`` by the caller) on torch.distributed workers and
     report measured against predicted. Raises LaunchError (exit 4) when a worker fails."""
@@ -111,6 +115,7 @@ def run_gpp_plan(
         timeout_s=launch.timeout_s,
         backend=backend,
         return_weights=return_weights,
+        trace=trace,
     )
 
     def describe(rank: int) -> str:
@@ -130,7 +135,11 @@ def run_gpp_plan(
         ):
             log.warning("stopped after step %d: checkpoint %s written; --resume continues from it", *found)
         raise
-    return gpp_report(plan, plan_path, backend, routing, options, gathered(results))
+    report = gpp_report(plan, plan_path, backend, routing, options, ranks := gathered(results))
+    if trace:
+        floating = {t.name: t.floating for _, _, data in graph.dag.edges(data=True) for t in data["tensors"]}
+        report.trace = run_trace(plan, ranks, floating)
+    return report
 
 
 def gpp_report(

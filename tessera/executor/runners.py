@@ -31,6 +31,7 @@ class LaunchRequest:
     lr: float = 0.01  # gpp, spp
     training: dict[str, Any] = field(default_factory=dict)  # gpp, spp: TrainOptions' other fields
     save_model: str | None = None  # gpp, spp: write the trained model there
+    trace: str | None = None  # gpp, spp: write the run's timeline there (trace-event JSON)
     compile: bool = False  # torch.compile every stage's program (gpp, spp) or decode step (cp)
     new_tokens: int = 8  # cp
     prompt_lens: tuple[int, ...] | None = None  # cp
@@ -66,7 +67,13 @@ def run_pipeline(plan: Plan, request: LaunchRequest) -> RunReport:
         request.launch,
         plan_path=request.plan_path,
         return_weights=bool(save),
+        trace=request.trace is not None,
     )
+    if request.trace is not None and run.trace is not None:
+        from tessera.core.files import write_output
+        from tessera.core.plan_files import json_text
+
+        write_output(request.trace, json_text(run.trace))
     if save and run.failure is None:
         from tessera.executor.trained_model import save_trained_model, trained_model
 

@@ -1,6 +1,6 @@
 """The GPP stage worker: one rank runs one replica of one stage and interprets its schedule.
 
-:func:`gpp_worker` is every rank's entry point. :class:`StageWorker` builds the stage's module
+:func:`~tessera.executor.gpp_worker.gpp_worker` is every rank's entry point. :class:`StageWorker` builds the stage's module
 from the plan's subgraph, executes the stage's ``F``/``B`` actions in order (receiving and sending
 along the :class:`~tessera.executor.routing.Routing`), all-reduces the replicas' gradients and
 takes one SGD step per mini-batch. See docs/executor.md ("GPP stage workers").
@@ -13,7 +13,6 @@ import os
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import numpy as np
@@ -26,18 +25,16 @@ from tessera.backends.torch_module import OnnxModule, to_torch
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan
-from tessera.executor.checkpoint import CheckpointSpec, resume, save_state, stop_agreed, stop_on_sigterm
+from tessera.executor.checkpoint import CheckpointSpec
 from tessera.executor.gradients import GradBucket, global_norm_clip
 from tessera.executor.launcher import (
-    WATCHDOG_FACTOR,
-    Watchdog,
     inject_test_fault,
     memory_status,
     own_cores,
-    worker_setup,
 )
 from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
+from tessera.executor.timeline import ALLREDUCE, COMPUTE, WAIT, Timeline
 from tessera.executor.training import TrainingData, TrainOptions, labelled, loss_term, make_optimizer
 from tessera.planners.pipeline.profile import torch_dtype_of
 
@@ -55,6 +52,7 @@ class WorkerSpec:
     backend: str  # gloo | nccl
     return_weights: bool = False
     checkpoint: CheckpointSpec | None = None
+    trace: bool = False  # keep a timeline of every action and message (launch --trace)
 
 
 @dataclass(frozen=True)
@@ -106,6 +104,9 @@ class StageWorker:
         self.stage = next(st for st in plan.stages if st.id == self.stage_id)
         self.actions = [(a[0], int(a[1:])) for a in self.stage.schedule.actions]
         self.rss_base = memory_status("VmRSS")
+        self.timeline = Timeline() if spec.trace else None
+        self.stage_of = {r: st for (st, _), r in routing.ranks.items()}  # rank -> its stage
+        self.step_index = 0
         graph = load_graph(
             spec.model_path, input_shapes=spec.input_shapes or None, rewrites=plan.model.rewrites
         )
@@ -227,10 +228,16 @@ class StageWorker:
         for rank, first, members in self.sends[(j, backward)]:
             flat = [piece(m).detach().reshape(-1).contiguous().view(torch.uint8) for m in members]
             payload = flat[0] if len(flat) == 1 else torch.cat(flat)
+            t0 = time.perf_counter()
             work = dist.isend(
                 payload, rank, tag=self._tag(first, backward, step), group=self._group(backward)
             )
             self._sends.append((work, payload))
+            if self.timeline is not None:
+                name, stream = _transfer(backward, j, f"send → stage {self.stage_of[rank]}")
+                self.timeline.add(
+                    step, stream, name, t0, time.perf_counter(), (step, backward, j, self.rank, rank)
+                )
         if self.sends[(j, backward)]:
             self._let_gloo_run()
 
@@ -280,6 +287,7 @@ class StageWorker:
         got: dict[int, Tensor] = {}
         for p in self._posted.pop((j, backward), []):
             r = p.receive
+            t0 = time.perf_counter()
             try:
                 p.work.wait()
             except Exception as exc:  # say what was awaited from whom: the peer is the likely culprit
@@ -287,6 +295,10 @@ class StageWorker:
                 raise RuntimeError(
                     f"waiting for {what} of {names} from rank {r.src}: {' '.join(str(exc).split())}"
                 ) from exc
+            if self.timeline is not None:
+                name, stream = _transfer(backward, j, f"receive ← stage {self.stage_of[r.src]}")
+                key = (self.step_index, backward, j, r.src, self.rank)
+                self.timeline.add(self.step_index, stream, name, t0, time.perf_counter(), key)
             pieces = p.flat.split(r.sizes)
             for m, piece, dtype, shape in zip(r.messages, pieces, r.dtypes, r.shapes, strict=True):
                 got[m.id] = piece.view(dtype).view(shape)
@@ -377,6 +389,7 @@ class StageWorker:
         self.busy += t2 - t1
         self.forward_busy += t2 - t1
         self.wait += t1 - t0
+        self._record(step, f"F{j}", t0, t1, t2)
 
     def backward(self, j: int, step: int) -> None:
         unit = Unit(self.stage_id, self.replica, j)
@@ -423,6 +436,13 @@ class StageWorker:
         self._send(j, True, step, lambda m: _grad(saved.leaves[m.id]))
         self.busy += t2 - t1
         self.wait += t1 - t0
+        self._record(step, f"B{j}", t0, t1, t2)
+
+    def _record(self, step: int, action: str, t0: float, t1: float, t2: float) -> None:
+        """An action's wait for its inputs (``t0``-``t1``) and its compute (``t1``-``t2``)."""
+        if self.timeline is not None:
+            self.timeline.add(step, WAIT, "wait", t0, t1)
+            self.timeline.add(step, COMPUTE, action, t1, t2)
 
     # -- one training step --
 
@@ -431,6 +451,7 @@ class StageWorker:
         as soon as this step's last action is done, before the next step's first message leaves)."""
         inject_test_fault(self.rank, step)
         start = time.perf_counter()
+        self.step_index = step
         self.busy = self.forward_busy = self.wait = self.loss_sum = 0.0
         self.saved: dict[int, _Saved] = {}
         inputs, targets = self.data.batch(step)
@@ -462,12 +483,17 @@ class StageWorker:
         for bucket in self.buckets:
             bucket.all_reduce()
         allreduce = time.perf_counter() - t0
+        t1 = time.perf_counter()
         if self.spec.options.max_grad_norm is not None:  # every rank joins: the norm is global
             global_norm_clip(self.norm_params, self.params, self.spec.options.max_grad_norm)
         if self.opt is not None and self.schedule is not None:
             self.opt.step()
             self.schedule.step()
             self.opt.zero_grad(set_to_none=not self.buckets)  # buckets' views stay, zeroed
+        if self.timeline is not None:
+            if self.buckets:
+                self.timeline.add(step, ALLREDUCE, "all-reduce", t0, t1)
+            self.timeline.add(step, COMPUTE, "optimizer step", t1, time.perf_counter())
         # No end-of-step barrier: a stage starts its next step as soon as its own is done (its
         # next inputs wait on their producers anyway); the losses are summed once, after the run.
         return {
@@ -518,75 +544,5 @@ def _packs(
     return packs
 
 
-def _total_losses(steps: list[dict[str, Any]], world_size: int, device: torch.device) -> None:
-    """Every step's loss summed over the ranks (each computed its micro-batches' part), in place."""
-    if world_size == 1:
-        return
-    total = torch.tensor([s["loss"] for s in steps], dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    for s, value in zip(steps, total.tolist(), strict=True):
-        s["loss"] = value
-
-
-def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
-    """The entry point of every rank (started by :func:`tessera.executor.launcher.launch_workers`):
-    join the process group, build the stage replica, train ``spec.options.steps`` steps, and return
-    the per-step reports (rank 0 returns every rank's, gathered)."""
-    rank, device = worker_setup(spec.routing.world_size, spec.backend)
-    stage, replica = next(k for k, r in spec.routing.ranks.items() if r == rank)
-    # Collectives and receives give up after timeout_s with a descriptive error; the watchdog is the
-    # backstop for a rank stuck elsewhere (a hung kernel), a little later so it does not pre-empt them.
-    watchdog = Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
-    try:
-        watchdog.arm("start-up")
-        dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
-        worker = StageWorker(spec, rank, device)
-        ckpt, total = spec.checkpoint, spec.options.steps
-        named = list(worker.module.onnx_parameters())
-        start = resume(ckpt, named, worker.opt, worker.schedule) if ckpt is not None else 0
-        stop = stop_on_sigterm() if ckpt is not None else None
-        steps, stopped_after = [], None
-        for k in range(start, total):
-            watchdog.arm(f"step {k}")
-            steps.append(worker.step(k, more=k + 1 < total))
-            stopping = stop is not None and stop_agreed(stop, spec.routing.world_size)
-            if ckpt is not None and (ckpt.due(k + 1, total) or stopping):
-                watchdog.arm(f"checkpoint after step {k}")
-                save_state(ckpt.folder, k + 1, named, worker.opt, ckpt.identity)
-            if stopping:
-                stopped_after = k + 1
-                break
-        watchdog.arm("summing the losses")
-        _total_losses(steps, spec.routing.world_size, device)
-        watchdog.disarm()
-        result: dict[str, Any] = {
-            "rank": rank,
-            "stage": stage,
-            "replica": replica,
-            "device": spec.routing.devices[rank],
-            "threads": torch.get_num_threads(),
-            "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
-            "steps": steps,
-            "stopped_after": stopped_after,
-            "peak_rss_bytes": memory_status("VmHWM"),
-            "weight_bytes": worker.weight_bytes,
-            "gradient_bytes": worker.weight_bytes,
-            "peak_activation_bytes": worker.peak_activation_bytes,
-            "base_rss_bytes": worker.rss_base,
-        }
-        if device.type == "cuda":
-            result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
-        if spec.return_weights and replica == 0:
-            result["weights"] = {
-                n: p.detach().cpu().numpy().copy() for n, p in worker.module.onnx_parameters()
-            }
-        gathered: list[Any] | None = [None] * spec.routing.world_size if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        if gathered is not None:
-            result["all"] = gathered
-        return result
-    finally:
-        watchdog.disarm()
-        if dist.is_initialized():
-            with contextlib.suppress(Exception):
-                dist.destroy_process_group()
+def _transfer(backward: bool, j: int, stream: str) -> tuple[str, str]:
+    return f"{'gradients' if backward else 'activations'} {j}", stream

@@ -23,6 +23,7 @@ from tessera.cli.render import progress_bar
 from tessera.core.errors import InputError
 from tessera.core.files import write_output
 from tessera.core.graph import Graph
+from tessera.core.plan_files import json_text
 from tessera.core.plans import GppPlan, dump_plan, write_plan
 from tessera.core.rewrite import REWRITES, applicable
 from tessera.core.schedule import SCHEDULE_CHOICES, chain_order, to_pytorch_csv
@@ -78,6 +79,12 @@ OPTIONS = OptionGroup(
     ),
     click.option("--memory-limit", metavar="BYTES", help="[gpp/spp] Per-device memory cap, e.g. 8GiB."),
     click.option("--gantt", type=FigureFile(), help="[gpp/spp] Draw the simulated schedule (SVG)."),
+    click.option(
+        "--trace",
+        type=OutputFile(),
+        help="[gpp/spp] Write the simulated schedule as a trace (Chrome trace-event JSON: open it in "
+        "ui.perfetto.dev): a track per device, a stream per peer, every send an arrow to its receive.",
+    ),
     click.option(
         "--pytorch-csv",
         type=OutputFile(),
@@ -136,6 +143,7 @@ def runner(kind: str) -> Callable[..., None]:
         schedule: str,
         memory_limit: str | None,
         gantt: str | None,
+        trace: str | None,
         pytorch_csv: str | None,
         k: int,
         profile: bool,
@@ -155,7 +163,7 @@ def runner(kind: str) -> Callable[..., None]:
             raise click.UsageError(f"--kind {kind} needs --mini-batch")
         planned_device_type(spec, devices, source=cluster)  # before the model is loaded
         check_outputs(
-            {"-o": output, "--gantt": gantt, "--pytorch-csv": pytorch_csv},
+            {"-o": output, "--gantt": gantt, "--trace": trace, "--pytorch-csv": pytorch_csv},
             {"model": model, "cluster spec": cluster if os.path.isfile(cluster) else None},
         )
         if "auto" in rewrites and len(set(rewrites)) > 1:
@@ -172,6 +180,7 @@ def runner(kind: str) -> Callable[..., None]:
             memory_limit=memory_limit,
             output=output,
             gantt=gantt,
+            trace=trace,
             pytorch_csv=pytorch_csv,
             as_json=as_json,
             no_baseline=no_baseline,
@@ -197,6 +206,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     memory_limit: int | float | str | None = None,
     output: str | os.PathLike[str] | None = None,
     gantt: str | os.PathLike[str] | None = None,
+    trace: str | os.PathLike[str] | None = None,
     pytorch_csv: str | os.PathLike[str] | None = None,
     as_json: bool = False,
     no_baseline: bool = False,
@@ -265,6 +275,10 @@ def run_pipeline_plan(  # noqa: PLR0913
         write_plan(plan, output)
     if gantt is not None:
         write_gantt(sim, pipe, gantt)
+    if trace is not None:
+        from tessera.planners.pipeline.trace import schedule_trace
+
+        write_output(trace, json_text(schedule_trace(plan, sim)))
     if pytorch_csv is not None:
         write_pytorch_csv(plan, pytorch_csv)
     if as_json:
