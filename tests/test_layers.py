@@ -1,4 +1,4 @@
-"""The package's layers hold (DESIGN.md, "Layout and layers"): ``cli > executor > planners >
+"""The package's layers hold (DESIGN.md, "Layout and layers"): ``cli > api > executor > planners >
 backends, kernels, models > core``. Every import counts, inside functions and ``TYPE_CHECKING``
 blocks too: nothing imports upward, there is no import cycle (importing a module runs its packages'
 ``__init__`` first, so those count as imported), no module takes another module's ``_private``
@@ -15,7 +15,16 @@ import pytest
 
 import tessera
 
-LAYERS = {"core": 0, "backends": 1, "kernels": 1, "models": 1, "planners": 2, "executor": 3, "cli": 4}
+LAYERS = {
+    "core": 0,
+    "backends": 1,
+    "kernels": 1,
+    "models": 1,
+    "planners": 2,
+    "executor": 3,
+    "api": 4,
+    "cli": 5,
+}
 ROOT = Path(tessera.__file__).parent
 
 

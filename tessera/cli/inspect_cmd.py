@@ -8,52 +8,12 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from tessera.api.results import inspect_report
 from tessera.cli.options import OutputFile, check_outputs, json_option, model_options, output_option
 from tessera.cli.render import console, emit_json, human_bytes, human_count
-from tessera.core.errors import InputError
 from tessera.core.files import write_output
 from tessera.core.graph import Graph, write_model
 from tessera.core.plan_files import json_text
-from tessera.core.structure import branch_structure
-from tessera.planners.cp.recognize import recognize_decoder
-
-
-def inspect_report(graph: Graph) -> dict[str, Any]:
-    """The inspect summary as plain data (the ``--json`` document)."""
-    structure = branch_structure(graph)
-    model = graph.model
-    return {
-        "model": {
-            "path": graph.source,
-            "sha256": graph.sha256,
-            "ir_version": model.ir_version,
-            "opsets": {o.domain or "ai.onnx": o.version for o in model.opset_import},
-            "producer": f"{model.producer_name} {model.producer_version}".strip(),
-        },
-        "nodes": graph.num_nodes,
-        "op_types": graph.op_histogram(),
-        "parameters": {"count": graph.num_params, "bytes": graph.param_bytes},
-        "flops": graph.total_flops,
-        "bytes_moved": sum(op.bytes_moved for op in graph.ops()),
-        "inputs": [t.to_json() for t in graph.inputs.values()],
-        "outputs": [t.to_json() for t in graph.outputs.values()],
-        "defaulted_dims": graph.defaulted_dims,
-        "unknown_shapes": list(graph.unknown_shapes),  # operators counted as 0 FLOPs
-        "branches": structure.to_json(),
-        "decoder": _decoder(graph),
-    }
-
-
-def _decoder(graph: Graph) -> dict[str, Any] | None:
-    """The decoder-only transformer ``plan --kind cp`` sees in ``graph`` (``recognized``: false and
-    ``why`` when it has attention that is not one); None for a model without a Softmax or an
-    Attention operator."""
-    if not any(op.op_type in ("Softmax", "Attention") for op in graph.ops()):
-        return None
-    try:
-        return {"recognized": True, **recognize_decoder(graph).to_json()}
-    except InputError as err:
-        return {"recognized": False, "why": err.message}
 
 
 @click.command()

@@ -12,14 +12,8 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import (
-    FiniteFloat,
-    check_outputs,
-    check_plan_llm_config,
-    json_option,
-    load_plan_model,
-    plan_model_option,
-)
+from tessera.api.models import check_plan_llm_config
+from tessera.cli.options import FiniteFloat, check_outputs, json_option, load_plan_model, plan_model_option
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.files import check_writable

@@ -11,10 +11,12 @@ import logging
 import os
 import signal
 import sys
+import warnings
 
 import click
 
 from tessera import __version__
+from tessera.api.models import TesseraWarning
 from tessera.cli.backends_cmd import backends
 from tessera.cli.calibrate_cmd import calibrate
 from tessera.cli.inspect_cmd import inspect
@@ -47,10 +49,22 @@ def cli(verbose: int, no_progress: bool) -> None:
     """tessera: place ONNX models on backends, plan parallel training and decoding, and run the plans."""
     if no_progress:
         os.environ[NO_PROGRESS_ENV] = "1"
+    warnings.showwarning = _show_warning
     level = logging.WARNING - 10 * min(verbose, 2)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_TerminalSafe("%(levelname)s %(name)s: %(message)s"))
     logging.basicConfig(level=level, handlers=[handler])
+
+
+_PYTHON_SHOW_WARNING = warnings.showwarning
+
+
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001, PLR0913
+    """The API's warnings (:class:`~tessera.api.models.TesseraWarning`) as the commands' own lines."""
+    if issubclass(category, TesseraWarning):
+        click.echo(terminal_safe(f"tessera: warning: {message}"), err=True)
+    else:
+        _PYTHON_SHOW_WARNING(message, category, filename, lineno, file, line)
 
 
 class _TerminalSafe(logging.Formatter):

@@ -11,12 +11,18 @@ from typing import Any
 
 import click
 
+from tessera.api.models import load_model
+from tessera.api.models import load_plan_model as _load_plan_model
 from tessera.core.errors import InputError
 from tessera.core.files import check_writable
-from tessera.core.graph import Graph, load_graph
-from tessera.core.onnx_io import parse_input_shapes
+from tessera.core.graph import Graph
 
 F = Callable[..., Any]
+
+
+def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
+    """:func:`tessera.api.models.load_plan_model`, its warnings on stderr."""
+    return _load_plan_model(plan, plan_path, given, warn=warn_line)
 
 
 def model_options(f: F) -> F:
@@ -41,10 +47,12 @@ def model_options(f: F) -> F:
 def load_model_option(model: str, input_shapes: tuple[str, ...], rewrites: Sequence[str] = ()) -> Graph:
     """Load MODEL as every command does; operators whose shapes stay unknown are named on stderr
     (their FLOPs count 0: never silently)."""
-    graph = load_graph(model, input_shapes=parse_input_shapes(input_shapes), rewrites=rewrites)
-    if (message := graph.unknown_shapes_message()) is not None:
-        click.echo(f"tessera: warning: {graph.source}: {message}", err=True)
-    return graph
+    return load_model(model, input_shapes, rewrites, warn=warn_line)
+
+
+def warn_line(message: str) -> None:
+    """A warning, as every command writes one: a line on stderr."""
+    click.echo(f"tessera: warning: {message}", err=True)
 
 
 def plan_model_option(f: F) -> F:
@@ -54,91 +62,6 @@ def plan_model_option(f: F) -> F:
         type=click.Path(dir_okay=False, path_type=str),
         help="The model (default: the path in the plan, relative to the working directory or the plan).",
     )(f)
-
-
-def plan_model_path(plan_path: str, recorded: str, given: str | None, sha256: str | None = None) -> str:
-    """--model, else the plan's recorded model path (as it was given when planning), looked for
-    beside the plan and in the working directory: of those that exist, the one whose sha256 is the
-    plan's (beside the plan on a tie), so a same-named other model does not shadow it."""
-    candidates = (
-        [Path(given)] if given else list(dict.fromkeys([Path(plan_path).parent / recorded, Path(recorded)]))
-    )
-    present = [c for c in candidates if c.is_file()]
-    if sha256 is not None and len(present) > 1:
-        present.sort(key=lambda c: _file_sha256(c) != sha256)  # stable: the plan's folder first
-    if present:
-        return str(present[0])
-    if given:
-        raise InputError("no such model file (given as --model)", source=given)
-    raise InputError(
-        f"the model {recorded!r} the plan names does not exist beside the plan or in the working directory "
-        "(give --model)",
-        source=plan_path,
-    )
-
-
-def _file_sha256(path: Path) -> str:
-    import hashlib
-
-    with path.open("rb") as stream:
-        return hashlib.file_digest(stream, "sha256").hexdigest()
-
-
-def load_plan_model(plan: Any, plan_path: str, given: str | None) -> Graph:
-    """Load the model a plan names (with the input shapes it was planned at) and check the plan
-    against it: sha256, node names, coverage and the planner's constraints. InputError otherwise."""
-    from tessera.backends import plan_check  # noqa: F401 - registers the placement check
-    from tessera.core.plans import check_plan_against_model, problems_error
-    from tessera.planners.cp import plan_check as _cp_check  # noqa: F401 - registers the llm-block check
-    from tessera.planners.pipeline import checks  # noqa: F401 - registers C1–C5 + memory checks
-
-    model_path = plan_model_path(plan_path, plan.model.path, given, plan.model.sha256)
-    shapes = tuple(f"{k}={'x'.join(map(str, v))}" for k, v in plan.model.input_shapes.items())
-    try:
-        graph = load_model_option(model_path, shapes, plan.model.rewrites)
-    except InputError as exc:
-        if not shapes or "--input-shape" not in exc.message:
-            raise
-        # The shapes are the plan's, not an option the user gave.
-        message = exc.message.replace("--input-shape", f"model.input_shapes (for {model_path})")
-        raise InputError(message, source=plan_path) from None
-    problems = check_plan_against_model(plan, graph)
-    if problems:
-        raise problems_error(problems, plan_path)
-    return graph
-
-
-def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> None:
-    """A cp plan made from ``--llm``: what it says must hold (:func:`cp_plan_problems`) and its
-    config must be unchanged (sha256). When the file cannot be read, that is an error only if
-    ``must_exist`` (the plan itself carries the config's shape)."""
-    from tessera.core.plans import cp_plan_problems, problems_error
-    from tessera.planners.cp.llm import load_llm_config
-
-    if problems := cp_plan_problems(plan):
-        raise problems_error(problems, plan_path)
-    ref = plan.llm_config
-    try:
-        config, source = load_llm_config(ref.path)
-    except InputError as exc:
-        if not must_exist:
-            return
-        raise InputError(
-            f"the LLM config the plan names is unusable: {exc.one_line()}", source=plan_path
-        ) from None
-    if source.sha256 != ref.sha256:
-        raise InputError(
-            f"LLM config changed: the plan was made for sha256 {ref.sha256[:12]}…, {ref.path} is {source.sha256[:12]}…",
-            source=plan_path,
-        )
-    # The workers build the model the plan's own llm block describes: it must be the config's
-    # (the dtype may differ: plan --dtype serves the config in another type).
-    for key, value in config.to_json().items():
-        if key != "dtype" and plan.llm.get(key) != value:
-            raise InputError(
-                f"llm.{key} is {plan.llm.get(key)!r} but the LLM config {ref.path} gives {value!r}",
-                source=plan_path,
-            )
 
 
 class FiniteFloat(click.ParamType):

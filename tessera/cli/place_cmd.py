@@ -15,7 +15,7 @@ from tessera.cli.render import console, emit_json, progress_bar
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
 from tessera.core.plans import PlacementPlan, dump_plan, write_plan
-from tessera.executor.placement import worst_output
+from tessera.executor.placement import verify_placement, worst_output
 
 
 def _ms(seconds: float | None) -> str:
@@ -161,7 +161,7 @@ def place(  # noqa: PLR0913
         )
     search_s = time.perf_counter() - start
     plan = result.plan
-    verified = _verify(graph, plan, seed, data) if verify else None
+    verified = verify_placement(graph, plan, seed, data) if verify else None
     if output:
         write_plan(plan, output)
     if as_json:
@@ -182,24 +182,6 @@ def place(  # noqa: PLR0913
         _print_summary(plan, search_s, verified, output, result.report)
     if verified is not None and not verified["ok"]:
         raise LaunchError(f"the placed model's outputs differ from onnxruntime's: {worst_output(verified)}")
-
-
-def _verify(graph: Graph, plan: PlacementPlan, seed: int, data: str | None) -> dict[str, Any]:
-    from tessera.backends.composite import (
-        CompositeModel,
-        load_feeds,
-        random_feeds,
-        reference_outputs,
-        verify_outputs,
-    )
-
-    feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
-    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups], concurrent=plan.concurrent)
-    try:
-        outputs = model.run(feeds)
-    except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
-        raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
-    return verify_outputs(outputs, reference_outputs(graph, feeds), plan.measured.get("tolerance"))
 
 
 def _print_summary(

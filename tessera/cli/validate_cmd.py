@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import click
 
-from tessera.cli.options import check_plan_llm_config, json_option, load_plan_model, plan_model_option
+from tessera import api
+from tessera.cli.options import json_option, plan_model_option
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError
-from tessera.core.plans import load_plan
 
 
 @click.command()
@@ -30,34 +30,17 @@ def validate(plan_path: str, model: str | None, as_json: bool) -> None:
 
 
 def _validate(plan_path: str, model: str | None, as_json: bool) -> None:
-    plan = load_plan(plan_path, command="validate")
-    if plan.model is None:  # a cp plan made from an LLM config (--llm), not from an ONNX model
-        check_plan_llm_config(plan, plan_path, must_exist=True)
-        summary = {"valid": True, "plan": plan_path, "kind": plan.kind, "llm_config": plan.llm_config.path}
-        if as_json:
-            emit_json(summary)
-        else:
-            click.echo(f"{plan_path}: valid {plan.kind} plan for LLM config {plan.llm_config.path}")
-        return
-    graph = load_plan_model(plan, plan_path, model)
-    model_path = graph.source
-    summary = {
-        "valid": True,
-        "plan": plan_path,
-        "kind": plan.kind,
-        "model": model_path,
-        "sha256": graph.sha256,
-    }
-    shared = getattr(plan, "shared_weights", [])
-    if shared:
-        summary["shared_weights"] = [w.model_dump() for w in shared]
+    result = api.validate(plan_path, model=model)
     if as_json:
-        emit_json(summary)
+        emit_json(result.to_json())
         return
-    click.echo(f"{plan_path}: valid {plan.kind} plan for {model_path}")
-    for w in shared:
-        stages = ", ".join(map(str, w.stages))
+    if result.llm_config is not None:
+        click.echo(f"{plan_path}: valid {result.plan.kind} plan for LLM config {result.llm_config}")
+        return
+    click.echo(f"{plan_path}: valid {result.plan.kind} plan for {result.model}")
+    for w in result.shared_weights:
+        stages = ", ".join(map(str, w["stages"]))
         click.echo(
-            f"  shared weight {w.name} ({human_bytes(w.bytes)}) read by stages {stages}: "
+            f"  shared weight {w['name']} ({human_bytes(w['bytes'])}) read by stages {stages}: "
             "one copy per stage, gradients summed across them at launch"
         )

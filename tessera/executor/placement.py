@@ -121,3 +121,23 @@ def run_placement_plan(
         data=data or f"random (seed {seed})",
         output_error=output_error(outputs, reference),
     )
+
+
+def verify_placement(graph: Graph, plan: PlacementPlan, seed: int, data: str | None) -> dict[str, Any]:
+    """The placed model's outputs on ``data`` (or seeded random inputs) against onnxruntime's whole
+    model, within the plan's tolerance (``place --verify``). LaunchError when it fails to run."""
+    from tessera.backends.composite import (
+        CompositeModel,
+        load_feeds,
+        random_feeds,
+        reference_outputs,
+        verify_outputs,
+    )
+
+    feeds = load_feeds(graph, data) if data is not None else random_feeds(graph, seed)
+    model = CompositeModel(graph, [(g.backend, g.nodes) for g in plan.groups], concurrent=plan.concurrent)
+    try:
+        outputs = model.run(feeds)
+    except Exception as exc:  # noqa: BLE001 - a runtime failing mid-run
+        raise LaunchError(f"the placed model failed to run: {type(exc).__name__}: {exc}") from exc
+    return verify_outputs(outputs, reference_outputs(graph, feeds), plan.measured.get("tolerance"))

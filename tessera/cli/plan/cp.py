@@ -11,18 +11,14 @@ import click
 from rich.markup import escape
 from rich.table import Table
 
+from tessera.api.planning import plan_decoding
 from tessera.cli.options import FigureFile, OptionGroup, check_outputs, load_model_option
 from tessera.cli.render import console, emit_json, human_bytes
-from tessera.core.errors import InputError
-from tessera.core.graph import Graph, batch_fix
-from tessera.core.plans import ModelRef, dump_plan, write_plan
+from tessera.core.plans import dump_plan, write_plan
 from tessera.core.specs import load_cluster
-from tessera.core.weights import is_lazy
-from tessera.planners.cp.cost import STRATEGIES, CostParams
-from tessera.planners.cp.llm import LlmSource, load_llm_config
-from tessera.planners.cp.plan import plan_cp_request, sweep_to_json
-from tessera.planners.cp.recognize import Decoder, recognize_decoder
-from tessera.planners.cp.workload import parse_output_lengths, parse_token_count, parse_token_counts
+from tessera.planners.cp.cost import STRATEGIES
+from tessera.planners.cp.plan import sweep_to_json
+from tessera.planners.cp.workload import parse_token_count, parse_token_counts
 
 OPTIONS = OptionGroup(
     click.option(
@@ -108,41 +104,23 @@ def run(  # noqa: C901, PLR0913
         {"-o": output, "--plot": plot},
         {"model": model, "LLM config": llm, "cluster spec": cluster if os.path.isfile(cluster) else None},
     )
-    model_ref, params = None, None
-    if model is not None:
-        graph = load_model_option(model, input_shapes)
-        decoder = recognize_decoder(graph)
-        why = decoder.fixed_length_message(next(iter(graph.inputs)))
-        if why is None:
-            why = _fixed_batch_message(graph, batch)
-        if why is not None:  # launch could not decode it: refused now (exit 2)
-            raise InputError(why, source=graph.source)
-        config = decoder.config
-        source = LlmSource(kind="onnx", path=graph.source, sha256=graph.sha256)
-        model_ref = ModelRef.of(graph)
-        params = _counted(graph, decoder)
-    else:
-        assert llm is not None
-        config, source = load_llm_config(llm)
-    config = config.with_dtype(dtype)
     contexts = (
         parse_token_counts(sweep_context, option="--sweep-context") if sweep_context is not None else []
     )
-    plan, rows = plan_cp_request(
-        config,
+    planned = plan_decoding(
         spec,
+        graph=load_model_option(model, input_shapes) if model is not None else None,
+        llm=llm,
         batch=batch,
         context=parse_token_count(context, option="--context") if context is not None else None,
-        output_lengths=parse_output_lengths(output_len),
+        output_len=output_len,
         sweep_contexts=contexts,
         layers=layers,
-        model=model_ref,
-        source=source,
-        positions=decoder.position_limit if model is not None else None,
-        strategy=None if strategy == "auto" else strategy,
+        dtype=dtype,
+        strategy=strategy,
         degree=degree,
-        params=params,
     )
+    plan, rows, config = planned.plan, planned.rows, planned.config
     if plan is not None and output:
         write_plan(plan, output)
     if plot:
@@ -241,33 +219,3 @@ def _print_sweep(out: Any, rows: list[Any], *, unit: str) -> None:
         table.add_row(strategy.upper(), *cells)
     table.add_row("best", *[(row.winner or "none").upper() for row in rows])
     out.print(table)
-
-
-MAX_COUNTED_BYTES = 1 << 30  # a model's weights up to this are loaded to count its decode step
-
-
-def _counted(graph: Graph, decoder: Decoder) -> CostParams | None:
-    """The cost model's constants with the operations of the decode step ``launch`` will run, traced
-    from the model (weights in memory up to 1 GiB); None: the default count per layer."""
-    if is_lazy(graph.model) or graph.param_bytes > MAX_COUNTED_BYTES:
-        return None
-    from tessera.executor.decode_program import step_operations
-    from tessera.executor.graph_decoder import GraphDecoder
-
-    try:
-        operations = step_operations(GraphDecoder(graph, decoder))
-    except InputError:  # a graph the decoder cannot step: launch refuses it, with the reason
-        return None
-    return None if operations is None else CostParams(step_operations=operations)
-
-
-def _fixed_batch_message(graph: Graph, batch: int) -> str | None:
-    """Why a plan of ``batch`` requests cannot decode a model whose batch axis is a fixed number
-    smaller than that (requests then decode in batches of that size), with the fix; None if it can."""
-    for name, size in graph.fixed_batch.items():
-        if batch > size:
-            return (
-                f"input {name!r} has a fixed batch of {size}, so at most {size} request(s) decode at a time, "
-                f"but the plan has a batch of {batch}: {batch_fix(name, size)}, or plan --batch {size}"
-            )
-    return None

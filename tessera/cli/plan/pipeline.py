@@ -31,10 +31,7 @@ from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.core.units import format_bytes
 
 if TYPE_CHECKING:  # the planner imports torch: loaded when a plan is made, not for every command
-    from tessera.backends.profile_cache import ProfileCache
     from tessera.planners.pipeline.plan import RewriteChoice
-    from tessera.planners.pipeline.profile import MeasuredCosts
-    from tessera.planners.pipeline.stage_profile import StageProfiler
     from tessera.planners.pipeline.types import Pipeline
 
 
@@ -229,43 +226,24 @@ def run_pipeline_plan(  # noqa: PLR0913
     faster plan (the search, and the baseline, run twice). Otherwise, on a graph loaded without
     rewrites, the text output hints at those that would apply.
     """
+    from tessera.api.planning import plan_pipeline
     from tessera.planners.pipeline.checks import untrainable_message
-    from tessera.planners.pipeline.plan import pipeline_options, plan_gpp_best
-    from tessera.planners.pipeline.profile import open_cache
-    from tessera.planners.pipeline.search import planned_device_type
-    from tessera.planners.pipeline.stage_profile import stages_measurable
 
-    if cache is not None and not profile:
-        raise InputError("--cache is the cache of --profile's measurements; give --profile too")
-    options = pipeline_options(
-        cluster,
-        mini_batch=mini_batch,
-        devices=devices,
-        schedule=schedule,
-        memory_limit=memory_limit,
-        k=k,
-        recompute=recompute,
-        bytes_per_param=bytes_per_param,
-    )
-    store = open_cache(cache) if profile else None
-    try:
-        choice = plan_gpp_best(
-            graph,
-            cluster,
-            options,
-            kind=kind,
-            baseline=not no_baseline,
-            rewrite_auto=rewrite_auto,
-            measure=(lambda g: profile_costs(g, cluster, store, devices)) if store else None,
-            # Stages are measured on this machine's CPU or GPU, as the cluster's devices are; a GPU
-            # cluster planned where torch sees no GPU keeps the operators' times.
-            refine=(lambda g: stage_profiler(g, cluster, store, devices).refine_all)
-            if store and stages_measurable(planned_device_type(cluster, devices))
-            else None,
-        )
-    finally:
-        if store is not None:
-            store.close()
+    with progress_bar() as bar:
+        tasks: dict[str, Any] = {}  # a bar for each measurement, shown once it starts
+
+        def progress(what: str, done: int, total: int | None) -> None:
+            if what not in tasks:
+                tasks[what] = bar.add_task(what, total=total)
+            bar.update(tasks[what], completed=done, total=total)
+
+        choice = plan_pipeline(
+            graph, cluster, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
+            memory_limit=memory_limit, k=k, recompute=recompute, bytes_per_param=bytes_per_param,
+            baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
+            progress=progress,
+            note=lambda line: click.echo(f"tessera: {line}", err=True),
+        )  # fmt: skip
     plan, pipe, sim = choice.plan
     if profile and (hint := _uncalibrated_hint(cluster, plan)) is not None:
         click.echo(hint, err=True)
@@ -321,53 +299,6 @@ def _compared(choice: RewriteChoice) -> str:
         label = f"rewritten ({', '.join(names)})" if names else "as given"
         parts.append(f"{label} {sim.throughput:,.1f} samples/s" + (" (kept)" if i == choice.kept else ""))
     return "rewrite auto: " + "; ".join(parts)
-
-
-def stage_profiler(
-    graph: Graph, cluster: ClusterSpec, store: ProfileCache, devices: int | None
-) -> StageProfiler:
-    """``--profile``'s second part: the chosen plan's stages measured as the executor runs them."""
-    from tessera.planners.pipeline.search import planned_device_type
-    from tessera.planners.pipeline.stage_profile import StageProfiler
-
-    return StageProfiler(graph, planned_device_type(cluster, devices), store, cluster=cluster)
-
-
-def profile_costs(
-    graph: Graph,
-    cluster: ClusterSpec,
-    store: ProfileCache,
-    devices: int | None = None,
-) -> MeasuredCosts:
-    """``--profile``: measure every operator on this machine (progress bar on a terminal; one summary
-    line on stderr); ``devices``: how many of the cluster's devices the plan uses."""
-    from tessera.planners.pipeline.profile import profile_graph
-    from tessera.planners.pipeline.search import planned_device_type
-
-    device_type = planned_device_type(cluster, devices)
-    with progress_bar() as bar:
-        task = bar.add_task("profiling operators", total=None)
-        measured = profile_graph(
-            graph,
-            device_type,
-            cache=store,
-            progress=lambda done, total: bar.update(task, completed=done, total=total),
-        )
-    r = measured.report
-    roofline = measured.roofline_types()
-    fallback = (
-        f", {sum(roofline.values())} on the roofline ({', '.join(f'{t} x{n}' for t, n in roofline.items())})"
-        if roofline
-        else ""
-    )
-    click.echo(
-        f"tessera: profiled {r.operators} operators ({r.distinct} distinct) on {measured.source['device']}, "
-        f"torch {measured.source['torch']}: {r.measurements} (operator, samples) measured, "
-        f"{r.cache_hits} cached{fallback}, "
-        f"{r.seconds:.1f}s (cache {store.path})",
-        err=True,
-    )
-    return measured
 
 
 def summary(plan: GppPlan, pipe: Pipeline) -> str:
