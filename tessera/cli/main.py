@@ -36,8 +36,23 @@ from tessera.core.errors import (
     terminal_safe,
 )
 
+ENVIRONMENT = {  # what a user may set; every TESSERA_ variable the package reads is here or internal
+    "TESSERA_CACHE_DIR": "tessera's cache folder (profiles, TVM tuning records); default "
+    "$XDG_CACHE_HOME/tessera, else ~/.cache/tessera",
+    "TESSERA_NO_PROGRESS": "1: no progress bars (as --no-progress)",
+    "TESSERA_DEBUG": "1: the traceback of an internal error; a hung worker dumps its threads' stacks",
+}
+INTERNAL_ENVIRONMENT = (
+    "TESSERA_HEARTBEAT_DIR",
+    "TESSERA_TEST_FAULT",
+)  # set by launch for its workers, and tests
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+_EPILOG = "\b\nEnvironment:\n" + "\n".join(f"  {name}  {what}" for name, what in ENVIRONMENT.items())
+
+
+@click.group(
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100}, epilog=_EPILOG
+)
 @click.version_option(__version__, "--version", prog_name="tessera", message="%(prog)s %(version)s")
 @click.option("-v", "--verbose", count=True, help="More log output on stderr (-vv for debug).")
 @click.option(

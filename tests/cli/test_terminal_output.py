@@ -72,3 +72,21 @@ def test_standard_output_on_a_full_device_is_one_line_exit_2(tmp_path: Path):
         )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip() == "tessera: error: cannot write the output: No space left on device"
+
+
+def test_every_environment_variable_read_is_documented_in_help_and_readme() -> None:
+    """Each TESSERA_ variable the package reads is in ``tessera --help`` and the README, or is one
+    that launch sets for its own workers."""
+    import re
+
+    from tessera.cli.main import ENVIRONMENT, INTERNAL_ENVIRONMENT
+
+    root = Path(__file__).parents[2]
+    read = set()
+    for path in (root / "tessera").rglob("*.py"):
+        read |= set(re.findall(r'"(TESSERA_[A-Z_]+)"', path.read_text()))
+    assert read == set(ENVIRONMENT) | set(INTERNAL_ENVIRONMENT)
+    shown = run_cli("--help").out
+    readme = (root / "README.md").read_text()
+    for name in ENVIRONMENT:
+        assert name in shown and f"| `{name}` |" in readme, name
