@@ -235,14 +235,17 @@ class GppPlan(_PlanBase):
     baseline: dict[str, Any] | None = None
     training: TrainingSetup = Field(default_factory=TrainingSetup)
     shared_weights: list[SharedWeight] = Field(default_factory=list)
+    # The same plan in other engines' terms (plan --export): {"megatron": {expressible, args, why}}.
+    exports: dict[str, dict[str, Any]] = Field(default_factory=dict)
 
     @model_serializer(mode="wrap")
     def _without_empty_shared(self, handler: Any) -> dict[str, Any]:
-        """``shared_weights`` is written only when there are some: a plan of a model without tied
-        weights reads as before."""
+        """``shared_weights`` and ``exports`` are written only when there are some: a plan of a
+        model without tied weights, made without --export, reads as before."""
         data = handler(self)
-        if not data.get("shared_weights"):
-            data.pop("shared_weights", None)
+        for optional in ("shared_weights", "exports"):
+            if not data.get(optional):
+                data.pop(optional, None)
         return data
 
     _HEADLINE: ClassVar[str] = "iteration_time_s"

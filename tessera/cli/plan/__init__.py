@@ -27,6 +27,8 @@ class PlanKind:
     options: frozenset[str]
 
 
+EXPORTS = {"megatron": ("gpp", "spp"), "vllm": ("cp",), "sglang": ("cp",), "trtllm": ("cp",)}  # -> kinds
+
 KINDS: dict[str, PlanKind] = {
     "cp": PlanKind(cp.run, cp.OPTIONS.names),
     "gpp": PlanKind(pipeline.runner("gpp"), pipeline.OPTIONS.names),
@@ -51,15 +53,25 @@ KINDS: dict[str, PlanKind] = {
     metavar="NAME=DxD…",
     help="Concrete shape for a MODEL input with symbolic dims (repeatable).",
 )
+@click.option(
+    "--export",
+    type=click.Choice(sorted(EXPORTS)),
+    default=None,
+    help="Also give the plan in another engine's terms, checked against that engine's constraints: "
+    "[gpp/spp] megatron (Megatron-LM's --pipeline-model-parallel-layout and flags, chain plans of a decoder, "
+    "stored in the plan's exports); [cp] vllm, sglang, trtllm (every cp plan's serving block holds all three). "
+    "Exit 2, after -o is written, when the engine cannot run the plan, with the reason.",
+)
 @output_option
 @json_option
 @cp.OPTIONS
 @pipeline.OPTIONS
-def plan(
+def plan(  # noqa: PLR0913
     model: str | None,
     kind: str,
     cluster: str,
     input_shapes: tuple[str, ...],
+    export: str | None,
     output: str | None,
     as_json: bool,
     **options: Any,
@@ -97,8 +109,13 @@ def plan(
         raise click.UsageError(
             f"--k is the k of kFkB: it needs --schedule kfkb (not {options.get('schedule')})"
         )
+    if export is not None and kind not in EXPORTS[export]:
+        raise click.UsageError(
+            f"--export {export} applies to --kind {' or '.join(EXPORTS[export])}, not {kind}"
+        )
     spec.run(
         model=model,
+        export=export,
         input_shapes=input_shapes,
         cluster=cluster,
         output=output,

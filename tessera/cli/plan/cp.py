@@ -14,6 +14,7 @@ from rich.table import Table
 from tessera.api.planning import plan_decoding
 from tessera.cli.options import FigureFile, OptionGroup, check_outputs, load_model_option
 from tessera.cli.render import console, emit_json, human_bytes
+from tessera.core.errors import InputError
 from tessera.core.plans import dump_plan, write_plan
 from tessera.core.specs import load_cluster
 from tessera.planners.cp.cost import STRATEGIES
@@ -83,6 +84,7 @@ def run(  # noqa: C901, PLR0913
     plot: str | None,
     strategy: str = "auto",
     degree: int | None = None,
+    export: str | None = None,
 ) -> None:
     """Cache-parallel decode plan: load the decoder (or its config), plan, write, print."""
     spec = load_cluster(cluster)
@@ -136,14 +138,23 @@ def run(  # noqa: C901, PLR0913
             )
         elif plan is not None:
             click.echo(dump_plan(plan), nl=False)
-        return
-    out = console()
-    if plan is not None:
-        _print_cp_plan(out, plan, output, pinned=strategy != "auto" or degree is not None)
-    if rows:
-        _print_sweep(out, rows, unit="tokens/s per layer" if layers == 1 else "tokens/s")
-    if plot:
-        out.print(f"plot written to {plot}")
+    else:
+        out = console()
+        if plan is not None:
+            _print_cp_plan(out, plan, output, pinned=strategy != "auto" or degree is not None)
+        if rows:
+            _print_sweep(out, rows, unit="tokens/s per layer" if layers == 1 else "tokens/s")
+        if plot:
+            out.print(f"plot written to {plot}")
+    if export is not None and plan is not None and not (made := plan.serving[export])["expressible"]:
+        raise InputError(f"--export {export}: {made['why']}")
+
+
+SERVE_COMMANDS = {  # engine -> (its name, the command that serves MODEL)
+    "vllm": ("vLLM", "vllm serve MODEL"),
+    "sglang": ("SGLang", "python -m sglang.launch_server --model-path MODEL"),
+    "trtllm": ("TensorRT-LLM", "trtllm-serve MODEL"),
+}
 
 
 def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = False) -> None:
@@ -167,13 +178,13 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = Fa
         out.print(
             f"  per layer: {c['op']} {human_bytes(c['bytes'])} over {len(c['group'])} devices ({c['what']})"
         )
-    vllm = plan.serving.get("vllm")
-    if vllm is not None:
-        serve = " ".join(["vllm serve MODEL", *vllm["args"]])
+    for engine, config in plan.serving.items():
+        name, command = SERVE_COMMANDS.get(engine, (engine, engine))
+        serve = " ".join([command, *config["args"]])
         out.print(
-            f"vLLM: {escape(serve)} ({escape(vllm['why'])})"
-            if vllm["expressible"]
-            else f"vLLM: not expressible: {escape(vllm['why'])}"
+            f"{name}: {escape(serve)} ({escape(config['why'])})"
+            if config["expressible"]
+            else f"{name}: not expressible: {escape(config['why'])}"
         )
     table = Table(
         title="all strategies (per-device step: GPU compute, communication, host)", title_justify="left"

@@ -141,6 +141,7 @@ def runner(kind: str) -> Callable[..., None]:
         memory_limit: str | None,
         gantt: str | None,
         trace: str | None,
+        export: str | None,
         pytorch_csv: str | None,
         k: int,
         profile: bool,
@@ -178,6 +179,7 @@ def runner(kind: str) -> Callable[..., None]:
             output=output,
             gantt=gantt,
             trace=trace,
+            export=export,
             pytorch_csv=pytorch_csv,
             as_json=as_json,
             no_baseline=no_baseline,
@@ -204,6 +206,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     output: str | os.PathLike[str] | None = None,
     gantt: str | os.PathLike[str] | None = None,
     trace: str | os.PathLike[str] | None = None,
+    export: str | None = None,
     pytorch_csv: str | os.PathLike[str] | None = None,
     as_json: bool = False,
     no_baseline: bool = False,
@@ -249,6 +252,54 @@ def run_pipeline_plan(  # noqa: PLR0913
         click.echo(hint, err=True)
     if (why := untrainable_message(graph)) is not None:  # a plan to simulate; launch would refuse it
         click.echo(f"tessera: warning: {graph.source}: launch cannot train this model: {why}", err=True)
+    _write_files(
+        plan,
+        pipe,
+        sim,
+        graph,
+        output=output,
+        gantt=gantt,
+        trace=trace,
+        pytorch_csv=pytorch_csv,
+        export=export,
+    )
+    if as_json:
+        click.echo(dump_plan(plan), nl=False)
+    else:
+        click.echo(summary(plan, pipe))
+        for line in _export_lines(plan):
+            click.echo(line)
+        if len(choice.results) > 1:
+            click.echo(_compared(choice))
+        names, replaced = (
+            applicable(graph.model, label=graph.source) if not (graph.rewrites or rewrite_auto) else ([], [])
+        )
+        if names:
+            shown = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more" if len(replaced) > 4 else "")
+            flags = " ".join(f"--rewrite {n}" for n in names)
+            click.echo(f"hint: {flags} would replace {shown}; plan with it to compare", err=True)
+    if export is not None and not (made := plan.exports[export])["expressible"]:
+        raise InputError(f"--export {export}: {made['why']}")
+    return plan
+
+
+def _write_files(  # noqa: PLR0913
+    plan: GppPlan,
+    pipe: Pipeline,
+    sim: Any,
+    graph: Graph,
+    *,
+    output: str | os.PathLike[str] | None,
+    gantt: str | os.PathLike[str] | None,
+    trace: str | os.PathLike[str] | None,
+    pytorch_csv: str | os.PathLike[str] | None,
+    export: str | None,
+) -> None:
+    """The plan (with its ``--export``) and the files drawn from it."""
+    if export == "megatron":
+        from tessera.planners.pipeline.exports import megatron_config
+
+        plan.exports["megatron"] = megatron_config(plan, graph)
     if output is not None:
         write_plan(plan, output)
     if gantt is not None:
@@ -259,20 +310,20 @@ def run_pipeline_plan(  # noqa: PLR0913
         write_output(trace, json_text(schedule_trace(plan, sim)))
     if pytorch_csv is not None:
         write_pytorch_csv(plan, pytorch_csv)
-    if as_json:
-        click.echo(dump_plan(plan), nl=False)
-    else:
-        click.echo(summary(plan, pipe))
-        if len(choice.results) > 1:
-            click.echo(_compared(choice))
-        names, replaced = (
-            applicable(graph.model, label=graph.source) if not (graph.rewrites or rewrite_auto) else ([], [])
-        )
-        if names:
-            shown = ", ".join(replaced[:4]) + (f" and {len(replaced) - 4} more" if len(replaced) > 4 else "")
-            flags = " ".join(f"--rewrite {n}" for n in names)
-            click.echo(f"hint: {flags} would replace {shown}; plan with it to compare", err=True)
-    return plan
+
+
+def _export_lines(plan: GppPlan) -> list[str]:
+    """The plan in other engines' terms (``--export``), one line each."""
+    lines = []
+    for engine, made in plan.exports.items():
+        if made["expressible"]:
+            command = " ".join(
+                ["torchrun", "pretrain_gpt.py", *(f"'{a}'" if "|" in a else a for a in made["args"])]
+            )
+            lines.append(f"{engine}: {command}" + (f" ({made['why']})" if made["why"] else ""))
+        else:
+            lines.append(f"{engine}: not expressible: {made['why']}")
+    return lines
 
 
 def _uncalibrated_hint(cluster: ClusterSpec, plan: GppPlan) -> str | None:

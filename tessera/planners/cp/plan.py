@@ -20,7 +20,7 @@ from tessera.core.plans import CpPlan, KvShard, LlmConfigRef, ModelRef
 from tessera.core.specs import ClusterSpec
 from tessera.planners.cp.cost import STRATEGIES, CostParams, Estimate, Strategy, estimate_all
 from tessera.planners.cp.llm import LlmConfig, LlmSource
-from tessera.planners.cp.serving import vllm_config
+from tessera.planners.cp.serving import serving_configs
 from tessera.planners.cp.workload import MAX_TOKENS, OutputLengths, Workload
 
 __all__ = ["SweepRow", "best_estimate", "plan_cp", "plan_cp_request", "sweep_context", "sweep_to_json"]
@@ -94,7 +94,7 @@ def plan_cp(  # noqa: PLR0913 - the --kind cp options
         kv_shards=_kv_shards(best, workload, p.kv_block),
         collectives=[c.to_json() for c in best.collectives],
         alternatives=[e.summary() for e in estimates if e is not best],
-        serving={"vllm": vllm_config(best.strategy, best.degree, llm.heads, int(llm.kv_heads or llm.heads))},
+        serving=serving_configs(best.strategy, best.degree, llm.heads, int(llm.kv_heads or llm.heads)),
     )
 
 
