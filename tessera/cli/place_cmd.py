@@ -10,10 +10,19 @@ from typing import Any
 
 import click
 
-from tessera.cli.options import FiniteFloat, check_outputs, json_option, model_options, output_option
+from tessera.cli.options import (
+    FiniteFloat,
+    OutputFile,
+    check_outputs,
+    json_option,
+    model_options,
+    output_option,
+)
 from tessera.cli.render import console, emit_json, progress_bar
 from tessera.core.errors import InputError, LaunchError
+from tessera.core.files import write_output
 from tessera.core.graph import Graph
+from tessera.core.plan_files import json_text
 from tessera.core.plans import PlacementPlan, dump_plan, write_plan
 from tessera.executor.placement import verify_placement, worst_output
 
@@ -98,6 +107,13 @@ def _ms(seconds: float | None) -> str:
     show_default=True,
     help="Seconds one whole-model run of the reference (onnxruntime) may take before place stops it.",
 )
+@click.option(
+    "--trace",
+    type=OutputFile(),
+    default=None,
+    help="Write the placement as a trace (Chrome trace-event JSON: open it in ui.perfetto.dev): a track "
+    "per backend, each group at its measured time.",
+)
 @output_option
 @json_option
 def place(  # noqa: PLR0913
@@ -114,6 +130,7 @@ def place(  # noqa: PLR0913
     tolerance: float | None,
     data: str | None,
     timeout_s: float,
+    trace: str | None,
     output: str | None,
     as_json: bool,
 ) -> None:
@@ -146,7 +163,7 @@ def place(  # noqa: PLR0913
     )
     if cache_path is not None and not cache_path.strip():
         raise InputError("--cache '' names no file")
-    check_outputs({"-o": output}, {"model": graph.source, "--cache": cache_path})
+    check_outputs({"-o": output, "--trace": trace}, {"model": graph.source, "--cache": cache_path})
     cache = ProfileCache(cache_path)
     cache.check()  # a path that cannot hold the cache fails now, before any measuring
     measurer = Measurer(cache, seed=seed)
@@ -164,6 +181,10 @@ def place(  # noqa: PLR0913
     verified = verify_placement(graph, plan, seed, data) if verify else None
     if output:
         write_plan(plan, output)
+    if trace:
+        from tessera.planners.placement.trace import placement_trace
+
+        write_output(trace, json_text(placement_trace(plan, graph)))
     if as_json:
         import json
 
