@@ -26,6 +26,7 @@ EXPECTED_DEVICES = {
     "a5000-4x": 4,
     "dgx-a100": 8,
     "graphpipe-v100": 16,
+    "h100": 1,
     "h200": 1,
     "local-cpu": 1,
     "local-cpu-split": 2,
@@ -101,6 +102,10 @@ def test_preset_values_are_the_datasheet_values() -> None:
     h200 = load_cluster("h200").device_types["h200"]
     assert h200.memory_bandwidth == 4.8e12
     assert h200.flops["bf16"] == 989e12 and h200.flops["fp32"] == 67e12
+
+    h100 = load_cluster("h100").device_types["h100"]
+    assert h100.memory_bandwidth == 3.35e12 and h100.memory == 81559 * 2**20
+    assert h100.flops["bf16"] == 989e12 and h100.flops["fp32"] == 67e12
 
     a5000 = load_cluster("a5000-4x").device_types["a5000"]
     assert a5000.flops["fp32"] == 27.8e12 and a5000.memory_bandwidth == 768e9
