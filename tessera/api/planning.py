@@ -4,11 +4,13 @@ config), with no printing: progress and one-line notes go to the caller's callba
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from tessera.backends.torch_optim import OPTIMIZERS
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph, batch_fix
 from tessera.core.plans import CpPlan, ModelRef
@@ -41,6 +43,7 @@ def plan_pipeline(  # noqa: PLR0913
     k: int = 2,
     recompute: str = "never",
     bytes_per_param: float | None = None,
+    optimizer: str = "sgd",
     baseline: bool = True,
     rewrite_auto: bool = False,
     profile: bool = False,
@@ -62,6 +65,9 @@ def plan_pipeline(  # noqa: PLR0913
         cluster, mini_batch=mini_batch, devices=devices, schedule=schedule, memory_limit=memory_limit,
         k=k, recompute=recompute, bytes_per_param=bytes_per_param,
     )  # fmt: skip
+    if optimizer not in OPTIMIZERS:
+        raise InputError(f"--optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    options = dataclasses.replace(options, optimizer=optimizer)
     store = open_cache(cache) if profile else None
     device_type = planned_device_type(cluster, devices)
     try:
@@ -75,7 +81,11 @@ def plan_pipeline(  # noqa: PLR0913
             measure=(lambda g: _profiled(g, device_type, store, progress, note)) if store else None,
             # Stages are measured on this machine's CPU or GPU, as the cluster's devices are; a GPU
             # cluster planned where torch sees no GPU keeps the operators' times.
-            refine=(lambda g: StageProfiler(g, device_type, store, cluster=cluster).refine_all)
+            refine=(
+                lambda g: (
+                    StageProfiler(g, device_type, store, cluster=cluster, optimizer=optimizer).refine_all
+                )
+            )
             if store and stages_measurable(device_type)
             else None,
         )

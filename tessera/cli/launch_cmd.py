@@ -18,7 +18,7 @@ from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.files import check_writable
 from tessera.core.graph import Graph
-from tessera.core.plans import CpPlan, Plan, load_plan
+from tessera.core.plans import CpPlan, GppPlan, Plan, load_plan
 from tessera.core.tokens import TOKEN_SUFFIXES
 from tessera.core.user_files import MAX_TEXT_BYTES, read_user_file
 from tessera.executor import RUNNERS, LaunchRequest
@@ -273,6 +273,14 @@ def launch(  # noqa: PLR0913
         raise click.UsageError("--prompts gives the requests' tokens, their lengths too: drop --prompt-lens")
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
+    if isinstance(plan, GppPlan) and plan.predicted.get("cost_model") != "roofline":
+        planned = plan.training.optimizer
+        if planned != optimizer:  # the measured stages' step is the planned optimizer's
+            click.echo(
+                f"tessera: warning: {plan_path}: the plan's stages were timed with {planned}'s step, this run "
+                f"takes {optimizer}'s: plan with --optimizer {optimizer} for a prediction of them",
+                err=True,
+            )
     source = model or (plan.model.path if plan.model is not None else None)
     for flag, path in (("--save-model", save_model), ("--trace", trace)):
         if path is not None:  # before the run: a path that cannot be written loses nothing

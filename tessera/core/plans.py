@@ -216,6 +216,16 @@ class TrainingSetup(_Strict):
     precision: Literal["mixed", "fp32"] = "mixed"
     bytes_per_param: Annotated[float, Field(gt=0, le=1024)] = 16.0  # plan --bytes-per-param's range
     recompute: Literal["never", "auto", "all"] = "never"
+    # The optimizer whose step a profiled plan's stages were timed with (plan --optimizer).
+    optimizer: Literal["sgd", "adamw", "adam"] = "sgd"
+
+    @model_serializer(mode="wrap")
+    def _without_default_optimizer(self, handler: Any) -> dict[str, Any]:
+        """``optimizer`` is written when it is not SGD: a plan made without --optimizer reads as before."""
+        data = handler(self)
+        if data.get("optimizer") == "sgd":
+            data.pop("optimizer")
+        return data
 
 
 class SharedWeight(_Strict):

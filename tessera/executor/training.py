@@ -21,13 +21,13 @@ import torch
 from torch import Tensor
 
 from tessera.backends.torch_module import to_torch
+from tessera.backends.torch_optim import torch_optimizer
 from tessera.core.data import TrainingData, load_npz
 from tessera.core.graph import Graph, load_graph
 
 __all__ = ["TrainingData", "load_npz"]  # re-exported: the training semantics' data, from core
 
 
-OPTIMIZERS = ("sgd", "adamw", "adam")
 SCHEDULES = ("constant", "cosine", "linear")
 
 
@@ -77,17 +77,9 @@ def make_optimizer(
 ) -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.LambdaLR]:
     """The run's optimizer over ``params`` and its schedule (stepped once per optimizer step): the
     same objects in one process and on every stage, so each weight takes the same updates."""
-    decay = {} if options.weight_decay is None else {"weight_decay": options.weight_decay}
-    if options.optimizer == "sgd":
-        opt: torch.optim.Optimizer = torch.optim.SGD(
-            params, lr=options.lr, momentum=options.momentum, **decay
-        )
-    elif options.optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=options.lr, **decay)
-    elif options.optimizer == "adam":
-        opt = torch.optim.Adam(params, lr=options.lr, **decay)
-    else:
-        raise ValueError(f"unknown optimizer {options.optimizer!r}; expected one of {OPTIMIZERS}")
+    opt = torch_optimizer(
+        options.optimizer, params, lr=options.lr, momentum=options.momentum, weight_decay=options.weight_decay
+    )
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, options))
 
 

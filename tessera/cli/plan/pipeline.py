@@ -111,6 +111,14 @@ OPTIONS = OptionGroup(
         help="[gpp/spp] Training memory per parameter: weights + gradients + optimizer state [default: 16, Adam in mixed precision: 2 + 2 + 12].",
     ),
     click.option(
+        "--optimizer",
+        type=click.Choice(["sgd", "adamw", "adam"]),
+        default="sgd",
+        show_default=True,
+        help="[gpp/spp] The optimizer launch will train with (its --optimizer): --profile times each stage's "
+        "step with it, and the plan records it.",
+    ),
+    click.option(
         "--profile",
         is_flag=True,
         help="[gpp/spp] Measure every operator's forward and backward on this machine (torch) instead of the roofline model; cached.",
@@ -148,6 +156,7 @@ def runner(kind: str) -> Callable[..., None]:
         cache_path: str | None,
         recompute: str,
         bytes_per_param: float | None,
+        optimizer: str,
         rewrites: tuple[str, ...],
         no_baseline: bool = False,
     ) -> None:
@@ -188,6 +197,7 @@ def runner(kind: str) -> Callable[..., None]:
             k=k,
             recompute=recompute,
             bytes_per_param=bytes_per_param,
+            optimizer=optimizer,
             rewrite_auto="auto" in rewrites,
         )
 
@@ -215,6 +225,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     k: int = 2,
     recompute: str = "never",
     bytes_per_param: float | None = None,
+    optimizer: str = "sgd",
     rewrite_auto: bool = False,
 ) -> GppPlan:
     """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
@@ -242,7 +253,7 @@ def run_pipeline_plan(  # noqa: PLR0913
 
         choice = plan_pipeline(
             graph, cluster, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
-            memory_limit=memory_limit, k=k, recompute=recompute, bytes_per_param=bytes_per_param,
+            memory_limit=memory_limit, k=k, recompute=recompute, bytes_per_param=bytes_per_param, optimizer=optimizer,
             baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
             progress=progress,
             note=lambda line: click.echo(f"tessera: {line}", err=True),

@@ -145,7 +145,10 @@ def _build(  # noqa: PLR0913
 def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
     """What the plan's memory was counted for, so validate can count it again."""
     return TrainingSetup(
-        precision=options.precision, bytes_per_param=cost.memory.bytes_per_param, recompute=options.recompute
+        precision=options.precision,
+        bytes_per_param=cost.memory.bytes_per_param,
+        recompute=options.recompute,
+        optimizer=options.optimizer,  # type: ignore[arg-type]
     )
 
 

@@ -73,6 +73,7 @@ class StageProfiler:
         options: StageProfileOptions | None = None,
         *,
         cluster: ClusterSpec | None = None,
+        optimizer: str = "sgd",
     ) -> None:
         import torch
 
@@ -84,6 +85,7 @@ class StageProfiler:
         self.replica_contention = device_type.replica_contention
         self.cluster = cluster  # where the plan's devices are (the node each rank shares)
         self.options = options or StageProfileOptions()
+        self.optimizer = optimizer  # whose step each measured step takes (torch_optim)
         # A GPU cluster's stages run on this machine's GPU (fp32, as the workers train), timed to
         # the end of their kernels; a CPU cluster's with the device type's threads.
         self.device = torch_device_for(device_type)
@@ -161,7 +163,8 @@ class StageProfiler:
 
     def _key(self, request: _Request) -> str:
         nodes, samples, actions, mini_batch = request
-        return digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, RECIPE])
+        recipe = RECIPE if self.optimizer == "sgd" else f"{RECIPE} ({self.optimizer})"
+        return digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, recipe])
 
     def _cached(self, request: _Request) -> StageTimes | None:
         key = self._key(request)
@@ -216,6 +219,7 @@ class StageProfiler:
         import torch
 
         from tessera.backends.torch_module import to_torch
+        from tessera.backends.torch_optim import torch_optimizer
 
         nodes, samples, actions, mini_batch = request
         module = to_torch(self.graph.extract(list(nodes)), label="stage").to(self.device)
@@ -223,7 +227,7 @@ class StageProfiler:
         return _StageRun(
             module,
             self._inputs(module.input_names, samples),
-            torch.optim.SGD(params, lr=1e-9) if params else None,
+            torch_optimizer(self.optimizer, params, lr=1e-9) if params else None,
             actions,
             TrainingData(self.graph, mini_batch),
             torch.cuda.synchronize if self.device == "cuda" else _no_sync,
@@ -279,7 +283,7 @@ def _one_step(
 ) -> tuple[float, float, float]:
     """One step of the stage as a rank runs it: the data drawn, ``actions`` in order (a forward
     with a squared-error loss of the outputs, as the last stage's; a backward accumulating into
-    the gradients), the SGD step. Seconds: the mean forward, the mean backward, and the data and
+    the gradients), the optimizer's step. Seconds: the mean forward, the mean backward, and the data and
     the optimizer step together (each in the cache state the step leaves them, not in a tight loop
     of its own: measured apart, both ran 30-40% faster than in a step). ``sync`` waits for a GPU's
     queued kernels before each reading of the clock."""

@@ -31,6 +31,7 @@ class PartitionOptions:
     epsilon: float = 0.01
     precision: Literal["mixed", "fp32"] = "mixed"
     bytes_per_param: float | None = None
+    optimizer: str = "sgd"  # whose step measured stages are timed with (plan --optimizer)
 
     @property
     def searched_schedule(self) -> ScheduleKind:

@@ -242,3 +242,46 @@ def test_a_gpu_clusters_stages_are_measured_on_the_gpu(zoo_graph, tmp_path: Path
     assert torch.cuda.max_memory_allocated() > 0  # the stage ran there
     assert profiler.measured == len(pipe.stages)
     assert all(st.forward_time > 0 and st.backward_time > 0 and st.step_time > 0 for st in refined.stages)
+
+
+def test_each_optimizer_is_timed_with_its_own_step(zoo_graph, tmp_path: Path, monkeypatch) -> None:
+    """A profile is of the optimizer launch will train with: its step is the one timed (the
+    profiler builds torch.optim's), and an SGD profile in the cache is not read for AdamW."""
+    from tessera.planners.pipeline import stage_profile
+
+    graph, cluster, _, pipe = _pipe(zoo_graph)
+    device = cluster.devices()[0].type
+    cache = ProfileCache(tmp_path / "p.sqlite")
+    built: list[str] = []
+    real = stage_profile.StageProfiler._runner
+
+    def runner(self, request):
+        run = real(self, request)
+        built.append(type(run.optimizer).__name__)
+        return run
+
+    monkeypatch.setattr(stage_profile.StageProfiler, "_runner", runner)
+    StageProfiler(graph, device, cache, QUICK).refine(pipe)
+    adamw = StageProfiler(graph, device, cache, QUICK, optimizer="adamw")
+    adamw.refine(pipe)
+    assert adamw.measured == len(pipe.stages)  # not read from the SGD entries
+    assert set(built[: len(pipe.stages)]) == {"SGD"} and set(built[len(pipe.stages) :]) == {"AdamW"}
+
+
+def test_plan_records_the_optimizer_and_launch_warns_when_it_trains_with_another(zoo, tmp_path: Path) -> None:
+    model = tmp_path / "mmt.onnx"
+    model.write_bytes(zoo("mmt").SerializeToString())
+    base = ["plan", str(model), "--cluster", "local-cpu-split", "--mini-batch", "8", "--devices", "1"]
+    plain = tmp_path / "plain.json"
+    assert run_cli(*base, "-o", str(plain)).code == 0
+    assert "optimizer" not in json.loads(plain.read_text())["training"]  # plans without it read as before
+    profiled = tmp_path / "profiled.json"
+    made = run_cli(
+        *base, "--profile", "--cache", str(tmp_path / "c.sqlite"), "--optimizer", "adamw", "-o", str(profiled)
+    )
+    assert made.code == 0, made.err
+    assert json.loads(profiled.read_text())["training"]["optimizer"] == "adamw"
+    run = run_cli("launch", str(profiled), "--steps", "1")
+    assert run.code == 0 and "timed with adamw's step, this run takes sgd's" in run.err
+    run = run_cli("launch", str(profiled), "--steps", "1", "--optimizer", "adamw")
+    assert run.code == 0 and "timed with" not in run.err
