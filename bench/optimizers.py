@@ -1,0 +1,113 @@
+"""Predicted against launched iteration time per optimizer and loss (``plan --profile --optimizer``).
+
+For each model (the zoo's tiny MMT and GPT, and the corpus's GPT-2 export), a one-device plan at
+mini-batch 8 is profiled with each optimizer (SGD, AdamW) and launched with it, 20 steps, three
+launches, median; the decoders also train on a token file with cross-entropy (``--loss ce``) with
+the same AdamW plan (the profile times a squared-error loss). One device: no messages, so the
+error is the stage's compute, its optimizer step and the loss.
+
+    .venv/bin/python bench/optimizers.py        # writes bench/results/optimizers.md (~5 min)
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
+import torch  # noqa: E402
+from cli_runner import run_cli  # noqa: E402
+from corpus.exports import entry  # noqa: E402
+
+from tessera.core.files import write_atomic  # noqa: E402
+from tessera.core.graph import load_graph  # noqa: E402
+from tessera.models import build  # noqa: E402
+from tessera.planners.cp.recognize import recognize_decoder  # noqa: E402
+
+OUT = Path(__file__).parent / "results" / "optimizers.md"
+STEPS, LAUNCHES = 20, 3
+
+
+def _models(work: Path) -> dict[str, tuple[Path, bool]]:
+    """name -> (model file, whether it is a decoder of token ids)."""
+    models = {}
+    for name in ("mmt", "gpt"):
+        path = work / f"{name}.onnx"
+        path.write_bytes(build(name, "tiny", seed=0).SerializeToString())
+        models[name] = (path, name == "gpt")
+    made = entry("gpt2", "dynamo", "dynamic")
+    if made.path is not None:
+        models["gpt2 (export)"] = (Path(made.path), True)
+    return models
+
+
+def _vocab(model: Path) -> int:
+    """The rows of the table the token ids index."""
+    return recognize_decoder(load_graph(str(model))).config.vocab
+
+
+def _tokens(work: Path, vocab: int) -> Path:
+    path = work / "tokens.npy"
+    np.save(path, np.random.default_rng(0).integers(0, vocab, size=1 << 16, dtype=np.int64))
+    return path
+
+
+def _launch(plan: Path, *args: str) -> float:
+    times = []
+    for _ in range(LAUNCHES):
+        run = run_cli("launch", str(plan), "--steps", str(STEPS), "--json", *args)
+        assert run.code == 0, run.err
+        times.append(json.loads(run.out)["measured"]["iteration_median_s"])
+    return float(np.median(times))
+
+
+def main() -> None:
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name, (model, decoder) in _models(work).items():
+            shapes = ["--input-shape", "input_ids=8x32"] if name == "gpt2 (export)" else []
+            for optimizer in ("sgd", "adamw"):
+                plan = work / f"{name}-{optimizer}.json"
+                made = run_cli("plan", str(model), *shapes, "--cluster", "local-cpu", "--mini-batch", "8",
+                               "--profile", "--cache", str(work / "p.sqlite"), "--optimizer", optimizer,
+                               "--no-baseline", "-o", str(plan))  # fmt: skip
+                assert made.code == 0, made.err
+                predicted = json.loads(plan.read_text())["predicted"]["iteration_time_s"]
+                runs = [("mse", [])]
+                if decoder and optimizer == "adamw":
+                    runs.append(("ce", ["--data", str(_tokens(work, _vocab(model))), "--loss", "ce"]))
+                for loss, extra in runs:
+                    measured = _launch(plan, "--optimizer", optimizer, *extra)
+                    rows.append((name, optimizer, loss, predicted, measured))
+                    print(rows[-1], flush=True)
+    lines = [
+        "# Predicted against launched, per optimizer and loss",
+        "",
+        f"Measured on {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"Python {platform.python_version()}; `local-cpu` (one device), mini-batch 8, `plan --profile "
+        f"--optimizer`, then `launch --steps {STEPS}` with that optimizer, the median of {LAUNCHES} launches' "
+        "median steps. The profile times each stage with a squared-error loss; `ce` rows train on a token "
+        "file with cross-entropy. Regenerate with `.venv/bin/python bench/optimizers.py`.",
+        "",
+        "| model | optimizer | loss | predicted ms | measured ms | error |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, optimizer, loss, predicted, measured in rows:
+        lines.append(
+            f"| {name} | {optimizer} | {loss} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} | "
+            f"{measured / predicted - 1:+.1%} |"
+        )
+    errors = [abs(m / p - 1) for *_, p, m in rows]
+    lines += ["", f"Mean |error| {np.mean(errors):.1%}, largest {max(errors):.1%}."]
+    write_atomic(OUT, "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
