@@ -136,16 +136,23 @@ def _token_windows(
     return ids[0], logits[0], TokenWindows(path, shape[1], vocab[ids[0]], seed)
 
 
+_ID_PRESERVING = ("Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Cast")
+
+
 def _id_range(graph: Graph, name: str) -> int:
-    """Rows of the smallest Gather table an integer input indexes (1 when it indexes none)."""
-    rows = [
-        graph.initializers[op.inputs[0]].shape[op.attributes.get("axis", 0)]
-        for c in graph.consumers.get(name, ())
-        if (op := graph.op(c)).op_type == "Gather"
-        and len(op.inputs) > 1
-        and op.inputs[1] == name
-        and op.inputs[0] in graph.initializers
-    ]
+    """Rows of the smallest Gather table an integer input indexes (1 when it indexes none), through
+    the ops that pass ids on unchanged (an exporter's ``Reshape`` of the ids before the embedding)."""
+    rows, seen, frontier = [], {name}, [name]
+    while frontier:
+        tensor = frontier.pop()
+        for c in graph.consumers.get(tensor, ()):
+            op = graph.op(c)
+            if op.op_type == "Gather" and len(op.inputs) > 1 and op.inputs[1] == tensor:
+                if op.inputs[0] in graph.initializers:
+                    rows.append(graph.initializers[op.inputs[0]].shape[op.attributes.get("axis", 0)])
+            elif op.op_type in _ID_PRESERVING and op.inputs[0] == tensor and op.outputs[0] not in seen:
+                seen.add(op.outputs[0])
+                frontier.append(op.outputs[0])
     return max(1, min(rows)) if rows else 1
 
 

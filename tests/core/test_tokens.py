@@ -76,3 +76,29 @@ def test_a_decoder_draws_token_windows_and_labels_its_logits(tmp_path: Path) -> 
     tied = load_graph(build("mmt", "tiny", seed=0))
     with pytest.raises(InputError, match="token ids"):
         TrainingData(tied, 4, path=str(path), loss="ce")
+
+
+def test_ids_reshaped_before_the_embedding_take_its_vocabulary() -> None:
+    """An exporter may reshape the ids before the embedding's Gather (torch.onnx's dynamo exporter
+    does): the vocabulary is still the table's rows (synthetic ids span it; a token file is checked
+    against it)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    table = numpy_helper.from_array(
+        np.random.default_rng(0).standard_normal((50, 4)).astype(np.float32), "table"
+    )
+    shape = numpy_helper.from_array(np.array([-1, 8], dtype=np.int64), "shape")
+    nodes = [
+        helper.make_node("Reshape", ["input_ids", "shape"], ["view"]),
+        helper.make_node("Gather", ["table", "view"], ["embedded"]),
+        helper.make_node("ReduceMean", ["embedded"], ["logits"], axes=[2], keepdims=0),
+    ]
+    model = helper.make_model(
+        helper.make_graph(
+            nodes, "g", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, [2, 8])],
+            [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [2, 8])], [table, shape],
+        ),
+        opset_imports=[helper.make_opsetid("", 17)],
+    )  # fmt: skip
+    drawn, _ = TrainingData(load_graph(model), 4, seed=0).batch(0)
+    assert drawn["input_ids"].max() < 50 and len(np.unique(drawn["input_ids"])) > 5
