@@ -2,8 +2,8 @@
 
 For each model (the zoo's tiny MMT and GPT, and the corpus's GPT-2 export), a one-device plan at
 mini-batch 8 is profiled with each optimizer (SGD, AdamW) and launched with it, 20 steps, three
-launches, median; the decoders also train on a token file with cross-entropy (``--loss ce``) with
-the same AdamW plan (the profile times a squared-error loss). One device: no messages, so the
+launches, median; the decoders also train on a token file with cross-entropy (``--loss ce``), from
+a plan profiled with ``--loss ce``. One device: no messages, so the
 error is the stage's compute, its optimizer step and the loss.
 
     .venv/bin/python bench/optimizers.py        # writes bench/results/optimizers.md (~5 min)
@@ -72,28 +72,26 @@ def main() -> None:
         work = Path(tmp)
         for name, (model, decoder) in _models(work).items():
             shapes = ["--input-shape", "input_ids=8x32"] if name == "gpt2 (export)" else []
-            for optimizer in ("sgd", "adamw"):
-                plan = work / f"{name}-{optimizer}.json"
+            cases = [("sgd", "mse"), ("adamw", "mse")] + ([("adamw", "ce")] if decoder else [])
+            for optimizer, loss in cases:
+                plan = work / f"{name}-{optimizer}-{loss}.json"
                 made = run_cli("plan", str(model), *shapes, "--cluster", "local-cpu", "--mini-batch", "8",
                                "--profile", "--cache", str(work / "p.sqlite"), "--optimizer", optimizer,
-                               "--no-baseline", "-o", str(plan))  # fmt: skip
+                               "--loss", loss, "--no-baseline", "-o", str(plan))  # fmt: skip
                 assert made.code == 0, made.err
                 predicted = json.loads(plan.read_text())["predicted"]["iteration_time_s"]
-                runs = [("mse", [])]
-                if decoder and optimizer == "adamw":
-                    runs.append(("ce", ["--data", str(_tokens(work, _vocab(model))), "--loss", "ce"]))
-                for loss, extra in runs:
-                    measured = _launch(plan, "--optimizer", optimizer, *extra)
-                    rows.append((name, optimizer, loss, predicted, measured))
-                    print(rows[-1], flush=True)
+                extra = ["--data", str(_tokens(work, _vocab(model))), "--loss", "ce"] if loss == "ce" else []
+                measured = _launch(plan, "--optimizer", optimizer, *extra)
+                rows.append((name, optimizer, loss, predicted, measured))
+                print(rows[-1], flush=True)
     lines = [
         "# Predicted against launched, per optimizer and loss",
         "",
         f"Measured on {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"Python {platform.python_version()}; `local-cpu` (one device), mini-batch 8, `plan --profile "
         f"--optimizer`, then `launch --steps {STEPS}` with that optimizer, the median of {LAUNCHES} launches' "
-        "median steps. The profile times each stage with a squared-error loss; `ce` rows train on a token "
-        "file with cross-entropy. Regenerate with `.venv/bin/python bench/optimizers.py`.",
+        "median steps. `ce` rows are planned with `--loss ce` (the profile scores the logits by cross-entropy) "
+        "and train on a token file with it. Regenerate with `.venv/bin/python bench/optimizers.py`.",
         "",
         "| model | optimizer | loss | predicted ms | measured ms | error |",
         "| --- | --- | --- | --- | --- | --- |",

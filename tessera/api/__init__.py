@@ -124,6 +124,7 @@ def plan(  # noqa: PLR0913
     recompute: str = "never",
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
+    loss: str = "mse",
     rewrites: Sequence[str] = (),
     baseline: bool = True,
     profile: bool = False,
@@ -162,7 +163,7 @@ def plan(  # noqa: PLR0913
     choice = plan_pipeline(
         graph, spec, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
         memory_limit=memory_limit, k=k, recompute=recompute, bytes_per_param=bytes_per_param,
-        optimizer=optimizer, baseline=baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
+        optimizer=optimizer, loss=loss, baseline=baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
     )  # fmt: skip
     return choice.plan[0]
 

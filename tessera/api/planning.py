@@ -44,6 +44,7 @@ def plan_pipeline(  # noqa: PLR0913
     recompute: str = "never",
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
+    loss: str = "mse",
     baseline: bool = True,
     rewrite_auto: bool = False,
     profile: bool = False,
@@ -67,7 +68,9 @@ def plan_pipeline(  # noqa: PLR0913
     )  # fmt: skip
     if optimizer not in OPTIMIZERS:
         raise InputError(f"--optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
-    options = dataclasses.replace(options, optimizer=optimizer)
+    if loss not in ("mse", "ce"):
+        raise InputError(f"--loss {loss!r}: expected mse or ce")
+    options = dataclasses.replace(options, optimizer=optimizer, loss=loss)
     store = open_cache(cache) if profile else None
     device_type = planned_device_type(cluster, devices)
     try:
@@ -83,7 +86,9 @@ def plan_pipeline(  # noqa: PLR0913
             # cluster planned where torch sees no GPU keeps the operators' times.
             refine=(
                 lambda g: (
-                    StageProfiler(g, device_type, store, cluster=cluster, optimizer=optimizer).refine_all
+                    StageProfiler(
+                        g, device_type, store, cluster=cluster, optimizer=optimizer, loss=loss
+                    ).refine_all
                 )
             )
             if store and stages_measurable(device_type)

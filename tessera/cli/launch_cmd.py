@@ -274,13 +274,7 @@ def launch(  # noqa: PLR0913
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
     if isinstance(plan, GppPlan) and plan.predicted.get("cost_model") != "roofline":
-        planned = plan.training.optimizer
-        if planned != optimizer:  # the measured stages' step is the planned optimizer's
-            click.echo(
-                f"tessera: warning: {plan_path}: the plan's stages were timed with {planned}'s step, this run "
-                f"takes {optimizer}'s: plan with --optimizer {optimizer} for a prediction of them",
-                err=True,
-            )
+        _warn_if_timed_otherwise(plan, plan_path, optimizer, loss or _default_loss(data))
     source = model or (plan.model.path if plan.model is not None else None)
     for flag, path in (("--save-model", save_model), ("--trace", trace)):
         if path is not None:  # before the run: a path that cannot be written loses nothing
@@ -318,7 +312,7 @@ def launch(  # noqa: PLR0913
             "checkpoint": checkpoint,
             "checkpoint_every": checkpoint_every or 0,
             "resume": resume,
-            "loss": loss or ("ce" if data is not None and data.endswith(TOKEN_SUFFIXES) else "mse"),
+            "loss": loss or _default_loss(data),
         },
         compile=compile_,
         save_model=save_model,
@@ -336,6 +330,26 @@ def launch(  # noqa: PLR0913
         click.echo(_SUMMARIES[plan.kind](report.to_json()))
     if report.failure is not None:
         raise LaunchError(report.failure)
+
+
+def _default_loss(data: str | None) -> str:
+    """A token file trains next-token prediction (cross-entropy); anything else squared error."""
+    return "ce" if data is not None and data.endswith(TOKEN_SUFFIXES) else "mse"
+
+
+def _warn_if_timed_otherwise(plan: GppPlan, plan_path: str, optimizer: str, loss: str) -> None:
+    """A profiled plan's stages were timed with its optimizer's step and its loss: say so when this
+    run trains with others, whose times the prediction does not hold."""
+    for what, planned, given in (
+        ("optimizer", plan.training.optimizer, optimizer),
+        ("loss", plan.training.loss, loss),
+    ):
+        if planned != given:
+            click.echo(
+                f"tessera: warning: {plan_path}: the plan's stages were timed with {what} {planned}, this run "
+                f"trains with {given}: plan with --{what} {given} for a prediction of it",
+                err=True,
+            )
 
 
 def _checked_model(plan: Plan, plan_path: str, model: str | None) -> Graph | None:

@@ -218,13 +218,16 @@ class TrainingSetup(_Strict):
     recompute: Literal["never", "auto", "all"] = "never"
     # The optimizer whose step a profiled plan's stages were timed with (plan --optimizer).
     optimizer: Literal["sgd", "adamw", "adam"] = "sgd"
+    loss: Literal["mse", "ce"] = "mse"  # the loss they were timed with (plan --loss)
 
     @model_serializer(mode="wrap")
-    def _without_default_optimizer(self, handler: Any) -> dict[str, Any]:
-        """``optimizer`` is written when it is not SGD: a plan made without --optimizer reads as before."""
+    def _without_defaults(self, handler: Any) -> dict[str, Any]:
+        """``optimizer`` and ``loss`` are written when they are not the defaults (SGD, squared
+        error): a plan made without --optimizer or --loss reads as before."""
         data = handler(self)
-        if data.get("optimizer") == "sgd":
-            data.pop("optimizer")
+        for key, default in (("optimizer", "sgd"), ("loss", "mse")):
+            if data.get(key) == default:
+                data.pop(key)
         return data
 
 

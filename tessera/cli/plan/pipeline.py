@@ -119,6 +119,14 @@ OPTIONS = OptionGroup(
         "step with it, and the plan records it.",
     ),
     click.option(
+        "--loss",
+        type=click.Choice(["mse", "ce"]),
+        default="mse",
+        show_default=True,
+        help="[gpp/spp] The loss launch will train with (its --loss): with ce, --profile times the model's "
+        "logits scored by cross-entropy; the plan records it.",
+    ),
+    click.option(
         "--profile",
         is_flag=True,
         help="[gpp/spp] Measure every operator's forward and backward on this machine (torch) instead of the roofline model; cached.",
@@ -157,6 +165,7 @@ def runner(kind: str) -> Callable[..., None]:
         recompute: str,
         bytes_per_param: float | None,
         optimizer: str,
+        loss: str,
         rewrites: tuple[str, ...],
         no_baseline: bool = False,
     ) -> None:
@@ -198,6 +207,7 @@ def runner(kind: str) -> Callable[..., None]:
             recompute=recompute,
             bytes_per_param=bytes_per_param,
             optimizer=optimizer,
+            loss=loss,
             rewrite_auto="auto" in rewrites,
         )
 
@@ -226,6 +236,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     recompute: str = "never",
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
+    loss: str = "mse",
     rewrite_auto: bool = False,
 ) -> GppPlan:
     """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
@@ -253,7 +264,7 @@ def run_pipeline_plan(  # noqa: PLR0913
 
         choice = plan_pipeline(
             graph, cluster, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
-            memory_limit=memory_limit, k=k, recompute=recompute, bytes_per_param=bytes_per_param, optimizer=optimizer,
+            memory_limit=memory_limit, k=k, recompute=recompute, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss,
             baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
             progress=progress,
             note=lambda line: click.echo(f"tessera: {line}", err=True),

@@ -149,6 +149,7 @@ def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
         bytes_per_param=cost.memory.bytes_per_param,
         recompute=options.recompute,
         optimizer=options.optimizer,  # type: ignore[arg-type]
+        loss=options.loss,  # type: ignore[arg-type]
     )
 
 

@@ -74,6 +74,7 @@ class StageProfiler:
         *,
         cluster: ClusterSpec | None = None,
         optimizer: str = "sgd",
+        loss: str = "mse",
     ) -> None:
         import torch
 
@@ -86,6 +87,7 @@ class StageProfiler:
         self.cluster = cluster  # where the plan's devices are (the node each rank shares)
         self.options = options or StageProfileOptions()
         self.optimizer = optimizer  # whose step each measured step takes (torch_optim)
+        self.loss = loss  # "ce": the model's outputs scored by cross-entropy, as launch --loss ce
         # A GPU cluster's stages run on this machine's GPU (fp32, as the workers train), timed to
         # the end of their kernels; a CPU cluster's with the device type's threads.
         self.device = torch_device_for(device_type)
@@ -163,7 +165,7 @@ class StageProfiler:
 
     def _key(self, request: _Request) -> str:
         nodes, samples, actions, mini_batch = request
-        recipe = RECIPE if self.optimizer == "sgd" else f"{RECIPE} ({self.optimizer})"
+        recipe = RECIPE + "".join(f" ({x})" for x in (self.optimizer, self.loss) if x not in ("sgd", "mse"))
         return digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, recipe])
 
     def _cached(self, request: _Request) -> StageTimes | None:
@@ -231,6 +233,7 @@ class StageProfiler:
             actions,
             TrainingData(self.graph, mini_batch),
             torch.cuda.synchronize if self.device == "cuda" else _no_sync,
+            tuple(self.loss == "ce" and name in self.graph.outputs for name in module.output_names),
         )
 
     def _burst(self, run: _StageRun, warmup: int) -> tuple[list[float], ...]:
@@ -244,7 +247,7 @@ class StageProfiler:
         ):
             start = time.perf_counter()
             draw = functools.partial(run.data.batch, run.step)
-            parts = _one_step(run.module, run.feeds, run.optimizer, run.actions, draw, run.sync)
+            parts = _one_step(run, draw)
             spent, run.step = spent + time.perf_counter() - start, run.step + 1
             for values, value in zip(times, parts, strict=True):
                 values.append(value)
@@ -273,20 +276,15 @@ class StageProfiler:
         ]
 
 
-def _one_step(
-    module: torch.nn.Module,
-    feeds: list[torch.Tensor],
-    optimizer: object,
-    actions: tuple[str, ...],
-    draw: Callable[[], object],
-    sync: Callable[[], None],
-) -> tuple[float, float, float]:
+def _one_step(run: _StageRun, draw: Callable[[], object]) -> tuple[float, float, float]:
     """One step of the stage as a rank runs it: the data drawn, ``actions`` in order (a forward
-    with a squared-error loss of the outputs, as the last stage's; a backward accumulating into
+    with a squared-error loss of the outputs, or the cross-entropy of the model's logits where the
+    run's loss is ``ce`` (labels fixed, classes last); a backward accumulating into
     the gradients), the optimizer's step. Seconds: the mean forward, the mean backward, and the data and
     the optimizer step together (each in the cache state the step leaves them, not in a tight loop
     of its own: measured apart, both ran 30-40% faster than in a step). ``sync`` waits for a GPU's
     queued kernels before each reading of the clock."""
+    module, feeds, optimizer, actions, sync = run.module, run.feeds, run.optimizer, run.actions, run.sync
     t0 = time.perf_counter()
     draw()
     own = time.perf_counter() - t0
@@ -297,8 +295,8 @@ def _one_step(
         if action[0] == "F":
             # a micro-batch's inputs: leaves of their own, as received buffers are (no copy)
             leaves = [x.detach().requires_grad_(x.requires_grad) for x in feeds]
-            outputs = [o for o in module(*leaves) if o.requires_grad]
-            loss = sum((o * o).sum() / o.numel() for o in outputs) if outputs else None
+            scored = [_scored(o, ce) for o, ce in zip(module(*leaves), run.cross_entropy, strict=True)]
+            loss = sum(s for s in scored if s is not None) if any(s is not None for s in scored) else None
             if loss is not None:
                 float(loss.detach())  # the worker reads the loss in its forward
             losses[action[1:]] = loss
@@ -338,7 +336,21 @@ class _StageRun:
     actions: tuple[str, ...]
     data: TrainingData
     sync: Callable[[], None]
+    cross_entropy: tuple[bool, ...]  # per output of the stage: scored by cross-entropy
     step: int = 0
+
+
+def _scored(output: torch.Tensor, cross_entropy: bool) -> torch.Tensor | None:
+    """An output's loss as the profile times it (None: it takes no gradient)."""
+    import torch
+
+    if not output.requires_grad:
+        return None
+    if cross_entropy and output.dim() >= 2:
+        logits = output.reshape(-1, output.shape[-1]).float()
+        labels = torch.arange(logits.shape[0], device=logits.device) % logits.shape[-1]
+        return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / logits.shape[0]
+    return (output * output).sum() / output.numel()
 
 
 def _no_sync() -> None:

@@ -32,6 +32,7 @@ class PartitionOptions:
     precision: Literal["mixed", "fp32"] = "mixed"
     bytes_per_param: float | None = None
     optimizer: str = "sgd"  # whose step measured stages are timed with (plan --optimizer)
+    loss: str = "mse"  # the loss they are timed with (plan --loss)
 
     @property
     def searched_schedule(self) -> ScheduleKind:

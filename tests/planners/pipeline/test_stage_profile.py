@@ -266,6 +266,20 @@ def test_each_optimizer_is_timed_with_its_own_step(zoo_graph, tmp_path: Path, mo
     adamw.refine(pipe)
     assert adamw.measured == len(pipe.stages)  # not read from the SGD entries
     assert set(built[: len(pipe.stages)]) == {"SGD"} and set(built[len(pipe.stages) :]) == {"AdamW"}
+    ce = StageProfiler(graph, device, cache, QUICK, optimizer="adamw", loss="ce")
+    ce.refine(pipe)
+    assert ce.measured == len(pipe.stages)  # a cross-entropy profile is one of its own
+
+
+def test_a_cross_entropy_profile_scores_the_models_logits_by_it() -> None:
+    from tessera.planners.pipeline.stage_profile import _scored
+
+    logits = torch.randn(2, 3, 5, requires_grad=True)
+    labels = torch.arange(6) % 5
+    want = torch.nn.functional.cross_entropy(logits.reshape(6, 5), labels, reduction="sum") / 6
+    torch.testing.assert_close(_scored(logits, True), want)
+    torch.testing.assert_close(_scored(logits, False), (logits * logits).mean())
+    assert _scored(torch.randn(2, 3), True) is None  # an output that takes no gradient scores nothing
 
 
 def test_plan_records_the_optimizer_and_launch_warns_when_it_trains_with_another(zoo, tmp_path: Path) -> None:
@@ -282,6 +296,12 @@ def test_plan_records_the_optimizer_and_launch_warns_when_it_trains_with_another
     assert made.code == 0, made.err
     assert json.loads(profiled.read_text())["training"]["optimizer"] == "adamw"
     run = run_cli("launch", str(profiled), "--steps", "1")
-    assert run.code == 0 and "timed with adamw's step, this run takes sgd's" in run.err
+    assert run.code == 0 and "timed with optimizer adamw, this run trains with sgd" in run.err
     run = run_cli("launch", str(profiled), "--steps", "1", "--optimizer", "adamw")
     assert run.code == 0 and "timed with" not in run.err
+    ce = tmp_path / "ce.json"
+    made = run_cli(*base, "--profile", "--cache", str(tmp_path / "c.sqlite"), "--loss", "ce", "-o", str(ce))
+    assert made.code == 0, made.err
+    assert json.loads(ce.read_text())["training"]["loss"] == "ce"
+    run = run_cli("launch", str(ce), "--steps", "1")
+    assert run.code == 0 and "timed with loss ce, this run trains with mse" in run.err
