@@ -23,7 +23,8 @@ import torch
 
 from tessera.core.files import write_atomic
 from tessera.core.graph import load_graph
-from tessera.core.plans import GppPlan, check_plan_against_model
+from tessera.core.plan_checks import check_plan_against_model
+from tessera.core.plans import GppPlan
 from tessera.executor.gpp_run import run_gpp_plan
 from tessera.executor.launcher import LaunchOptions
 from tessera.executor.training import TrainOptions, train_reference

@@ -90,7 +90,7 @@ def load_plan_model(
     """Load the model a plan names (with the input shapes it was planned at) and check the plan
     against it: sha256, node names, coverage and the planner's constraints. InputError otherwise."""
     from tessera.backends import plan_check  # noqa: F401 - registers the placement check
-    from tessera.core.plans import check_plan_against_model, problems_error
+    from tessera.core.plan_checks import check_plan_against_model, problems_error
     from tessera.planners.cp import plan_check as _cp_check  # noqa: F401 - registers the llm-block check
     from tessera.planners.pipeline import checks  # noqa: F401 - registers C1–C5 + memory checks
 
@@ -114,7 +114,7 @@ def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> Non
     """A cp plan made from ``--llm``: what it says must hold (:func:`cp_plan_problems`) and its
     config must be unchanged (sha256). When the file cannot be read, that is an error only if
     ``must_exist`` (the plan itself carries the config's shape)."""
-    from tessera.core.plans import cp_plan_problems, problems_error
+    from tessera.core.plan_checks import cp_plan_problems, problems_error
     from tessera.planners.cp.llm import load_llm_config
 
     if problems := cp_plan_problems(plan):

@@ -10,7 +10,8 @@ from cli_runner import run_cli
 
 from tessera.backends.patterns import is_convex
 from tessera.core.graph import load_graph
-from tessera.core.plans import check_plan_against_model, load_plan
+from tessera.core.plan_checks import check_plan_against_model
+from tessera.core.plans import load_plan
 
 BACKENDS = "onnxruntime,openvino"  # TVM adds minutes of builds and nothing these checks need
 

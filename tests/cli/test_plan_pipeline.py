@@ -13,7 +13,8 @@ from planners.pipeline.gpp_graphs import chain
 from tessera.cli.plan.pipeline import run_pipeline_plan, write_pytorch_csv
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph, rewritten
-from tessera.core.plans import check_plan_against_model, dump_plan, load_plan, parse_plan
+from tessera.core.plan_checks import check_plan_against_model
+from tessera.core.plans import dump_plan, load_plan, parse_plan
 from tessera.core.schedule import to_pytorch_csv
 from tessera.core.specs import ClusterSpec
 from tessera.models import build

@@ -13,17 +13,16 @@ from tessera.backends.measure import Measurer
 from tessera.backends.profile_cache import ProfileCache
 from tessera.core.errors import EXIT_BAD_INPUT, InputError
 from tessera.core.graph import load_graph
+from tessera.core.plan_checks import check_plan_against_model, problems_error
 from tessera.core.plans import (
     CpPlan,
     GppPlan,
     ModelRef,
     PlacementPlan,
     Plan,
-    check_plan_against_model,
     dump_plan,
     load_plan,
     parse_plan,
-    problems_error,
     write_plan,
 )
 from tessera.models import build

@@ -13,7 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.errors import InfeasibleError
 from tessera.core.graph import load_graph
-from tessera.core.plans import check_plan_against_model, parse_plan
+from tessera.core.plan_checks import check_plan_against_model
+from tessera.core.plans import parse_plan
 from tessera.core.specs import load_cluster, parse_cluster
 from tessera.models import build
 from tessera.planners.pipeline import checks as _checks  # noqa: F401 - registers C1–C5 + memory

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from tessera.core.graph import Graph
-from tessera.core.plans import check_plan_against_model
+from tessera.core.plan_checks import check_plan_against_model
 from tessera.core.schedule import gpipe, in_flight_of, one_f_one_b, schedule_problems
 from tessera.core.specs import ClusterSpec
 from tessera.planners.pipeline.greedy import greedy_schedules

@@ -9,7 +9,8 @@ from planners.pipeline.gpp_graphs import chain, n_shaped
 
 from tessera.core.errors import InfeasibleError, InputError
 from tessera.core.graph import load_graph
-from tessera.core.plans import check_plan_against_model, dump_plan
+from tessera.core.plan_checks import check_plan_against_model
+from tessera.core.plans import dump_plan
 from tessera.core.specs import load_cluster
 from tessera.models import build
 from tessera.planners.pipeline.plan import plan_gpp

@@ -9,7 +9,8 @@ from planners.pipeline.gpp_graphs import _model, chain
 
 from tessera.core.cost import CostModel
 from tessera.core.graph import Graph, load_graph
-from tessera.core.plans import check_plan_against_model, dump_plan
+from tessera.core.plan_checks import check_plan_against_model
+from tessera.core.plans import dump_plan
 from tessera.core.specs import ClusterSpec
 from tessera.models import build
 from tessera.planners.pipeline.links import StageLinks
