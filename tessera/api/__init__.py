@@ -21,6 +21,7 @@ from tessera.api.models import (
     check_plan_llm_config,
     load_model,
     load_plan_model,
+    plan_graph,
 )
 from tessera.api.planning import plan_decoding, plan_pipeline
 from tessera.api.results import Inspection, Placement, Validation, inspect_report
@@ -28,7 +29,7 @@ from tessera.core.errors import InfeasibleError, InputError, LaunchError, Tesser
 from tessera.core.graph import Graph
 from tessera.core.plans import CpPlan, GppPlan, Plan, load_plan
 from tessera.core.specs import ClusterSpec, load_cluster
-from tessera.core.tokens import TOKEN_SUFFIXES
+from tessera.core.tokens import default_loss
 from tessera.executor import RUNNERS, LaunchRequest
 from tessera.executor.launcher import LaunchOptions
 from tessera.executor.report import RunReport
@@ -214,13 +215,8 @@ def launch(  # noqa: PLR0913
     runner = RUNNERS.get(loaded.kind)
     if runner is None:
         raise InputError(f"launching a {loaded.kind!r} plan is not available", source=path)
-    graph = None
-    if loaded.model is not None:
-        graph = load_plan_model(loaded, path, model)
-    elif isinstance(loaded, CpPlan) and loaded.llm_config is not None:
-        check_plan_llm_config(loaded, path, must_exist=False)
-    token_file = data is not None and data.endswith(TOKEN_SUFFIXES)  # next-token labels: cross-entropy
-    options = {"loss": "ce" if token_file else "mse", **(training or {})}
+    graph = plan_graph(loaded, path, model)
+    options = {"loss": default_loss(data), **(training or {})}
     request = LaunchRequest(
         plan_path=path, graph=graph, launch=LaunchOptions(timeout_s=timeout_s), seed=seed, data=data,
         steps=steps, lr=lr, training=options, compile=compile, save_model=save_model, trace=trace,

@@ -15,7 +15,14 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph, load_graph
 from tessera.core.onnx_io import parse_input_shapes
 
-__all__ = ["TesseraWarning", "check_plan_llm_config", "load_model", "load_plan_model", "plan_model_path"]
+__all__ = [
+    "TesseraWarning",
+    "check_plan_llm_config",
+    "load_model",
+    "load_plan_model",
+    "plan_graph",
+    "plan_model_path",
+]
 
 Shapes = Mapping[str, Sequence[int]] | Sequence[str] | None
 
@@ -141,3 +148,15 @@ def check_plan_llm_config(plan: Any, plan_path: str, *, must_exist: bool) -> Non
                 f"llm.{key} is {plan.llm.get(key)!r} but the LLM config {ref.path} gives {value!r}",
                 source=plan_path,
             )
+
+
+def plan_graph(
+    plan: Any, plan_path: str, given: str | None, *, warn: Callable[[str], None] | None = None
+) -> Graph | None:
+    """The model a plan runs, loaded and checked against it (:func:`load_plan_model`); None for a cp
+    plan made from an LLM config, whose config is checked when it can be read."""
+    if plan.model is not None:
+        return load_plan_model(plan, plan_path, given, warn=warn)
+    if getattr(plan, "llm_config", None) is not None:
+        check_plan_llm_config(plan, plan_path, must_exist=False)
+    return None

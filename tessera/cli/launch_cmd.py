@@ -12,14 +12,14 @@ from typing import Any
 
 import click
 
-from tessera.api.models import check_plan_llm_config
-from tessera.cli.options import FiniteFloat, check_outputs, json_option, load_plan_model, plan_model_option
+from tessera.api.models import plan_graph
+from tessera.cli.options import FiniteFloat, check_outputs, json_option, plan_model_option, warn_line
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.files import check_writable
 from tessera.core.graph import Graph
-from tessera.core.plans import CpPlan, GppPlan, Plan, load_plan
-from tessera.core.tokens import TOKEN_SUFFIXES
+from tessera.core.plans import GppPlan, Plan, load_plan
+from tessera.core.tokens import default_loss
 from tessera.core.user_files import MAX_TEXT_BYTES, read_user_file
 from tessera.executor import RUNNERS, LaunchRequest
 from tessera.executor.launcher import LaunchOptions
@@ -274,7 +274,7 @@ def launch(  # noqa: PLR0913
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
     if isinstance(plan, GppPlan) and plan.predicted.get("cost_model") != "roofline":
-        _warn_if_timed_otherwise(plan, plan_path, optimizer, loss or _default_loss(data))
+        _warn_if_timed_otherwise(plan, plan_path, optimizer, loss or default_loss(data))
     source = model or (plan.model.path if plan.model is not None else None)
     for flag, path in (("--save-model", save_model), ("--trace", trace)):
         if path is not None:  # before the run: a path that cannot be written loses nothing
@@ -312,7 +312,7 @@ def launch(  # noqa: PLR0913
             "checkpoint": checkpoint,
             "checkpoint_every": checkpoint_every or 0,
             "resume": resume,
-            "loss": loss or _default_loss(data),
+            "loss": loss or default_loss(data),
         },
         compile=compile_,
         save_model=save_model,
@@ -330,11 +330,6 @@ def launch(  # noqa: PLR0913
         click.echo(_SUMMARIES[plan.kind](report.to_json()))
     if report.failure is not None:
         raise LaunchError(report.failure)
-
-
-def _default_loss(data: str | None) -> str:
-    """A token file trains next-token prediction (cross-entropy); anything else squared error."""
-    return "ce" if data is not None and data.endswith(TOKEN_SUFFIXES) else "mse"
 
 
 def _warn_if_timed_otherwise(plan: GppPlan, plan_path: str, optimizer: str, loss: str) -> None:
@@ -355,15 +350,11 @@ def _warn_if_timed_otherwise(plan: GppPlan, plan_path: str, optimizer: str, loss
 def _checked_model(plan: Plan, plan_path: str, model: str | None) -> Graph | None:
     """The plan's model, loaded and checked against the plan (ONNX: its sha256); None for a cp plan
     made from --llm (its config file's sha256 checked when it can be read)."""
-    if plan.model is not None:
-        return load_plan_model(plan, plan_path, model)
-    if model is not None:
+    if plan.model is None and model is not None:
         raise click.UsageError(
             "--model does not apply to a plan made from --llm (it runs seeded random weights)"
         )
-    if isinstance(plan, CpPlan) and plan.llm_config is not None:
-        check_plan_llm_config(plan, plan_path, must_exist=False)
-    return None
+    return plan_graph(plan, plan_path, model, warn=warn_line)
 
 
 def _prompt_lens(text: str | None) -> tuple[int, ...] | None:

@@ -17,9 +17,17 @@ import numpy as np
 from tessera.core.errors import InputError
 from tessera.core.user_files import npy_header, regular_file
 
-__all__ = ["TOKEN_SUFFIXES", "TokenWindows"]
+__all__ = ["TOKEN_SUFFIXES", "TokenWindows", "default_loss"]
 
 TOKEN_SUFFIXES = (".bin", ".npy")
+
+
+def default_loss(data: str | None) -> str:
+    """The loss a run trains with unless told: a token file trains next-token prediction
+    (cross-entropy), anything else squared error."""
+    return "ce" if data is not None and data.endswith(TOKEN_SUFFIXES) else "mse"
+
+
 _CHUNK = 1 << 24  # ids checked against the vocabulary this many at a time
 
 
