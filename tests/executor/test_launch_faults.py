@@ -254,8 +254,9 @@ def test_a_stopped_rank_ends_the_launch_within_the_timeout(tiny_plan: Path) -> N
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 4, err
     # The workers are stopped --timeout after the last beat; then the launcher's interpreter ends
-    # (torch's native libraries take ~0.6 s to tear down on this machine).
-    assert took <= timeout + 1.5, f"ended {took:.1f} s after the stop (--timeout {timeout:g})"
+    # (torch's native libraries take ~0.6 s to tear down on an idle machine, seconds on a loaded
+    # one). The bound tells the watchdog apart from torch's own 30 s wait and from a hang.
+    assert took <= timeout + 6, f"ended {took:.1f} s after the stop (--timeout {timeout:g})"
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err  # not c10d's socket warnings
     assert re.match(r"tessera: error: rank [01] \(cp [12]/2, .*\) is stopped", lines[0]), err
