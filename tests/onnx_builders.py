@@ -94,3 +94,34 @@ def shape_passing_chain(width: int = 8) -> onnx.ModelProto:
         [*(numpy_helper.from_array(v, name) for name, v in weights.items()), zero],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def head_major_chain(width: int = 8, heads: int = 2) -> onnx.ModelProto:
+    """MatMul, split into heads and moved head-major (``[heads, batch, width/heads]``, as Falcon's
+    fused QKV is split), Tanh, then back and a MatMul: cut after the Tanh, the crossing tensor holds
+    its samples on axis 1."""
+    rng = np.random.default_rng(0)
+    inits = [
+        numpy_helper.from_array(rng.normal(0, 0.5, (width, width)).astype(np.float32), "w0"),
+        numpy_helper.from_array(rng.normal(0, 0.5, (width, width)).astype(np.float32), "w1"),
+        numpy_helper.from_array(np.array([-1, heads, width // heads], np.int64), "split_heads"),
+        numpy_helper.from_array(np.array([-1, width], np.int64), "merge_heads"),
+    ]
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["m0"], name="matmul0"),
+        helper.make_node("Reshape", ["m0", "split_heads"], ["bhd"], name="split"),
+        helper.make_node("Transpose", ["bhd"], ["hbd"], perm=[1, 0, 2], name="head_major"),
+        helper.make_node("Tanh", ["hbd"], ["heads"], name="tanh0"),
+        helper.make_node("Transpose", ["heads"], ["back"], perm=[1, 0, 2], name="batch_major"),
+        helper.make_node("Reshape", ["back", "merge_heads"], ["merged"], name="merge"),
+        helper.make_node("MatMul", ["merged", "w1"], ["m1"], name="matmul1"),
+        helper.make_node("Tanh", ["m1"], ["y"], name="tanh1"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "head_major",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -34,16 +34,19 @@ class Unit:
 
 @dataclass(frozen=True)
 class Layout:
-    """How a tensor holds samples: ``rows_per_sample`` rows of axis 0 per sample (None: batch-less)."""
+    """How a tensor holds samples: ``rows_per_sample`` rows of its batch ``axis`` per sample (None:
+    batch-less). A message's rows are rows of that axis (a head-major ``[heads, B, S, D]`` tensor
+    that a fused projection's split leaves between stages has its batch on axis 1)."""
 
     rows_per_sample: int | None
-    tail: tuple[int, ...]  # the shape after axis 0 (batched) or the whole shape (batch-less)
+    tail: tuple[int, ...]  # the shape without the batch axis (batched) or the whole shape (batch-less)
     dtype: str
+    axis: int = 0
 
     def shape(self, samples: int) -> tuple[int, ...]:
         if self.rows_per_sample is None:
             return self.tail
-        return (samples * self.rows_per_sample, *self.tail)
+        return (*self.tail[: self.axis], samples * self.rows_per_sample, *self.tail[self.axis :])
 
     @property
     def has_grad(self) -> bool:
@@ -116,14 +119,21 @@ def tensor_layouts(graph: Graph, model_path: str | bytes | onnx.ModelProto) -> d
             continue
         if other.shape == info.shape:
             layouts[name] = Layout(None, info.shape, info.dtype)
-        elif (
-            len(info.shape) == len(other.shape)
-            and info.shape[1:] == other.shape[1:]
-            and other.shape[0] == 2 * info.shape[0]
-            and info.shape[0] % b1 == 0
-        ):
-            layouts[name] = Layout(info.shape[0] // b1, info.shape[1:], info.dtype)
+        elif (axis := _batch_axis(info.shape, other.shape, b1)) is not None:
+            tail = info.shape[:axis] + info.shape[axis + 1 :]
+            layouts[name] = Layout(info.shape[axis] // b1, tail, info.dtype, axis)
     return layouts
+
+
+def _batch_axis(shape: tuple[int, ...], doubled: tuple[int, ...], b1: int) -> int | None:
+    """The one axis that doubles with the batch, holding whole samples (None: none or several)."""
+    if len(shape) != len(doubled):
+        return None
+    grown = [a for a, (n, m) in enumerate(zip(shape, doubled, strict=True)) if n != m]
+    if len(grown) != 1:
+        return None
+    (axis,) = grown
+    return axis if doubled[axis] == 2 * shape[axis] and shape[axis] % b1 == 0 else None
 
 
 def build_routing(plan: GppPlan, graph: Graph, layouts: Mapping[str, Layout]) -> Routing:
@@ -151,8 +161,8 @@ def build_routing(plan: GppPlan, graph: Graph, layouts: Mapping[str, Layout]) ->
             lay = layouts.get(t)
             if lay is None:
                 raise LaunchError(
-                    f"tensor {t!r} (stage {src_stage} -> {st.id}) has no static shape, or its batch "
-                    "is not on axis 0: cannot route it"
+                    f"tensor {t!r} (stage {src_stage} -> {st.id}) has no static shape, or no one axis "
+                    "that holds its samples: cannot route it"
                 )
             for msg in _transfers(t, lay, (src_stage, ranges[src_stage]), (st.id, ranges[st.id]), ids):
                 routing.incoming.setdefault(msg.dst, []).append(msg)
@@ -197,11 +207,12 @@ def _boundaries(
         loss_outputs[st.id] = [t for t in outs if t in scored]
         for t in loss_outputs[st.id]:
             scalar = graph.outputs[t].scalar  # a loss the model computes (--loss graph)
-            if layouts.get(t, Layout(None, (), "")).rows_per_sample is None and not scalar:
+            lay = layouts.get(t, Layout(None, (), ""))
+            if (lay.rows_per_sample is None or lay.axis != 0) and not scalar:
                 raise LaunchError(f"model output {t!r} does not hold one row per sample on axis 0")
     for t in graph.inputs:
         lay = layouts.get(t)
-        if lay is None or lay.rows_per_sample != 1:
+        if lay is None or lay.rows_per_sample != 1 or lay.axis != 0:
             raise LaunchError(f"model input {t!r} does not hold one row per sample on axis 0")
     return stage_inputs, stage_outputs, loss_outputs
 

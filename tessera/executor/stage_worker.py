@@ -200,6 +200,10 @@ class StageWorker:
         """The process group of a message: the gradients' own, or (activations) the default."""
         return self.backward_group if backward else None
 
+    def _axis(self, tensor: str) -> int:
+        """The axis of ``tensor`` whose rows the messages carry (its batch axis)."""
+        return self.routing.layouts[tensor].axis
+
     def _packed(self, j: int, backward: bool, *, sending: bool) -> dict[Unit, list[Message]]:
         """The messages micro-batch ``j``'s forward or backward sends (``sending``) or receives, by
         peer unit, in the order they are packed (:func:`_packs`). A forward receives along its
@@ -331,7 +335,7 @@ class StageWorker:
                     buf.requires_grad_(True)
                 leaves[msg.id] = buf
                 pieces.append(buf)
-            feeds[t] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=0)
+            feeds[t] = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=self._axis(t))
         return feeds, leaves
 
     def forward(
@@ -379,7 +383,7 @@ class StageWorker:
         if loss is not None:
             self.loss_sum += float(loss.detach())
         t2 = time.perf_counter()
-        self._send(j, False, step, lambda m: _rows(outputs[m.tensor], m.src_rows))
+        self._send(j, False, step, lambda m: _rows(outputs[m.tensor], m.src_rows, self._axis(m.tensor)))
         if counting:
             _storages([*leaves.values(), *outputs.values()], held, self._param_storages)
         self.saved[j] = _Saved(leaves, outputs, loss, sum(held.values()))
@@ -402,7 +406,8 @@ class StageWorker:
         for msg in back:
             out = saved.outputs[msg.tensor]
             piece = got[msg.id]
-            whole = msg.src_rows is None or msg.src_rows == (0, out.shape[0])
+            axis = self._axis(msg.tensor)
+            whole = msg.src_rows is None or msg.src_rows == (0, out.shape[axis])
             if whole and msg.tensor not in grads:
                 grads[msg.tensor] = piece.view_as(out)  # the whole gradient in one message: no copy
                 continue
@@ -414,7 +419,7 @@ class StageWorker:
             if msg.src_rows is None:
                 g += piece
             else:
-                g[msg.src_rows[0] : msg.src_rows[1]] += piece
+                _rows(g, msg.src_rows, axis).add_(piece)
         t1 = time.perf_counter()
         roots: list[Tensor] = []
         root_grads: list[Tensor] = []
@@ -511,8 +516,9 @@ class StageWorker:
         }
 
 
-def _rows(t: Tensor, rows: tuple[int, int] | None) -> Tensor:
-    return t if rows is None else t[rows[0] : rows[1]]
+def _rows(t: Tensor, rows: tuple[int, int] | None, axis: int = 0) -> Tensor:
+    """Rows ``[lo, hi)`` of ``t``'s batch ``axis`` as a view (None: the whole tensor)."""
+    return t if rows is None else t.narrow(axis, rows[0], rows[1] - rows[0])
 
 
 def _grad(leaf: Tensor) -> Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -159,17 +159,18 @@ def train_reference(
     lr: float = 0.01,
     *,
     data: str | None = None,
-    input_shapes: Mapping[str, Sequence[int]] | None = None,
     options: TrainOptions | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> ReferenceRun:
     """Train ``model`` for ``steps`` steps on whole mini-batches in this process (see the module
     docstring for data, loss and optimizer; ``options``, when given, for the optimizer, schedule and
-    clipping, else SGD at ``lr``): the ground truth of a GPP run."""
+    clipping, else SGD at ``lr``): the ground truth of a GPP run. ``dtype=torch.float64`` trains
+    the same graph in double precision, the arbiter of fp32 round-off on ill-conditioned models."""
     from tessera.executor.gradients import global_norm_clip
 
     options = options or TrainOptions(steps=steps, lr=lr, seed=seed, data=data)
-    graph = model if isinstance(model, Graph) else load_graph(model, input_shapes=input_shapes)
-    module = to_torch(graph.model, label=graph.source)
+    graph = model if isinstance(model, Graph) else load_graph(model)
+    module = to_torch(graph.model, label=graph.source).to(dtype)
     params = [p for _, p in module.onnx_parameters()]
     opt, schedule = make_optimizer(params, options)
     source = TrainingData(graph, mini_batch, options.seed, options.data, options.loss)
@@ -177,12 +178,12 @@ def train_reference(
     losses: list[float] = []
     for step in range(options.steps):
         inputs, targets = source.batch(step)
-        outs = module.run({k: torch.from_numpy(v) for k, v in inputs.items()})
+        outs = module.run({k: _float_as(torch.from_numpy(v), dtype) for k, v in inputs.items()})
         count = labelled(targets)
         terms = [
             loss_term(
                 outs[o],
-                _tensor_or_none(targets.get(o)),
+                _float_as(_tensor_or_none(targets.get(o)), dtype),
                 mini_batch,
                 mini_batch,
                 kind=options.loss,
@@ -200,6 +201,10 @@ def train_reference(
         losses.append(float(loss.detach()))  # type: ignore[union-attr]
     weights = {n: p.detach().numpy().copy() for n, p in module.onnx_parameters()}
     return ReferenceRun(losses, weights)
+
+
+def _float_as(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    return t.to(dtype) if t is not None and t.is_floating_point() else t
 
 
 def _tensor_or_none(array: np.ndarray | None, device: torch.device | None = None) -> Tensor | None:

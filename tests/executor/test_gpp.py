@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 from executor.plans import candle_dag, make_plan, save_model
+from onnx_builders import head_major_chain
 
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import load_graph
@@ -86,6 +87,14 @@ def test_layouts_find_batched_and_batchless_tensors(gpt) -> None:
     assert layouts["embed/token/gather"].rows_per_sample == 1
     assert layouts["embed/position/gather"] == Layout(None, (16, 32), "float32")  # constant positions
     assert layouts["layer0/attn/causal_mask"].rows_per_sample is None
+
+
+def test_layouts_find_the_axis_that_holds_the_samples(tmp_path: Path) -> None:
+    graph = save_model(head_major_chain(width=8, heads=2), tmp_path / "heads.onnx")
+    layouts = tensor_layouts(graph, str(tmp_path / "heads.onnx"))
+    assert layouts["heads"] == Layout(1, (2, 4), "float32", axis=1)
+    assert layouts["heads"].shape(3) == (2, 3, 4)
+    assert layouts["bhd"] == Layout(1, (2, 4), "float32")
 
 
 def _coverage(routing, stage: int) -> dict[tuple[str, int], list[int]]:

@@ -13,7 +13,7 @@ import numpy as np
 import onnx
 import pytest
 from executor.plans import candle_dag, make_plan, save_model
-from onnx_builders import shape_passing_chain, tied_chain
+from onnx_builders import head_major_chain, shape_passing_chain, tied_chain
 
 from tessera.cli.launch_cmd import _summary
 from tessera.core.graph import load_graph
@@ -64,6 +64,20 @@ def test_chain_with_a_batchless_tensor_and_mixed_micro_batches(tmp_path: Path) -
     graph = save_model(build("gpt", "tiny", 0), path)
     plan = make_plan(graph, [(graph.order[:2], ["d0"], 2), (graph.order[2:], ["d1"], 4)], 8)
     _check_exact(plan, graph, path, TrainOptions(steps=3, lr=0.05, seed=2))
+
+
+@pytest.mark.parametrize("micro_batches", [(2, 8), (4, 2)], ids=["joined", "split"])
+def test_a_tensor_with_its_batch_on_axis_1_crosses_the_cut(
+    tmp_path: Path, micro_batches: tuple[int, int]
+) -> None:
+    """A head-major ``[heads, batch, d]`` tensor (Falcon's fused QKV split by head) crosses to 2
+    data-parallel replicas: its messages carry rows of axis 1, joined from several micro-batches
+    or split between replicas, and its gradients go back into those rows."""
+    path = tmp_path / "heads.onnx"
+    graph = save_model(head_major_chain(), path)
+    first, second = micro_batches
+    plan = make_plan(graph, [(graph.order[:4], ["d0"], first), (graph.order[4:], ["d1", "d2"], second)], 8)
+    _check_exact(plan, graph, path, TrainOptions(steps=3, lr=0.05, seed=3))
 
 
 def test_recomputed_activations_train_exactly_and_keep_less(tmp_path: Path) -> None:
