@@ -23,6 +23,7 @@ import networkx as nx
 import onnx
 from google.protobuf.message import DecodeError
 
+from tessera.core.contrib_ops import lower_contrib_ops
 from tessera.core.errors import InputError
 from tessera.core.external_data import load_present_external_data
 from tessera.core.shape_fold import folded_shapes
@@ -516,6 +517,7 @@ def prepare_model(
     model = hoist_initializer_inputs(model)
     model = sort_nodes(model, label=label)
     model = name_nodes(model)
+    model = lower_contrib_ops(model)  # onnxruntime's fused operators as standard ONNX
     model = lower_ir_version(model, label=label)
     # Shapes first: the checker refuses a graph input without a shape, which --input-shape gives.
     declared = declared_shapes(model)
