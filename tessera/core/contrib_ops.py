@@ -1,12 +1,13 @@
 """onnxruntime's fused operators, written back as standard ONNX at load.
 
 onnxruntime's transformer optimizer (``onnxruntime.transformers.optimizer.optimize_model``) fuses a
-model's layer norms and activations into its own operators (``com.microsoft`` ``SkipLayerNormalization``,
-``FastGelu``, …, and ``SimplifiedLayerNormalization`` in the default domain), which have no ONNX schema:
-shape inference, FLOP counting and tessera's executor do not know them. Each is replaced by the standard
-operators it is defined as, keeping its output names, so a user's optimized model loads like the model it
-was made from. A fused operator tessera does not know, or one whose statistics outputs are read, is left
-in place and refused by the checker with its name. Definitions: docs/usage.md ("Loading models from the wild").
+model's layer norms, activations and attention into its own operators (``com.microsoft``
+``SkipLayerNormalization``, ``FastGelu``, ``MultiHeadAttention``, …, and ``SimplifiedLayerNormalization``
+in the default domain), which have no ONNX schema: shape inference, FLOP counting and tessera's executor
+do not know them. Each is replaced by the standard operators it is defined as, keeping its output names,
+so an optimized model loads like the model it was made from (attention: ``core/contrib_attention.py``).
+A fused operator tessera does not know, or a form it does not lower, is left in place and refused by the
+checker with its name. Definitions: docs/usage.md ("Loading models from the wild").
 """
 
 from __future__ import annotations
@@ -14,68 +15,32 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
+
+from tessera.core.contrib_attention import (
+    attention_lowerable,
+    lower_attention,
+    lower_multi_head_attention,
+    multi_head_attention_lowerable,
+)
+from tessera.core.node_writer import NodeWriter, padded_inputs
 
 MS = "com.microsoft"
 
 
-class _Writer:
-    """Emits the standard nodes that replace one fused node: fresh names, scalar constants cast like
-    the data (``CastLike`` from opset 15; fp32 constants before it)."""
-
-    def __init__(self, node: onnx.NodeProto, opset: int, taken: set[str]) -> None:
-        self.node, self.opset, self.taken = node, opset, taken
-        self.nodes: list[onnx.NodeProto] = []
-        self.initializers: list[onnx.TensorProto] = []
-
-    def name(self, what: str) -> str:
-        base = f"{self.node.name or self.node.op_type}/{what}"
-        name, i = base, 0
-        while name in self.taken:
-            i += 1
-            name = f"{base}_{i}"
-        self.taken.add(name)
-        return name
-
-    def op(self, op_type: str, inputs: list[str], out: str | None = None, **attrs: object) -> str:
-        out = out or self.name(op_type)
-        self.nodes.append(helper.make_node(op_type, inputs, [out], name=self.name(op_type), **attrs))
-        return out
-
-    def const(self, value: float, like: str) -> str:
-        name = self.name("const")
-        self.initializers.append(numpy_helper.from_array(np.array(value, np.float32), name))
-        return self.op("CastLike", [name, like]) if self.opset >= 15 else name
-
-    def mean_last(self, x: str) -> str:
-        """The mean over the last axis, kept (ReduceMean's axes moved to an input at opset 18)."""
-        if self.opset >= 18:
-            axes = self.name("axes")
-            self.initializers.append(numpy_helper.from_array(np.array([-1], np.int64), axes))
-            return self.op("ReduceMean", [x, axes], keepdims=1)
-        return self.op("ReduceMean", [x], axes=[-1], keepdims=1)
-
-    def add_all(self, names: list[str], out: str | None = None) -> str:
-        total = names[0]
-        for i, other in enumerate(names[1:], 1):
-            total = self.op("Add", [total, other], out if i == len(names) - 1 else None)
-        return total
-
-
 def _inputs(node: onnx.NodeProto) -> list[str]:
-    return list(node.input) + [""] * 6
+    return padded_inputs(node)[:6]
 
 
-def _skip_sum(w: _Writer, x: str, skip: str, bias: str) -> str:
+def _skip_sum(w: NodeWriter, x: str, skip: str, bias: str) -> str:
     """input + skip (+ bias), named as the fused node's fourth output where the graph reads it."""
     outs = list(w.node.output)
     named = outs[3] if len(outs) > 3 and outs[3] else None
     return w.add_all([t for t in (x, skip, bias) if t], named)
 
 
-def _layer_norm(w: _Writer, x: str, gamma: str, beta: str, eps: float, out: str) -> None:
+def _layer_norm(w: NodeWriter, x: str, gamma: str, beta: str, eps: float, out: str) -> None:
     if w.opset >= 17:
         w.op("LayerNormalization", [x, gamma, *([beta] if beta else [])], out, axis=-1, epsilon=eps)
         return
@@ -83,7 +48,7 @@ def _layer_norm(w: _Writer, x: str, gamma: str, beta: str, eps: float, out: str)
     _scale_by_rms(w, centred, gamma, eps, beta, out)
 
 
-def _scale_by_rms(w: _Writer, x: str, gamma: str, eps: float, beta: str, out: str) -> None:
+def _scale_by_rms(w: NodeWriter, x: str, gamma: str, eps: float, beta: str, out: str) -> None:
     """``x / sqrt(mean(x²) + eps) · gamma (+ beta)``."""
     var = w.mean_last(w.op("Mul", [x, x]))
     norm = w.op("Div", [x, w.op("Sqrt", [w.op("Add", [var, w.const(eps, x)])])])
@@ -93,29 +58,29 @@ def _scale_by_rms(w: _Writer, x: str, gamma: str, eps: float, beta: str, out: st
         w.op("Mul", [norm, gamma], out)
 
 
-def _skip_layer_norm(w: _Writer, attrs: dict) -> None:
+def _skip_layer_norm(w: NodeWriter, attrs: dict) -> None:
     x, skip, gamma, beta, bias = _inputs(w.node)[:5]
     s = _skip_sum(w, x, skip, bias)
     _layer_norm(w, s, gamma, beta, float(attrs.get("epsilon", 1e-12)), w.node.output[0])
 
 
-def _skip_rms_norm(w: _Writer, attrs: dict) -> None:
+def _skip_rms_norm(w: NodeWriter, attrs: dict) -> None:
     x, skip, gamma, bias = _inputs(w.node)[:4]
     s = _skip_sum(w, x, skip, bias)
     _scale_by_rms(w, s, gamma, float(attrs.get("epsilon", 1e-12)), "", w.node.output[0])
 
 
-def _rms_norm(w: _Writer, attrs: dict) -> None:
+def _rms_norm(w: NodeWriter, attrs: dict) -> None:
     x, gamma = _inputs(w.node)[:2]
     _scale_by_rms(w, x, gamma, float(attrs.get("epsilon", 1e-5)), "", w.node.output[0])
 
 
-def _biased(w: _Writer) -> str:
+def _biased(w: NodeWriter) -> str:
     x, bias = _inputs(w.node)[:2]
     return w.op("Add", [x, bias]) if bias else x
 
 
-def _gelu_erf(w: _Writer, _attrs: dict) -> None:
+def _gelu_erf(w: NodeWriter, _attrs: dict) -> None:
     """``0.5·x·(1 + erf(x/√2))`` of x (+ bias): Gelu, BiasGelu."""
     x = _biased(w)
     erf = w.op("Erf", [w.op("Mul", [x, w.const(1 / math.sqrt(2), x)])])
@@ -123,7 +88,7 @@ def _gelu_erf(w: _Writer, _attrs: dict) -> None:
     w.op("Mul", [half, w.op("Add", [erf, w.const(1.0, x)])], w.node.output[0])
 
 
-def _gelu_tanh(w: _Writer, _attrs: dict) -> None:
+def _gelu_tanh(w: NodeWriter, _attrs: dict) -> None:
     """``0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³)))`` of x (+ bias): FastGelu."""
     x = _biased(w)
     cube = w.op("Mul", [w.op("Mul", [x, x]), x])
@@ -133,20 +98,20 @@ def _gelu_tanh(w: _Writer, _attrs: dict) -> None:
     w.op("Mul", [half, w.op("Add", [tanh, w.const(1.0, x)])], w.node.output[0])
 
 
-def _quick_gelu(w: _Writer, attrs: dict) -> None:
+def _quick_gelu(w: NodeWriter, attrs: dict) -> None:
     """``x·sigmoid(alpha·x)``."""
     x = _inputs(w.node)[0]
     scaled = w.op("Mul", [x, w.const(float(attrs.get("alpha", 1.702)), x)])
     w.op("Mul", [x, w.op("Sigmoid", [scaled])], w.node.output[0])
 
 
-def _bias_add(w: _Writer, _attrs: dict) -> None:
+def _bias_add(w: NodeWriter, _attrs: dict) -> None:
     x, bias, skip = _inputs(w.node)[:3]
     w.add_all([x, bias, skip], w.node.output[0])
 
 
 # (domain, op type) → (writer, how many leading outputs it defines: the rest must go unread)
-LOWERED: dict[tuple[str, str], tuple[Callable[[_Writer, dict], None], int]] = {
+LOWERED: dict[tuple[str, str], tuple[Callable[[NodeWriter, dict], None], int]] = {
     (MS, "SkipLayerNormalization"): (_skip_layer_norm, 1),
     (MS, "SkipSimplifiedLayerNormalization"): (_skip_rms_norm, 1),
     ("", "SimplifiedLayerNormalization"): (_rms_norm, 1),
@@ -155,16 +120,45 @@ LOWERED: dict[tuple[str, str], tuple[Callable[[_Writer, dict], None], int]] = {
     (MS, "FastGelu"): (_gelu_tanh, 1),
     (MS, "QuickGelu"): (_quick_gelu, 1),
     (MS, "BiasAdd"): (_bias_add, 1),
+    (MS, "MultiHeadAttention"): (lower_multi_head_attention, 1),
+    (MS, "Attention"): (lower_attention, 1),
 }
 _SKIP_SUM = 3  # SkipLayerNormalization's input + skip + bias output, written by _skip_sum
+# The fused operators that lower only in some forms (no KV cache input, shapes known).
+_FORMS = {
+    (MS, "MultiHeadAttention"): multi_head_attention_lowerable,
+    (MS, "Attention"): attention_lowerable,
+}
+Shapes = dict[str, list[int | None]]
 
 
-def _lowerable(node: onnx.NodeProto, read: set[str]) -> bool:
-    found = LOWERED.get((_domain(node), node.op_type))
-    if found is None:
+def _lowerable(node: onnx.NodeProto, read: set[str], shapes: Shapes) -> bool:
+    key = (_domain(node), node.op_type)
+    if (found := LOWERED.get(key)) is None or (key in _FORMS and not _FORMS[key](node, shapes)):
         return False
     defined = {0, _SKIP_SUM} if node.op_type.startswith("Skip") else set(range(found[1]))
     return all(i in defined or not out or out not in read for i, out in enumerate(node.output))
+
+
+def _shapes(model: onnx.ModelProto) -> tuple[Shapes, dict[str, int]]:
+    """Every tensor's dims and element type that ONNX inference finds before lowering (the fused
+    operators' inputs)."""
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # noqa: BLE001 - too large or not inferable here: declared shapes only
+        pass
+    g = model.graph
+    shapes: Shapes = {t.name: [int(d) for d in t.dims] for t in g.initializer}
+    dtypes = {t.name: t.data_type for t in g.initializer}
+    for vi in (*g.input, *g.value_info, *g.output):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        if vi.type.tensor_type.elem_type:
+            dtypes[vi.name] = vi.type.tensor_type.elem_type
+        if vi.type.tensor_type.HasField("shape"):
+            dims = vi.type.tensor_type.shape.dim
+            shapes[vi.name] = [d.dim_value if d.HasField("dim_value") else None for d in dims]
+    return shapes, dtypes
 
 
 def _domain(node: onnx.NodeProto) -> str:
@@ -176,17 +170,20 @@ def lower_contrib_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     (the same object, unchanged, when it has none)."""
     graph = model.graph
     read = {t for n in graph.node for t in n.input} | {o.name for o in graph.output}
-    if not any(_lowerable(n, read) for n in graph.node):
+    if not any((_domain(n), n.op_type) in LOWERED for n in graph.node):
+        return model
+    shapes, dtypes = _shapes(model)
+    if not any(_lowerable(n, read, shapes) for n in graph.node):
         return model
     opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
     taken = {n.name for n in graph.node} | {t for n in graph.node for t in (*n.input, *n.output)}
     taken |= {t.name for t in graph.initializer}
     nodes: list[onnx.NodeProto] = []
     for node in graph.node:
-        if not _lowerable(node, read):
+        if not _lowerable(node, read, shapes):
             nodes.append(node)
             continue
-        writer = _Writer(node, opset, taken)
+        writer = NodeWriter(node, opset, taken, shapes, dtypes)
         LOWERED[(_domain(node), node.op_type)][0](
             writer, {a.name: helper.get_attribute_value(a) for a in node.attribute}
         )
