@@ -25,7 +25,7 @@ from onnx import numpy_helper
 from tessera.backends.base import Runnable, cpu_cores
 from tessera.backends.registry import BackendRegistry, default_registry
 from tessera.core.errors import LaunchError
-from tessera.core.graph import Graph
+from tessera.core.graph import Graph, is_floating
 
 log = logging.getLogger(__name__)
 
@@ -428,7 +428,7 @@ def random_feeds(graph: Graph, seed: int = 0) -> dict[str, np.ndarray]:
             continue
         dtype = np.dtype(info.dtype)
         shape = info.shape or ()
-        if np.issubdtype(dtype, np.floating):
+        if is_floating(dtype):
             feeds[name] = rng.standard_normal(shape).astype(dtype)
         elif dtype == np.bool_:
             feeds[name] = np.ones(shape, dtype=dtype)

@@ -25,7 +25,7 @@ from onnx import TensorProto, helper
 
 from tessera.backends.base import Backend, BuildError, Runnable
 from tessera.backends.profile_cache import Profile, ProfileCache, device_fingerprint, subgraph_hash
-from tessera.core.graph import Graph
+from tessera.core.graph import Graph, is_floating
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class Measurer:
             info = graph.tensors[vi.name]
             shape = info.shape or ()
             dtype = np.dtype(info.dtype)
-            if np.issubdtype(dtype, np.floating):
+            if is_floating(dtype):
                 feeds[vi.name] = rng.standard_normal(shape).astype(dtype)
             elif (real := self._integer_values(graph).get(vi.name)) is not None and real.shape == shape:
                 feeds[vi.name] = real  # a computed shape, index or mask: its value, not a stand-in

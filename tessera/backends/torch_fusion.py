@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: N812 (torch's own spelling)
 from onnx import numpy_helper
 from torch import Tensor
 
-from tessera.backends.torch_ops import OPS, OpFn, axis_of, node_attributes
+from tessera.backends.torch_ops import OPS, OpFn, axis_of, from_numpy, node_attributes
 
 
 def _linear(x: Sequence[Tensor | None], a: Mapping[str, Any]) -> Tensor:
@@ -226,4 +226,4 @@ def _fuse_linear(steps: list[Step], shapes: Mapping[str, tuple[int, ...]], kept:
 
 def constant_tensor(value: np.ndarray) -> Tensor:
     """A Constant node's value as the tensor its function would make (a copy: arrays may be views)."""
-    return torch.from_numpy(np.array(value, copy=True))
+    return from_numpy(value)

@@ -13,9 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
-import numpy as np
 import onnx
-import torch
 from onnx import numpy_helper
 from torch import Tensor, nn
 
@@ -23,6 +21,7 @@ from tessera.backends.torch_ops import (
     MAX_OPSET,
     MIN_OPSET,
     OPS,
+    from_numpy,
     node_attributes,
     schema_version,
     schema_versions,
@@ -113,7 +112,7 @@ class OnnxModule(nn.Module):
         for t in g.initializer:
             # A paper-size zoo model's lazy parameters are generated here, as materialize would.
             array = lazy_values(t) if is_lazy_tensor(t) else numpy_helper.to_array(t)
-            value = torch.from_numpy(np.array(array, copy=True))
+            value = from_numpy(array)
             key = identifier(t.name, used)
             self.onnx_names[key] = t.name
             if value.is_floating_point() and value.dim() > 0 and t.name not in frozen:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from tessera.core.errors import InputError
-from tessera.core.graph import Graph
+from tessera.core.graph import Graph, is_floating
 from tessera.core.tokens import TOKEN_SUFFIXES, TokenWindows
 from tessera.core.user_files import read_npz
 
@@ -60,7 +60,7 @@ class TrainingData:
         inputs: dict[str, np.ndarray] = {}
         for name, (shape, dtype) in self.specs.items():
             full = (B, *shape[1:])
-            if np.issubdtype(np.dtype(dtype), np.floating):
+            if is_floating(dtype):
                 inputs[name] = rng.standard_normal(full).astype(dtype)
             elif np.dtype(dtype) == np.bool_:
                 inputs[name] = rng.integers(0, 2, full).astype(np.bool_)
@@ -107,7 +107,7 @@ def _token_windows(
 ) -> tuple[str, str, TokenWindows]:
     """A token file's windows for ``graph``: its one integer ``[batch, sequence]`` input (a fixed
     sequence length) and its ``[batch, sequence, vocab]`` logits."""
-    ids = [n for n, info in graph.inputs.items() if not np.issubdtype(np.dtype(info.dtype), np.floating)]
+    ids = [n for n, info in graph.inputs.items() if not info.floating]
     shape = graph.inputs[ids[0]].shape if len(ids) == 1 else None
     if (
         len(ids) != 1

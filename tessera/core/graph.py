@@ -31,6 +31,13 @@ from tessera.core.rewrite import REWRITES, apply_rewrites
 from tessera.core.user_files import read_model_bytes
 
 
+def is_floating(dtype: str | np.dtype) -> bool:
+    """A floating-point element type, bf16 and float8 included (ml_dtypes' types, as onnx reads them,
+    are not numpy ``floating`` subtypes)."""
+    d = np.dtype(dtype)
+    return np.issubdtype(d, np.floating) or d.name.startswith(("bfloat16", "float8"))
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     """A tensor's name, concrete shape (None when inference could not resolve it) and dtype."""
@@ -55,7 +62,7 @@ class TensorInfo:
     @property
     def floating(self) -> bool:
         """A floating-point tensor: one a gradient can flow through."""
-        return np.issubdtype(np.dtype(self.dtype), np.floating)
+        return is_floating(self.dtype)
 
     def to_json(self) -> dict[str, Any]:
         return {

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import onnx
 
 
@@ -57,7 +56,7 @@ def parameter_owners(
     owners: dict[str, list[str]] = {}
     for leaf in leaves:
         info = tensors.get(leaf)
-        if info is None or info.shape == () or not np.issubdtype(np.dtype(info.dtype), np.floating):
+        if info is None or info.shape == () or not info.floating:
             continue
         # Walk through constant operators to the first activation-reading ones.
         reached: list[str] = []

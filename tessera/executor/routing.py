@@ -13,11 +13,10 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import onnx
 
 from tessera.core.errors import InputError, LaunchError
-from tessera.core.graph import Graph, load_graph
+from tessera.core.graph import Graph, is_floating, load_graph
 from tessera.core.plans import GppPlan, Stage
 from tessera.core.schedule import schedule_problems
 from tessera.executor.training import float_outputs
@@ -50,7 +49,7 @@ class Layout:
 
     @property
     def has_grad(self) -> bool:
-        return np.issubdtype(np.dtype(self.dtype), np.floating)
+        return is_floating(self.dtype)
 
 
 @dataclass(frozen=True)

@@ -204,3 +204,37 @@ def test_an_export_with_a_mask_input_decodes_exactly(family: str, corpus: Corpus
         whole.replace(path)
     want = greedy_tokens(str(path), PROMPTS, NEW_TOKENS)
     _assert_decodes(str(path), PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
+
+
+def _torch_greedy(module: torch.nn.Module, prompts: list, new_tokens: int) -> list[list[int]]:
+    """The torch module's own greedy continuation, recomputing the whole sequence each token (no cache)."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(new_tokens):
+                ids.append(int(module(torch.tensor([ids]))[0, -1].float().argmax()))
+            out.append(ids[len(prompt) :])
+    return out
+
+
+@pytest.mark.slow
+def test_a_bf16_export_decodes_as_its_torch_module(corpus: Corpus, tmp_path) -> None:
+    """bf16 weights: onnxruntime has no CPU kernels for them, so the recognizer's probes run in
+    tessera's torch executor; cp, tp and dp give the bf16 torch module's own greedy tokens."""
+    module, x = corpus.reference("qwen2-plain")
+    module = module.to(torch.bfloat16)
+    path = cache_dir() / "qwen2-plain-bf16.onnx"
+    if not path.is_file():
+        dims = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("sequence", min=2, max=32)}
+        tmp = tmp_path / "export.onnx"
+        torch.onnx.export(module, (x,), str(tmp), dynamo=True, input_names=["input_ids"],
+                          output_names=["logits"], dynamic_shapes=(dims,))  # fmt: skip
+        whole = path.with_suffix(f".tmp{os.getpid()}.onnx")
+        onnx.save(onnx.load(str(tmp)), str(whole))
+        whole.replace(path)
+    decoder = recognize_decoder(load_graph(str(path)))
+    assert decoder.config.dtype == "bf16" and (decoder.config.heads, decoder.config.kv_heads) == (4, 2)
+    want = _torch_greedy(module, PROMPTS, NEW_TOKENS)
+    assert len({t for tokens in want for t in tokens}) > 3
+    _assert_decodes(str(path), PROMPTS, want, ("cp", "tp", "dp"), tmp_path)

@@ -156,8 +156,20 @@ def torch_dtype(onnx_type: int) -> torch.dtype:
 
 
 def from_numpy(value: np.ndarray) -> Tensor:
-    """A tensor attribute (a numpy array) as a tensor that owns its memory."""
-    return torch.from_numpy(np.array(value, copy=True))
+    """A numpy array (an initializer, a tensor attribute) as a tensor that owns its memory; bf16
+    arrays (ml_dtypes' ``bfloat16``, as onnx reads them) bit for bit."""
+    array = np.array(value, copy=True)
+    if array.dtype.name == "bfloat16":
+        return torch.from_numpy(array.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(array)
+
+
+def to_numpy(tensor: Tensor) -> np.ndarray:
+    """A tensor as a numpy array (bf16: ml_dtypes' ``bfloat16``, bit for bit)."""
+    tensor = tensor.detach().cpu()
+    if tensor.dtype == torch.bfloat16:
+        return tensor.view(torch.int16).numpy().view(np.dtype("bfloat16"))
+    return tensor.numpy()
 
 
 # The operator families register themselves on import.

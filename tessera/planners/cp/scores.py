@@ -21,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from tessera.backends.model_run import ModelRun
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy_tensor, lazy_values
 
@@ -127,8 +128,6 @@ class GraphRun:
 
     @classmethod
     def of(cls, graph: Graph, tensors: Sequence[str]) -> GraphRun | None:
-        import onnxruntime as ort
-
         from tessera.core.onnx_io import restore_declared_shapes
 
         protos = graph.model.graph.initializer
@@ -146,14 +145,9 @@ class GraphRun:
             for t in tensors
             if t not in have
         )
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         try:
-            session = ort.InferenceSession(
-                model.SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
-        except Exception:  # noqa: BLE001 - a graph onnxruntime cannot load: its values are not read
+            session = ModelRun(model)
+        except Exception:  # noqa: BLE001 - a graph no runtime here can load: its values are not read
             return None
         return cls(graph, session, tensors)
 
@@ -163,7 +157,7 @@ class GraphRun:
         token = token_input(self.g)
         if token is not None:
             feeds[token] = tokens.astype(feeds[token].dtype)
-        names = [o.name for o in self.session.get_outputs()]
+        names = self.session.output_names
         return dict(zip(names, self.session.run(names, feeds), strict=True))
 
     def length(self) -> int:
@@ -285,15 +279,12 @@ class ScoreProbe:
         return model
 
     def _run(self, raw: np.ndarray, length: int, *, exact: bool = True) -> np.ndarray:
-        import onnxruntime as ort
-
         if self._session is None:
-            options = ort.SessionOptions()
-            options.log_severity_level = 3
-            options.intra_op_num_threads = 1
-            self._session = ort.InferenceSession(
-                self._model().SerializeToString(), options, providers=["CPUExecutionProvider"]
-            )
+            try:
+                self._session = ModelRun(self._model(), threads=1)
+            except Exception as exc:  # noqa: BLE001 - onnxruntime's own error, one line, with the node
+                why = " ".join(str(exc).split())[:200]
+                raise ScoreError(self.softmax, f"the score path does not load: {why}") from None
         feeds = probe_feeds(self.g, self.inputs, self.batch, length)
         if self.raw:
             feeds[self.raw] = raw

@@ -489,7 +489,9 @@ class _Profiler:
         if role == "const":
             value = self._constant_value(name)
             if value is not None:
-                t = torch.from_numpy(np.array(value, copy=True))
+                from tessera.backends.torch_ops import from_numpy
+
+                t = from_numpy(value)
                 return (t.to(self.dtype) if floating else t).to(self.device)
             if not floating:
                 raise _Unsupported(f"the value of constant {name!r} is unknown")
@@ -508,6 +510,8 @@ def torch_dtype_of(name: str) -> torch.dtype:
 
     if name == "bool":
         return torch.bool
+    if name == "bfloat16":
+        return torch.bfloat16
     return torch.from_numpy(np.zeros(0, dtype=np.dtype(name))).dtype
 
 
