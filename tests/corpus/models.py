@@ -120,6 +120,10 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
     "mistral-opset23": (_family("Mistral", attention="sdpa", hidden_size=64, num_attention_heads=4,
                                 num_key_value_heads=2, intermediate_size=128, sliding_window=4, **_LAYERS),
                         {"window": 4, "layer_windows": [4, 4]}),
+    # Phi-3: Q|K|V in one product, gate and up in one E×2F product split in halves.
+    "phi3-fused": (_family("Phi3", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, pad_token_id=0, **_LAYERS),
+                   {"gated_ffn": True, "qkv": "fused"}),
     "mpt-alibi": (_family("Mpt", rescale=0.6, d_model=64, n_heads=4, n_layers=2, max_seq_len=64),
                   {"position": "alibi", "alibi": True, "qkv": "fused", "ffn": 256}),
 }  # fmt: skip

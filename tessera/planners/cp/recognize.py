@@ -111,24 +111,27 @@ class _Layers:
         own = {*core.projections, core.out_projection}
         start = min(self.m.position[p] for p in core.projections)
         hidden = core.hidden
-        ups: dict[int, list[str]] = {}  # F -> the tensors E×F projections read
-        downs: set[int] = set()
+        ups: dict[int, list[str]] = {}  # F -> the tensors E×F projections read (so far)
+        found: dict[int, int] = {}  # F of a down projection after its up -> the up's width (F or 2F)
         for name in self.g.order[start:stop]:
             op = self.g.op(name)
             w = self.m.weight_of(op)
             if w is None or name in own:
                 continue
             _, rows, cols = w
+            if cols == hidden and rows not in found:
+                if rows in ups:
+                    found[rows] = rows
+                elif 2 * rows in ups:  # gate and up fused in one E×2F product, split in halves (Phi-3)
+                    found[rows] = 2 * rows
             if rows == hidden:
                 ups.setdefault(cols, []).append(op.inputs[0])
-            if cols == hidden:
-                downs.add(rows)
-        widths = sorted(f for f in ups if f in downs)
-        if not widths:
+        if not found:
             return None
-        ffn = widths[-1]
-        readers = ups[ffn]
-        gated = any(readers.count(t) >= 2 for t in readers)  # SwiGLU: gate and up read one tensor
+        ffn = max(found)
+        readers = ups[found[ffn]]
+        # SwiGLU: gate and up read one tensor, or are one product
+        gated = found[ffn] == 2 * ffn or any(readers.count(t) >= 2 for t in readers)
         parallel = self.g.op(core.q_projection).inputs[0] in readers
         return ffn, gated, parallel
 
