@@ -10,7 +10,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -115,39 +115,27 @@ def _export(  # noqa: PLR0913
 ) -> str | None:
     """Export to ``path`` atomically, the leading ``axes`` of the input dynamic (a decoder's batch and
     sequence, another model's batch); the exporter's error in one line if it fails."""
-    tmp = path.with_suffix(f".tmp{os.getpid()}.onnx")
-    quiet = contextlib.redirect_stdout(io.StringIO())
-    try:
-        with warnings.catch_warnings(), quiet:
-            warnings.simplefilter("ignore")
-            logging.disable(logging.WARNING)
-            if exporter == "legacy":
-                dims = dict(enumerate(axes))
-                torch.onnx.export(
-                    module, (x,), str(tmp), dynamo=False, opset_version=17, input_names=[name],
-                    output_names=["output"], dynamic_axes={name: dims, "output": dims} if axes else None,
-                )  # fmt: skip
-            else:
-                # Sequences of 2..32 tokens: within every corpus decoder's positions.
-                bounds = {"batch": (1, 64), "sequence": (2, 32)}
-                dims = {
-                    i: torch.export.Dim(axis, min=bounds[axis][0], max=bounds[axis][1])
-                    for i, axis in enumerate(axes)
-                }
-                shapes = (dims,) if axes else None
-                torch.onnx.export(
-                    module, (x,), str(tmp), dynamo=True, opset_version=opset, verbose=False,
-                    input_names=[name], output_names=["output"], dynamic_shapes=shapes,
-                )  # fmt: skip
+    with _written(path) as (tmp, failed):
+        if exporter == "legacy":
+            dims = dict(enumerate(axes))
+            torch.onnx.export(
+                module, (x,), str(tmp), dynamo=False, opset_version=17, input_names=[name],
+                output_names=["output"], dynamic_axes={name: dims, "output": dims} if axes else None,
+            )  # fmt: skip
+        else:
+            # Sequences of 2..32 tokens: within every corpus decoder's positions.
+            bounds = {"batch": (1, 64), "sequence": (2, 32)}
+            dims = {
+                i: torch.export.Dim(axis, min=bounds[axis][0], max=bounds[axis][1])
+                for i, axis in enumerate(axes)
+            }
+            shapes = (dims,) if axes else None
+            torch.onnx.export(
+                module, (x,), str(tmp), dynamo=True, opset_version=opset, verbose=False,
+                input_names=[name], output_names=["output"], dynamic_shapes=shapes,
+            )  # fmt: skip
         onnx.save(onnx.load(str(tmp)), str(tmp))  # one file: external data folded in
-        tmp.replace(path)
-        return None
-    except Exception as exc:  # noqa: BLE001 - the corpus records what an exporter cannot do
-        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
-    finally:
-        logging.disable(logging.NOTSET)
-        tmp.unlink(missing_ok=True)
-        Path(str(tmp) + ".data").unlink(missing_ok=True)
+    return failed[0] if failed else None
 
 
 def _optimized(source: Path, path: Path, model_type: str) -> str | None:
@@ -156,21 +144,30 @@ def _optimized(source: Path, path: Path, model_type: str) -> str | None:
     operators (com.microsoft ``SkipLayerNormalization``, ``FastGelu``, ``BiasGelu``, …)."""
     from onnxruntime.transformers.optimizer import optimize_model
 
+    with _written(path) as (tmp, failed):
+        optimized = optimize_model(str(source), model_type=model_type, num_heads=0, hidden_size=0)
+        optimized.save_model_to_file(str(tmp))
+    return failed[0] if failed else None
+
+
+@contextlib.contextmanager
+def _written(path: Path) -> Iterator[tuple[Path, list[str]]]:
+    """A temporary file beside ``path`` that becomes it when the block ends; the block's error, in
+    one line, lands in the yielded list instead (the corpus records what an exporter cannot do)."""
     tmp = path.with_suffix(f".tmp{os.getpid()}.onnx")
+    failed: list[str] = []
     try:
         with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             logging.disable(logging.WARNING)
-            optimize_model(str(source), model_type=model_type, num_heads=0, hidden_size=0).save_model_to_file(
-                str(tmp)
-            )
+            yield tmp, failed
         tmp.replace(path)
-        return None
-    except Exception as exc:  # noqa: BLE001 - the corpus records what the optimizer cannot do
-        return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+    except Exception as exc:  # noqa: BLE001 - recorded, not raised: what the tool cannot do
+        failed.append(f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}")
     finally:
         logging.disable(logging.NOTSET)
         tmp.unlink(missing_ok=True)
+        Path(str(tmp) + ".data").unlink(missing_ok=True)
 
 
 # Models whose legacy export also enters as onnxruntime's optimizer leaves it (dynamic batch).
