@@ -362,8 +362,8 @@ class Matcher:
     def _data_inputs(self, op: OpNode, trace: _Trace, role: str) -> list[str]:
         """The inputs of ``op`` that Q, K or V flow through; records rotary and dead ends."""
         kind = op.op_type
-        if kind == "Concat" and any((p := self.producer(x)) and p.op_type == "Neg" for x in op.inputs):
-            trace.rotary_dims.add(self._last_dim(op.outputs[0]))  # rotate_half: [-x2, x1]
+        if kind == "Concat" and (turned := self._rotated_width(op)):
+            trace.rotary_dims.add(turned)
         if kind == "RotaryEmbedding":  # opset 23: the turned width, or the whole head
             width = int(op.attributes.get("rotary_embedding_dim", 0) or 0)
             shape = self.shape(op.inputs[0])
@@ -379,6 +379,24 @@ class Matcher:
         if trace.stop is None:
             trace.stop = (op.name, f"{role} comes from a {kind}, not from a weight projection")
         return []
+
+    def _rotated_width(self, concat: OpNode) -> int:
+        """The channels a rotation turns when ``concat`` joins a negated half with the other:
+        ``[-x2, x1]`` (rotate_half: its width), or ``stack((-x2, x1), -1)`` (rotate-every-two, GPT-J:
+        the stacked pairs, flattened after it). 0 when it is no rotation."""
+        for x in concat.inputs:
+            p = self.producer(x)
+            if p is not None and p.op_type == "Neg":
+                return self._last_dim(concat.outputs[0])
+            if (
+                p is not None
+                and p.op_type == "Unsqueeze"
+                and (n := self.producer(p.inputs[0]))
+                and n.op_type == "Neg"
+            ):
+                shape = self.shape(concat.outputs[0])
+                return shape[-1] * shape[-2] if shape and len(shape) >= 2 else 0
+        return 0
 
     def _split(self, op: OpNode, tensor: str) -> tuple[tuple[int, int], ...]:
         if op.op_type not in ("Split", "Slice", "Gather"):
