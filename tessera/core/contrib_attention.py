@@ -85,13 +85,24 @@ def _core(  # noqa: PLR0913
     w.op("Reshape", [out, w.ints([0, 0, -1], "merge")], w.node.output[0])
 
 
+# The attributes each lowering reproduces; a node with any other (rotary, a shared cache buffer, …)
+# is left in place and refused, never lowered without it.
+_MHA_ATTRIBUTES = {"num_heads", "scale", "unidirectional", "mask_filter_value"}
+_ATTENTION_ATTRIBUTES = _MHA_ATTRIBUTES | {"qkv_hidden_sizes"}
+
+
+def _three_d(shapes: dict[str, list[int | None]], *tensors: str) -> bool:
+    return all(len(shapes.get(t) or ()) == 3 for t in tensors)
+
+
 def multi_head_attention_lowerable(node: onnx.NodeProto, shapes: dict[str, list[int | None]]) -> bool:
-    """Unpacked K and V, no past or cache indirection, a raw key mask, and a bias whose three parts
-    have known widths."""
+    """3-D Q, K and V (not packed, not a head-major past), no past or cache indirection, a raw key
+    mask, a bias whose three parts have known widths, and no attribute the lowering would drop."""
     q, k, v, bias, mask = padded_inputs(node)[:5]
     widths = [_width(shapes, t) for t in (q, k, v)]
     known = not bias or all(widths)
-    return bool(k and v) and not any(padded_inputs(node)[6:]) and _mask_ok(shapes, mask) and known
+    plain = set(_attrs(node)) <= _MHA_ATTRIBUTES and _three_d(shapes, q, k, v)
+    return plain and not any(padded_inputs(node)[6:]) and _mask_ok(shapes, mask) and known
 
 
 def lower_multi_head_attention(w: NodeWriter, a: dict) -> None:
@@ -108,7 +119,10 @@ def lower_multi_head_attention(w: NodeWriter, a: dict) -> None:
 def attention_lowerable(node: onnx.NodeProto, shapes: dict[str, list[int | None]]) -> bool:
     """No past (nor its length), a raw key mask, and packed weights of a known width."""
     x = padded_inputs(node)
-    return not x[4] and not any(x[6:]) and _mask_ok(shapes, x[3]) and _width(shapes, x[1]) is not None
+    plain = set(_attrs(node)) <= _ATTENTION_ATTRIBUTES and _three_d(shapes, x[0])
+    return (
+        plain and not x[4] and not any(x[6:]) and _mask_ok(shapes, x[3]) and _width(shapes, x[1]) is not None
+    )
 
 
 def lower_attention(w: NodeWriter, a: dict) -> None:

@@ -132,9 +132,26 @@ _FORMS = {
 Shapes = dict[str, list[int | None]]
 
 
+# The attributes each norm and activation lowering reproduces (the attention ones: _FORMS).
+_ATTRIBUTES = {
+    "SkipLayerNormalization": {"epsilon"},
+    "SkipSimplifiedLayerNormalization": {"epsilon"},
+    "SimplifiedLayerNormalization": {"epsilon", "axis", "stash_type"},
+    "QuickGelu": {"alpha"},
+}
+
+
+def _plain(node: onnx.NodeProto) -> bool:
+    """No attribute the lowering would drop, and a norm over the last axis only."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    return set(attrs) <= _ATTRIBUTES.get(node.op_type, set()) and attrs.get("axis", -1) == -1
+
+
 def _lowerable(node: onnx.NodeProto, read: set[str], shapes: Shapes) -> bool:
     key = (_domain(node), node.op_type)
-    if (found := LOWERED.get(key)) is None or (key in _FORMS and not _FORMS[key](node, shapes)):
+    if (found := LOWERED.get(key)) is None:
+        return False
+    if not (_FORMS[key](node, shapes) if key in _FORMS else _plain(node)):
         return False
     defined = {0, _SKIP_SUM} if node.op_type.startswith("Skip") else set(range(found[1]))
     return all(i in defined or not out or out not in read for i, out in enumerate(node.output))
@@ -167,15 +184,30 @@ def _domain(node: onnx.NodeProto) -> str:
 
 def lower_contrib_ops(model: onnx.ModelProto) -> onnx.ModelProto:
     """``model`` with every onnxruntime fused operator of :data:`LOWERED` written as standard ONNX
-    (the same object, unchanged, when it has none)."""
+    (the same object, unchanged, when it has none). In rounds: shapes behind a fused operator are
+    known to ONNX inference only once it is lowered, and an attention lowering needs them."""
     graph = model.graph
     read = {t for n in graph.node for t in n.input} | {o.name for o in graph.output}
     if not any((_domain(n), n.op_type) in LOWERED for n in graph.node):
         return model
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+    while _lower_round(model, read, opset):
+        pass
+    used = {n.domain for n in graph.node}
+    kept = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
+    del model.opset_import[:]
+    model.opset_import.extend(kept)
+    return model
+
+
+def _lower_round(model: onnx.ModelProto, read: set[str], opset: int) -> bool:
+    """Lower every fused operator lowerable with the shapes known now; False when none was."""
+    graph = model.graph
+    if not any((_domain(n), n.op_type) in LOWERED for n in graph.node):
+        return False
     shapes, dtypes = _shapes(model)
     if not any(_lowerable(n, read, shapes) for n in graph.node):
-        return model
-    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 1)
+        return False
     taken = {n.name for n in graph.node} | {t for n in graph.node for t in (*n.input, *n.output)}
     taken |= {t.name for t in graph.initializer}
     nodes: list[onnx.NodeProto] = []
@@ -191,8 +223,4 @@ def lower_contrib_ops(model: onnx.ModelProto) -> onnx.ModelProto:
         graph.initializer.extend(writer.initializers)
     del graph.node[:]
     graph.node.extend(nodes)
-    used = {n.domain for n in graph.node}
-    kept = [o for o in model.opset_import if o.domain in ("", "ai.onnx") or o.domain in used]
-    del model.opset_import[:]
-    model.opset_import.extend(kept)
-    return model
+    return True

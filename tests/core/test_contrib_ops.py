@@ -84,3 +84,9 @@ def test_a_fused_norm_whose_statistics_are_read_is_refused_naming_it() -> None:
     model = _model("SkipLayerNormalization", MS, ["x", "skip", "gamma", "beta"], ["y", "mean"], 17)
     with pytest.raises(InputError, match="fused.*SkipLayerNormalization.*com.microsoft"):
         load_graph(model)
+
+
+def test_a_norm_over_another_axis_is_refused_naming_it() -> None:
+    model = _model("SimplifiedLayerNormalization", "", ["x", "gamma"], ["y"], 17, axis=1)
+    with pytest.raises(InputError, match="fused.*SimplifiedLayerNormalization"):
+        load_graph(model)
