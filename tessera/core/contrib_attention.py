@@ -10,13 +10,8 @@ from __future__ import annotations
 import math
 
 import onnx
-from onnx import helper
 
-from tessera.core.node_writer import NodeWriter, padded_inputs
-
-
-def _attrs(node: onnx.NodeProto) -> dict[str, object]:
-    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+from tessera.core.node_writer import NodeWriter, attributes, padded_inputs
 
 
 def _heads_first(w: NodeWriter, x: str, heads: int, perm: list[int]) -> str:
@@ -101,7 +96,7 @@ def multi_head_attention_lowerable(node: onnx.NodeProto, shapes: dict[str, list[
     q, k, v, bias, mask = padded_inputs(node)[:5]
     widths = [_width(shapes, t) for t in (q, k, v)]
     known = not bias or all(widths)
-    plain = set(_attrs(node)) <= _MHA_ATTRIBUTES and _three_d(shapes, q, k, v)
+    plain = set(attributes(node)) <= _MHA_ATTRIBUTES and _three_d(shapes, q, k, v)
     return plain and not any(padded_inputs(node)[6:]) and _mask_ok(shapes, mask) and known
 
 
@@ -119,7 +114,7 @@ def lower_multi_head_attention(w: NodeWriter, a: dict) -> None:
 def attention_lowerable(node: onnx.NodeProto, shapes: dict[str, list[int | None]]) -> bool:
     """No past (nor its length), a raw key mask, and packed weights of a known width."""
     x = padded_inputs(node)
-    plain = set(_attrs(node)) <= _ATTENTION_ATTRIBUTES and _three_d(shapes, x[0])
+    plain = set(attributes(node)) <= _ATTENTION_ATTRIBUTES and _three_d(shapes, x[0])
     return (
         plain and not x[4] and not any(x[6:]) and _mask_ok(shapes, x[3]) and _width(shapes, x[1]) is not None
     )

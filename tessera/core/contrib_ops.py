@@ -16,7 +16,6 @@ import math
 from collections.abc import Callable
 
 import onnx
-from onnx import helper
 
 from tessera.core.contrib_attention import (
     attention_lowerable,
@@ -24,7 +23,7 @@ from tessera.core.contrib_attention import (
     lower_multi_head_attention,
     multi_head_attention_lowerable,
 )
-from tessera.core.node_writer import NodeWriter, padded_inputs
+from tessera.core.node_writer import NodeWriter, attributes, padded_inputs
 
 MS = "com.microsoft"
 
@@ -143,7 +142,7 @@ _ATTRIBUTES = {
 
 def _plain(node: onnx.NodeProto) -> bool:
     """No attribute the lowering would drop, and a norm over the last axis only."""
-    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    attrs = attributes(node)
     return set(attrs) <= _ATTRIBUTES.get(node.op_type, set()) and attrs.get("axis", -1) == -1
 
 
@@ -216,9 +215,7 @@ def _lower_round(model: onnx.ModelProto, read: set[str], opset: int) -> bool:
             nodes.append(node)
             continue
         writer = NodeWriter(node, opset, taken, shapes, dtypes)
-        LOWERED[(_domain(node), node.op_type)][0](
-            writer, {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        )
+        LOWERED[(_domain(node), node.op_type)][0](writer, attributes(node))
         nodes.extend(writer.nodes)
         graph.initializer.extend(writer.initializers)
     del graph.node[:]

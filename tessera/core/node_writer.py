@@ -8,6 +8,11 @@ import onnx
 from onnx import helper, numpy_helper
 
 
+def attributes(node: onnx.NodeProto) -> dict[str, object]:
+    """``node``'s attributes by name, as Python values."""
+    return {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+
 def padded_inputs(node: onnx.NodeProto, count: int = 12) -> list[str]:
     """``node``'s inputs, "" for each optional one it leaves out, ``count`` at least."""
     return list(node.input) + [""] * max(0, count - len(node.input))
