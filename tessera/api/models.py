@@ -84,13 +84,6 @@ def _file_sha256(path: Path) -> str:
         return hashlib.file_digest(stream, "sha256").hexdigest()
 
 
-def _file_sha256(path: Path) -> str:
-    import hashlib
-
-    with path.open("rb") as stream:
-        return hashlib.file_digest(stream, "sha256").hexdigest()
-
-
 def load_plan_model(
     plan: Any, plan_path: str, given: str | None, *, warn: Callable[[str], None] | None = None
 ) -> Graph:

@@ -15,6 +15,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph, batch_fix
 from tessera.core.plans import CpPlan, ModelRef
 from tessera.core.specs import ClusterSpec
+from tessera.core.traced import traced_values_message
 from tessera.core.weights import is_lazy
 
 if TYPE_CHECKING:  # the planners import torch: loaded when a plan is made
@@ -162,7 +163,11 @@ def plan_decoding(  # noqa: PLR0913
     model_ref, params, positions = None, None, None
     if graph is not None:
         decoder = recognize_decoder(graph)
-        why = decoder.fixed_length_message(next(iter(graph.inputs))) or _fixed_batch_message(graph, batch)
+        why = (
+            decoder.fixed_length_message(next(iter(graph.inputs)))
+            or _fixed_batch_message(graph, batch)
+            or traced_values_message(graph)
+        )
         if why is not None:  # launch could not decode it: refused now (exit 2)
             raise InputError(why, source=graph.source)
         config = decoder.config

@@ -10,6 +10,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.plans import PlacementPlan, Plan, dump_plan
 from tessera.core.structure import branch_structure
+from tessera.core.traced import traced_values_message
 from tessera.planners.cp.recognize import recognize_decoder
 
 __all__ = ["Inspection", "Placement", "Validation", "inspect_report"]
@@ -93,6 +94,7 @@ def inspect_report(graph: Graph) -> dict[str, Any]:
         "outputs": [t.to_json() for t in graph.outputs.values()],
         "defaulted_dims": graph.defaulted_dims,
         "unknown_shapes": list(graph.unknown_shapes),  # operators counted as 0 FLOPs
+        "traced_for_example": traced_values_message(graph),  # why plan, place and launch refuse it
         "branches": structure.to_json(),
         "decoder": _decoder(graph),
     }

@@ -79,11 +79,18 @@ def inspect(graph: Graph, as_json: bool, output: str | None, write_named: str | 
             f"  {seg['branches']} branches, {seg['nodes']} nodes: "
             f"{escape(seg['start'] or 'inputs')} → {escape(seg['end'] or 'outputs')}"
         )
+    _print_notes(out, graph, report)
+
+
+def _print_notes(out: Any, graph: Graph, report: dict[str, Any]) -> None:
+    """The decoder found, symbolic dims bound, and why the graph cannot be planned."""
     if (decoder := report["decoder"]) is not None:
         out.print(f"decoder: {escape(_describe(decoder))}")
     if graph.defaulted_dims:
         dims = ", ".join(f"{k}={v}" for k, v in graph.defaulted_dims.items())
         out.print(f"symbolic dims bound to 1: {escape(dims)} (override with --input-shape)")
+    if report["traced_for_example"] is not None:
+        out.print(f"plan, place and launch refuse this graph: {escape(report['traced_for_example'])}")
 
 
 def _describe(decoder: dict[str, Any]) -> str:
@@ -93,7 +100,13 @@ def _describe(decoder: dict[str, Any]) -> str:
     parts = [
         f"{decoder['layers']} layers, hidden {decoder['hidden']}, {decoder['heads']} heads "
         f"({decoder['kv_heads']} KV) of {decoder['head_dim']}, FFN {decoder['ffn']}"
-        + (" gated" if decoder["gated_ffn"] else ""),
+        + (" gated" if decoder["gated_ffn"] else "")
+        + (
+            f" × {decoder['experts']} experts, {decoder['experts_per_token']} per token"
+            + (f", shared FFN {decoder['shared_ffn']}" if decoder["shared_ffn"] else "")
+            if decoder["experts"] > 1
+            else ""
+        ),
         f"vocab {decoder['vocab']}" + (" tied" if decoder["tied_embeddings"] else ""),
         f"rotary {rotary['dim']}"
         if rotary

@@ -50,6 +50,8 @@ LLM_SIZE_LIMITS: dict[str, int] = {
     "head_dim": 2**16,
     "ffn": 2**22,
     "vocab": 2**24,
+    "experts": 2**12,
+    "experts_per_token": 2**12,
 }
 
 
@@ -333,7 +335,13 @@ class CpPlan(_PlanBase):
         (positive integers within :data:`LLM_SIZE_LIMITS`, kv_heads dividing heads), the degree,
         the batch, a context and output lengths within the planner's range, and the KV block."""
         for key, limit in LLM_SIZE_LIMITS.items():
+            if key in ("experts", "experts_per_token") and key not in self.llm:
+                continue  # a dense FFN (plans written before mixtures of experts)
             _bounded(f"llm.{key}", self.llm.get(key), limit)
+        if self.llm.get("experts_per_token", 1) > self.llm.get("experts", 1):
+            raise ValueError("llm.experts_per_token is more than llm.experts")
+        if self.llm.get("shared_ffn", 0):  # 0: no shared expert
+            _bounded("llm.shared_ffn", self.llm["shared_ffn"], LLM_SIZE_LIMITS["ffn"])
         if self.llm["heads"] % self.llm["kv_heads"]:
             raise ValueError(f"llm.kv_heads {self.llm['kv_heads']} must divide llm.heads {self.llm['heads']}")
         if self.llm.get("dtype") not in LLM_DTYPES:

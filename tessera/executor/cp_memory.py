@@ -36,14 +36,16 @@ def weight_elements(llm: dict[str, Any], positions: int | None) -> int:
     layers, hidden, heads, kv_heads, head_dim, ffn, vocab = llm_ints(llm)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     ffn_matrices = 3 if llm.get("gated_ffn") else 2
+    experts = int(llm.get("experts") or 1)
     layer = (
         4 * hidden  # ln1, ln2
         + (hidden + 1) * q_dim
         + 2 * (hidden + 1) * kv_dim
         + q_dim * hidden
         + hidden
-        + ffn_matrices * hidden * ffn
-        + (ffn_matrices - 1) * ffn
+        + experts * (ffn_matrices * hidden * ffn + (ffn_matrices - 1) * ffn)
+        + (hidden * experts if experts > 1 else 0)  # the router
+        + ffn_matrices * hidden * int(llm.get("shared_ffn") or 0)  # a shared expert
         + hidden
     )
     return layers * layer + 2 * vocab * hidden + 2 * hidden + (positions or 0) * hidden

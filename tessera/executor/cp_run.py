@@ -234,6 +234,12 @@ def _checked_model(plan: CpPlan, model_path: str | None, options: DecodeOptions,
     """The plan's decoder; an ONNX model that cannot be decoded from its graph is refused before
     any worker starts. An ``--llm`` plan's GPT (models.gpt.llm_gpt) is built by the workers."""
     if plan.model is None:
+        if plan.llm.get("experts", 1) > 1:  # the seeded GPT has a dense FFN: not what was planned
+            raise InputError(
+                f"the plan's LLM config has {plan.llm['experts']} experts, and launch builds a config's model "
+                "with a dense FFN: launch a mixture of experts from its ONNX export (plan MODEL.onnx --kind cp)",
+                source=plan_path,
+            )
         source = f"seeded random (seed {options.seed}; --llm config {plan.llm.get('name', '?')}, sinusoidal positions)"
         return _Model(None, int(plan.llm["vocab"]), None, source)
     if model_path is None:

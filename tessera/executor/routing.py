@@ -19,6 +19,7 @@ from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph, is_floating, load_graph
 from tessera.core.plans import GppPlan, Stage
 from tessera.core.schedule import schedule_problems
+from tessera.core.traced import traced_values_message
 from tessera.executor.training import float_outputs
 
 
@@ -103,7 +104,7 @@ def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
 
 def tensor_layouts(graph: Graph, model_path: str | bytes | onnx.ModelProto) -> dict[str, Layout]:
     """Layout of every tensor with a known shape, from the model loaded at two batch sizes."""
-    if (why := graph.fixed_batch_message()) is not None:
+    if (why := graph.fixed_batch_message() or traced_values_message(graph)) is not None:
         raise InputError(why, source=graph.source)
     batch = {info.shape[0] for info in graph.inputs.values() if info.shape}
     if len(batch) != 1:

@@ -71,16 +71,24 @@ def _rescaled(model: nn.Module, std: float) -> nn.Module:
 
 
 def _family(
-    name: str, rescale: float | None = None, attention: str = "eager", **config: object
+    name: str,
+    rescale: float | None = None,
+    attention: str = "eager",
+    experts: str | None = None,
+    **config: object,
 ) -> Callable[[], nn.Module]:
-    """A plain export of transformers' ``{name}ForCausalLM`` with ``config`` (2 layers)."""
+    """A plain export of transformers' ``{name}ForCausalLM`` with ``config`` (2 layers); ``experts``:
+    the mixture-of-experts implementation (``batched_mm`` is the one torch.export traces)."""
 
     def build() -> nn.Module:
         import transformers
 
         cls = getattr(transformers, f"{name}ForCausalLM")
         settings = {"vocab_size": VOCAB, "initializer_range": DECODER_INIT, **config}
-        model = cls(getattr(transformers, f"{name}Config")(**settings))
+        made = getattr(transformers, f"{name}Config")(**settings)
+        if experts is not None:
+            made._experts_implementation = experts
+        model = cls(made)
         model.config._attn_implementation = attention
         return _PlainLogits(model if rescale is None else _rescaled(model, rescale))
 
@@ -126,6 +134,12 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
                    {"gated_ffn": True, "qkv": "fused"}),
     "mpt-alibi": (_family("Mpt", rescale=0.6, d_model=64, n_heads=4, n_layers=2, max_seq_len=64),
                   {"position": "alibi", "alibi": True, "qkv": "fused", "ffn": 256}),
+    # Mixtral: 4 experts, 2 per token, each expert's gate and up stacked E × 2F × hidden, gathered
+    # per token by the router's TopK.
+    "mixtral-moe": (_family("Mixtral", experts="batched_mm", hidden_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
+                            num_experts_per_tok=2, **_LAYERS),
+                    {"experts": 4, "experts_per_token": 2}),
 }  # fmt: skip
 
 

@@ -43,7 +43,7 @@ def _configured(corpus: Corpus, model: str) -> dict[str, object]:
         "ffn": getattr(config, "intermediate_size", None)
         or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,
-        "gated_ffn": kind in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2"),
+        "gated_ffn": kind in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "mixtral"),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),
         "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
@@ -54,6 +54,9 @@ def _configured(corpus: Corpus, model: str) -> dict[str, object]:
         "window": None,
         "softcap": None,
         "alibi": False,
+        "experts": 1,
+        "experts_per_token": 1,
+        "shared_ffn": 0,
     }
     return {**want, **FAMILIES.get(model, (None, {}))[1]}
 

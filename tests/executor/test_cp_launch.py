@@ -290,3 +290,16 @@ def test_launch_checks_an_llm_plans_devices_against_its_cluster(tmp_path: Path) 
     lines = res.err.strip().splitlines()
     assert res.code == 2 and len(lines) == 1, res.err
     assert f"{plan_path}: device 'nowhere/cpu:0' is not in the plan's cluster" in lines[0]
+
+
+def test_launch_refuses_an_llm_plan_of_experts_it_would_run_as_a_dense_model(tmp_path: Path) -> None:
+    """A config has no weights: launch builds a dense GPT of its sizes, which is not a mixture of
+    experts; it says so and points at the export, before any worker starts."""
+    config = tmp_path / "moe.yaml"
+    config.write_text(SMALL_LLM.format(gated="true", tied="false") + "experts: 4\nexperts_per_token: 2\n")
+    plan_path = make_plan(tmp_path, ["--llm", str(config)], "local-cpu-split", 2, 64)
+    assert json.loads(plan_path.read_text())["llm"]["experts"] == 4
+    res = run_cli("launch", str(plan_path))
+    lines = res.err.strip().splitlines()
+    assert res.code == 2 and len(lines) == 1, res.err
+    assert "4 experts" in lines[0] and "ONNX export" in lines[0]

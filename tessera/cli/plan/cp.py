@@ -162,7 +162,13 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = Fa
     llm = plan.llm
     out.print(
         f"[bold]{llm['name']}[/bold] ({llm['layers']} layers, E={llm['hidden']}, H={llm['heads']}, "
-        f"kv_heads={llm['kv_heads']}, {llm['dtype']}) on {plan.cluster['name']}: "
+        f"kv_heads={llm['kv_heads']}"
+        + (
+            f", {llm['experts']} experts, {llm['experts_per_token']} per token"
+            if llm.get("experts", 1) > 1
+            else ""
+        )
+        + f", {llm['dtype']}) on {plan.cluster['name']}: "
         f"batch {plan.workload['batch']}, context {plan.workload['context']}, "
         f"output {plan.workload['output_len']['spec']}"
         + (f", {p['layers_evaluated']} layer(s) evaluated" if p["per_layer"] else "")
@@ -174,6 +180,8 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = Fa
         f"memory {human_bytes(p['memory_per_device']['total'])} of "
         f"{human_bytes(p['memory_per_device']['capacity'])} per device"
     )
+    if "expert_split" in plan.workload:
+        out.print(f"  experts: {plan.workload['expert_split']}")
     for c in plan.collectives:
         out.print(
             f"  per layer: {c['op']} {human_bytes(c['bytes'])} over {len(c['group'])} devices ({c['what']})"

@@ -157,6 +157,7 @@ class Estimate:
     capacity_bytes: int
     collectives: tuple[Collective, ...] = ()
     kv_split: str = ""
+    expert_split: str = ""  # how a mixture of experts' experts are held; "" for a dense FFN
     dp_straggler: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -255,7 +256,7 @@ def estimate(  # noqa: C901
     layer_weight_bytes = llm.layer_params * b
     head_read_bytes = llm.vocab * llm.hidden * b if with_head else 0
     embedding_bytes = llm.embedding_params * b if with_head else 0
-    dense_flops_per_token = 2 * (llm.attention_params + llm.ffn_params)
+    dense_flops_per_token = 2 * (llm.attention_params + llm.active_ffn_params)
     attn_flops_per_position = 4 * llm.heads * int(llm.head_dim)  # Q·Kᵀ and ·V, per token and position
 
     reasons: list[str] = []
@@ -327,7 +328,7 @@ def estimate(  # noqa: C901
         bw = device.type.memory_bandwidth
         dense = max(
             tokens * dense_flops_per_token * _share(strategy, n) / peak,
-            layer_weight_bytes * _share(strategy, n) / bw,
+            llm.layer_read_params(tokens) * b * _share(strategy, n) / bw,
         )
         requests = attn_requests if strategy != "dp" else tokens
         attention = max(
@@ -391,7 +392,24 @@ def estimate(  # noqa: C901
         capacity_bytes=capacity,
         collectives=tuple(collectives),
         kv_split=kv_split,
+        expert_split=_expert_split(llm, strategy, n, dense_tokens),
         dp_straggler=straggler,
+    )
+
+
+def _expert_split(llm: LlmConfig, strategy: str, n: int, tokens: int) -> str:
+    """Where the experts of a mixture live, and what a step reads of them."""
+    if llm.experts == 1:
+        return ""
+    held = (
+        f"each device holds 1/{n} of every expert's matrices (experts split like the dense layers)"
+        if strategy == "tp" and n > 1
+        else f"every device holds all {llm.experts} experts"
+    )
+    read = llm.experts * (1 - (1 - llm.experts_per_token / llm.experts) ** max(tokens, 1))
+    return (
+        f"{held}; a step of {tokens} token(s) per device reads {read:.3g} of {llm.experts} experts "
+        f"({llm.experts_per_token} per token, routing assumed uniform)"
     )
 
 

@@ -39,7 +39,10 @@ class LlmConfig(config_files.ConfigModel):
 
     ``kv_heads`` defaults to ``heads`` (multi-head attention; fewer is grouped-query attention) and
     ``head_dim`` to ``hidden / heads``. ``gated_ffn`` counts three FFN matrices (gate, up, down:
-    SwiGLU, as in Llama) instead of two (fc1, fc2: GELU, as in GPT-2).
+    SwiGLU, as in Llama) instead of two (fc1, fc2: GELU, as in GPT-2). A mixture-of-experts FFN has
+    ``experts`` FFNs of width ``ffn`` and a router sending each token to ``experts_per_token`` of them
+    (Mixtral: 8, 2); the default, one expert, is a dense FFN. ``shared_ffn``: the width of a dense FFN
+    every token also goes through beside its experts (Qwen2-MoE's shared expert), 0 for none.
     """
 
     # Sizes within what a cp plan may hold (LLM_SIZE_LIMITS: beyond any published model).
@@ -54,6 +57,9 @@ class LlmConfig(config_files.ConfigModel):
     dtype: Literal["fp32", "fp16", "bf16", "fp8", "int8"] = "fp16"
     gated_ffn: bool = False
     tied_embeddings: bool = False
+    experts: int = Field(default=1, strict=True, ge=1, le=LLM_SIZE_LIMITS["experts"])
+    experts_per_token: int = Field(default=1, strict=True, ge=1, le=LLM_SIZE_LIMITS["experts_per_token"])
+    shared_ffn: int = Field(default=0, strict=True, ge=0, le=LLM_SIZE_LIMITS["ffn"])
 
     @model_validator(mode="after")
     def _defaults_and_consistency(self) -> LlmConfig:
@@ -63,6 +69,10 @@ class LlmConfig(config_files.ConfigModel):
         if self.head_dim is None and self.hidden % self.heads:
             raise ValueError(
                 f"head_dim: required, heads ({self.heads}) does not divide hidden ({self.hidden})"
+            )
+        if self.experts_per_token > self.experts:
+            raise ValueError(
+                f"experts_per_token: {self.experts_per_token} is more than the {self.experts} experts"
             )
         head_dim = self.hidden // self.heads if self.head_dim is None else self.head_dim
         object.__setattr__(self, "kv_heads", kv_heads)
@@ -91,13 +101,44 @@ class LlmConfig(config_files.ConfigModel):
         return self.hidden * self.q_dim + 2 * self.hidden * self.kv_dim + self.q_dim * self.hidden
 
     @property
-    def ffn_params(self) -> int:
+    def expert_params(self) -> int:
+        """Weights of one FFN (of one expert in a mixture of experts)."""
         return (3 if self.gated_ffn else 2) * self.hidden * self.ffn
+
+    @property
+    def router_params(self) -> int:
+        """What every token reads beside its experts: the router's hidden × experts projection and
+        a shared expert (none for a dense FFN)."""
+        if self.experts == 1:
+            return 0
+        return self.hidden * self.experts + (3 if self.gated_ffn else 2) * self.hidden * self.shared_ffn
+
+    @property
+    def ffn_params(self) -> int:
+        """Weights of one layer's FFN as held: every expert and the router."""
+        return self.experts * self.expert_params + self.router_params
+
+    @property
+    def active_ffn_params(self) -> int:
+        """Weights one token multiplies by: its ``experts_per_token`` experts and the router."""
+        return self.experts_per_token * self.expert_params + self.router_params
+
+    def ffn_read_params(self, tokens: int) -> float:
+        """FFN weights a step of ``tokens`` tokens reads: the experts at least one token is routed
+        to, in expectation over uniform routing (E·(1 − (1 − k/E)^tokens)), and the router."""
+        if self.experts == 1:
+            return float(self.expert_params)
+        untouched = (1 - self.experts_per_token / self.experts) ** max(tokens, 1)
+        return self.experts * (1 - untouched) * self.expert_params + self.router_params
 
     @property
     def layer_params(self) -> int:
         """Weights of one transformer layer: projections, FFN and two norms (scale + bias)."""
         return self.attention_params + self.ffn_params + 4 * self.hidden
+
+    def layer_read_params(self, tokens: int) -> float:
+        """Weights of one layer a decode step of ``tokens`` tokens reads (:meth:`ffn_read_params`)."""
+        return self.attention_params + self.ffn_read_params(tokens) + 4 * self.hidden
 
     @property
     def embedding_params(self) -> int:
@@ -128,6 +169,9 @@ class LlmConfig(config_files.ConfigModel):
             "dtype": self.dtype,
             "gated_ffn": self.gated_ffn,
             "tied_embeddings": self.tied_embeddings,
+            "experts": self.experts,
+            "experts_per_token": self.experts_per_token,
+            "shared_ffn": self.shared_ffn,
             "parameters": self.params,
         }
 

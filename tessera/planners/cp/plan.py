@@ -90,7 +90,12 @@ def plan_cp(  # noqa: PLR0913 - the --kind cp options
         strategy=best.strategy,
         degree=best.degree,
         llm={**llm.to_json(), "source": None if source is None else source.model_dump()},
-        workload={**workload.to_json(), "kv_split": best.kv_split, "devices": list(best.devices)},
+        workload={
+            **workload.to_json(),
+            "kv_split": best.kv_split,
+            **({"expert_split": best.expert_split} if best.expert_split else {}),
+            "devices": list(best.devices),
+        },
         kv_shards=_kv_shards(best, workload, p.kv_block),
         collectives=[c.to_json() for c in best.collectives],
         alternatives=[e.summary() for e in estimates if e is not best],

@@ -10,7 +10,7 @@ References: thesis §4.4 (CP splits causal self-attention's KV cache). Matching 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -67,6 +67,7 @@ class Decoder:
         return {
             "layers": c.layers, "hidden": c.hidden, "heads": c.heads, "kv_heads": c.kv_heads,
             "head_dim": c.head_dim, "ffn": c.ffn, "gated_ffn": c.gated_ffn, "vocab": c.vocab,
+            "experts": c.experts, "experts_per_token": c.experts_per_token, "shared_ffn": c.shared_ffn,
             "tied_embeddings": c.tied_embeddings, "positions": self.positions, "dtype": c.dtype,
             "rotary": None if self.rotary_dim is None else {"dim": self.rotary_dim, "partial": self.rotary_dim < (c.head_dim or 0)},
             "norm": self.norm, "parallel_residual": self.parallel_residual, "qkv": self.qkv,
@@ -100,14 +101,83 @@ class Decoder:
         return "learned" if self.positions is not None or self.position_constant else "none"
 
 
+class Ffn(NamedTuple):
+    """A layer's feed-forward block: width F (of one expert), gated (SwiGLU), read in parallel with
+    attention, and for a mixture of experts how many and how many per token."""
+
+    width: int
+    gated: bool
+    parallel: bool
+    experts: int = 1
+    experts_per_token: int = 1
+    shared: int = 0  # width of a dense FFN beside the experts (a shared expert)
+
+
 class _Layers:
     """The FFN, norm and vocabulary queries around matched attention cores."""
 
     def __init__(self, m: Matcher) -> None:
         self.m, self.g = m, m.g
 
-    def ffn(self, core: AttentionCore, stop: int) -> tuple[int, bool, bool] | None:
-        """``(F, gated, parallel)`` of the FFN after ``core``'s projections, before position ``stop``."""
+    def ffn(self, core: AttentionCore, stop: int) -> Ffn | None:
+        """The FFN after ``core``'s projections, before position ``stop``: routed experts where a
+        router picks them, else a dense one."""
+        routed = self.routed(core, stop)
+        if routed is None:
+            return self.dense(core, stop)
+        shared = self.dense(core, stop)  # an expert every token goes through (Qwen2-MoE)
+        return routed if shared is None else routed._replace(shared=shared.width)
+
+    def routed(self, core: AttentionCore, stop: int) -> Ffn | None:
+        """A mixture of experts: a ``TopK`` over a router's hidden × E scores picks k of E experts,
+        whose weights are E-stacked 3-D tensors (E × F × hidden, E × hidden × F, or E × 2F × hidden
+        with gate and up fused) read by the experts' products."""
+        start = min(self.m.position[p] for p in core.projections)
+        names = self.g.order[start:stop]
+        for name in names:
+            op = self.g.op(name)
+            k = self.m.array(op.inputs[1]) if op.op_type == "TopK" and len(op.inputs) > 1 else None
+            router = self._router(op.inputs[0], core.hidden) if k is not None and k.size == 1 else None
+            if router is None:
+                continue
+            source, experts = router
+            widths = []
+            for tensor in dict.fromkeys(t for n in names for t in self.g.op(n).inputs):
+                info = self.g.initializers.get(tensor)
+                shape = None if info is None or info.shape is None else tuple(info.shape)
+                if shape is None or len(shape) != 3 or shape[0] != experts or core.hidden not in shape[1:]:
+                    continue
+                widths.append(shape[2] if shape[1] == core.hidden else shape[1])
+            if len(widths) < 2:
+                continue
+            width = min(widths)
+            gated = 2 * width in widths or len(widths) >= 3
+            parallel = source == self.g.op(core.q_projection).inputs[0]
+            return Ffn(width, gated, parallel, experts, int(k.reshape(-1)[0]))
+        return None
+
+    def _router(self, scores: str, hidden: int) -> tuple[str, int] | None:
+        """``(input, E)`` of the hidden × E projection behind a TopK's scores (through the softmax
+        or sigmoid, a bias, casts and reshapes)."""
+        for _ in range(6):
+            op = self.m.producer(scores)
+            if op is None:
+                return None
+            w = self.m.weight_of(op)
+            if w is not None:
+                return (op.inputs[0], w[2]) if w[1] == hidden and w[2] > 1 else None
+            live = [t for t in op.inputs if t and not self.m.is_constant(t)]
+            if (
+                op.op_type not in ("Softmax", "Sigmoid", "Add", "Cast", "Reshape", "Identity")
+                or len(live) != 1
+            ):
+                return None
+            scores = live[0]
+        return None
+
+    def dense(self, core: AttentionCore, stop: int) -> Ffn | None:
+        """A dense FFN after ``core``'s projections, before position ``stop``: an up projection
+        (E × F, or E × 2F with gate and up fused) and a down one (F × E)."""
         own = {*core.projections, core.out_projection}
         start = min(self.m.position[p] for p in core.projections)
         hidden = core.hidden
@@ -133,7 +203,7 @@ class _Layers:
         # SwiGLU: gate and up read one tensor, or are one product
         gated = found[ffn] == 2 * ffn or any(readers.count(t) >= 2 for t in readers)
         parallel = self.g.op(core.q_projection).inputs[0] in readers
-        return ffn, gated, parallel
+        return Ffn(ffn, gated, parallel)
 
     def norm(self, core: AttentionCore) -> str | None:
         """The norm in front of ``core``'s projections: an operator, or decomposed (a ReduceMean of
@@ -291,7 +361,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     cores, failed = m.cores()
     _check_cores(graph, cores, failed)
     _check_causal(graph, m, cores)
-    ffns: list[tuple[int, bool, bool]] = []
+    ffns: list[Ffn] = []
     for i, core in enumerate(cores):
         stop = (
             min(m.position[p] for p in cores[i + 1].projections) if i + 1 < len(cores) else len(graph.order)
@@ -311,7 +381,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         if sizes != want:
             raise InputError(
                 f"layers differ in size: layer {i} ({core.softmax}) has hidden, heads, kv_heads, head_dim, "
-                f"rotary dim, ffn, gated, parallel = {sizes}, layer 0 has {want}",
+                f"rotary dim, ffn, gated, parallel, experts, experts per token = {sizes}, layer 0 has {want}",
                 source=graph.source,
             )
     vocab, tied = layers.vocab(first.hidden)
@@ -321,7 +391,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         )
     found = {
         "layers": len(cores), "hidden": first.hidden, "heads": first.heads, "kv_heads": first.kv_heads,
-        "head_dim": first.head_dim, "ffn": ffns[0][0], "vocab": vocab,
+        "head_dim": first.head_dim, "ffn": ffns[0].width, "vocab": vocab,
     }  # fmt: skip
     meta = {p.key: p.value for p in graph.model.metadata_props}
     for key, value in found.items():
@@ -334,8 +404,11 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     config = LlmConfig(
         name=name or meta.get("tessera.model") or graph.model.graph.name or "onnx-model",
         dtype=first.dtype,  # type: ignore[arg-type]
-        gated_ffn=ffns[0][1],
+        gated_ffn=ffns[0].gated,
         tied_embeddings=tied,
+        experts=ffns[0].experts,
+        experts_per_token=ffns[0].experts_per_token,
+        shared_ffn=ffns[0].shared,
         **found,
     )
     return Decoder(
@@ -344,7 +417,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         positions=position_limit(graph, first.hidden),
         rotary_dim=first.rotary_dim,
         norm=layers.norm(first),
-        parallel_residual=ffns[0][2],
+        parallel_residual=ffns[0].parallel,
         qkv="fused" if len(first.projections) == 1 else "separate",
         fixed_length=_fixed_length(graph, m),
         position_constant=layers.added_positions(first.hidden),

@@ -28,6 +28,7 @@ from tessera.core.plans import (
 from tessera.core.rewrite import applicable
 from tessera.core.schedule import SCHEDULE_CHOICES
 from tessera.core.specs import ClusterSpec
+from tessera.core.traced import traced_values_message
 from tessera.core.units import UnitError, format_bytes, parse_bytes
 from tessera.planners.pipeline import checks  # noqa: F401 - registers the C1–C5 + memory plan checks
 from tessera.planners.pipeline.profile import MeasuredCosts
@@ -65,8 +66,8 @@ def plan_gpp(
     """
     if kind not in ("gpp", "spp"):
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
-    if (why := graph.fixed_batch_message()) is not None:  # launch could not run any such plan
-        raise InputError(why, source=graph.source)
+    if (why := graph.fixed_batch_message() or traced_values_message(graph)) is not None:
+        raise InputError(why, source=graph.source)  # launch could not run any such plan
     device = planned_device_type(cluster, options.num_devices)
     try:
         cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)

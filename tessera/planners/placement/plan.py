@@ -33,6 +33,7 @@ from tessera.backends.registry import BackendRegistry, default_registry
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.graph import Graph
 from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan
+from tessera.core.traced import traced_values_message
 from tessera.planners.placement.branches import branch_contenders
 from tessera.planners.placement.candidates import (
     PlacementCandidate,
@@ -159,6 +160,8 @@ def plan_placement(  # noqa: C901
     measurer = measurer or Measurer(seed=options.seed)
     if options.search not in ("op", "graph"):
         raise InputError(f"search must be 'op' or 'graph', not {options.search!r}")
+    if (why := traced_values_message(graph)) is not None:  # measured on one routing, run on others
+        raise InputError(why, source=graph.source)
     backends = resolve_backends(registry, options.device, options.backends, tolerance=options.tolerance)
     feeds, reference = reference_run(graph, options.seed, options.data, timeout_s=options.run_timeout_s)
     calibrate(registry, backends, graph, feeds)

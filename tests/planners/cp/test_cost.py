@@ -159,3 +159,31 @@ def test_estimate_all_covers_every_strategy_and_degree() -> None:
     assert [(e.strategy, e.degree) for e in estimates] == [
         (s, d) for s in ("tp", "cp", "dp") for d in (1, 2, 4)
     ]
+
+
+def test_a_mixture_of_experts_holds_every_expert_and_reads_those_its_tokens_are_routed_to() -> None:
+    """Mixtral 8x7B: 46.7 B parameters held, 12.9 B used per token (its paper's counts); a decode
+    step of one token reads 2 of 8 experts, a step of 64 tokens nearly all 8."""
+    llm, _ = load_llm_config("mixtral-8x7b")
+    assert llm.params == pytest.approx(46.7e9, rel=0.01)
+    active = (
+        llm.layers * (llm.attention_params + llm.active_ffn_params + 4 * llm.hidden) + llm.embedding_params
+    )
+    assert active == pytest.approx(12.9e9, rel=0.02)
+    assert llm.ffn_read_params(1) == pytest.approx(2 * llm.expert_params + llm.router_params)
+    assert llm.ffn_read_params(64) == pytest.approx(8 * llm.expert_params + llm.router_params, rel=1e-6)
+    dense = llm.model_copy(update={"experts": 1, "experts_per_token": 1})
+    cluster = load_cluster("a5000-4x")
+    work = Workload(1, 128, OutputLengths("fixed", 1, 1))
+    params = CostParams(block_table_entry_s=0)
+    moe, one = (estimate(m, cluster, work, "tp", 4, params=params) for m in (llm, dense))
+    assert moe.weights_bytes == pytest.approx(llm.params * 2 / 4, rel=0.01)  # every expert held
+    # one token: the step reads 2 experts where the dense model reads its one FFN
+    layer_read = (llm.layer_read_params(1) - dense.layer_read_params(1)) * llm.layers * 2 / 4
+    assert moe.compute_s - one.compute_s == pytest.approx(layer_read / 768e9, rel=0.01)
+
+
+def test_experts_per_token_cannot_exceed_the_experts() -> None:
+    llm, _ = load_llm_config("mixtral-8x7b")
+    with pytest.raises(ValueError, match="experts_per_token"):
+        llm.model_validate({**llm.model_dump(), "experts_per_token": 9})
