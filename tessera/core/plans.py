@@ -335,13 +335,9 @@ class CpPlan(_PlanBase):
         (positive integers within :data:`LLM_SIZE_LIMITS`, kv_heads dividing heads), the degree,
         the batch, a context and output lengths within the planner's range, and the KV block."""
         for key, limit in LLM_SIZE_LIMITS.items():
-            if key in ("experts", "experts_per_token") and key not in self.llm:
-                continue  # a dense FFN (plans written before mixtures of experts)
-            _bounded(f"llm.{key}", self.llm.get(key), limit)
-        if self.llm.get("experts_per_token", 1) > self.llm.get("experts", 1):
-            raise ValueError("llm.experts_per_token is more than llm.experts")
-        if self.llm.get("shared_ffn", 0):  # 0: no shared expert
-            _bounded("llm.shared_ffn", self.llm["shared_ffn"], LLM_SIZE_LIMITS["ffn"])
+            if key not in _EXPERT_SIZES:
+                _bounded(f"llm.{key}", self.llm.get(key), limit)
+        _check_experts(self.llm)
         if self.llm["heads"] % self.llm["kv_heads"]:
             raise ValueError(f"llm.kv_heads {self.llm['kv_heads']} must divide llm.heads {self.llm['heads']}")
         if self.llm.get("dtype") not in LLM_DTYPES:
@@ -409,6 +405,20 @@ class CpPlan(_PlanBase):
         elif any(span != (0, context) for span in spans):
             raise ValueError(f"{self.strategy} kv_shards must each hold positions 0..{context}, got {spans}")
         return self
+
+
+_EXPERT_SIZES = ("experts", "experts_per_token")
+
+
+def _check_experts(llm: dict[str, Any]) -> None:
+    """A mixture of experts' sizes, where given (a plan of a dense FFN may leave them out)."""
+    for key in _EXPERT_SIZES:
+        if key in llm:
+            _bounded(f"llm.{key}", llm[key], LLM_SIZE_LIMITS[key])
+    if llm.get("experts_per_token", 1) > llm.get("experts", 1):
+        raise ValueError("llm.experts_per_token is more than llm.experts")
+    if llm.get("shared_ffn", 0):  # 0: no shared expert
+        _bounded("llm.shared_ffn", llm["shared_ffn"], LLM_SIZE_LIMITS["ffn"])
 
 
 def _bounded(where: str, value: Any, limit: int, *, what: str = "") -> int:

@@ -23,7 +23,7 @@ from tessera.core.graph import load_graph
 from tessera.core.weights import materialize
 from tessera.executor.decode_program import compile_step
 from tessera.executor.graph_decoder import GraphDecoder
-from tessera.executor.graphed_step import GraphedStep
+from tessera.executor.graphed_step import GraphedStep, greedy
 from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.shm_gather import ShmGather, usable
@@ -152,7 +152,9 @@ class DecodeWorker:
 
     def _next(self, i: int, tokens: Tensor, past: int) -> None:
         logits = self.decoder.logits(tokens, past, self._attend(self.caches[i]))
-        for b, t in zip(self.groups[i], torch.argmax(logits[:, -1], dim=-1).tolist(), strict=True):
+        for b, t in zip(
+            self.groups[i], greedy(logits, past + tokens.shape[1] - 1, self.groups[i]), strict=True
+        ):
             self.tokens[b].append(int(t))
 
     def _attend(self, cache: GroupCache) -> Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]:

@@ -47,6 +47,7 @@ class GraphedStep:
         self.past = torch.zeros((), dtype=torch.long, device=device)
         self.slots = torch.arange(cache.slots, device=device)
         self.next: Tensor | None = None  # [batch] the step's greedy tokens (the graph's output)
+        self.finite: Tensor | None = None  # [batch] whether each row's logits were all finite
         self.graph: torch.cuda.CUDAGraph | None = None
         self.why_not: str | None = None if capture else "not captured"
 
@@ -66,7 +67,8 @@ class GraphedStep:
             self._body(past)
         for layer in self.cache.layers:
             self.cache.held[layer] = past + 1
-        assert self.next is not None
+        assert self.next is not None and self.finite is not None
+        check_finite(self.finite.tolist(), past)
         return self.next.tolist()
 
     def _feed(self, tokens: list[int], past: int) -> None:
@@ -76,6 +78,7 @@ class GraphedStep:
     def _body(self, past: int) -> None:
         logits = self.program.run_at(self.tokens, self.past, past, self._attend)
         self.next = torch.argmax(logits[:, -1], dim=-1)
+        self.finite = torch.isfinite(logits[:, -1]).all(dim=-1)
 
     def _record(self, past: int) -> None:
         """Warm up on a side stream, then capture :meth:`_body`; a failure leaves it uncaptured.
@@ -110,3 +113,26 @@ class GraphedStep:
                 scale=scores.scale, enable_gqa=keys.shape[1] != q.shape[1],
             )  # fmt: skip
         return attention_partial(q, keys, values, at, self.slots, scores)[0]
+
+
+class NonFiniteLogits(RuntimeError):
+    """The model's logits hold NaN or inf: the argmax of them is no token of the model's."""
+
+
+def check_finite(finite: list[bool], position: int, requests: list[int] | None = None) -> None:
+    """Fail the launch where a request's logits at ``position`` are not all finite (their argmax
+    would be reported as the model's next token)."""
+    if not all(finite):
+        row = finite.index(False)
+        who = f"request {requests[row]}" if requests is not None else f"row {row} of a decode group"
+        raise NonFiniteLogits(
+            f"the model's logits for {who} at position {position} are NaN or inf: the graph computes them "
+            "so (run it in onnxruntime to see), and no token is made from them"
+        )
+
+
+def greedy(logits: torch.Tensor, position: int, requests: list[int] | None = None) -> list[int]:
+    """The greedy next token of each row of ``logits`` ([rows, length, vocab]), from its last position."""
+    last = logits[:, -1]
+    check_finite(torch.isfinite(last).all(dim=-1).tolist(), position, requests)
+    return torch.argmax(last, dim=-1).tolist()

@@ -140,6 +140,19 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
                             num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
                             num_experts_per_tok=2, **_LAYERS),
                     {"experts": 4, "experts_per_token": 2}),
+    # Qwen2-MoE: 8 experts, 2 per token, and a shared expert every token also passes.
+    "qwen2-moe": (_family("Qwen2Moe", experts="batched_mm", hidden_size=64, num_attention_heads=4,
+                          num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=48,
+                          shared_expert_intermediate_size=96, num_experts=8, num_experts_per_tok=2, **_LAYERS),
+                  {"experts": 8, "experts_per_token": 2, "shared_ffn": 96, "ffn": 48}),
+    # OPT: learned positions read at an offset of 2, ReLU FFN, tied head.
+    "opt-learned": (_family("OPT", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
+                            init_std=DECODER_INIT, **_LAYERS),
+                    {"ffn": 128, "position": "learned", "rotary": None}),
+    # GPT-J: rotary on pairs of adjacent channels (rotate every two) of the first 8 of each head,
+    # attention and FFN in parallel off one norm.
+    "gptj-interleaved": (_family("GPTJ", n_embd=64, n_head=4, n_layer=2, rotary_dim=8, n_positions=64),
+                         {"rotary": {"dim": 8, "partial": True}, "parallel_residual": True}),
 }  # fmt: skip
 
 

@@ -33,7 +33,7 @@ def _configured(corpus: Corpus, model: str) -> dict[str, object]:
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     rope = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps the factor here
-    rotary = None if kind in ("gpt2", "bloom", "mpt") else rope.get("partial_rotary_factor", 1.0)
+    rotary = None if kind in ("gpt2", "bloom", "mpt", "opt") else rope.get("partial_rotary_factor", 1.0)
     want = {
         "layers": config.num_hidden_layers,
         "hidden": config.hidden_size,
@@ -43,11 +43,13 @@ def _configured(corpus: Corpus, model: str) -> dict[str, object]:
         "ffn": getattr(config, "intermediate_size", None)
         or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,
-        "gated_ffn": kind in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "mixtral"),
+        "gated_ffn": kind in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "mixtral", "qwen2_moe"),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),
         "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
-        "norm": "layernorm" if kind in ("gpt2", "phi", "bloom", "falcon", "gpt_neox", "mpt") else "rmsnorm",
+        "norm": "layernorm"
+        if kind in ("gpt2", "phi", "bloom", "falcon", "gpt_neox", "mpt", "opt", "gptj")
+        else "rmsnorm",
         "parallel_residual": kind == "phi",
         "qkv": "fused" if kind == "gpt2" else "separate",
         "position": "learned" if kind == "gpt2" else "rotary",

@@ -303,3 +303,25 @@ def test_launch_refuses_an_llm_plan_of_experts_it_would_run_as_a_dense_model(tmp
     lines = res.err.strip().splitlines()
     assert res.code == 2 and len(lines) == 1, res.err
     assert "4 experts" in lines[0] and "ONNX export" in lines[0]
+
+
+def test_logits_that_are_not_finite_fail_the_launch_naming_the_request(tmp_path: Path) -> None:
+    """A graph that computes NaN for some token (an exporter that dropped a norm's epsilon does so for
+    a zeroed padding row) must not have the argmax of NaN, token 0, reported as the model's next token:
+    the launch fails (exit 4) naming the request and the position."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = build("gpt", "tiny", seed=3, kv_heads=2, seq=96)
+    table = next(t for t in model.graph.initializer if numpy_helper.to_array(t).shape[0] == 128)
+    rows = numpy_helper.to_array(table).copy()
+    rows[7] = np.nan
+    table.CopyFrom(numpy_helper.from_array(rows, table.name))
+    path = tmp_path / "nan.onnx"
+    onnx.save(model, str(path))
+    plan = make_plan(tmp_path, [str(path), "--strategy", "dp", "--degree", "1"], "local-cpu-split", 2, 16)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("5 17 3 99\n42 7 64 1\n")
+    res = run_cli("launch", str(plan), "--prompts", str(prompts), "--new-tokens", "3")
+    assert res.code == 4, res.err
+    assert "request 1" in res.err and "position 3" in res.err and "NaN or inf" in res.err

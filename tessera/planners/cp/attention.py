@@ -35,7 +35,9 @@ _PROBABILITY_OPS = frozenset({"Cast", "Identity", "Dropout", "Where", "Reshape"}
 # Ops whose first input is the data and the rest shapes, indices or axes.
 _DATA_FIRST = frozenset(
     {"Reshape", "Expand", "Tile", "Unsqueeze", "Squeeze", "Slice", "Transpose", "Cast", "CastLike",
-     "Identity", "Flatten", "Split", "Gather", "GatherND", "GatherElements", "Dropout"}
+     "Identity", "Flatten", "Split", "Gather", "GatherND", "GatherElements", "Dropout",
+     # a norm of each head's Q or K (Persimmon's LayerNorm, OLMo 2's RMSNorm as one operator)
+     "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 )  # fmt: skip
 # Element-wise ops whose every non-constant input carries data (rotary: q·cos + rotate_half(q)·sin).
 _ELEMENTWISE = frozenset({"Add", "Sub", "Mul", "Div", "Neg", "Concat", "Where"})
@@ -421,9 +423,15 @@ class Matcher:
 
     def _distinct_heads(self, key: str, rank: int) -> int | None:
         """How many different heads K has at the core (``[B, H, …]``, or ``[B·H, …]`` for rank 3), in
-        the one run of the graph; None where it was not run (or K came out all zeros)."""
+        the one run of the graph; None where it was not run (or K came out all zeros, or not finite)."""
         kt = self.values.get(key)
-        if kt is None or kt.ndim != rank or not np.any(kt) or kt.shape[0] % self.batch:
+        if (
+            kt is None
+            or kt.ndim != rank
+            or not np.any(kt)
+            or kt.shape[0] % self.batch
+            or not np.isfinite(kt).all()
+        ):
             return None
         at_core = kt.shape[1] if kt.ndim == 4 else kt.shape[0] // self.batch  # < heads: broadcast
         distinct: list[np.ndarray] = []

@@ -74,6 +74,7 @@ class Decoder:
             "attention": [core.softmax for core in self.cores],
             "position": self.position_kind, "window": self.window,
             "layer_windows": [mod.window for mod in self.scores],
+            "layer_rotary": [core.rotary_dim is not None for core in self.cores],
             "softcap": _shown(self.scores[0].softcap) if self.scores else None,
             "alibi": self.scores[0].alibi is not None if self.scores else False,
         }  # fmt: skip
@@ -375,13 +376,17 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
             )
         ffns.append(found)
     first = cores[0]
+    # Layers without rotary positions beside rotary ones (Exaone 4, SmolLM3: "NoPE" layers) are
+    # one model; the rotary ones share one width.
+    rotary = next((core.rotary_dim for core in cores if core.rotary_dim is not None), None)
     for i, (core, ffn) in enumerate(zip(cores, ffns, strict=True)):
-        sizes = (core.hidden, core.heads, core.kv_heads, core.head_dim, core.rotary_dim, *ffn)
-        want = (first.hidden, first.heads, first.kv_heads, first.head_dim, first.rotary_dim, *ffns[0])
+        sizes = (core.hidden, core.heads, core.kv_heads, core.head_dim, core.rotary_dim or rotary, *ffn)
+        want = (first.hidden, first.heads, first.kv_heads, first.head_dim, rotary, *ffns[0])
         if sizes != want:
             raise InputError(
                 f"layers differ in size: layer {i} ({core.softmax}) has hidden, heads, kv_heads, head_dim, "
-                f"rotary dim, ffn, gated, parallel, experts, experts per token = {sizes}, layer 0 has {want}",
+                f"rotary dim, ffn, gated, parallel, experts, experts per token, shared FFN = {sizes}, "
+                f"layer 0 has {want}",
                 source=graph.source,
             )
     vocab, tied = layers.vocab(first.hidden)
@@ -415,7 +420,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         config=config,
         cores=tuple(cores),
         positions=position_limit(graph, first.hidden),
-        rotary_dim=first.rotary_dim,
+        rotary_dim=rotary,
         norm=layers.norm(first),
         parallel_residual=ffns[0].parallel,
         qkv="fused" if len(first.projections) == 1 else "separate",
