@@ -325,3 +325,21 @@ def test_logits_that_are_not_finite_fail_the_launch_naming_the_request(tmp_path:
     res = run_cli("launch", str(plan), "--prompts", str(prompts), "--new-tokens", "3")
     assert res.code == 4, res.err
     assert "request 1" in res.err and "position 3" in res.err and "NaN or inf" in res.err
+
+
+def test_a_plan_without_the_expert_fields_still_validates_as_a_dense_decoder(
+    gpt: Path, tmp_path: Path
+) -> None:
+    """Plans of dense decoders written before mixtures of experts have no experts fields: they are
+    one expert, and the model's re-derived config agrees."""
+    plan_path = make_plan(tmp_path, [str(gpt)], "local-cpu-split", 2, 16)
+    plan = json.loads(plan_path.read_text())
+    for key in ("experts", "experts_per_token", "shared_ffn"):
+        del plan["llm"][key]
+    plan_path.write_text(json.dumps(plan))
+    res = run_cli("validate", str(plan_path))
+    assert res.code == 0, res.err
+    plan["llm"]["experts"] = 4
+    plan_path.write_text(json.dumps(plan))
+    res = run_cli("validate", str(plan_path))
+    assert res.code == 2 and "llm.experts is 4 but the model has 1" in res.err
