@@ -24,7 +24,7 @@ from typing import Any
 from tessera import __version__
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.specs import ClusterSpec, DeviceType, Link, parse_cluster
-from tessera.executor.calibrate_pipeline import measure_pipeline_overhead
+from tessera.executor.calibrate_pipeline import measure_pipeline_overhead, pipeline_rounds
 from tessera.executor.calibrate_worker import (
     CHAIN_NODES,
     CHAIN_WIDTH,
@@ -181,7 +181,8 @@ def calibrate(options: CalibrateOptions) -> Calibration:
     )
     # Last, the stage workers' own cost per action, message and all-reduce, measured by running
     # them on the spec so far.
-    cal.measured["pipeline"] = measure_pipeline_overhead(cal.spec(), timeout_s)
+    rounds = pipeline_rounds(options.seconds)
+    cal.measured["pipeline"] = measure_pipeline_overhead(cal.spec(), timeout_s, rounds)
     cal.wall_s = time.perf_counter() - start
     return cal
 

@@ -33,9 +33,11 @@ LAYERS = 4
 MINI_BATCH = 32
 MICRO_BATCH = 8
 STEPS = 40  # a step of the MLP takes a few ms: medians over many steps cost little
-# One rank, then two, this many times: the host's load drifts over seconds, and the contention is
-# the difference of the two runs' compute (one calibration read 0.5 us where others read 50-90 us).
+# One rank, then two, this many times (with calibrate's default --seconds 10; a round per 2 s of a
+# shorter budget, at least one): the host's load drifts over seconds, and the contention is the
+# difference of the two runs' compute (one calibration read 0.5 us where others read 50-90 us).
 ROUNDS = 5
+SECONDS_PER_ROUND = 2.0
 # The in-step all-reduce is measured on a small MLP (64 KiB of gradients): its fixed cost, which a
 # large one hides in the curve's bandwidth term.
 ALLREDUCE_WIDTH = 64
@@ -69,8 +71,15 @@ def mlp(width: int = WIDTH, layers: int = LAYERS) -> Any:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], producer_name="tessera")
 
 
-def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[str, Any]:
-    """Launch the MLP on the first devices of ``cluster``, in :data:`ROUNDS` rounds: on one rank
+def pipeline_rounds(seconds: float) -> int:
+    """The rounds a measuring budget of ``seconds`` buys (:data:`ROUNDS` at most, one at least)."""
+    return max(1, min(ROUNDS, int(seconds / SECONDS_PER_ROUND)))
+
+
+def measure_pipeline_overhead(
+    cluster: ClusterSpec, timeout_s: float, rounds_n: int = ROUNDS
+) -> dict[str, Any]:
+    """Launch the MLP on the first devices of ``cluster``, in ``rounds_n`` rounds: on one rank
     as one stage, then on two as a two-stage sequential pipeline (each round's numbers:
     :func:`round_overheads`); then (the small MLP) on two as one data-parallel stage. Return the
     rounds' medians of the workers' own time per action, per message and the compute an action
@@ -84,7 +93,7 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         path.write_bytes(mlp().SerializeToString())
         small_path.write_bytes(mlp(ALLREDUCE_WIDTH).SerializeToString())
         graph, small = load_graph(str(path)), load_graph(str(small_path))
-        for _ in range(ROUNDS):
+        for _ in range(rounds_n):
             (alone,), _ = _overhead_run(graph, path, cluster, 1, timeout_s)
             piped, pipe = _overhead_run(graph, path, cluster, 2, timeout_s)
             # Each replica of the data-parallel run computes what the one rank did alone.
@@ -111,7 +120,7 @@ def measure_pipeline_overhead(cluster: ClusterSpec, timeout_s: float) -> dict[st
         "mini_batch": MINI_BATCH,
         "micro_batch": MICRO_BATCH,
         "steps": STEPS,
-        "rounds": ROUNDS,
+        "rounds": rounds_n,
         **typical,
         **found,
         "contention_per_round_s": contention,

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tessera.executor.checkpoint import resume, save_state, stop_agreed, stop_on_sigterm
+from tessera.executor.checkpoint import leave_stopped, resume, save_state, stop_agreed, stop_on_sigterm
 from tessera.executor.launcher import WATCHDOG_FACTOR, Watchdog, memory_status, worker_setup
 from tessera.executor.stage_worker import StageWorker, WorkerSpec
 
@@ -46,7 +46,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         named = list(worker.module.onnx_parameters())
         start = resume(ckpt, named, worker.opt, worker.schedule) if ckpt is not None else 0
         stop = stop_on_sigterm() if ckpt is not None else None
-        steps, stopped_after = [], None
+        steps = []
         for k in range(start, total):
             watchdog.arm(f"step {k}")
             steps.append(worker.step(k, more=k + 1 < total))
@@ -54,9 +54,9 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             if ckpt is not None and (ckpt.due(k + 1, total) or stopping):
                 watchdog.arm(f"checkpoint after step {k}")
                 save_state(ckpt.folder, k + 1, named, worker.opt, ckpt.identity)
-            if stopping:
-                stopped_after = k + 1
-                break
+            if stopping:  # every rank's part of the checkpoint is written
+                dist.barrier()
+                leave_stopped()
         watchdog.arm("summing the losses")
         _total_losses(steps, spec.routing.world_size, device)
         watchdog.disarm()
@@ -68,7 +68,6 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             "threads": torch.get_num_threads(),
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
             "steps": steps,
-            "stopped_after": stopped_after,
             "peak_rss_bytes": memory_status("VmHWM"),
             "weight_bytes": worker.weight_bytes,
             "gradient_bytes": worker.weight_bytes,

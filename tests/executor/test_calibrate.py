@@ -26,7 +26,8 @@ def calibrated(tmp_path_factory):
     path = folder / "spec.yaml"
     path.write_text("old: file\n")
     old_inode = path.stat().st_ino
-    result = run_cli("calibrate", "--seconds", "1", "--out", str(path), "--json")
+    # 6 s of measuring: three rounds of pipeline launches (one per 2 s), a median of three
+    result = run_cli("calibrate", "--seconds", "6", "--out", str(path), "--json")
     assert result.code == 0, result.err
     return json.loads(result.out), path, old_inode
 
@@ -72,13 +73,13 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     assert device.contention_overhead == pytest.approx(pipeline["contention_overhead_s"], rel=1e-3, abs=1e-9)
     assert pipeline["contention_overhead_s"] == pytest.approx(max(sum(piped) - alone, 0.0) / 16, rel=1e-3)
     assert 0 < alone < 2 * sum(piped)
-    # ... in the round of the median contention, over 5 rounds of one rank then two.
+    # ... in the round of the median contention, over 3 rounds of one rank then two.
     rounds = pipeline["contention_per_round_s"]
-    assert len(rounds) == 5 and pipeline["contention_overhead_s"] == sorted(rounds)[2]
+    assert len(rounds) == pipeline["rounds"] == 3 and pipeline["contention_overhead_s"] == sorted(rounds)[1]
     # Two ranks as one data-parallel stage, each replica the one rank's work: the slower replica's
     # compute beyond it, a fraction, the median over the rounds.
     fractions = pipeline["replica_contention_per_round"]
-    assert len(fractions) == 5 and pipeline["replica_contention"] == pytest.approx(sorted(fractions)[2])
+    assert len(fractions) == 3 and pipeline["replica_contention"] == pytest.approx(sorted(fractions)[1])
     assert device.replica_contention == pytest.approx(pipeline["replica_contention"], abs=1e-4)
     assert 0 <= device.replica_contention < 1
     assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
@@ -273,3 +274,10 @@ def test_a_rounds_replica_contention_is_the_slower_replicas_compute_beyond_the_o
     assert found["busy_replicas_s"] == [6.6e-3, 6.9e-3]
     # Replicas faster than the one rank (a round the host slowed): none.
     assert replica_overhead(alone, [{"busy_s": 5e-3}, {"busy_s": 5.5e-3}])["replica_contention"] == 0.0
+
+
+def test_the_measuring_budget_buys_the_pipeline_rounds() -> None:
+    """Five rounds with the default 10 s, one per 2 s of a shorter budget, never none."""
+    from tessera.executor.calibrate_pipeline import pipeline_rounds
+
+    assert [pipeline_rounds(s) for s in (0.1, 1, 2, 5, 6, 10, 60)] == [1, 1, 1, 2, 3, 5, 5]
