@@ -98,11 +98,9 @@ def test_sigterm_ends_the_run_with_a_checkpoint_that_resumes_exactly(tied, tmp_p
     flags = ["--steps", "8", "--lr", "0.05", "--seed", "3", "--optimizer", "adamw", "--max-grad-norm", "0.1"]
     env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_DEBUG", FAULT_ENV)}
 
-    def launch(
-        *extra: str, fault: str | None = None, timeout: str = "60"
-    ) -> subprocess.CompletedProcess[str]:
+    def launch(*extra: str, fault: str | None = None) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "tessera", "launch", str(plan_path), *flags, *extra, "--timeout", timeout, "--json"],
+            [sys.executable, "-m", "tessera", "launch", str(plan_path), *flags, *extra, "--timeout", "60", "--json"],
             capture_output=True, text=True, timeout=300, env={**env, **({FAULT_ENV: fault} if fault else {})},
         )  # fmt: skip
 
