@@ -51,8 +51,18 @@ def build_program(
     return fx.GraphModule(root, graph, class_name="OnnxProgram")
 
 
+# Steps TorchDynamo fails on (ConstantOfShape: its value is a numpy attribute); they run eagerly
+# inside the compiled program. Marked here, at compile time: torch.compiler.disable imports
+# TorchDynamo (1.1 s), which every process running a program would pay at import otherwise.
+_EAGER = frozenset({"onnx_ConstantOfShape"})
+
+
 def compiled(program: fx.GraphModule) -> Callable[..., Any]:
     """``torch.compile`` of the program (dynamic shapes: micro-batch sizes vary)."""
+    for node in program.graph.nodes:
+        if node.op == "call_function" and getattr(node.target, "__name__", None) in _EAGER:
+            node.target = torch.compiler.disable(node.target)
+    program.recompile()
     return torch.compile(program, dynamic=True)
 
 

@@ -27,8 +27,7 @@ def _constant(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     raise NotImplementedError(f"Constant with attribute(s) {sorted(a)} (strings, sparse tensors)")
 
 
-@op("ConstantOfShape")
-@torch.compiler.disable  # TorchDynamo (launch --compile) failed on the numpy attribute: run eagerly
+@op("ConstantOfShape")  # run eagerly under launch --compile (torch_program.compiled)
 def _constant_of_shape(x: Inputs, a: Mapping[str, Any]) -> Tensor:
     value = from_numpy(a["value"]).reshape(()) if "value" in a else torch.zeros((), dtype=torch.float32)
     return value.expand(ints(x[0])).clone()
