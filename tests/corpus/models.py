@@ -153,6 +153,17 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
     # attention and FFN in parallel off one norm.
     "gptj-interleaved": (_family("GPTJ", n_embd=64, n_head=4, n_layer=2, rotary_dim=8, n_positions=64),
                          {"rotary": {"dim": 8, "partial": True}, "parallel_residual": True}),
+    # Exaone 4: a sliding-window layer with rotary, then a global one without ("NoPE"), norms after
+    # the blocks, q/k norm.
+    "exaone4-nope": (_family("Exaone4", hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+                             intermediate_size=128, sliding_window=4, pad_token_id=0,
+                             layer_types=["sliding_attention", "full_attention"], **_LAYERS),
+                     {"layer_windows": [4, None], "layer_rotary": [True, False], "norm": None}),
+    # Persimmon: fused QKV, a LayerNormalization of each head's Q and K, rotary on half of each head.
+    "persimmon-qknorm": (_family("Persimmon", hidden_size=64, num_attention_heads=4, intermediate_size=128,
+                                 pad_token_id=0, **_LAYERS),
+                         {"rotary": {"dim": 8, "partial": True}, "qkv": "fused", "norm": "layernorm",
+                          "gated_ffn": False}),
 }  # fmt: skip
 
 

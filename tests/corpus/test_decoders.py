@@ -44,7 +44,7 @@ def _configured(corpus: Corpus, model: str) -> dict[str, object]:
         or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,
         "gated_ffn": kind
-        in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "mixtral", "qwen2_moe"),
+        in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "mixtral", "qwen2_moe", "exaone4"),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),
         "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
