@@ -408,6 +408,8 @@ class CpPlan(_PlanBase):
 
 
 _EXPERT_SIZES = ("experts", "experts_per_token")
+# The llm block of a dense decoder: what a plan written before mixtures of experts leaves out.
+DENSE_FFN: dict[str, int] = {"experts": 1, "experts_per_token": 1, "shared_ffn": 0}
 
 
 def _check_experts(llm: dict[str, Any]) -> None:
@@ -415,9 +417,10 @@ def _check_experts(llm: dict[str, Any]) -> None:
     for key in _EXPERT_SIZES:
         if key in llm:
             _bounded(f"llm.{key}", llm[key], LLM_SIZE_LIMITS[key])
-    if llm.get("experts_per_token", 1) > llm.get("experts", 1):
+    sizes = {**DENSE_FFN, **llm}
+    if sizes["experts_per_token"] > sizes["experts"]:
         raise ValueError("llm.experts_per_token is more than llm.experts")
-    if llm.get("shared_ffn", 0):  # 0: no shared expert
+    if sizes["shared_ffn"] != 0:  # 0: no shared expert
         _bounded("llm.shared_ffn", llm["shared_ffn"], LLM_SIZE_LIMITS["ffn"])
 
 

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tessera.core.errors import InputError
-from tessera.core.plans import CpPlan
+from tessera.core.plans import DENSE_FFN, CpPlan
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.launcher import available_memory_bytes
 
@@ -36,7 +36,7 @@ def weight_elements(llm: dict[str, Any], positions: int | None) -> int:
     layers, hidden, heads, kv_heads, head_dim, ffn, vocab = llm_ints(llm)
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     ffn_matrices = 3 if llm.get("gated_ffn") else 2
-    experts = int(llm.get("experts") or 1)
+    experts, shared = (int({**DENSE_FFN, **llm}[key]) for key in ("experts", "shared_ffn"))
     layer = (
         4 * hidden  # ln1, ln2
         + (hidden + 1) * q_dim
@@ -45,7 +45,7 @@ def weight_elements(llm: dict[str, Any], positions: int | None) -> int:
         + hidden
         + experts * (ffn_matrices * hidden * ffn + (ffn_matrices - 1) * ffn)
         + (hidden * experts if experts > 1 else 0)  # the router
-        + ffn_matrices * hidden * int(llm.get("shared_ffn") or 0)  # a shared expert
+        + ffn_matrices * hidden * shared  # a shared expert
         + hidden
     )
     return layers * layer + 2 * vocab * hidden + 2 * hidden + (positions or 0) * hidden

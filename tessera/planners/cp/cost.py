@@ -406,9 +406,8 @@ def _expert_split(llm: LlmConfig, strategy: str, n: int, tokens: int) -> str:
         if strategy == "tp" and n > 1
         else f"every device holds all {llm.experts} experts"
     )
-    read = llm.experts * (1 - (1 - llm.experts_per_token / llm.experts) ** max(tokens, 1))
     return (
-        f"{held}; a step of {tokens} token(s) per device reads {read:.3g} of {llm.experts} experts "
+        f"{held}; a step of {tokens} token(s) per device reads {llm.experts_read(tokens):.3g} of {llm.experts} experts "
         f"({llm.experts_per_token} per token, routing assumed uniform)"
     )
 

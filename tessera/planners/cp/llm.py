@@ -123,13 +123,16 @@ class LlmConfig(config_files.ConfigModel):
         """Weights one token multiplies by: its ``experts_per_token`` experts and the router."""
         return self.experts_per_token * self.expert_params + self.router_params
 
-    def ffn_read_params(self, tokens: int) -> float:
-        """FFN weights a step of ``tokens`` tokens reads: the experts at least one token is routed
-        to, in expectation over uniform routing (E·(1 − (1 − k/E)^tokens)), and the router."""
-        if self.experts == 1:
-            return float(self.expert_params)
+    def experts_read(self, tokens: int) -> float:
+        """The experts at least one of ``tokens`` tokens is routed to, in expectation over uniform
+        routing: E·(1 − (1 − k/E)^tokens) (1 for a dense FFN)."""
         untouched = (1 - self.experts_per_token / self.experts) ** max(tokens, 1)
-        return self.experts * (1 - untouched) * self.expert_params + self.router_params
+        return self.experts * (1 - untouched) if self.experts > 1 else 1.0
+
+    def ffn_read_params(self, tokens: int) -> float:
+        """FFN weights a step of ``tokens`` tokens reads: the experts it reaches
+        (:meth:`experts_read`) and what every token reads (the router, a shared expert)."""
+        return self.experts_read(tokens) * self.expert_params + self.router_params
 
     @property
     def layer_params(self) -> int:

@@ -8,13 +8,11 @@ from typing import Any
 
 from tessera.core.errors import InputError
 from tessera.core.external_data import unread_weights
-from tessera.core.plans import PLAN_CHECKS
+from tessera.core.plans import DENSE_FFN, PLAN_CHECKS
 from tessera.planners.cp.recognize import recognize_decoder
 
 # The file's stem (a renamed copy is the same model) and the type plan --dtype serves it in.
 _FREE = ("name", "dtype")
-# A plan of a dense decoder written before mixtures of experts leaves these out.
-_DENSE = {"experts": 1, "experts_per_token": 1, "shared_ffn": 0}
 
 
 def check_cp_plan(plan: Any, graph: Any) -> list[str]:
@@ -29,7 +27,7 @@ def check_cp_plan(plan: Any, graph: Any) -> list[str]:
     return [
         f"llm.{key} is {plan.llm.get(key)!r} but the model has {value!r}"
         for key, value in config.items()
-        if key not in _FREE and plan.llm.get(key, _DENSE.get(key)) != value
+        if key not in _FREE and plan.llm.get(key, DENSE_FFN.get(key)) != value
     ]
 
 
