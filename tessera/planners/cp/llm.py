@@ -106,7 +106,7 @@ class LlmConfig(config_files.ConfigModel):
         return (3 if self.gated_ffn else 2) * self.hidden * self.ffn
 
     @property
-    def router_params(self) -> int:
+    def every_token_params(self) -> int:
         """What every token reads beside its experts: the router's hidden × experts projection and
         a shared expert (none for a dense FFN)."""
         if self.experts == 1:
@@ -116,12 +116,12 @@ class LlmConfig(config_files.ConfigModel):
     @property
     def ffn_params(self) -> int:
         """Weights of one layer's FFN as held: every expert and the router."""
-        return self.experts * self.expert_params + self.router_params
+        return self.experts * self.expert_params + self.every_token_params
 
     @property
     def active_ffn_params(self) -> int:
         """Weights one token multiplies by: its ``experts_per_token`` experts and the router."""
-        return self.experts_per_token * self.expert_params + self.router_params
+        return self.experts_per_token * self.expert_params + self.every_token_params
 
     def experts_read(self, tokens: int) -> float:
         """The experts at least one of ``tokens`` tokens is routed to, in expectation over uniform
@@ -132,7 +132,7 @@ class LlmConfig(config_files.ConfigModel):
     def ffn_read_params(self, tokens: int) -> float:
         """FFN weights a step of ``tokens`` tokens reads: the experts it reaches
         (:meth:`experts_read`) and what every token reads (the router, a shared expert)."""
-        return self.experts_read(tokens) * self.expert_params + self.router_params
+        return self.experts_read(tokens) * self.expert_params + self.every_token_params
 
     @property
     def layer_params(self) -> int:

@@ -170,8 +170,8 @@ def test_a_mixture_of_experts_holds_every_expert_and_reads_those_its_tokens_are_
         llm.layers * (llm.attention_params + llm.active_ffn_params + 4 * llm.hidden) + llm.embedding_params
     )
     assert active == pytest.approx(12.9e9, rel=0.02)
-    assert llm.ffn_read_params(1) == pytest.approx(2 * llm.expert_params + llm.router_params)
-    assert llm.ffn_read_params(64) == pytest.approx(8 * llm.expert_params + llm.router_params, rel=1e-6)
+    assert llm.ffn_read_params(1) == pytest.approx(2 * llm.expert_params + llm.every_token_params)
+    assert llm.ffn_read_params(64) == pytest.approx(8 * llm.expert_params + llm.every_token_params, rel=1e-6)
     dense = llm.model_copy(update={"experts": 1, "experts_per_token": 1})
     cluster = load_cluster("a5000-4x")
     work = Workload(1, 128, OutputLengths("fixed", 1, 1))
