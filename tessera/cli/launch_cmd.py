@@ -417,9 +417,12 @@ def _summary(report: dict[str, Any]) -> str:
         busy = "  ".join(f"{k}: {v * 1e3:.2f} ms" for k, v in s["busy_s"].items())
         lines.append(f"{s['step']:>4} {s['loss']:>12.6g} {s['iteration_s'] * 1e3:>8.2f} ms  {busy}")
     recomputes = any(st.get("recompute") for st in report["stages"])  # the column only where used
+    zero = any(st.get("zero") for st in report["stages"])
     lines.append(
         f"{'stage':>5} {'ranks':>7} {'busy':>10} {'predicted':>10} {'ratio':>7} {'peak mem':>10} "
-        f"{'predicted':>10} {'ratio':>8}" + (f" {'recompute':>9}" if recomputes else "")
+        f"{'predicted':>10} {'ratio':>8}"
+        + (f" {'recompute':>9}" if recomputes else "")
+        + (f" {'zero':>4}" if zero else "")
     )
     for st in report["stages"]:
         p_busy = st["predicted_busy_s"]
@@ -429,6 +432,7 @@ def _summary(report: dict[str, Any]) -> str:
             f"{human_bytes(st['peak_memory_bytes']):>10} {human_bytes(st['predicted_peak_memory_bytes']):>10} "
             f"{_ratio(st['memory_ratio']):>8}"
             + (f" {'yes' if st.get('recompute') else 'no':>9}" if recomputes else "")
+            + (f" {st.get('zero', 0):>4}" if zero else "")
         )
     m, p, r = report["measured"], report["predicted"], report["ratio"]
     predicted = p.get("iteration_time_s")
@@ -444,12 +448,14 @@ def _summary(report: dict[str, Any]) -> str:
     lines.append(_fidelity_line(report["fidelity"]))
     lines.append(
         "(busy: forward + backward compute, slowest replica, mean over steps after the first; "
-        "peak mem: weights + gradients + activations in flight, slowest replica; on GPU the allocator's peak"
+        "peak mem: weights + gradients + optimizer state + activations in flight, slowest replica; "
+        "on GPU the allocator's peak"
         + (
             "; recompute: the stage runs its forward again in the backward, keeping only its inputs"
             if recomputes
             else ""
         )
+        + ("; zero 1: the replicas keep 1/d of the optimizer state each (ZeRO-1)" if zero else "")
         + ")"
     )
     return "\n".join(lines)

@@ -191,6 +191,17 @@ class Graph:
                     extra[i] += self.initializers[t].numel
         return extra
 
+    def shared_owned(self, groups: Sequence[Iterable[str]]) -> list[int]:
+        """Per group, the parameter elements of the shared weights it is charged for (it holds the
+        operator that consumes them first): with :meth:`shared_copies`, every copy of a tied weight."""
+        members = [set(nodes) for nodes in groups]
+        owned = [0] * len(members)
+        for t, readers in self.shared_weights(groups).items():
+            for i in readers:
+                if self.param_owner.get(t) in members[i]:
+                    owned[i] += self.initializers[t].numel
+        return owned
+
     @property
     def fixed_batch(self) -> dict[str, int]:
         """Inputs of rank ≥ 1 whose axis 0 the model declares as a number, not a symbol (torch.onnx.export

@@ -190,7 +190,18 @@ class Stage(_Strict):
     # Activation recomputation: the stage keeps only its inputs per micro-batch in flight and runs
     # its forward again in the backward (launch: torch.utils.checkpoint).
     recompute: bool = False
+    # ZeRO-1: the stage's data-parallel replicas each keep 1/d of its weights' optimizer state,
+    # reduce-scatter the gradients and all-gather the updated weights (launch: the same). Written
+    # only when 1.
+    zero: Literal[0, 1] = 0
     predicted: dict[str, float] = Field(default_factory=dict)
+
+    @model_serializer(mode="wrap")
+    def _without_zero(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        if not data.get("zero"):
+            data.pop("zero", None)
+        return data
 
 
 class EdgeTensor(_Strict):
@@ -215,16 +226,19 @@ class TrainingSetup(_Strict):
     precision: Literal["mixed", "fp32"] = "mixed"
     bytes_per_param: Annotated[float, Field(gt=0, le=1024)] = 16.0  # plan --bytes-per-param's range
     recompute: Literal["never", "auto", "all"] = "never"
+    # ZeRO-1 on no stage (0), every replicated stage (1), or where memory needs it ("auto"; which
+    # stages shard is each stage's ``zero``).
+    zero: Literal[0, 1, "auto"] = 0
     # The optimizer whose step a profiled plan's stages were timed with (plan --optimizer).
     optimizer: Literal["sgd", "adamw", "adam"] = "sgd"
     loss: Literal["mse", "ce"] = "mse"  # the loss they were timed with (plan --loss)
 
     @model_serializer(mode="wrap")
     def _without_defaults(self, handler: Any) -> dict[str, Any]:
-        """``optimizer`` and ``loss`` are written when they are not the defaults (SGD, squared
-        error): a plan made without --optimizer or --loss reads as before."""
+        """``optimizer``, ``loss`` and ``zero`` are written when they are not the defaults (SGD,
+        squared error, 0): a plan made without --optimizer, --loss or --zero reads as before."""
         data = handler(self)
-        for key, default in (("optimizer", "sgd"), ("loss", "mse")):
+        for key, default in (("optimizer", "sgd"), ("loss", "mse"), ("zero", 0)):
             if data.get(key) == default:
                 data.pop(key)
         return data

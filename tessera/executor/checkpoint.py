@@ -20,6 +20,7 @@ import signal
 import sys
 import threading
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
@@ -96,12 +97,17 @@ def latest(folder: str | os.PathLike[str], identity: dict[str, Any]) -> tuple[in
 
 
 def _state(
-    named: list[tuple[str, Tensor]], optimizer: torch.optim.Optimizer | None, rank: int
+    named: list[tuple[str, Tensor]],
+    optimizer: torch.optim.Optimizer | None,
+    rank: int,
+    sharded: Sequence[tuple[str, Tensor]] = (),
 ) -> dict[str, Any]:
-    """This rank's state by global names: ``weights/<name>``, ``optimizer/<name>/<key>``, the RNG."""
+    """This rank's state by global names: ``weights/<name>``, ``optimizer/<name>/<key>``, the RNG;
+    ``sharded``: a ZeRO shard's optimizer state, under the shard's name (its weights are views of
+    ``named``'s)."""
     state: dict[str, Any] = {f"weights/{n}": p.data for n, p in named}
     if optimizer is not None:
-        for n, p in named:
+        for n, p in [*named, *sharded]:
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, Tensor):
                     state[f"optimizer/{n}/{key}"] = value
@@ -115,6 +121,7 @@ def save_state(
     named: list[tuple[str, Tensor]],
     optimizer: torch.optim.Optimizer | None,
     identity: dict[str, Any],
+    sharded: Sequence[tuple[str, Tensor]] = (),
 ) -> None:
     """Every rank: write this rank's share of the state after ``step`` steps (collective)."""
     rank = dist.get_rank()
@@ -124,7 +131,7 @@ def save_state(
         root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(partial, ignore_errors=True)  # a killed run's leftover
     dist.barrier()
-    dcp.save(_state(named, optimizer, rank), checkpoint_id=str(partial))
+    dcp.save(_state(named, optimizer, rank, sharded), checkpoint_id=str(partial))
     dist.barrier()  # every rank's share is written
     if rank == 0:
         (partial / META).write_text(json.dumps({**identity, "step": step}, indent=1))
@@ -135,14 +142,19 @@ def save_state(
 
 
 def load_state(
-    path: str | os.PathLike[str], named: list[tuple[str, Tensor]], optimizer: torch.optim.Optimizer | None
+    path: str | os.PathLike[str],
+    named: list[tuple[str, Tensor]],
+    optimizer: torch.optim.Optimizer | None,
+    sharded: Sequence[tuple[str, Tensor]] = (),
 ) -> None:
     """Every rank: load its weights and optimizer state (created as the optimizer's first step
     creates it, then overwritten in place) from the checkpoint at ``path`` (collective)."""
     if optimizer is not None:
-        for _, p in named:
-            optimizer.state[p] = _fresh_state(optimizer, p)
-    state = _state(named, optimizer, dist.get_rank())
+        stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for _, p in [*named, *sharded]:
+            if id(p) in stepped:
+                optimizer.state[p] = _fresh_state(optimizer, p)
+    state = _state(named, optimizer, dist.get_rank(), sharded)
     dcp.load(state, checkpoint_id=str(path))
     torch.set_rng_state(state[f"rng/rank{dist.get_rank()}"])
 
@@ -152,11 +164,12 @@ def resume(
     named: list[tuple[str, Tensor]],
     optimizer: torch.optim.Optimizer | None,
     schedule: torch.optim.lr_scheduler.LRScheduler | None,
+    sharded: Sequence[tuple[str, Tensor]] = (),
 ) -> int:
     """Every rank: load the checkpoint the run resumes from, if any; the first step to run."""
     if spec.resume is None:
         return 0
-    load_state(spec.resume, named, optimizer)
+    load_state(spec.resume, named, optimizer, sharded)
     if schedule is not None:
         with warnings.catch_warnings():  # stepped without an optimizer step: its position only
             warnings.simplefilter("ignore")

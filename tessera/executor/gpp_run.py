@@ -273,7 +273,13 @@ def _stage_row(st: Stage, per_rank: list[dict[str, Any]], n_steps: int) -> dict[
     if mine and "peak_device_memory_bytes" in mine[0]:
         tensors = max(r["peak_device_memory_bytes"] for r in mine)
     else:
-        tensors = max(r["weight_bytes"] + r["gradient_bytes"] + r["peak_activation_bytes"] for r in mine)
+        tensors = max(
+            r["weight_bytes"]
+            + r["gradient_bytes"]
+            + r.get("optimizer_state_bytes", 0)
+            + r["peak_activation_bytes"]
+            for r in mine
+        )
     p_busy = st.predicted.get("busy_s")
     p_mem = float(st.predicted.get("peak_memory_bytes", st.memory.peak))
     return {
@@ -282,6 +288,7 @@ def _stage_row(st: Stage, per_rank: list[dict[str, Any]], n_steps: int) -> dict[
         "ranks": sorted(r["rank"] for r in mine),
         "micro_batch_size": st.micro_batch_size,
         "recompute": st.recompute,
+        "zero": st.zero,
         "busy_s": busy,
         "predicted_busy_s": p_busy,
         "busy_ratio": over(busy, p_busy),

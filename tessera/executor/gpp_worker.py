@@ -44,7 +44,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         worker = StageWorker(spec, rank, device)
         ckpt, total = spec.checkpoint, spec.options.steps
         named = list(worker.module.onnx_parameters())
-        start = resume(ckpt, named, worker.opt, worker.schedule) if ckpt is not None else 0
+        start = resume(ckpt, named, worker.opt, worker.schedule, worker.sharded) if ckpt is not None else 0
         stop = stop_on_sigterm() if ckpt is not None else None
         steps = []
         for k in range(start, total):
@@ -53,7 +53,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             stopping = stop is not None and stop_agreed(stop, spec.routing.world_size)
             if ckpt is not None and (ckpt.due(k + 1, total) or stopping):
                 watchdog.arm(f"checkpoint after step {k}")
-                save_state(ckpt.folder, k + 1, named, worker.opt, ckpt.identity)
+                save_state(ckpt.folder, k + 1, named, worker.opt, ckpt.identity, worker.sharded)
             if stopping:  # every rank's part of the checkpoint is written
                 dist.barrier()
                 leave_stopped()
@@ -71,6 +71,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             "peak_rss_bytes": memory_status("VmHWM"),
             "weight_bytes": worker.weight_bytes,
             "gradient_bytes": worker.weight_bytes,
+            "optimizer_state_bytes": worker.optimizer_state_bytes(),
             "peak_activation_bytes": worker.peak_activation_bytes,
             "base_rss_bytes": worker.rss_base,
         }

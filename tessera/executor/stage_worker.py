@@ -36,6 +36,7 @@ from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
 from tessera.executor.timeline import ALLREDUCE, COMPUTE, WAIT, Timeline
 from tessera.executor.training import TrainingData, TrainOptions, labelled, loss_term, make_optimizer
+from tessera.executor.zero import ZeroShard
 from tessera.planners.pipeline.profile import torch_dtype_of
 
 
@@ -122,7 +123,6 @@ class StageWorker:
         # Activation recomputation (the stage's recompute): the forward keeps only its inputs and
         # outputs, and the backward runs it again (torch.utils.checkpoint).
         self.recompute = self.stage.recompute
-        self.opt, self.schedule = make_optimizer(self.params, spec.options) if self.params else (None, None)
         self.data = TrainingData(
             graph, routing.mini_batch, spec.options.seed, spec.options.data, spec.options.loss
         )
@@ -159,7 +159,32 @@ class StageWorker:
             p for w, p in mine.items() if self.replica == 0 and first.get(w, self.stage_id) == self.stage_id
         ]
         self.dp_params = [p for p in self.params if id(p) not in tied]
-        groups = [(self.dp_group, self.dp_params)] if self.dp_group is not None and self.dp_params else []
+        # ZeRO-1 (the stage's zero): the replicas shard the optimizer state of the weights they
+        # sum over the data-parallel group; a tied weight keeps its whole state (executor/zero.py).
+        self.zero: ZeroShard | None = None
+        if self.stage.zero and self.dp_group is not None and self.dp_params:
+            self.zero = ZeroShard(
+                self.dp_params,
+                self.dp_group,
+                dist.get_rank(self.dp_group),
+                dist.get_world_size(self.dp_group),
+            )
+            self.norm_params = [self.zero.shard, *(p for p in self.norm_params if id(p) in tied)]
+        stepped = (
+            self.params
+            if self.zero is None
+            else [self.zero.shard, *(p for p in self.params if id(p) in tied)]
+        )
+        self.stepped = stepped  # what the optimizer steps (and the clip scales)
+        self.opt, self.schedule = make_optimizer(stepped, spec.options) if stepped else (None, None)
+        # Checkpoints keep a shard's optimizer state under the shard's own name (executor/checkpoint.py).
+        self.sharded = (
+            []
+            if self.zero is None
+            else [(f"zero/stage{self.stage_id}/replica{self.replica}", self.zero.shard)]
+        )
+        dp_summed = self.dp_group is not None and self.dp_params and self.zero is None
+        groups = [(self.dp_group, self.dp_params)] if dp_summed else []
         # A rank on cores of its own spins (yielding) on its all-reduces rather than sleeping in
         # them (GradBucket.all_reduce).
         gloo_yields = spec.backend == "gloo" and hasattr(os, "sched_yield")
@@ -484,21 +509,7 @@ class StageWorker:
         for work, _ in self._sends:
             work.wait()
         self._sends.clear()
-        t0 = time.perf_counter()
-        for bucket in self.buckets:
-            bucket.all_reduce()
-        allreduce = time.perf_counter() - t0
-        t1 = time.perf_counter()
-        if self.spec.options.max_grad_norm is not None:  # every rank joins: the norm is global
-            global_norm_clip(self.norm_params, self.params, self.spec.options.max_grad_norm)
-        if self.opt is not None and self.schedule is not None:
-            self.opt.step()
-            self.schedule.step()
-            self.opt.zero_grad(set_to_none=not self.buckets)  # buckets' views stay, zeroed
-        if self.timeline is not None:
-            if self.buckets:
-                self.timeline.add(step, ALLREDUCE, "all-reduce", t0, t1)
-            self.timeline.add(step, COMPUTE, "optimizer step", t1, time.perf_counter())
+        allreduce = self._update(step)
         # No end-of-step barrier: a stage starts its next step as soon as its own is done (its
         # next inputs wait on their producers anyway); the losses are summed once, after the run.
         return {
@@ -514,6 +525,49 @@ class StageWorker:
             "actions": len(self.actions),
             "allreduce_s": allreduce,
         }
+
+    def optimizer_state_bytes(self) -> int:
+        """The bytes of the optimizer's state tensors (Adam's moments, SGD's momentum): of the
+        shard only on a ZeRO stage."""
+        if self.opt is None:
+            return 0
+        return sum(
+            v.numel() * v.element_size()
+            for state in self.opt.state.values()
+            for v in state.values()
+            if isinstance(v, Tensor) and v.dim() > 0
+        )
+
+    def _update(self, step: int) -> float:
+        """Sum the gradients (reduce-scatter a ZeRO shard's), clip, step the optimizer, gather a
+        ZeRO shard's weights; the seconds spent in collectives."""
+        t0 = time.perf_counter()
+        if self.zero is not None:
+            self.zero.reduce_scatter()
+        for bucket in self.buckets:
+            bucket.all_reduce()
+        allreduce = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        if self.spec.options.max_grad_norm is not None:  # every rank joins: the norm is global
+            global_norm_clip(self.norm_params, self.stepped, self.spec.options.max_grad_norm)
+        if self.opt is not None and self.schedule is not None:
+            self.opt.step()
+            self.schedule.step()
+            # Buckets' and shards' gradient views stay, zeroed.
+            self.opt.zero_grad(set_to_none=not self.buckets and self.zero is None)
+        t2 = time.perf_counter()
+        if self.zero is not None:
+            self.zero.all_gather()
+            self.zero.zero_grad()
+            allreduce += time.perf_counter() - t2
+        if self.timeline is not None:
+            if self.buckets or self.zero is not None:
+                name = "reduce-scatter" if self.zero is not None else "all-reduce"
+                self.timeline.add(step, ALLREDUCE, name, t0, t1)
+            self.timeline.add(step, COMPUTE, "optimizer step", t1, t2)
+            if self.zero is not None:
+                self.timeline.add(step, ALLREDUCE, "all-gather", t2, time.perf_counter())
+        return allreduce
 
 
 def _rows(t: Tensor, rows: tuple[int, int] | None, axis: int = 0) -> Tensor:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from tessera.core.cost import per_device_samples
 from tessera.core.schedule import Action
+from tessera.planners.pipeline.memory import sharded_optimizer
 from tessera.planners.pipeline.types import Pipeline, PipelineEdge
 
 _SEND, _ALLREDUCE = -1, -2  # heap entries that are not a stage's F/B task
@@ -412,7 +413,8 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
         # Recomputation keeps each in-flight micro-batch's inputs, plus the full activations of
         # the one being recomputed (Eq. 3.2 with recomputation: tessera.planners.pipeline.memory).
         per_mb = s * (st.input_per_sample if recompute else st.activation_per_sample)
-        static = st.weights + st.optimizer + (s * st.activation_per_sample if recompute else 0.0)
+        optimizer = sharded_optimizer(st.optimizer, st.state, len(st.devices), st.zero)
+        static = st.weights + optimizer + (s * st.activation_per_sample if recompute else 0.0)
         stages.append(
             SimStage(
                 id=st.id,

@@ -64,6 +64,7 @@ def make_plan(
     schedule: str = "1f1b",
     predicted_iteration_s: float = 0.01,
     kind: str = "gpp",
+    zero: Sequence[int] = (),
 ) -> GppPlan:
     cluster, device_id = _cluster_of([d for _, devices, _ in stages for d in devices])
     stage_of = {n: i for i, (nodes, _, _) in enumerate(stages) for n in nodes}
@@ -90,6 +91,7 @@ def make_plan(
                 micro_batch_size=b,
                 schedule=StageSchedule(kind=schedule, actions=actions),
                 in_flight=in_flight(actions),
+                zero=1 if i in zero else 0,  # ZeRO-1 over the stage's replicas
                 memory=StageMemory(weights=0, optimizer=0, activations=0, peak=0),  # counted below
                 predicted={"busy_s": predicted_iteration_s / 2, "peak_memory_bytes": 1e6},
             )
@@ -102,9 +104,11 @@ def make_plan(
     ]
     # Eq. 3.2 as validate counts it, so the hand-built plan records its true memory.
     device_type = ClusterSpec.from_json_dict(cluster).devices()[0].type
-    copies = graph.shared_copies([nodes for nodes, _, _ in stages])
+    groups = [nodes for nodes, _, _ in stages]
+    copies, owned = graph.shared_copies(groups), graph.shared_owned(groups)
+    training = TrainingSetup(zero="auto" if zero else 0)
     for i, st in enumerate(built):
-        mem = counted_memory(st, graph, device_type, TrainingSetup(), copies[i])
+        mem = counted_memory(st, graph, device_type, training, copies[i], owned[i])
         built[i] = st.model_copy(
             update={
                 "memory": StageMemory(
@@ -119,6 +123,7 @@ def make_plan(
         mini_batch_size=mini_batch,
         stages=built,
         edges=edges,
+        training=training,
         shared_weights=[
             SharedWeight(name=w, stages=readers, bytes=graph.initializers[w].nbytes)
             for w, readers in graph.shared_weights([nodes for nodes, _, _ in stages]).items()

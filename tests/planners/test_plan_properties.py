@@ -88,12 +88,13 @@ def random_clusters(draw):
     # Limits at which a block's weights (16 KiB with Adam) and its activations both count.
     memory_limit=st.sampled_from([None, 48 * 1024, 96 * 1024, 192 * 1024]),
     recompute=st.sampled_from(["never", "auto", "all"]),
+    zero=st.sampled_from([0, 1, "auto"]),
 )
 def test_plans_always_validate_and_simulations_are_consistent(
-    model, cluster, mini_batch, memory_limit, recompute
+    model, cluster, mini_batch, memory_limit, recompute, zero
 ):
     graph = load_graph(model)
-    opts = PartitionOptions(mini_batch=mini_batch, memory_limit=memory_limit, recompute=recompute)
+    opts = PartitionOptions(mini_batch=mini_batch, memory_limit=memory_limit, recompute=recompute, zero=zero)
     try:
         plan, _pipe, sim = plan_gpp(graph, cluster, opts)
     except InfeasibleError as exc:
@@ -103,6 +104,9 @@ def test_plans_always_validate_and_simulations_are_consistent(
     assert all(st.memory.peak <= (memory_limit or math.inf) for st in plan.stages)
     if recompute != "auto":
         assert {st.recompute for st in plan.stages} == {recompute == "all"}
+    if zero != "auto":  # ZeRO-1 shards over replicas: on every replicated stage, or on none
+        assert all(st.zero == (zero == 1 and len(st.devices) > 1) for st in plan.stages)
+    assert not any(st.zero and len(st.devices) == 1 for st in plan.stages)
     # The sequential plan too (its stages in order, residuals as forward skip edges).
     try:
         sequential, _, _ = plan_gpp(graph, cluster, opts, kind="spp")

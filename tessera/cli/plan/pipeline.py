@@ -98,6 +98,13 @@ OPTIONS = OptionGroup(
         help="[gpp/spp] Recompute activations in the backward pass: a recomputing stage keeps only its inputs per micro-batch in flight and runs its forward again. auto: on the stages the search finds need the memory; all (also --recompute alone): on every stage. launch runs it with torch.utils.checkpoint.",
     ),
     click.option(
+        "--zero",
+        type=click.Choice(["0", "1", "auto"]),
+        default="0",
+        show_default=True,
+        help="[gpp/spp] ZeRO-1: a stage's data-parallel replicas each keep 1/d of its optimizer state (gradients reduce-scattered, updated weights all-gathered: the all-reduce's traffic). auto: on the replicated stages whose memory needs it; 1: on every replicated stage; 0: on none.",
+    ),
+    click.option(
         "--rewrite",
         "rewrites",
         type=click.Choice([*REWRITES, "all", "auto"]),
@@ -163,6 +170,7 @@ def runner(kind: str) -> Callable[..., None]:
         profile: bool,
         cache_path: str | None,
         recompute: str,
+        zero: str,
         bytes_per_param: float | None,
         optimizer: str,
         loss: str,
@@ -205,6 +213,7 @@ def runner(kind: str) -> Callable[..., None]:
             cache=cache_path,
             k=k,
             recompute=recompute,
+            zero=zero,
             bytes_per_param=bytes_per_param,
             optimizer=optimizer,
             loss=loss,
@@ -234,6 +243,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     cache: str | os.PathLike[str] | None = None,
     k: int = 2,
     recompute: str = "never",
+    zero: int | str = 0,
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
@@ -245,7 +255,8 @@ def run_pipeline_plan(  # noqa: PLR0913
     cached in the profile cache at ``cache`` (default: the one ``tessera place`` uses).
     ``recompute``: activation recomputation in the backward on no stage (``never``), every stage
     (``all``), or the stages that need the memory (``auto``, chosen by the search); ``bytes_per_param``:
-    weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision).
+    weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision);
+    ``zero``: ZeRO-1 on no replicated stage (0), every one (1), or those that need the memory (auto).
     ``rewrite_auto`` (``--rewrite auto``): plan ``graph`` (loaded without rewrites) as given and
     with every rewrite that changes it (:func:`tessera.core.rewrite.applicable`), and keep the
     faster plan (the search, and the baseline, run twice). Otherwise, on a graph loaded without
@@ -264,7 +275,7 @@ def run_pipeline_plan(  # noqa: PLR0913
 
         choice = plan_pipeline(
             graph, cluster, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
-            memory_limit=memory_limit, k=k, recompute=recompute, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss,
+            memory_limit=memory_limit, k=k, recompute=recompute, zero=zero, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss,
             baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
             progress=progress,
             note=lambda line: click.echo(f"tessera: {line}", err=True),
@@ -385,9 +396,11 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
     ]
     # The recompute column where the planner was allowed to recompute (fw+bw includes it).
     recompute = plan.training.recompute != "never"
+    zero = any(st.zero for st in plan.stages)  # the ZeRO column where a stage shards its state
     lines.append(
         f"{'stage':>5} {'ops':>5} {'devices':>7} {'in-flight':>9} {'fw+bw/mb':>10} {'memory':>10}"
         + (f" {'recompute':>9}" if recompute else "")
+        + (f" {'zero':>4}" if zero else "")
         + "  first op"
     )
     for st in plan.stages:
@@ -396,6 +409,7 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
             f"{st.id:>5} {len(st.nodes):>5} {len(st.devices):>7} {st.in_flight:>9} "
             f"{t * 1e3:>8.2f}ms {format_bytes(st.memory.peak):>10}"
             + (f" {'yes' if st.recompute else 'no':>9}" if recompute else "")
+            + (f" {st.zero:>4}" if zero else "")
             + f"  {st.nodes[0]}"
         )
     lines.append(

@@ -16,7 +16,7 @@ from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.external_data import unread_weights
 from tessera.core.plans import PLAN_CHECKS
 from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
-from tessera.planners.pipeline.memory import StageMemoryEstimate, stage_memory
+from tessera.planners.pipeline.memory import StageMemoryEstimate, sharded_optimizer, stage_memory
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
 # Recounted memory may differ from the planner's by float rounding (sums in another order).
@@ -217,7 +217,9 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
             f"memory: {who} activations, but training.recompute is {training.recompute!r}"
             + ("" if given else " (its default: the plan does not say)")
         )
-    copies = graph.shared_copies([[n for n in st.nodes if n in graph.dag] for st in plan.stages])
+    problems.extend(_zero_problems(plan))
+    groups = [[n for n in st.nodes if n in graph.dag] for st in plan.stages]
+    copies, owned = graph.shared_copies(groups), graph.shared_owned(groups)
     for st in plan.stages:
         types = {devices[d].type_name for d in st.devices}
         if len(types) > 1:
@@ -226,7 +228,9 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
             )
             continue
         try:
-            need = counted_memory(st, graph, devices[st.devices[0]].type, training, copies[st.id])
+            need = counted_memory(
+                st, graph, devices[st.devices[0]].type, training, copies[st.id], owned[st.id]
+            )
         except ValueError as exc:  # bytes per parameter below weights + gradients
             return [f"training.bytes_per_param: {exc}"]
         capacity = min(devices[d].type.memory for d in st.devices)
@@ -245,21 +249,41 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
     return problems
 
 
-def counted_memory(
-    st: Any, graph: Any, device_type: Any, training: Any, copies: int = 0
+def _zero_problems(plan: Any) -> list[str]:
+    """Which stages shard their optimizer state (ZeRO-1) is the planner's choice within what it was
+    allowed; a stage of one replica has nothing to shard it over."""
+    problems = []
+    zero = plan.training.zero
+    for st in plan.stages:
+        if st.zero and len(st.devices) == 1:
+            problems.append(f"stage {st.id}: zero 1 on one device (ZeRO shards over data-parallel replicas)")
+        elif zero != "auto" and st.zero != (zero == 1 and len(st.devices) > 1):
+            problems.append(
+                f"stage {st.id}: zero {st.zero}, but training.zero is {zero} "
+                f"({'every replicated stage' if zero == 1 else 'no stage'} shards its optimizer state)"
+            )
+    return problems
+
+
+def counted_memory(  # noqa: PLR0913
+    st: Any, graph: Any, device_type: Any, training: Any, copies: int = 0, owned: int = 0
 ) -> StageMemoryEstimate:
-    """Eq. 3.2 for one device of plan stage ``st`` (recomputing its activations where ``st.recompute``),
-    counted from ``graph`` on ``device_type`` for ``training`` (a
-    :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's memory against.
-    ``copies``: parameter elements of shared weights the stage holds without being charged for
-    (:meth:`tessera.core.graph.Graph.shared_copies`)."""
+    """Eq. 3.2 for one device of plan stage ``st`` (recomputing its activations where ``st.recompute``,
+    its optimizer state sharded where ``st.zero``), counted from ``graph`` on ``device_type`` for
+    ``training`` (a :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's
+    memory against. ``copies``: parameter elements of shared weights the stage holds without being
+    charged for (:meth:`tessera.core.graph.Graph.shared_copies`); ``owned``: those it is charged
+    for (:meth:`~tessera.core.graph.Graph.shared_owned`), whose optimizer state ZeRO keeps whole."""
     cost = CostModel.for_device(device_type, training.precision, training.bytes_per_param)
     nodes = [n for n in st.nodes if n in graph.dag]
     inside = set(nodes)
     weights, optimizer, activations = cost.memory_of(graph, nodes)
     memory = cost.memory
+    state = optimizer - sum(cost.gradient_bytes(graph.op(n)) for n in nodes)
+    state -= owned * memory.optimizer_state_bytes_per_param
     weights += copies * memory.weight_bytes_per_param
     optimizer += copies * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param)
+    optimizer = sharded_optimizer(optimizer, state, len(st.devices), getattr(st, "zero", 0))
     entering: dict[str, int] = {}  # what a recomputing stage keeps: the tensors coming in
     if st.recompute:
         for v in inside:

@@ -11,7 +11,7 @@ from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 from tessera.core.cost import allreduce_time, per_device_samples
-from tessera.planners.pipeline.memory import max_in_flight
+from tessera.planners.pipeline.memory import max_in_flight, sharded_optimizer
 from tessera.planners.pipeline.sp import SPNode, SPTree
 
 if TYPE_CHECKING:
@@ -123,10 +123,13 @@ class StageDP:
             transfer = 2 * (p2p.latency + enter * self.b / p2p.bandwidth)
             tps += self.exposed * transfer / self.b
             latency += transfer
+        optimizer = c.optimizer[hi] - c.optimizer[lo]
+        # ZeRO-1, where the search may shard (materialize decides which stages need it under "auto").
+        state = optimizer - (c.grads[hi] - c.grads[lo])
         cap = max_in_flight(
             limit=self.limit,
             weights=c.weights[hi] - c.weights[lo],
-            optimizer=c.optimizer[hi] - c.optimizer[lo],
+            optimizer=sharded_optimizer(optimizer, state, d, int(self.opts.zero != 0)),
             activation_per_sample=c.act[hi] - c.act[lo],
             input_per_sample=c.enter(lo, hi),
             micro_batch=self.b,

@@ -17,7 +17,7 @@ from tessera.core.specs import ClusterSpec
 from tessera.planners.pipeline.dp import stages_of
 from tessera.planners.pipeline.greedy import greedy_schedules
 from tessera.planners.pipeline.links import nic_route, ring_link, ring_nics, stage_edges
-from tessera.planners.pipeline.memory import stage_memory
+from tessera.planners.pipeline.memory import StageMemoryEstimate, sharded_optimizer, stage_memory
 from tessera.planners.pipeline.schedule import compute_in_flight
 from tessera.planners.pipeline.sp import SPTree
 from tessera.planners.pipeline.types import PartitionOptions, Pipeline, PipelineEdge, PipelineStage
@@ -81,6 +81,10 @@ def materialize(  # noqa: PLR0913
                 units=(lo, hi),
                 allreduce_nics=ring_nics(cluster, group),
                 recompute=recompute,
+                # ZeRO-1 moves what the all-reduce does (a reduce-scatter of the gradients and an
+                # all-gather of the updated weights, each half a ring all-reduce): its time stays.
+                zero=1 if opts.zero == 1 and d > 1 else 0,
+                state=(costs.optimizer[hi] - costs.optimizer[lo]) - grads,
             )
         )
         for u in range(lo, hi):
@@ -112,6 +116,7 @@ def materialize(  # noqa: PLR0913
         search_time_s=0.0,
         num_units=tree.num_units,
         memory_limit=limit,
+        zero=opts.zero,
     )
     warm_up = uniform_warm_up(pipe, slack) if slack and opts.searched_schedule == "1f1b" else {}
     return scheduled(pipe, warm_up)
@@ -126,9 +131,11 @@ def _add_shared_weights(graph: Graph, cluster: ClusterSpec, stages: list[Pipelin
     if not shared:
         return
     memory = cost.memory
-    for st, extra in zip(stages, graph.shared_copies(groups), strict=True):
+    owned = graph.shared_owned(groups)
+    for st, extra, own in zip(stages, graph.shared_copies(groups), owned, strict=True):
         st.weights += extra * memory.weight_bytes_per_param
         st.optimizer += extra * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param)
+        st.state -= own * memory.optimizer_state_bytes_per_param  # a tied weight's state stays whole
     # One all-reduce per set of readers, of all the weights they share (launch sums them as one
     # bucket per group of ranks), not one per weight: a cut through a layer can share several.
     grouped: dict[tuple[int, ...], int] = {}
@@ -186,19 +193,30 @@ def scheduled(pipe: Pipeline, extra: Mapping[int, int]) -> Pipeline | None:
             st.in_flight = in_flight_of(st.schedule)
         else:
             st.schedule = one_f_one_b(m, st.in_flight)
-        st.memory = stage_memory(
-            weights=st.weights,
-            optimizer=st.optimizer,
-            activation_per_sample=st.activation_per_sample,
-            input_per_sample=st.input_per_sample,
-            micro_batch=b,
-            devices=len(st.devices),
-            in_flight=st.in_flight,
-            recompute=st.recompute,
-        )
+        if pipe.zero == "auto":  # ZeRO-1 only where keeping the whole state does not fit
+            st.zero = 0
+        st.memory = _memory(st, b)
+        if st.memory.peak > pipe.memory_limit and pipe.zero == "auto" and len(st.devices) > 1:
+            st.zero = 1
+            st.memory = _memory(st, b)
         if st.memory.peak > pipe.memory_limit:
             return None
     return dataclasses.replace(pipe, stages=stages)
+
+
+def _memory(st: PipelineStage, b: int) -> StageMemoryEstimate:
+    """Eq. 3.2 for one device of ``st`` as it is scheduled (recomputing, sharded where it does)."""
+    d = len(st.devices)
+    return stage_memory(
+        weights=st.weights,
+        optimizer=sharded_optimizer(st.optimizer, st.state, d, st.zero),
+        activation_per_sample=st.activation_per_sample,
+        input_per_sample=st.input_per_sample,
+        micro_batch=b,
+        devices=d,
+        in_flight=st.in_flight,
+        recompute=st.recompute,
+    )
 
 
 def uniform_warm_up(pipe: Pipeline, slack: int) -> dict[int, int]:

@@ -1,7 +1,8 @@
 """Per-device memory of a pipeline stage: weights, gradients and optimizer state plus the activations
 of its in-flight micro-batches (with recomputation: their inputs).
 
-References: GraphPipe thesis Eq. 3.2; BPipe (Kim's thesis ch. 4) for the activation formulas.
+References: GraphPipe thesis Eq. 3.2; BPipe (Kim's thesis ch. 4) for the activation formulas;
+ZeRO (Rajbhandari et al., SC'20) stage 1 for sharded optimizer state.
 """
 
 from __future__ import annotations
@@ -21,6 +22,18 @@ class StageMemoryEstimate:
     @property
     def peak(self) -> int:
         return self.weights + self.optimizer + self.activations
+
+
+ZERO_CHOICES = (0, 1, "auto")  # plan --zero: no stage, every replicated stage, where memory needs it
+
+
+def sharded_optimizer(optimizer: float, state: float, devices: int, zero: int) -> float:
+    """The gradient and optimizer-state bytes one replica of a stage keeps: ``optimizer`` (all of
+    them), less with ZeRO-1 (``zero`` 1, ``devices`` > 1 replicas) the share of ``state`` (the
+    optimizer state of its sharded weights) the other ``devices − 1`` replicas keep instead."""
+    if zero and devices > 1:
+        return optimizer - state * (devices - 1) / devices
+    return optimizer
 
 
 def activation_bytes(

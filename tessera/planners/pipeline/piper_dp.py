@@ -14,6 +14,7 @@ from tessera.core.graph import Graph
 from tessera.core.specs import Link
 from tessera.planners.pipeline.dp import RECOMPUTE_VARIANTS
 from tessera.planners.pipeline.links import StageLinks
+from tessera.planners.pipeline.memory import sharded_optimizer
 from tessera.planners.pipeline.sp import SPNode, SPTree
 from tessera.planners.pipeline.types import PartitionOptions
 from tessera.planners.pipeline.unit_costs import UnitCosts
@@ -199,8 +200,11 @@ class IdealDP:
         self.tps = np.empty((n_rows, n_pairs))
         self.smax = np.empty((n_rows, n_pairs), dtype=np.int16)
         top = self.levels - 1
-        static = lattice.weights + lattice.optimizer
         for k, (d, recompute) in enumerate(self.rows):
+            # ZeRO-1 where the search may shard (materialize decides which stages need it).
+            static = lattice.weights + sharded_optimizer(
+                lattice.optimizer, lattice.optimizer - lattice.grads, d, int(opts.zero != 0)
+            )
             s = per_device_samples(b, d)
             fw, bw = lattice.times(s)
             compute = fw + bw + (fw if recompute else 0.0)

@@ -31,6 +31,7 @@ from tessera.core.specs import ClusterSpec
 from tessera.core.traced import traced_values_message
 from tessera.core.units import UnitError, format_bytes, parse_bytes
 from tessera.planners.pipeline import checks  # noqa: F401 - registers the C1–C5 + memory plan checks
+from tessera.planners.pipeline.memory import ZERO_CHOICES
 from tessera.planners.pipeline.profile import MeasuredCosts
 from tessera.planners.pipeline.search import build_tree, partition, planned_device_type
 from tessera.planners.pipeline.spp import method_name, plan_sequential, sequential_record
@@ -149,6 +150,7 @@ def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
         precision=options.precision,
         bytes_per_param=cost.memory.bytes_per_param,
         recompute=options.recompute,
+        zero=options.zero,
         optimizer=options.optimizer,  # type: ignore[arg-type]
         loss=options.loss,  # type: ignore[arg-type]
     )
@@ -189,6 +191,7 @@ def _to_plan(
                     weights=mem.weights, optimizer=mem.optimizer, activations=mem.activations, peak=mem.peak
                 ),
                 recompute=st.recompute,
+                zero=st.zero,  # type: ignore[arg-type]
                 predicted={
                     "forward_time_s": _r(st.forward_time),
                     "backward_time_s": _r(st.backward_time),
@@ -240,7 +243,7 @@ def _to_plan(
     )
 
 
-def pipeline_options(
+def pipeline_options(  # noqa: PLR0913
     cluster: ClusterSpec,
     *,
     mini_batch: int,
@@ -250,6 +253,7 @@ def pipeline_options(
     k: int = 2,
     recompute: str = "never",
     bytes_per_param: float | None = None,
+    zero: int | str = 0,
 ) -> PartitionOptions:
     """The search's options from what a user gives (``tessera plan``'s values); InputError names the
     value that cannot be planned with. ``memory_limit`` may only lower the devices' memory;
@@ -259,6 +263,9 @@ def pipeline_options(
         raise InputError(f"--schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CHOICES)}")
     if recompute not in ("never", "auto", "all"):
         raise InputError(f"--recompute {recompute!r}: expected never, auto or all")
+    zero = int(zero) if zero in ("0", "1") else zero
+    if zero not in ZERO_CHOICES:
+        raise InputError(f"--zero {zero!r}: expected 0, 1 or auto")
     try:
         limit = (
             None
@@ -283,6 +290,7 @@ def pipeline_options(
         schedule=schedule,  # type: ignore[arg-type]
         k=k if schedule == "kfkb" else 1,
         recompute=recompute,  # type: ignore[arg-type]
+        zero=zero,  # type: ignore[arg-type]
         bytes_per_param=bytes_per_param,
         # CPUs train in fp32 (tessera's executor does, and CPU mixed precision is not a thing):
         # weights, gradients, activations and messages are counted at 4 bytes.

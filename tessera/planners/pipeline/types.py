@@ -15,6 +15,9 @@ from tessera.planners.pipeline.memory import StageMemoryEstimate
 # Activation recomputation: on no stage, on every stage, or (``auto``) on the stages the search
 # finds it pays on — where keeping the activations does not fit memory (:class:`~.dp.StageDP`).
 RecomputeChoice = Literal["never", "auto", "all"]
+# ZeRO-1 (optimizer state sharded over a stage's data-parallel replicas): on no stage (0), on every
+# replicated stage (1), or (``auto``) on the replicated stages whose memory needs it.
+ZeroChoice = Literal[0, 1, "auto"]
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class PartitionOptions:
     micro_batch_sizes: tuple[int, ...] | None = None  # default: powers of two dividing mini_batch
     max_micro_batches: int = 256
     recompute: RecomputeChoice = "never"
+    zero: ZeroChoice = 0
     max_units: int = 128
     epsilon: float = 0.01
     precision: Literal["mixed", "fp32"] = "mixed"
@@ -63,6 +67,10 @@ class PipelineStage:
     # Activation recomputation: the stage keeps only its inputs per micro-batch in flight and runs
     # its forward again in the backward (counted in ``backward_time``).
     recompute: bool = False
+    # ZeRO-1: the optimizer state of ``state`` bytes (that of the stage's own weights, tied copies
+    # apart) is sharded over the stage's replicas (tessera.planners.pipeline.memory.sharded_optimizer).
+    zero: int = 0
+    state: float = 0.0
     # The optimizer step and drawing the data, per iteration (measured stages only:
     # tessera.planners.pipeline.stage_profile); the simulator runs it after the all-reduce.
     step_time: float = 0.0
@@ -110,6 +118,7 @@ class Pipeline:
     num_units: int
     memory_limit: float
     probes: int = 0
+    zero: ZeroChoice = 0  # the search's --zero: "auto" decides each stage's ``zero`` as it schedules
 
     @property
     def pipeline_depth(self) -> int:

@@ -1,0 +1,55 @@
+"""ZeRO-1 for a stage's data-parallel replicas (a stage's ``zero``): its weights and gradients as
+two flat buffers, each replica the owner of one contiguous shard. A step reduce-scatters the
+gradients (each replica gets its shard summed over the group), steps the optimizer on its shard
+only (1/d of the optimizer state), and all-gathers the updated weights: the traffic of one
+all-reduce. Optimizers update element by element, so this trains as one process does.
+See docs/executor.md ("ZeRO-1").
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+__all__ = ["ZeroShard"]
+
+
+class ZeroShard:
+    """``params`` (one replica's weights of a stage) sharded over ``group``, where this replica is
+    ``index`` of ``size``. The weights become views of one flat buffer (the stage's program keeps
+    reading them); ``shard`` is the leaf the optimizer steps, a view of this replica's part."""
+
+    def __init__(self, params: list[Tensor], group: Any, index: int, size: int) -> None:
+        self.group = group
+        numel = sum(p.numel() for p in params)
+        chunk = math.ceil(numel / size)
+        like = params[0]
+        self.weights = torch.zeros(chunk * size, dtype=like.dtype, device=like.device)
+        self.grads = torch.zeros_like(self.weights)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            self.weights[offset : offset + n].copy_(p.detach().reshape(-1))
+            p.data = self.weights[offset : offset + n].view_as(p)
+            p.grad = self.grads[offset : offset + n].view_as(p)  # the backward accumulates here
+            offset += n
+        lo = index * chunk
+        self.shard = torch.nn.Parameter(self.weights[lo : lo + chunk])  # shares the buffer
+        self.shard.grad = torch.zeros(chunk, dtype=like.dtype, device=like.device)
+
+    def reduce_scatter(self) -> None:
+        """This replica's shard of the gradients, summed over the group, into ``shard.grad``."""
+        dist.reduce_scatter_single(self.shard.grad, self.grads, group=self.group)
+
+    def all_gather(self) -> None:
+        """Every replica's updated shard into every replica's weights."""
+        dist.all_gather_single(self.weights, self.shard.detach().clone(), group=self.group)
+
+    def zero_grad(self) -> None:
+        self.grads.zero_()
+        assert self.shard.grad is not None
+        self.shard.grad.zero_()
