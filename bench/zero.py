@@ -36,7 +36,9 @@ MODES = ((0, "never"), ("auto", "never"), (0, "auto"), ("auto", "auto"))  # (zer
 GIB = 2**30
 
 
-def plan_row(graph, cluster, devices: int, mini_batch: int, limit: float | None, zero, recompute: str) -> dict:
+def plan_row(
+    graph, cluster, devices: int, mini_batch: int, limit: float | None, zero, recompute: str
+) -> dict:
     opts = PartitionOptions(
         mini_batch=mini_batch, num_devices=devices, memory_limit=limit, recompute=recompute, zero=zero
     )
