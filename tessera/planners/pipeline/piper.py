@@ -21,7 +21,7 @@ from tessera.planners.pipeline.links import StageLinks
 from tessera.planners.pipeline.materialize import materialize
 from tessera.planners.pipeline.piper_dp import IdealDP, Lattice, lattice_lower_bound
 from tessera.planners.pipeline.search import (
-    fastest_recompute_mode,
+    fastest_mode,
     micro_batch_candidates,
     no_micro_batch,
     planning_inputs,
@@ -105,10 +105,10 @@ def plan_piper(
     has more than ``limit`` ideals even after coarsening (``reason`` ``"intractable: N ideals"``)
     or when no plan fits the memory limit. ``cost``: the cost model (default: the roofline).
     ``recompute="auto"``: the fastest of the three modes' plans, as the partitioner picks
-    (:func:`~tessera.planners.pipeline.search.fastest_recompute_mode`). Raises :class:`InputError`
+    (:func:`~tessera.planners.pipeline.search.fastest_mode`; ``zero="auto"`` too). Raises :class:`InputError`
     for bad options.
     """
-    if options.recompute != "auto":
+    if options.recompute != "auto" and options.zero != "auto":
         return _plan_piper(graph, cluster, options, tree, limit, coarsen, cost)
     started = time.perf_counter()
     results: list[PiperResult] = []
@@ -117,8 +117,9 @@ def plan_piper(
         results.append(_plan_piper(graph, cluster, opts, tree, limit, coarsen, cost))
         return results[-1].pipeline
 
-    best = fastest_recompute_mode(search, options)
-    # The result of the fastest plan; without one, the per-stage search's (its reason).
+    best = fastest_mode(search, options)
+    # The result of the fastest plan; without one, the second search's (the first that chooses
+    # per stage: its reason).
     chosen = next((r for r in results if best is not None and r.pipeline is best), results[1])
     return dataclasses.replace(chosen, search_time_s=time.perf_counter() - started)
 
