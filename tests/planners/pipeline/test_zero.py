@@ -12,8 +12,8 @@ from onnx_builders import tied_chain
 
 from tessera.core.graph import load_graph
 from tessera.core.plans import dump_plan
-from tessera.planners.pipeline.checks import check_gpp_plan, counted_memory
 from tessera.models import build
+from tessera.planners.pipeline.checks import check_gpp_plan, counted_memory
 from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
 from tessera.planners.pipeline.search import partition
 from tessera.planners.pipeline.types import PartitionOptions
