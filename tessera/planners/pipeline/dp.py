@@ -23,6 +23,9 @@ INF_SLACK = 1 << 30
 FRONT = 3  # Pareto entries kept per DP state
 GROUP_CHAIN = 3  # branch groups pipelined in series hold at most this many branches
 JOIN_FRACTION = 0.25  # a tail joins its neighbour's stage when it costs at most this share of t_max
+# Device counts the DP splits: every count up to this many devices; beyond, multiples of a grain
+# (a power of two) that leaves at most this many, so the states stay as many as at this size.
+GRAIN_STATES = 128
 
 # (latency, depth, slack, tps, sink latency, plan); a plan's stages are ("S", lo, hi, d, r), r = 1
 # where the stage recomputes its activations in the backward.
@@ -65,6 +68,7 @@ class StageDP:
             self.step = self.m
         self.variants = RECOMPUTE_VARIANTS[opts.recompute]
         self.degrees = [1 << p for p in range(32) if (1 << p) <= min(b, num_devices)]
+        self.grain = device_grain(num_devices)
         fw, bw = costs.times(b)
         self.work = [(f + g) / b for f, g in zip(fw, bw, strict=True)]  # prefix sums, per sample
         self._stage_cache: dict[tuple[int, int, int, bool], tuple[float, int, float]] = {}
@@ -179,6 +183,16 @@ class StageDP:
             out.extend(self.base_entries(lo, hi, dd))
         return out
 
+    def _block(self, d: int) -> int:
+        """The devices a stage of degree ``d`` takes from the split: ``d`` rounded up to the grain."""
+        return -(-d // self.grain) * self.grain
+
+    def _splits(self, d: int, most: int | None = None) -> range:
+        """Device counts to give a first part of ``d`` devices (the rest to the others): every
+        count below ``d`` (up to ``most``), in steps of the grain."""
+        top = d - 1 if most is None else min(d - 1, max(most, self.grain))
+        return range(self.grain, top + 1, self.grain)
+
     def too_much_work(self, lo: int, hi: int, d: int) -> bool:
         """A lower bound: no stage graph of [lo, hi) on d devices has every TPS ≤ t_max."""
         return (self.work[hi] - self.work[lo]) / d > self.t_max * (1 + 1e-9)
@@ -248,15 +262,16 @@ class StageDP:
         cands = self.bases(lo, ext, d)  # the whole suffix as one stage
         ends = [c.hi for c in ch[:last]]  # first stage [lo, ends[k]) covers children i..k
         for d1 in self.degrees:
-            if d1 >= d:
+            used = self._block(d1)
+            if used >= d:
                 break
             k_hi = self._max_end(ends, lo, i, last - 1, d1)
             k_lo = i if self.window is None else max(i, k_hi - self.window + 1)
             for k in range(k_hi, k_lo - 1, -1):
-                if self.too_much_work(ends[k], ext, d - d1):
+                if self.too_much_work(ends[k], ext, d - used):
                     break
                 for first in self.base_entries(lo, ends[k], d1):
-                    for rest in self.series(node, k + 1, d - d1, ext):
+                    for rest in self.series(node, k + 1, d - used, ext):
                         cands.append(seq(first, rest))
         head = ch[i]
         if head.kind != "leaf":
@@ -270,7 +285,7 @@ class StageDP:
                     cands.extend(self.solve(head, d, ext))
                     break
                 previous: list[Entry] | None = None
-                for d1 in range(1, d):
+                for d1 in self._splits(d):
                     if self.too_much_work(ch[j].lo, ext, d - d1):
                         break
                     if self.too_much_work(lo, end, d1):
@@ -320,7 +335,7 @@ class StageDP:
         cands = self.bases(lo, ext, d)  # every remaining branch in one stage
         rest_lo = ch[i + 1].lo
         previous: list[Entry] | None = None
-        for d1 in range(1, d):
+        for d1 in self._splits(d):
             d2 = d - d1
             if self.too_much_work(rest_lo, ext, d2):
                 break  # fewer devices for the other branches only gets worse
@@ -345,7 +360,7 @@ class StageDP:
                     cands.extend(self.solve(chain, d, ext))
                 continue
             previous = None
-            for d1 in range(1, min(d, most + 1)):
+            for d1 in self._splits(d, most):
                 if self.too_much_work(chain.hi, ext, d - d1):
                     break
                 if self.too_much_work(lo, chain.hi, d1):
@@ -359,16 +374,26 @@ class StageDP:
         # Groups of contiguous branches [i, k] sharing one stage (branches are sorted by cost).
         ends = [c.hi for c in ch[:last]]
         for d1 in self.degrees:
-            if d1 >= d or i + 1 > last - 1:
+            used = self._block(d1)
+            if used >= d or i + 1 > last - 1:
                 break
             k_hi = self._max_end(ends, lo, i + 1, last - 1, d1)
             for k in range(k_hi, i, -1):
-                if self.too_much_work(ends[k], ext, d - d1):
+                if self.too_much_work(ends[k], ext, d - used):
                     break
                 for group in self.base_entries(lo, ends[k], d1):
-                    for rest in self.parallel(node, k + 1, d - d1, ext):
+                    for rest in self.parallel(node, k + 1, d - used, ext):
                         cands.append(combine(group, rest))
         return self._store(key, node, pareto(cands))
+
+
+def device_grain(num_devices: int) -> int:
+    """The power of two the DP splits ``num_devices`` in steps of (:data:`GRAIN_STATES`): 1 up to
+    that many devices, so smaller clusters are searched device by device."""
+    grain = 1
+    while num_devices / grain > GRAIN_STATES:
+        grain *= 2
+    return grain
 
 
 def seq(first: Entry, rest: Entry) -> Entry:
