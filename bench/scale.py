@@ -4,8 +4,8 @@ The paper-size zoo models on the ``graphpipe-v100`` cluster extended to N device
 node), mini-batch 16 per device (weak scaling), planned as ``tessera plan --kind gpp`` plans them
 (the sequential baseline included); and a 70B-parameter Llama-shaped decoder (80 layers of 8,192,
 GQA 64/8, SwiGLU FFN of 28,672, vocabulary 32,000, sequence 2,048; built lazily: shapes only) on
-DGX A100 nodes (8 A100-80GB each) with ``--zero auto --recompute auto`` (its whole optimizer state
-fits no stage), without the baseline. Each point runs in a process of its own: its peak memory is
+DGX A100 nodes (8 A100-80GB each) with ``--zero 1 --recompute all`` (the distributed optimizer and
+full recomputation, as such models are trained), without the baseline. Each point runs in a process of its own: its peak memory is
 that process's maximum resident set.
 
     .venv/bin/python bench/scale.py                 # writes bench/results/scale.md
@@ -68,8 +68,8 @@ def point(model: str, n: int) -> dict:
         cluster,
         mini_batch=(LLAMA_PER_DEVICE if llama else PER_DEVICE) * n,
         devices=n,
-        zero="auto" if llama else 0,
-        recompute="auto" if llama else "never",
+        zero=1 if llama else 0,
+        recompute="all" if llama else "never",
     )
     started = time.perf_counter()
     plan, pipe, sim = plan_gpp(graph, cluster, options, baseline=not llama)
@@ -125,8 +125,8 @@ def write(rows: dict[str, dict[int, dict]]) -> None:
         f"extended to N devices (4 V100-16GB per node), mini-batch {PER_DEVICE} per device, `tessera plan",
         "--kind gpp` with its sequential baseline (two planners more). Llama-70B: 80 layers of 8,192 (GQA",
         "64/8, SwiGLU 28,672, vocabulary 32,000, sequence 2,048; 69.0 B parameters, built lazily) on DGX",
-        f"A100 nodes (8 A100-80GB each), {LLAMA_PER_DEVICE} sequence per device, `--zero auto --recompute auto`",
-        "(six searches), no baseline. *weak scaling*: throughput over the plan's at half the devices",
+        f"A100 nodes (8 A100-80GB each), {LLAMA_PER_DEVICE} sequence per device, `--zero 1 --recompute all`",
+        "(the distributed optimizer and full recomputation), no baseline. *weak scaling*: throughput over the plan's at half the devices",
         "(at least 1.00 is the bound: a plan for 2N devices is never slower than the plan for N).",
         "Cells: seconds / peak memory / samples/s (stages × largest replica count).",
         "",
