@@ -40,10 +40,15 @@ MODES = ("never", "all", "auto")
 GIB = 2**30
 
 
-def plan_row(graph, cluster, devices: int, mini_batch: int, limit: float | None, mode: str) -> dict:
+def plan_row(
+    graph, cluster, devices: int, mini_batch: int, limit: float | None, mode: str, zero: int | str = 0
+) -> dict:
     """The GPP plan ``tessera plan --no-baseline`` makes, without the exit-3 message's own search
-    for the least memory (``explain``): the rows and the bisection only need to know there is none."""
-    opts = PartitionOptions(mini_batch=mini_batch, num_devices=devices, memory_limit=limit, recompute=mode)
+    for the least memory (``explain``): the rows and the bisection only need to know there is none.
+    ``mode``: ``--recompute``; ``zero``: ``--zero`` (bench/zero.py)."""
+    opts = PartitionOptions(
+        mini_batch=mini_batch, num_devices=devices, memory_limit=limit, recompute=mode, zero=zero
+    )
     started = time.perf_counter()
     try:
         pipe = partition(graph, cluster, opts, explain=False)
@@ -52,6 +57,8 @@ def plan_row(graph, cluster, devices: int, mini_batch: int, limit: float | None,
     return {
         "throughput": simulate_pipeline(pipe, trace=False).throughput,
         "recomputing": sum(st.recompute for st in pipe.stages),
+        "sharded": sum(st.zero for st in pipe.stages),
+        "replicated": sum(len(st.devices) > 1 for st in pipe.stages),
         "stages": len(pipe.stages),
         "peak": peak_memory(pipe),
         "search": pipe.search_time_s,

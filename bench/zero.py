@@ -11,26 +11,17 @@ simulator), how many stages shard their state, the plan's largest stage peak, se
 from __future__ import annotations
 
 import sys
-import time
 from pathlib import Path
 
-from tessera.core.errors import InfeasibleError
 from tessera.core.files import write_atomic
 from tessera.core.graph import load_graph
 from tessera.core.specs import load_cluster
 from tessera.models import build
-from tessera.planners.pipeline.search import partition
-from tessera.planners.pipeline.types import PartitionOptions, peak_memory
-from tessera.planners.sim import simulate_pipeline
 
-CONFIGS = [  # (model, devices, mini-batch), as bench/recompute.py
-    ("gpt", 4, 32),
-    ("bert", 4, 32),
-    ("resnext", 4, 64),
-    ("mmt", 8, 128),
-    ("dlrm", 8, 512),
-    ("candle_uno", 8, 8192),
-]
+sys.path.insert(0, str(Path(__file__).parent))
+from recompute import CONFIGS, _tput  # noqa: E402 - bench/recompute.py: its models, rows and cells
+from recompute import plan_row as recompute_plan_row  # noqa: E402
+
 SHARES = (0.75, 0.5, 0.35, 0.25)  # of the unlimited plan's peak
 MODES = ((0, "never"), ("auto", "never"), (0, "auto"), ("auto", "auto"))  # (zero, recompute)
 GIB = 2**30
@@ -39,22 +30,7 @@ GIB = 2**30
 def plan_row(
     graph, cluster, devices: int, mini_batch: int, limit: float | None, zero, recompute: str
 ) -> dict:
-    opts = PartitionOptions(
-        mini_batch=mini_batch, num_devices=devices, memory_limit=limit, recompute=recompute, zero=zero
-    )
-    started = time.perf_counter()
-    try:
-        pipe = partition(graph, cluster, opts, explain=False)
-    except InfeasibleError:
-        return {"throughput": None, "search": time.perf_counter() - started}
-    return {
-        "throughput": simulate_pipeline(pipe, trace=False).throughput,
-        "sharded": sum(st.zero for st in pipe.stages),
-        "replicated": sum(len(st.devices) > 1 for st in pipe.stages),
-        "stages": len(pipe.stages),
-        "peak": peak_memory(pipe),
-        "search": time.perf_counter() - started,
-    }
+    return recompute_plan_row(graph, cluster, devices, mini_batch, limit, recompute, zero)
 
 
 def main() -> None:
@@ -106,10 +82,6 @@ def main() -> None:
         )
     write_atomic(out, "\n".join(lines) + "\n")
     print(f"wrote {out}", file=sys.stderr)
-
-
-def _tput(r: dict) -> str:
-    return "—" if r["throughput"] is None else f"{r['throughput']:.1f}"
 
 
 def _cell(r: dict) -> str:
