@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tessera.executor.checkpoint import leave_stopped, resume, save_state, stop_agreed, stop_on_sigterm
 from tessera.executor.launcher import WATCHDOG_FACTOR, Watchdog, memory_status, worker_setup
 from tessera.executor.stage_worker import StageWorker, WorkerSpec
+from tessera.executor.training import optimizer_state_bytes
 
 __all__ = ["gpp_worker"]
 
@@ -71,7 +72,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
             "peak_rss_bytes": memory_status("VmHWM"),
             "weight_bytes": worker.weight_bytes,
             "gradient_bytes": worker.weight_bytes,
-            "optimizer_state_bytes": worker.optimizer_state_bytes(),
+            "optimizer_state_bytes": optimizer_state_bytes(worker.opt),  # of its shard on a ZeRO stage
             "peak_activation_bytes": worker.peak_activation_bytes,
             "base_rss_bytes": worker.rss_base,
         }

@@ -526,18 +526,6 @@ class StageWorker:
             "allreduce_s": allreduce,
         }
 
-    def optimizer_state_bytes(self) -> int:
-        """The bytes of the optimizer's state tensors (Adam's moments, SGD's momentum): of the
-        shard only on a ZeRO stage."""
-        if self.opt is None:
-            return 0
-        return sum(
-            v.numel() * v.element_size()
-            for state in self.opt.state.values()
-            for v in state.values()
-            if isinstance(v, Tensor) and v.dim() > 0
-        )
-
     def _update(self, step: int) -> float:
         """Sum the gradients (reduce-scatter a ZeRO shard's), clip, step the optimizer, gather a
         ZeRO shard's weights; the seconds spent in collectives."""

@@ -83,6 +83,16 @@ def make_optimizer(
     return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda step: lr_factor(step, options))
 
 
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer | None) -> int:
+    """The bytes of ``optimizer``'s state tensors (Adam's moments, SGD's momentum buffers)."""
+    if optimizer is None:
+        return 0
+    states = optimizer.state.values()
+    return sum(
+        v.numel() * v.element_size() for s in states for v in s.values() if isinstance(v, Tensor) and v.dim()
+    )
+
+
 def lr_factor(step: int, options: TrainOptions) -> float:
     """The learning rate of optimizer step ``step`` (0-based) over the peak: linear warm-up to 1 over
     ``warmup_steps``, then ``lr_schedule`` from 1 to 0 at the last step."""
