@@ -194,13 +194,33 @@ class Stage(_Strict):
     # reduce-scatter the gradients and all-gather the updated weights (launch: the same). Written
     # only when 1.
     zero: Literal[0, 1] = 0
+    # Tensor parallelism: each replica is ``tensor_parallel`` devices of one node, its matrix
+    # products split Megatron-style (tessera.core.tensor_parallel); ``devices`` lists them replica
+    # by replica. Written only when above 1.
+    tensor_parallel: PositiveInt = 1
     predicted: dict[str, float] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _whole_replicas(self) -> Stage:
+        if len(self.devices) % self.tensor_parallel:
+            raise ValueError(
+                f"stage {self.id}: {len(self.devices)} devices do not make replicas of "
+                f"tensor_parallel {self.tensor_parallel}"
+            )
+        return self
+
+    @property
+    def replicas(self) -> int:
+        """Data-parallel replicas: the devices over the tensor-parallel degree."""
+        return len(self.devices) // self.tensor_parallel
 
     @model_serializer(mode="wrap")
     def _without_zero(self, handler: Any) -> dict[str, Any]:
         data = handler(self)
         if not data.get("zero"):
             data.pop("zero", None)
+        if data.get("tensor_parallel", 1) == 1:
+            data.pop("tensor_parallel", None)
         return data
 
 

@@ -119,8 +119,9 @@ def run_gpp_plan(
     )
 
     def describe(rank: int) -> str:
-        stage, replica = next(k for k, r in routing.ranks.items() if r == rank)
-        return f"rank {rank} (stage {stage}, replica {replica}, device {routing.devices[rank]})"
+        stage, replica, index = routing.place(rank)
+        tp = f", tensor-parallel rank {index}" if routing.tensor_parallel > 1 else ""
+        return f"rank {rank} (stage {stage}, replica {replica}{tp}, device {routing.devices[rank]})"
 
     # With checkpoints, SIGTERM ends the run after the step in progress and its checkpoint: the
     # workers get the fault timeout to write it before the agent kills them.
@@ -289,6 +290,7 @@ def _stage_row(st: Stage, per_rank: list[dict[str, Any]], n_steps: int) -> dict[
         "micro_batch_size": st.micro_batch_size,
         "recompute": st.recompute,
         "zero": st.zero,
+        "tensor_parallel": st.tensor_parallel,
         "busy_s": busy,
         "predicted_busy_s": p_busy,
         "busy_ratio": over(busy, p_busy),

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from tessera.executor.checkpoint import leave_stopped, resume, save_state, stop_agreed, stop_on_sigterm
 from tessera.executor.launcher import WATCHDOG_FACTOR, Watchdog, memory_status, worker_setup
 from tessera.executor.stage_worker import StageWorker, WorkerSpec
+from tessera.executor.tensor_parallel import split_weights, whole_weights
 from tessera.executor.training import optimizer_state_bytes
 
 __all__ = ["gpp_worker"]
@@ -35,7 +36,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
     join the process group, build the stage replica, train ``spec.options.steps`` steps, and return
     the per-step reports (rank 0 returns every rank's, gathered)."""
     rank, device = worker_setup(spec.routing.world_size, spec.backend)
-    stage, replica = next(k for k, r in spec.routing.ranks.items() if r == rank)
+    stage, replica, index = spec.routing.place(rank)
     # Collectives and receives give up after timeout_s with a descriptive error; the watchdog is the
     # backstop for a rank stuck elsewhere (a hung kernel), a little later so it does not pre-empt them.
     watchdog = Watchdog(WATCHDOG_FACTOR * spec.timeout_s, rank)
@@ -44,7 +45,9 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         dist.init_process_group(spec.backend, timeout=timedelta(seconds=spec.timeout_s))
         worker = StageWorker(spec, rank, device)
         ckpt, total = spec.checkpoint, spec.options.steps
-        named = list(worker.module.onnx_parameters())
+        # A split weight's block is kept under its own name: the tensor-parallel ranks hold different ones.
+        blocks = split_weights(worker.tp_split)
+        named = [(f"{n}/tp{index}" if n in blocks else n, p) for n, p in worker.module.onnx_parameters()]
         start = resume(ckpt, named, worker.opt, worker.schedule, worker.sharded) if ckpt is not None else 0
         stop = stop_on_sigterm() if ckpt is not None else None
         steps = []
@@ -59,12 +62,16 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
                 dist.barrier()
                 leave_stopped()
         watchdog.arm("summing the losses")
+        if index > 0:  # a tensor-parallel group's ranks compute one loss: its first reports it
+            for s in steps:
+                s["loss"] = 0.0
         _total_losses(steps, spec.routing.world_size, device)
         watchdog.disarm()
         result: dict[str, Any] = {
             "rank": rank,
             "stage": stage,
             "replica": replica,
+            "tensor_parallel_index": index,
             "device": spec.routing.devices[rank],
             "threads": torch.get_num_threads(),
             "cores": sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -81,9 +88,9 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         if device.type == "cuda":
             result["peak_device_memory_bytes"] = torch.cuda.max_memory_allocated(device)
         if spec.return_weights and replica == 0:
-            result["weights"] = {
-                n: p.detach().cpu().numpy().copy() for n, p in worker.module.onnx_parameters()
-            }
+            weights = whole_weights(list(worker.module.onnx_parameters()), worker.tp_split, worker.tp_group)
+            if index == 0:
+                result["weights"] = weights
         gathered: list[Any] | None = [None] * spec.routing.world_size if rank == 0 else None
         dist.gather_object(result, gathered, dst=0)
         if gathered is not None:

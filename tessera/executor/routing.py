@@ -13,6 +13,7 @@ import itertools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import onnx
 
 from tessera.core.errors import InputError, LaunchError
@@ -73,7 +74,7 @@ class Routing:
     """Everything the ranks agree on before they start, computed once from the plan and the graph."""
 
     mini_batch: int
-    ranks: dict[tuple[int, int], int]  # (stage, replica) → rank
+    ranks: dict[tuple[int, int], int]  # (stage, replica) → rank (its tensor-parallel group's first)
     devices: dict[int, str]  # rank → plan device id
     ranges: dict[int, list[list[tuple[int, int]]]]  # stage → [micro-batch][replica] → sample range
     stage_inputs: dict[int, list[str]]
@@ -82,13 +83,36 @@ class Routing:
     layouts: dict[str, Layout]
     incoming: dict[Unit, list[Message]] = field(default_factory=dict)
     outgoing: dict[Unit, list[Message]] = field(default_factory=dict)
+    # Every stage's tensor-parallel degree: rank ranks[(stage, replica)] + i is its group's i-th
+    # rank, and exchanges messages with the i-th ranks of the other stages' groups.
+    tensor_parallel: int = 1
 
     @property
     def world_size(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks) * self.tensor_parallel
 
-    def rank_of(self, unit: Unit) -> int:
-        return self.ranks[(unit.stage, unit.replica)]
+    def rank_of(self, unit: Unit, index: int = 0) -> int:
+        return self.ranks[(unit.stage, unit.replica)] + index
+
+    def packs(self, messages: list[Message], inbound: bool) -> dict[Unit, list[Message]]:
+        """``messages`` by peer unit (their sources where ``inbound``), each in the order they are
+        packed: what sender and receiver both compute, so a packed message is cut where it was
+        joined. Wider dtypes first (then by message id), so every piece starts at a multiple of its
+        item size in the bytes and the receiver views it in place (int64 shapes before float32)."""
+
+        def order(msg: Message) -> tuple[int, int]:
+            return (-np.dtype(self.layouts[msg.tensor].dtype).itemsize, msg.id)
+
+        packs: dict[Unit, list[Message]] = {}
+        for msg in sorted(messages, key=order):
+            packs.setdefault(msg.src if inbound else msg.dst, []).append(msg)
+        return packs
+
+    def place(self, rank: int) -> tuple[int, int, int]:
+        """(stage, replica, tensor-parallel index) of ``rank``."""
+        index = rank % self.tensor_parallel
+        stage, replica = next(k for k, r in self.ranks.items() if r == rank - index)
+        return stage, replica, index
 
 
 def _split(lo: int, hi: int, parts: int) -> list[tuple[int, int]]:
@@ -139,12 +163,18 @@ def _batch_axis(shape: tuple[int, ...], doubled: tuple[int, ...], b1: int) -> in
 def build_routing(plan: GppPlan, graph: Graph, layouts: Mapping[str, Layout]) -> Routing:
     """The transfers of one iteration of ``plan`` (docs/executor.md, "Routing"). Raises LaunchError
     for a plan the executor cannot run (a batch the replicas cannot share, an unroutable tensor)."""
-    ranks, devices = _assign_ranks(plan)
+    degrees = sorted({st.tensor_parallel for st in plan.stages})
+    if len(degrees) > 1:
+        raise LaunchError(
+            f"the stages' tensor_parallel differ ({degrees}): the executor runs one degree per plan"
+        )
+    ranks, devices = _assign_ranks(plan, degrees[0])
     ranges = {st.id: _sample_ranges(st, plan.mini_batch_size) for st in plan.stages}
     stage_inputs, stage_outputs, loss_outputs = _boundaries(plan, graph, layouts)
     routing = Routing(
-        plan.mini_batch_size, ranks, devices, ranges, stage_inputs, stage_outputs, loss_outputs, dict(layouts)
-    )
+        plan.mini_batch_size, ranks, devices, ranges, stage_inputs, stage_outputs, loss_outputs, dict(layouts),
+        tensor_parallel=degrees[0],
+    )  # fmt: skip
     stage_of = {n: st.id for st in plan.stages for n in st.nodes}
     declared = {(e.src, e.dst) for e in plan.edges}
     ids = itertools.count()
@@ -170,22 +200,23 @@ def build_routing(plan: GppPlan, graph: Graph, layouts: Mapping[str, Layout]) ->
     return routing
 
 
-def _assign_ranks(plan: GppPlan) -> tuple[dict[tuple[int, int], int], dict[int, str]]:
-    """(stage, replica) → rank and rank → device: ranks in the cluster's device order."""
+def _assign_ranks(plan: GppPlan, t: int = 1) -> tuple[dict[tuple[int, int], int], dict[int, str]]:
+    """(stage, replica) → rank and rank → device: ranks in the cluster's device order (of each
+    replica's first device; a replica's ``t`` tensor-parallel devices take consecutive ranks)."""
     cluster_rank: dict[str, int] = {}
     if plan.cluster:
         for d in plan.cluster.get("devices", []):
             cluster_rank[d["id"]] = d["rank"]
-    replicas = [(st.id, q, dev) for st in plan.stages for q, dev in enumerate(st.devices)]
-    order = sorted(range(len(replicas)), key=lambda i: (cluster_rank.get(replicas[i][2], i), i))
-    ranks = {(replicas[i][0], replicas[i][1]): r for r, i in enumerate(order)}
-    devices = {r: replicas[i][2] for r, i in enumerate(order)}
+    replicas = [(st.id, q, st.devices[q * t : (q + 1) * t]) for st in plan.stages for q in range(st.replicas)]
+    order = sorted(range(len(replicas)), key=lambda i: (cluster_rank.get(replicas[i][2][0], i), i))
+    ranks = {(replicas[i][0], replicas[i][1]): r * t for r, i in enumerate(order)}
+    devices = {r * t + k: dev for r, i in enumerate(order) for k, dev in enumerate(replicas[i][2])}
     return ranks, devices
 
 
 def _sample_ranges(st: Stage, mini_batch: int) -> list[list[tuple[int, int]]]:
     """A stage's ``[micro-batch][replica]`` sample ranges; its schedule checked against them."""
-    b, d = st.micro_batch_size, len(st.devices)
+    b, d = st.micro_batch_size, st.replicas
     if mini_batch % b:
         raise InputError(f"stage {st.id}: micro-batch {b} does not divide the mini-batch {mini_batch}")
     _check_actions(st.id, st.schedule.actions, mini_batch // b)

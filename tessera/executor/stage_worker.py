@@ -25,6 +25,7 @@ from tessera.backends.torch_module import OnnxModule, to_torch
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan
+from tessera.core.tensor_parallel import tensor_parallel
 from tessera.executor.checkpoint import CheckpointSpec
 from tessera.executor.gradients import GradBucket, global_norm_clip
 from tessera.executor.launcher import (
@@ -34,9 +35,10 @@ from tessera.executor.launcher import (
 )
 from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
+from tessera.executor.tensor_parallel import local_model, split_weights, tp_group
 from tessera.executor.timeline import ALLREDUCE, COMPUTE, WAIT, Timeline
 from tessera.executor.training import TrainingData, TrainOptions, labelled, loss_term, make_optimizer
-from tessera.executor.zero import ZeroShard
+from tessera.executor.zero import ZeroShard, zero_shards
 from tessera.planners.pipeline.profile import torch_dtype_of
 
 
@@ -101,12 +103,13 @@ class StageWorker:
         self.device = device
         self.routing = routing = spec.routing
         plan = GppPlan.model_validate(spec.plan)
-        self.stage_id, self.replica = next(k for k, r in routing.ranks.items() if r == rank)
+        self.stage_id, self.replica, self.tp_index = routing.place(rank)
+        t = routing.tensor_parallel
         self.stage = next(st for st in plan.stages if st.id == self.stage_id)
         self.actions = [(a[0], int(a[1:])) for a in self.stage.schedule.actions]
         self.rss_base = memory_status("VmRSS")
         self.timeline = Timeline() if spec.trace else None
-        self.stage_of = {r: st for (st, _), r in routing.ranks.items()}  # rank -> its stage
+        self.stage_of = {r + i: st for (st, _), r in routing.ranks.items() for i in range(t)}  # rank -> stage
         self.step_index = 0
         graph = load_graph(
             spec.model_path, input_shapes=spec.input_shapes or None, rewrites=plan.model.rewrites
@@ -115,7 +118,10 @@ class StageWorker:
             raise LaunchError(
                 f"rank {rank}: the model changed since the plan was made", source=spec.model_path
             )
-        sub = graph.extract(self.stage.nodes, name=f"stage{self.stage_id}")
+        # Tensor parallelism: this rank's blocks of the stage's split products (executor/tensor_parallel.py).
+        self.tp_split = tensor_parallel(graph, t).restrict(self.stage.nodes)
+        self.tp_group = tp_group(routing, rank) if t > 1 else None
+        sub = local_model(graph, self.stage.nodes, self.tp_split, self.tp_index)
         self.module: OnnxModule = to_torch(sub, label=f"stage {self.stage_id}").to(device)
         if spec.options.compile:
             self.module.compile_program()
@@ -127,14 +133,15 @@ class StageWorker:
             graph, routing.mini_batch, spec.options.seed, spec.options.data, spec.options.loss
         )
         self.graph_inputs = set(graph.inputs)
-        # Data-parallel groups: created on every rank in the same order (torch.distributed's rule).
+        # Data-parallel groups: created on every rank in the same order (torch.distributed's rule);
+        # with tensor parallelism, one per tensor-parallel index (the replicas' i-th ranks).
         self.dp_group = None
-        replicas = {st.id: [routing.ranks[(st.id, q)] for q in range(len(st.devices))] for st in plan.stages}
-        for st in plan.stages:
-            members = sorted(replicas[st.id])
+        replicas = {st.id: [routing.ranks[(st.id, q)] for q in range(st.replicas)] for st in plan.stages}
+        for i, st in ((i, st) for i in range(t) for st in plan.stages):
+            members = sorted(r + i for r in replicas[st.id])
             if len(members) > 1:
                 group = dist.new_group(members)
-                if st.id == self.stage_id:
+                if st.id == self.stage_id and i == self.tp_index:
                     self.dp_group = group
         # Weights read by several stages (a tied embedding and LM head): every copy's gradient is
         # the sum over all ranks of all those stages, by one all-reduce instead of the stage's
@@ -145,45 +152,49 @@ class StageWorker:
         members_of = {w: tuple(sorted(r for i in idx for r in replicas[ids[i]])) for w, idx in shared.items()}
         mine = dict(self.module.onnx_parameters())
         self.shared_groups: list[tuple[Any, list[Tensor]]] = []
-        for members in sorted(set(members_of.values())):
-            group = dist.new_group(list(members))
-            if rank in members:
+        for i, members in ((i, m) for i in range(t) for m in sorted(set(members_of.values()))):
+            group = dist.new_group([r + i for r in members])
+            if rank - i in members and i == self.tp_index:
                 params = [mine[w] for w, m in members_of.items() if m == members and w in mine]
                 if params:
                     self.shared_groups.append((group, params))
         tied = {id(p) for _, params in self.shared_groups for p in params}
-        # The global gradient norm counts each weight once: on replica 0 of its stage, and a weight
-        # several stages hold on the first of them.
+        # The global gradient norm counts each weight once: on replica 0 of its stage (a split
+        # weight on every tensor-parallel rank, a whole one on the first), and a weight several
+        # stages hold on the first of them.
         first = {w: ids[min(idx)] for w, idx in shared.items()}
+        blocks = split_weights(self.tp_split)
         self.norm_params = [
-            p for w, p in mine.items() if self.replica == 0 and first.get(w, self.stage_id) == self.stage_id
+            p
+            for w, p in mine.items()
+            if self.replica == 0
+            and first.get(w, self.stage_id) == self.stage_id
+            and (self.tp_index == 0 or w in blocks)
         ]
         self.dp_params = [p for p in self.params if id(p) not in tied]
         # ZeRO-1 (the stage's zero): the replicas shard the optimizer state of the weights they
         # sum over the data-parallel group; a tied weight keeps its whole state (executor/zero.py).
-        self.zero: ZeroShard | None = None
+        self.zeros: list[ZeroShard] = []
+        self.sharded: list[tuple[str, Tensor]] = []  # checkpoints keep a shard's state by its name
         if self.stage.zero and self.dp_group is not None and self.dp_params:
-            self.zero = ZeroShard(
+            named, counted = zero_shards(
                 self.dp_params,
+                {id(p) for w, p in mine.items() if w in blocks} if t > 1 else None,
                 self.dp_group,
-                dist.get_rank(self.dp_group),
-                dist.get_world_size(self.dp_group),
+                self.tp_index,
+                f"zero/stage{self.stage_id}/replica{self.replica}",
             )
-            self.norm_params = [self.zero.shard, *(p for p in self.norm_params if id(p) in tied)]
+            self.zeros = [z for _, z in named]
+            self.sharded = [(n, z.shard) for n, z in named]
+            self.norm_params = [*counted, *(p for p in self.norm_params if id(p) in tied)]
         stepped = (
-            self.params
-            if self.zero is None
-            else [self.zero.shard, *(p for p in self.params if id(p) in tied)]
+            [*(z.shard for z in self.zeros), *(p for p in self.params if id(p) in tied)]
+            if self.zeros
+            else self.params
         )
         self.stepped = stepped  # what the optimizer steps (and the clip scales)
         self.opt, self.schedule = make_optimizer(stepped, spec.options) if stepped else (None, None)
-        # Checkpoints keep a shard's optimizer state under the shard's own name (executor/checkpoint.py).
-        self.sharded = (
-            []
-            if self.zero is None
-            else [(f"zero/stage{self.stage_id}/replica{self.replica}", self.zero.shard)]
-        )
-        dp_summed = self.dp_group is not None and self.dp_params and self.zero is None
+        dp_summed = self.dp_group is not None and self.dp_params and not self.zeros
         groups = [(self.dp_group, self.dp_params)] if dp_summed else []
         # A rank on cores of its own spins (yielding) on its all-reduces rather than sleeping in
         # them (GradBucket.all_reduce).
@@ -231,21 +242,21 @@ class StageWorker:
 
     def _packed(self, j: int, backward: bool, *, sending: bool) -> dict[Unit, list[Message]]:
         """The messages micro-batch ``j``'s forward or backward sends (``sending``) or receives, by
-        peer unit, in the order they are packed (:func:`_packs`). A forward receives along its
+        peer unit, in the order they are packed (:meth:`Routing.packs`). A forward receives along its
         incoming edges and sends along its outgoing ones; a backward, gradients the other way."""
         unit = Unit(self.stage_id, self.replica, j)
         inbound = sending == backward
         msgs = (self.routing.incoming if inbound else self.routing.outgoing).get(unit, [])
         if backward:
             msgs = [m for m in msgs if m.grad]
-        return _packs(msgs, _source if inbound else _target, self.routing)
+        return self.routing.packs(msgs, inbound)
 
     def _sends_of(self, j: int, backward: bool) -> list[tuple[int, Message, list[Message]]]:
         """What micro-batch ``j``'s forward (its outputs) or backward (its inputs' gradients) sends:
         (peer rank, the message that tags it, the messages packed in it), what :meth:`_receives`
         expects. The same every step."""
         return [
-            (self.routing.rank_of(other), members[0], members)
+            (self.routing.rank_of(other, self.tp_index), members[0], members)
             for other, members in self._packed(j, backward, sending=True).items()
         ]
 
@@ -292,7 +303,7 @@ class StageWorker:
                 sizes = [
                     int(np.prod(shape)) * dtype.itemsize for shape, dtype in zip(shapes, dtypes, strict=True)
                 ]
-                receive = _Receive(self.routing.rank_of(other), members, shapes, dtypes, sizes)
+                receive = _Receive(self.routing.rank_of(other, self.tp_index), members, shapes, dtypes, sizes)
                 found.append(((j, backward), receive))
         return found
 
@@ -530,8 +541,8 @@ class StageWorker:
         """Sum the gradients (reduce-scatter a ZeRO shard's), clip, step the optimizer, gather a
         ZeRO shard's weights; the seconds spent in collectives."""
         t0 = time.perf_counter()
-        if self.zero is not None:
-            self.zero.reduce_scatter()
+        for z in self.zeros:
+            z.reduce_scatter()
         for bucket in self.buckets:
             bucket.all_reduce()
         allreduce = time.perf_counter() - t0
@@ -542,18 +553,18 @@ class StageWorker:
             self.opt.step()
             self.schedule.step()
             # Buckets' and shards' gradient views stay, zeroed.
-            self.opt.zero_grad(set_to_none=not self.buckets and self.zero is None)
+            self.opt.zero_grad(set_to_none=not self.buckets and not self.zeros)
         t2 = time.perf_counter()
-        if self.zero is not None:
-            self.zero.all_gather()
-            self.zero.zero_grad()
+        for z in self.zeros:
+            z.all_gather()
+            z.zero_grad()
             allreduce += time.perf_counter() - t2
         if self.timeline is not None:
-            if self.buckets or self.zero is not None:
-                name = "reduce-scatter" if self.zero is not None else "all-reduce"
+            if self.buckets or self.zeros:
+                name = "reduce-scatter" if self.zeros else "all-reduce"
                 self.timeline.add(step, ALLREDUCE, name, t0, t1)
             self.timeline.add(step, COMPUTE, "optimizer step", t1, t2)
-            if self.zero is not None:
+            if self.zeros:
                 self.timeline.add(step, ALLREDUCE, "all-gather", t2, time.perf_counter())
         return allreduce
 
@@ -565,31 +576,6 @@ def _rows(t: Tensor, rows: tuple[int, int] | None, axis: int = 0) -> Tensor:
 
 def _grad(leaf: Tensor) -> Tensor:
     return leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-
-
-def _source(msg: Message) -> Unit:
-    return msg.src
-
-
-def _target(msg: Message) -> Unit:
-    return msg.dst
-
-
-def _packs(
-    messages: list[Message], peer: Callable[[Message], Unit], routing: Routing
-) -> dict[Unit, list[Message]]:
-    """``messages`` by peer unit, each in the order they are packed: what sender and receiver
-    both compute from the routing, so a packed message is cut where it was joined. Wider dtypes
-    first (then by message id), so every piece starts at a multiple of its item size in the bytes
-    and the receiver views it in place (int64 shapes before float32 activations)."""
-
-    def order(msg: Message) -> tuple[int, int]:
-        return (-np.dtype(routing.layouts[msg.tensor].dtype).itemsize, msg.id)
-
-    packs: dict[Unit, list[Message]] = {}
-    for msg in sorted(messages, key=order):
-        packs.setdefault(peer(msg), []).append(msg)
-    return packs
 
 
 def _transfer(backward: bool, j: int, stream: str) -> tuple[str, str]:

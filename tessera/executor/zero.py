@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ZeroShard"]
+__all__ = ["ZeroShard", "zero_shards"]
 
 
 class ZeroShard:
@@ -53,3 +53,25 @@ class ZeroShard:
         self.grads.zero_()
         assert self.shard.grad is not None
         self.shard.grad.zero_()
+
+
+def zero_shards(
+    params: list[Tensor], split: set[int] | None, group: Any, tp_index: int, name: str
+) -> tuple[list[tuple[str, ZeroShard]], list[Tensor]]:
+    """The stage's ZeRO shards over the data-parallel ``group``, named for checkpoints from
+    ``name``, and the shards the global gradient norm counts on this rank. Under tensor
+    parallelism (``split``: ids of the weights this rank holds a block of; None without) the blocks and the whole
+    weights shard apart: the group's ranks all count their blocks, only the first its whole ones."""
+    index, size = dist.get_rank(group), dist.get_world_size(group)
+    if split is None:
+        shard = ZeroShard(params, group, index, size)
+        return [(name, shard)], [shard.shard]
+    shards, counted = [], []
+    for kind, mine in (("split", True), ("whole", False)):
+        part = [p for p in params if (id(p) in split) == mine]
+        if part:
+            shard = ZeroShard(part, group, index, size)
+            shards.append((f"{name}/tp{tp_index}/{kind}", shard))
+            if mine or tp_index == 0:
+                counted.append(shard.shard)
+    return shards, counted

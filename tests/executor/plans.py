@@ -65,6 +65,7 @@ def make_plan(
     predicted_iteration_s: float = 0.01,
     kind: str = "gpp",
     zero: Sequence[int] = (),
+    tensor_parallel: int = 1,
 ) -> GppPlan:
     cluster, device_id = _cluster_of([d for _, devices, _ in stages for d in devices])
     stage_of = {n: i for i, (nodes, _, _) in enumerate(stages) for n in nodes}
@@ -92,6 +93,7 @@ def make_plan(
                 schedule=StageSchedule(kind=schedule, actions=actions),
                 in_flight=in_flight(actions),
                 zero=1 if i in zero else 0,  # ZeRO-1 over the stage's replicas
+                tensor_parallel=tensor_parallel,  # devices: replica by replica
                 memory=StageMemory(weights=0, optimizer=0, activations=0, peak=0),  # counted below
                 predicted={"busy_s": predicted_iteration_s / 2, "peak_memory_bytes": 1e6},
             )

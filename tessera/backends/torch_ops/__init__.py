@@ -176,6 +176,7 @@ def to_numpy(tensor: Tensor) -> np.ndarray:
 from tessera.backends.torch_ops import (  # noqa: E402, F401
     activations,
     attention,
+    collectives,
     conv,
     creation,
     elementwise,

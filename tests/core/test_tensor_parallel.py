@@ -1,0 +1,98 @@
+"""Tensor-parallel splits found by dataflow (tessera.core.tensor_parallel): products split by
+columns then rows where the chain between them keeps the split, whole where it does not."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from tessera.core.graph import load_graph
+from tessera.core.tensor_parallel import _regroup, shard, tensor_parallel
+
+
+def _mlp(middle: str, width: int = 8, hidden: int = 16, *, tied: bool = False) -> onnx.ModelProto:
+    """x → x·W1 (+ b1) → ``middle`` → ·W2 → y; ``tied``: W1 also read by a second product."""
+    rng = np.random.default_rng(0)
+    inits = {
+        "w1": rng.standard_normal((width, hidden)),
+        "b1": rng.standard_normal(hidden),
+        "w2": rng.standard_normal((hidden, width)),
+        "g": np.ones(hidden),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"], name="up"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias"),
+    ]
+    if middle == "relu":
+        nodes.append(helper.make_node("Relu", ["h1"], ["h2"], name="act"))
+    else:  # a norm over the hidden axis: the split axis
+        nodes.append(helper.make_node("LayerNormalization", ["h1", "g"], ["h2"], name="norm", axis=-1))
+    nodes.append(helper.make_node("MatMul", ["h2", "w2"], ["y"], name="down"))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, width])]
+    if tied:
+        nodes.append(helper.make_node("MatMul", ["x", "w1"], ["z"], name="again"))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4, hidden]))
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, width])],
+        outputs,
+        initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_a_product_pair_with_elementwise_ops_between_is_split_by_columns_then_rows() -> None:
+    graph = load_graph(_mlp("relu"))
+    (region,) = tensor_parallel(graph, 2).regions
+    assert region.columns == {"up"} and region.rows == {"down"}
+    assert region.weights == {"w1": (1, 1), "b1": (0, 1), "w2": (0, 1)}  # the bias split with its columns
+    assert region.split == {"h0": 2, "h1": 2, "h2": 2}
+    assert region.operands == {("up", 0): None}  # x read through the copy
+    assert region.reduce_bytes(graph) == 2 * 4 * 8 * 4  # y all-reduced
+
+
+def test_a_norm_over_the_split_axis_leaves_the_products_whole() -> None:
+    assert tensor_parallel(load_graph(_mlp("norm")), 2).regions == ()
+
+
+def test_a_weight_another_product_reads_is_not_split() -> None:
+    assert tensor_parallel(load_graph(_mlp("relu", tied=True)), 2).regions == ()
+
+
+def test_widths_that_t_does_not_divide_are_not_split() -> None:
+    assert tensor_parallel(load_graph(_mlp("relu", hidden=12)), 8).regions == ()
+    assert tensor_parallel(load_graph(_mlp("relu", hidden=12)), 1).regions == ()
+
+
+def test_restrict_keeps_only_regions_wholly_inside_the_stage() -> None:
+    graph = load_graph(_mlp("relu"))
+    split = tensor_parallel(graph, 2)
+    assert split.restrict(graph.order).regions == split.regions
+    assert split.restrict(["up", "bias", "act"]).regions == ()
+
+
+@pytest.mark.parametrize(
+    ("shape_in", "shape_out", "axis", "pieces", "want"),
+    [
+        ((2, 8, 64), (2, 8, 4, 16), 2, 1, (2, 1)),  # into heads: the heads axis
+        ((2, 4, 8, 16), (2, 8, 64), 1, 1, (1, 1)),  # heads outermost of the merged axis: contiguous
+        ((2, 6), (3, 4), 1, 1, None),  # a row of the output straddles two ranks' blocks
+        ((2, 8, 4, 16), (2, 8, 64), 2, 1, (2, 1)),  # heads back into the hidden axis
+        ((2, 4, 8, 16), (8, 8, 16), 1, 1, (0, 2)),  # batch × heads: 2 parts of 4 heads
+        ((8, 8, 16), (2, 4, 8, 16), 0, 2, (1, 1)),  # and back
+        ((2, 8, 3), (2, 8, 3), 2, 1, None),  # 3 does not split in 2
+    ],
+)
+def test_regroup_follows_the_blocks_through_a_reshape(shape_in, shape_out, axis, pieces, want) -> None:
+    assert _regroup(shape_in, shape_out, axis, pieces, 2) == want
+
+
+def test_shard_takes_each_parts_block() -> None:
+    a = np.arange(12).reshape(1, 12)  # 3 parts (Q, K, V) of 4
+    assert shard(a, 1, 2, 0, 3).tolist() == [[0, 1, 4, 5, 8, 9]]
+    assert shard(a, 1, 2, 1, 3).tolist() == [[2, 3, 6, 7, 10, 11]]
