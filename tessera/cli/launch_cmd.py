@@ -418,11 +418,13 @@ def _summary(report: dict[str, Any]) -> str:
         lines.append(f"{s['step']:>4} {s['loss']:>12.6g} {s['iteration_s'] * 1e3:>8.2f} ms  {busy}")
     recomputes = any(st.get("recompute") for st in report["stages"])  # the column only where used
     zero = any(st.get("zero") for st in report["stages"])
+    tp = any(st.get("tensor_parallel", 1) > 1 for st in report["stages"])
     lines.append(
         f"{'stage':>5} {'ranks':>7} {'busy':>10} {'predicted':>10} {'ratio':>7} {'peak mem':>10} "
         f"{'predicted':>10} {'ratio':>8}"
         + (f" {'recompute':>9}" if recomputes else "")
         + (f" {'zero':>4}" if zero else "")
+        + (f" {'tp':>3}" if tp else "")
     )
     for st in report["stages"]:
         p_busy = st["predicted_busy_s"]
@@ -433,6 +435,7 @@ def _summary(report: dict[str, Any]) -> str:
             f"{_ratio(st['memory_ratio']):>8}"
             + (f" {'yes' if st.get('recompute') else 'no':>9}" if recomputes else "")
             + (f" {st.get('zero', 0):>4}" if zero else "")
+            + (f" {st.get('tensor_parallel', 1):>3}" if tp else "")
         )
     m, p, r = report["measured"], report["predicted"], report["ratio"]
     predicted = p.get("iteration_time_s")

@@ -16,6 +16,7 @@ from tessera.core.tensor_parallel import tensor_parallel
 from tessera.executor.gpp_run import run_gpp_plan
 from tessera.executor.launcher import LaunchOptions
 from tessera.executor.training import TrainOptions, train_reference
+from tessera.planners.pipeline.checks import check_gpp_plan
 
 pytestmark = [pytest.mark.corpus]
 
@@ -94,6 +95,7 @@ def test_a_tensor_parallel_plan_trains_as_one_process(corpus: Corpus, layout: st
         plan = make_plan(graph, stages, 4, tensor_parallel=2)
     else:
         plan = make_plan(graph, [(order, ["d0", "d1", "d2", "d3"], 4)], 4, tensor_parallel=2, zero=[0])
+    assert check_gpp_plan(plan, graph) == []  # validate: C1–C5, memory counted per tensor-parallel rank
     options = TrainOptions(steps=4, lr=0.05, seed=3, momentum=0.9, max_grad_norm=0.5)
     run = run_gpp_plan(plan, graph, path, options, LaunchOptions(timeout_s=120), return_weights=True)
     ref = train_reference(graph, options.steps, 4, options=options)
@@ -102,3 +104,21 @@ def test_a_tensor_parallel_plan_trains_as_one_process(corpus: Corpus, layout: st
     assert set(run.weights) == set(ref.weights)  # the split weights gathered whole
     for name, want in ref.weights.items():
         assert abs(run.weights[name] - want).max() <= 1e-5 * (abs(want).max() + 1e-6), name
+
+
+def test_a_tensor_parallel_stage_counts_a_ranks_share_of_memory(corpus: Corpus) -> None:
+    """validate's count: each rank keeps 1/t of the split weights (with their gradients and
+    optimizer state) and of the split activations; a replica's devices must share a node."""
+    graph = _graph(corpus, LLAMA)
+    order = list(graph.order)
+    whole = make_plan(graph, [(order, ["d0"], 4)], 4)  # one replica, as the tensor-parallel pair is
+    split = make_plan(graph, [(order, ["d0", "d1"], 4)], 4, tensor_parallel=2)
+    params = sum(graph.initializers[w].numel for r in tensor_parallel(graph, 2).regions for w in r.weights)
+    assert whole.stages[0].memory.weights - split.stages[0].memory.weights == params * 2 // 2  # fp16, half
+    assert split.stages[0].memory.activations < whole.stages[0].memory.activations
+    assert check_gpp_plan(split, graph) == []
+    stage = split.stages[0].model_copy(update={"memory": whole.stages[0].memory})  # the whole stage's
+    cheat = split.model_copy(update={"stages": [stage]})
+    assert any("records" in p for p in check_gpp_plan(cheat, graph))
+    with pytest.raises(ValueError, match="do not make replicas"):
+        type(split.stages[0]).model_validate({**split.stages[0].model_dump(), "tensor_parallel": 3})

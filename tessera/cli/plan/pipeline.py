@@ -397,10 +397,12 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
     # The recompute column where the planner was allowed to recompute (fw+bw includes it).
     recompute = plan.training.recompute != "never"
     zero = any(st.zero for st in plan.stages)  # the ZeRO column where a stage shards its state
+    tp = any(st.tensor_parallel > 1 for st in plan.stages)  # the tensor-parallel degree, where used
     lines.append(
         f"{'stage':>5} {'ops':>5} {'devices':>7} {'in-flight':>9} {'fw+bw/mb':>10} {'memory':>10}"
         + (f" {'recompute':>9}" if recompute else "")
         + (f" {'zero':>4}" if zero else "")
+        + (f" {'tp':>3}" if tp else "")
         + "  first op"
     )
     for st in plan.stages:
@@ -410,6 +412,7 @@ def summary(plan: GppPlan, pipe: Pipeline) -> str:
             f"{t * 1e3:>8.2f}ms {format_bytes(st.memory.peak):>10}"
             + (f" {'yes' if st.recompute else 'no':>9}" if recompute else "")
             + (f" {st.zero:>4}" if zero else "")
+            + (f" {st.tensor_parallel:>3}" if tp else "")
             + f"  {st.nodes[0]}"
         )
     lines.append(

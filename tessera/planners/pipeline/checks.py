@@ -16,7 +16,12 @@ from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.external_data import unread_weights
 from tessera.core.plans import PLAN_CHECKS
 from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
-from tessera.planners.pipeline.memory import StageMemoryEstimate, sharded_optimizer, stage_memory
+from tessera.planners.pipeline.memory import (
+    StageMemoryEstimate,
+    sharded_optimizer,
+    stage_memory,
+    tensor_parallel_share,
+)
 from tessera.planners.sim import SimEdge, SimStage, simulate
 
 # Recounted memory may differ from the planner's by float rounding (sums in another order).
@@ -77,10 +82,10 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
         problems.extend(f"C4: stage {st.id}: {p}" for p in c4)
         if not c4:
             problems.extend(_schedule_kind_problems(st, m))
-        if st.micro_batch_size < len(st.devices):
+        if st.micro_batch_size < st.replicas:
             problems.append(
                 f"stage {st.id}: micro-batch {st.micro_batch_size} is smaller than its "
-                f"{len(st.devices)} data-parallel replicas (a replica needs a sample)"
+                f"{st.replicas} data-parallel replicas (a replica needs a sample)"
             )
         if st.in_flight != in_flight_of(st.schedule.actions):
             problems.append(
@@ -218,6 +223,7 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
             + ("" if given else " (its default: the plan does not say)")
         )
     problems.extend(_zero_problems(plan))
+    problems.extend(_tensor_parallel_problems(plan, devices))
     groups = [[n for n in st.nodes if n in graph.dag] for st in plan.stages]
     copies, owned = graph.shared_copies(groups), graph.shared_owned(groups)
     for st in plan.stages:
@@ -234,7 +240,7 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
         except ValueError as exc:  # bytes per parameter below weights + gradients
             return [f"training.bytes_per_param: {exc}"]
         capacity = min(devices[d].type.memory for d in st.devices)
-        samples = per_device_samples(st.micro_batch_size, len(st.devices))
+        samples = per_device_samples(st.micro_batch_size, st.replicas)
         counted = (
             f"its operators need {need.peak} ({need.weights} weights, {need.optimizer} gradients and "
             f"optimizer state, {need.activations} activations of {st.in_flight} micro-batch(es) of "
@@ -249,15 +255,34 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
     return problems
 
 
+def _tensor_parallel_problems(plan: Any, devices: dict[str, Any]) -> list[str]:
+    """A tensor-parallel replica's devices share a node (its all-reduces run on the node's link),
+    and launch runs one degree per plan."""
+    problems = []
+    for st in plan.stages:
+        t = st.tensor_parallel
+        for q in range(st.replicas):
+            nodes = {devices[d].node for d in st.devices[q * t : (q + 1) * t] if d in devices}
+            if len(nodes) > 1:
+                problems.append(
+                    f"stage {st.id}: replica {q}'s {t} tensor-parallel devices are on nodes "
+                    f"{', '.join(sorted(nodes))} (one node per replica)"
+                )
+    degrees = sorted({st.tensor_parallel for st in plan.stages})
+    if len(degrees) > 1:
+        problems.append(f"tensor_parallel: stages differ ({degrees}); launch runs one degree per plan")
+    return problems
+
+
 def _zero_problems(plan: Any) -> list[str]:
     """Which stages shard their optimizer state (ZeRO-1) is the planner's choice within what it was
     allowed; a stage of one replica has nothing to shard it over."""
     problems = []
     zero = plan.training.zero
     for st in plan.stages:
-        if st.zero and len(st.devices) == 1:
-            problems.append(f"stage {st.id}: zero 1 on one device (ZeRO shards over data-parallel replicas)")
-        elif zero != "auto" and st.zero != (zero == 1 and len(st.devices) > 1):
+        if st.zero and st.replicas == 1:
+            problems.append(f"stage {st.id}: zero 1 on one replica (ZeRO shards over data-parallel replicas)")
+        elif zero != "auto" and st.zero != (zero == 1 and st.replicas > 1):
             problems.append(
                 f"stage {st.id}: zero {st.zero}, but training.zero is {zero} "
                 f"({'every replicated stage' if zero == 1 else 'no stage'} shards its optimizer state)"
@@ -283,7 +308,17 @@ def counted_memory(  # noqa: PLR0913
     state -= owned * memory.optimizer_state_bytes_per_param
     weights += copies * memory.weight_bytes_per_param
     optimizer += copies * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param)
-    optimizer = sharded_optimizer(optimizer, state, len(st.devices), getattr(st, "zero", 0))
+    t = getattr(st, "tensor_parallel", 1)
+    if t > 1:  # each tensor-parallel rank keeps 1/t of the split weights and activations
+        params, acts = tensor_parallel_share(graph, nodes, t)
+        kept = 1 - 1 / t
+        weights -= params * memory.weight_bytes_per_param * kept
+        optimizer -= (
+            params * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param) * kept
+        )
+        state -= params * memory.optimizer_state_bytes_per_param * kept
+        activations -= acts * memory.activation_scale * kept
+    optimizer = sharded_optimizer(optimizer, state, st.replicas, getattr(st, "zero", 0))
     entering: dict[str, int] = {}  # what a recomputing stage keeps: the tensors coming in
     if st.recompute:
         for v in inside:
@@ -296,7 +331,7 @@ def counted_memory(  # noqa: PLR0913
         activation_per_sample=activations,
         input_per_sample=sum(cost.wire_bytes(b) for b in entering.values()),
         micro_batch=st.micro_batch_size,
-        devices=len(st.devices),
+        devices=st.replicas,
         in_flight=st.in_flight,
         recompute=st.recompute,
     )

@@ -2,15 +2,19 @@
 of its in-flight micro-batches (with recomputation: their inputs).
 
 References: GraphPipe thesis Eq. 3.2; BPipe (Kim's thesis ch. 4) for the activation formulas;
-ZeRO (Rajbhandari et al., SC'20) stage 1 for sharded optimizer state.
+ZeRO (Rajbhandari et al., SC'20) stage 1 for sharded optimizer state; Megatron-LM (Shoeybi et al.,
+2019) for tensor-parallel shards.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tessera.core.cost import per_device_samples
+from tessera.core.graph import Graph
+from tessera.core.tensor_parallel import tensor_parallel
 
 
 @dataclass(frozen=True)
@@ -104,3 +108,16 @@ def max_in_flight(
     if per <= 0:
         return 1 << 30
     return int(free // per)
+
+
+def tensor_parallel_share(graph: Graph, nodes: Iterable[str], t: int) -> tuple[int, int]:
+    """What ``t``-way tensor parallelism splits among a stage's operators ``nodes`` (the regions
+    wholly inside them, :func:`tessera.core.tensor_parallel.tensor_parallel`): parameter elements
+    and activation bytes per sample; each rank keeps 1/t of them."""
+    if t <= 1:
+        return 0, 0
+    split = tensor_parallel(graph, t).restrict(nodes)
+    params = sum(graph.initializers[w].numel for r in split.regions for w in r.weights)
+    made = {o for n in split.nodes for o in graph.op(n).outputs}
+    acts = sum(graph.tensors[x].nbytes for r in split.regions for x in r.split if x in made)
+    return params, acts
