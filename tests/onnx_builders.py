@@ -125,3 +125,37 @@ def head_major_chain(width: int = 8, heads: int = 2) -> onnx.ModelProto:
         inits,
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def mlp_pair(middle: str, width: int = 8, hidden: int = 16, *, tied: bool = False) -> onnx.ModelProto:
+    """x → x·W1 (+ b1) → ``middle`` → ·W2 → y; ``tied``: W1 also read by a second product."""
+    rng = np.random.default_rng(0)
+    inits = {
+        "w1": rng.standard_normal((width, hidden)),
+        "b1": rng.standard_normal(hidden),
+        "w2": rng.standard_normal((hidden, width)),
+        "g": np.ones(hidden),
+    }
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"], name="up"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias"),
+    ]
+    if middle == "relu":
+        nodes.append(helper.make_node("Relu", ["h1"], ["h2"], name="act"))
+    else:  # a norm over the hidden axis: the split axis
+        nodes.append(helper.make_node("LayerNormalization", ["h1", "g"], ["h2"], name="norm", axis=-1))
+    nodes.append(helper.make_node("MatMul", ["h2", "w2"], ["y"], name="down"))
+    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, width])]
+    if tied:
+        nodes.append(helper.make_node("MatMul", ["x", "w1"], ["z"], name="again"))
+        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4, hidden]))
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, width])],
+        outputs,
+        initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model

@@ -44,6 +44,7 @@ def plan_pipeline(  # noqa: PLR0913
     k: int = 2,
     recompute: str = "never",
     zero: int | str = 0,
+    tensor_parallel: int | str = 1,
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
@@ -66,7 +67,7 @@ def plan_pipeline(  # noqa: PLR0913
         raise InputError("--cache is the cache of --profile's measurements; give --profile too")
     options = pipeline_options(
         cluster, mini_batch=mini_batch, devices=devices, schedule=schedule, memory_limit=memory_limit,
-        k=k, recompute=recompute, bytes_per_param=bytes_per_param, zero=zero,
+        k=k, recompute=recompute, bytes_per_param=bytes_per_param, zero=zero, tensor_parallel=tensor_parallel,
     )  # fmt: skip
     if optimizer not in OPTIMIZERS:
         raise InputError(f"--optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")

@@ -4,50 +4,15 @@ columns then rows where the chain between them keeps the split, whole where it d
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx_builders import mlp_pair
 
 from tessera.core.graph import load_graph
 from tessera.core.tensor_parallel import _regroup, shard, tensor_parallel
 
 
-def _mlp(middle: str, width: int = 8, hidden: int = 16, *, tied: bool = False) -> onnx.ModelProto:
-    """x → x·W1 (+ b1) → ``middle`` → ·W2 → y; ``tied``: W1 also read by a second product."""
-    rng = np.random.default_rng(0)
-    inits = {
-        "w1": rng.standard_normal((width, hidden)),
-        "b1": rng.standard_normal(hidden),
-        "w2": rng.standard_normal((hidden, width)),
-        "g": np.ones(hidden),
-    }
-    nodes = [
-        helper.make_node("MatMul", ["x", "w1"], ["h0"], name="up"),
-        helper.make_node("Add", ["h0", "b1"], ["h1"], name="bias"),
-    ]
-    if middle == "relu":
-        nodes.append(helper.make_node("Relu", ["h1"], ["h2"], name="act"))
-    else:  # a norm over the hidden axis: the split axis
-        nodes.append(helper.make_node("LayerNormalization", ["h1", "g"], ["h2"], name="norm", axis=-1))
-    nodes.append(helper.make_node("MatMul", ["h2", "w2"], ["y"], name="down"))
-    outputs = [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4, width])]
-    if tied:
-        nodes.append(helper.make_node("MatMul", ["x", "w1"], ["z"], name="again"))
-        outputs.append(helper.make_tensor_value_info("z", TensorProto.FLOAT, [2, 4, hidden]))
-    graph = helper.make_graph(
-        nodes,
-        "mlp",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4, width])],
-        outputs,
-        initializer=[numpy_helper.from_array(v.astype(np.float32), k) for k, v in inits.items()],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return model
-
-
 def test_a_product_pair_with_elementwise_ops_between_is_split_by_columns_then_rows() -> None:
-    graph = load_graph(_mlp("relu"))
+    graph = load_graph(mlp_pair("relu"))
     (region,) = tensor_parallel(graph, 2).regions
     assert region.columns == {"up"} and region.rows == {"down"}
     assert region.weights == {"w1": (1, 1), "b1": (0, 1), "w2": (0, 1)}  # the bias split with its columns
@@ -57,20 +22,20 @@ def test_a_product_pair_with_elementwise_ops_between_is_split_by_columns_then_ro
 
 
 def test_a_norm_over_the_split_axis_leaves_the_products_whole() -> None:
-    assert tensor_parallel(load_graph(_mlp("norm")), 2).regions == ()
+    assert tensor_parallel(load_graph(mlp_pair("norm")), 2).regions == ()
 
 
 def test_a_weight_another_product_reads_is_not_split() -> None:
-    assert tensor_parallel(load_graph(_mlp("relu", tied=True)), 2).regions == ()
+    assert tensor_parallel(load_graph(mlp_pair("relu", tied=True)), 2).regions == ()
 
 
 def test_widths_that_t_does_not_divide_are_not_split() -> None:
-    assert tensor_parallel(load_graph(_mlp("relu", hidden=12)), 8).regions == ()
-    assert tensor_parallel(load_graph(_mlp("relu", hidden=12)), 1).regions == ()
+    assert tensor_parallel(load_graph(mlp_pair("relu", hidden=12)), 8).regions == ()
+    assert tensor_parallel(load_graph(mlp_pair("relu", hidden=12)), 1).regions == ()
 
 
 def test_restrict_keeps_only_regions_wholly_inside_the_stage() -> None:
-    graph = load_graph(_mlp("relu"))
+    graph = load_graph(mlp_pair("relu"))
     split = tensor_parallel(graph, 2)
     assert split.restrict(graph.order).regions == split.regions
     assert split.restrict(["up", "bias", "act"]).regions == ()

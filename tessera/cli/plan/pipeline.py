@@ -105,6 +105,12 @@ OPTIONS = OptionGroup(
         help="[gpp/spp] ZeRO-1: a stage's data-parallel replicas each keep 1/d of its optimizer state (gradients reduce-scattered, updated weights all-gathered: the all-reduce's traffic). auto: on the replicated stages whose memory needs it; 1: on every replicated stage; 0: on none.",
     ),
     click.option(
+        "--tensor-parallel",
+        default="1",
+        show_default=True,
+        help="[gpp/spp] Every stage's replicas are groups of this many devices of one node, the model's matrix products split Megatron-style (columns then rows, attention by heads; found from the graph's dataflow, docs/gpp.md); auto: the fastest degree dividing each node's devices, as simulated. --devices counts every device.",
+    ),
+    click.option(
         "--rewrite",
         "rewrites",
         type=click.Choice([*REWRITES, "all", "auto"]),
@@ -171,6 +177,7 @@ def runner(kind: str) -> Callable[..., None]:
         cache_path: str | None,
         recompute: str,
         zero: str,
+        tensor_parallel: str,
         bytes_per_param: float | None,
         optimizer: str,
         loss: str,
@@ -214,6 +221,7 @@ def runner(kind: str) -> Callable[..., None]:
             k=k,
             recompute=recompute,
             zero=zero,
+            tensor_parallel=tensor_parallel,
             bytes_per_param=bytes_per_param,
             optimizer=optimizer,
             loss=loss,
@@ -244,6 +252,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     k: int = 2,
     recompute: str = "never",
     zero: int | str = 0,
+    tensor_parallel: int | str = 1,
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
@@ -256,7 +265,8 @@ def run_pipeline_plan(  # noqa: PLR0913
     ``recompute``: activation recomputation in the backward on no stage (``never``), every stage
     (``all``), or the stages that need the memory (``auto``, chosen by the search); ``bytes_per_param``:
     weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision);
-    ``zero``: ZeRO-1 on no replicated stage (0), every one (1), or those that need the memory (auto).
+    ``zero``: ZeRO-1 on no replicated stage (0), every one (1), or those that need the memory (auto);
+    ``tensor_parallel``: every replica a group of that many devices of a node (docs/gpp.md).
     ``rewrite_auto`` (``--rewrite auto``): plan ``graph`` (loaded without rewrites) as given and
     with every rewrite that changes it (:func:`tessera.core.rewrite.applicable`), and keep the
     faster plan (the search, and the baseline, run twice). Otherwise, on a graph loaded without
@@ -275,8 +285,8 @@ def run_pipeline_plan(  # noqa: PLR0913
 
         choice = plan_pipeline(
             graph, cluster, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
-            memory_limit=memory_limit, k=k, recompute=recompute, zero=zero, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss,
-            baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
+            memory_limit=memory_limit, k=k, recompute=recompute, zero=zero, tensor_parallel=tensor_parallel,
+            bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
             progress=progress,
             note=lambda line: click.echo(f"tessera: {line}", err=True),
         )  # fmt: skip

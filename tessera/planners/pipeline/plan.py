@@ -30,12 +30,13 @@ from tessera.core.schedule import SCHEDULE_CHOICES
 from tessera.core.specs import ClusterSpec
 from tessera.core.traced import traced_values_message
 from tessera.core.units import UnitError, format_bytes, parse_bytes
-from tessera.planners.pipeline import checks  # noqa: F401 - registers the C1–C5 + memory plan checks
+from tessera.planners.pipeline.checks import counted_memory  # registers the C1–C5 + memory plan checks
 from tessera.planners.pipeline.memory import ZERO_CHOICES
 from tessera.planners.pipeline.profile import MeasuredCosts
 from tessera.planners.pipeline.search import build_tree, partition, planned_device_type
 from tessera.planners.pipeline.spp import method_name, plan_sequential, sequential_record
 from tessera.planners.pipeline.stage_profile import RefineFn
+from tessera.planners.pipeline.tensor_parallel import group_cluster, group_devices, tensor_parallel_cost
 from tessera.planners.pipeline.types import PartitionOptions, Pipeline
 from tessera.planners.sim import SimResult, simulate_pipeline
 
@@ -69,12 +70,21 @@ def plan_gpp(
         raise InputError(f"--kind {kind!r}: expected gpp or spp")
     if (why := graph.fixed_batch_message() or traced_values_message(graph)) is not None:
         raise InputError(why, source=graph.source)  # launch could not run any such plan
+    if options.tensor_parallel == 0:  # auto: the fastest degree
+        return _fastest_degree(graph, cluster, options, kind, baseline, measured, refine)
     device = planned_device_type(cluster, options.num_devices)
     try:
         cost = CostModel.for_device(device, options.precision, options.bytes_per_param, measured)
     except ValueError as exc:  # bytes per parameter below what weights and gradients take
         raise InputError(f"--bytes-per-param: {exc}") from None
-    plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost, refine)
+    t = options.tensor_parallel
+    if t == 1:
+        plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost, refine)
+    else:  # planned on the tensor-parallel groups, then named by their devices
+        cost = tensor_parallel_cost(cost, graph, t, cluster.links.intra_node)
+        groups = dataclasses.replace(options, num_devices=options.num_devices and options.num_devices // t)
+        plan, pipe, sim = _build(graph, group_cluster(cluster, t), groups, kind, baseline, cost, refine)
+        plan = _ungrouped(plan, graph, cluster, t)
     if measured is not None:
         plan.predicted["cost_model"] = measured.to_json()
     return plan, pipe, sim
@@ -142,6 +152,55 @@ def _build(  # noqa: PLR0913
         else:
             base = {"kind": "spp", "infeasible": spp_error or "no plan"}
     return _to_plan(graph, cluster, pipe, sim, base, structure, _training(options, cost)), pipe, sim
+
+
+def _fastest_degree(  # noqa: PLR0913
+    graph: Graph,
+    cluster: ClusterSpec,
+    options: PartitionOptions,
+    kind: str,
+    baseline: bool,
+    measured: MeasuredCosts | None,
+    refine: RefineFn | None,
+) -> PlanResult:
+    """``--tensor-parallel auto``: the plan of every degree that divides each node's devices (and
+    ``--devices``) simulated, the fastest kept (a tie: the smaller degree)."""
+    counts = [slot.count for group in cluster.nodes for slot in group.devices]
+    if options.num_devices:
+        counts.append(options.num_devices)
+    found: list[tuple[float, int, PlanResult]] = []
+    infeasible: InfeasibleError | None = None
+    for t in (d for d in range(1, min(counts) + 1) if all(c % d == 0 for c in counts)):
+        try:
+            result = plan_gpp(
+                graph, cluster, dataclasses.replace(options, tensor_parallel=t),
+                kind=kind, baseline=baseline, measured=measured, refine=refine,
+            )  # fmt: skip
+        except InfeasibleError as err:
+            infeasible = infeasible or err
+            continue
+        found.append((-result[2].throughput, t, result))
+    if not found:
+        assert infeasible is not None
+        raise infeasible
+    return min(found, key=lambda f: f[:2])[2]
+
+
+def _ungrouped(plan: GppPlan, graph: Graph, cluster: ClusterSpec, t: int) -> GppPlan:
+    """``plan`` (made on :func:`group_cluster`'s groups) on ``cluster``'s devices, each stage's
+    memory counted as validate counts it (a region a stage boundary cuts runs whole)."""
+    device = planned_device_type(cluster)
+    groups = [st.nodes for st in plan.stages]
+    copies, owned = graph.shared_copies(groups), graph.shared_owned(groups)
+    stages = []
+    for i, st in enumerate(plan.stages):
+        st = st.model_copy(update={"devices": group_devices(st.devices, t), "tensor_parallel": t})
+        mem = counted_memory(st, graph, device, plan.training, copies[i], owned[i])
+        memory = StageMemory(
+            weights=mem.weights, optimizer=mem.optimizer, activations=mem.activations, peak=mem.peak
+        )
+        stages.append(st.model_copy(update={"memory": memory}))
+    return plan.model_copy(update={"stages": stages, "cluster": cluster.to_json_dict()})
 
 
 def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
@@ -254,6 +313,7 @@ def pipeline_options(  # noqa: PLR0913
     recompute: str = "never",
     bytes_per_param: float | None = None,
     zero: int | str = 0,
+    tensor_parallel: int | str = 1,
 ) -> PartitionOptions:
     """The search's options from what a user gives (``tessera plan``'s values); InputError names the
     value that cannot be planned with. ``memory_limit`` may only lower the devices' memory;
@@ -276,6 +336,7 @@ def pipeline_options(  # noqa: PLR0913
         raise InputError(str(err)) from None
     if bytes_per_param is not None and not 0 < bytes_per_param <= 1024:  # NaN included
         raise InputError(f"--bytes-per-param {bytes_per_param}: expected a number of bytes in (0, 1024]")
+    tensor_parallel = _degree(tensor_parallel, devices)
     device_type = planned_device_type(cluster, devices)
     if limit is not None and limit > device_type.memory:
         raise InputError(
@@ -291,11 +352,28 @@ def pipeline_options(  # noqa: PLR0913
         k=k if schedule == "kfkb" else 1,
         recompute=recompute,  # type: ignore[arg-type]
         zero=zero,  # type: ignore[arg-type]
+        tensor_parallel=tensor_parallel,
         bytes_per_param=bytes_per_param,
         # CPUs train in fp32 (tessera's executor does, and CPU mixed precision is not a thing):
         # weights, gradients, activations and messages are counted at 4 bytes.
         precision="fp32" if device_type.kind == "cpu" else "mixed",
     )
+
+
+def _degree(given: int | str, devices: int | None) -> int:
+    """``--tensor-parallel``'s value: a degree, or 0 for ``auto``."""
+    if given == "auto":
+        return 0
+    try:
+        t = int(given)
+    except (TypeError, ValueError):
+        t = 0
+    if t < 1 or (devices is not None and devices % t):
+        where = f"--devices {devices}" if devices is not None else "the devices"
+        raise InputError(
+            f"--tensor-parallel {given}: expected auto or a positive number of devices dividing {where}"
+        )
+    return t
 
 
 @dataclass(frozen=True)

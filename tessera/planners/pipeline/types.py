@@ -31,6 +31,7 @@ class PartitionOptions:
     max_micro_batches: int = 256
     recompute: RecomputeChoice = "never"
     zero: ZeroChoice = 0
+    tensor_parallel: int = 1  # every stage's replicas are groups of this many devices of a node; 0: auto
     max_units: int = 128
     epsilon: float = 0.01
     precision: Literal["mixed", "fp32"] = "mixed"
