@@ -29,9 +29,13 @@ def test_a_group_device_costs_its_share_and_the_all_reduces(v100) -> None:
     launch = base.device.kernel_launch_overhead
     assert cost.forward_time(up, 8) == pytest.approx((base.forward_time(up, 8) - launch) / 2 + launch)
     reduce = allreduce_time(base.wire_bytes(graph.tensors["y"].nbytes * 8), 2, link)
-    assert cost.forward_time(down, 8) == pytest.approx((base.forward_time(down, 8) - launch) / 2 + launch + reduce)
+    assert cost.forward_time(down, 8) == pytest.approx(
+        (base.forward_time(down, 8) - launch) / 2 + launch + reduce
+    )
     copy = allreduce_time(base.wire_bytes(graph.tensors["x"].nbytes * 8), 2, link)  # x's gradient
-    assert cost.backward_time(up, 8) == pytest.approx((base.backward_time(up, 8) - launch) / 2 + launch + copy)
+    assert cost.backward_time(up, 8) == pytest.approx(
+        (base.backward_time(up, 8) - launch) / 2 + launch + copy
+    )
     assert cost.weight_bytes(up) == pytest.approx(base.weight_bytes(up) / 2)  # W1 and its bias, halved
     assert cost.activation_bytes(graph, "up") == pytest.approx(base.activation_bytes(graph, "up") / 2)
     # A graph nothing of which splits costs what the base model says.
@@ -103,11 +107,15 @@ def test_a_70b_decoder_on_64_a100s_plans_faster_with_tensor_parallel_stages(clus
     spec = yaml.safe_load((Path(__file__).parents[3] / "tessera/configs/clusters/dgx-a100.yaml").read_text())
     spec["nodes"][0]["count"] = 64 // spec["nodes"][0]["devices"][0]["count"]
     a100s = parse_cluster(spec, source="dgx-a100-64")
-    config = GPTConfig(layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=2048, gated=True)
+    config = GPTConfig(
+        layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=2048, gated=True
+    )
     graph = load_graph(build_gpt(config, lazy=True))
     result = {}
     for t in (1, 4):
-        options = pipeline_options(a100s, mini_batch=64, devices=64, zero=1, recompute="all", tensor_parallel=t)
+        options = pipeline_options(
+            a100s, mini_batch=64, devices=64, zero=1, recompute="all", tensor_parallel=t
+        )
         result[t] = plan_gpp(graph, a100s, options, baseline=False)
     assert result[4][2].throughput > 1.2 * result[1][2].throughput
     assert check_gpp_plan(result[4][0], graph) == []
