@@ -159,8 +159,9 @@ def write(rows: dict[str, dict[int, dict]]) -> None:
         "32 s for the GPP plan, 31 s and 72 s for the two PipeDream-style proposals; MMT at 16,384",
         "devices took 55 s in all.",
         "",
-        "Megatron-LM's published configurations (tensor × pipeline × data) need tensor-parallel stages,",
-        "which plans do not have yet: that comparison is pending.",
+        "The same 70B decoder planned with tensor-parallel stages (`--tensor-parallel`, 3D plans) is in",
+        "`bench/results/tensor_parallel.md`; Megatron-LM's published configurations simulated on the same",
+        "cost model are pending there.",
     ]
     out = ROOT / "bench" / "results" / "scale.md"
     from tessera.core.files import write_atomic

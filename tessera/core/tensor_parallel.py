@@ -182,6 +182,9 @@ class _Pass:
     def _node(self, name: str) -> None:
         g, op = self.g, self.g.op(name)
         split = {k: self.labels[i] for k, i in enumerate(op.inputs) if i in self.labels}
+        inner = [self.labels[i].seeds for i in op.implicit_inputs if i in self.labels]
+        if inner:  # a subgraph (If, Loop) reading a split tensor: not followed inside
+            raise _Conflict(frozenset().union(*inner))
         if _weight(g, name) is not None:
             self._product(name, split)
             return
@@ -280,8 +283,13 @@ class _Pass:
             if found is None:
                 return None
             ax, self.out_piece = found
-            if kind in ("Reshape", "Expand"):
-                self.shapes[name] = (ax, seeds)
+            if kind in ("Reshape", "Expand"):  # the entry of the shape input giving that axis
+                given = g.tensors[op.inputs[1]].shape
+                entry = ax - (rank - given[0]) if given else -2
+                if entry >= 0:
+                    self.shapes[name] = (entry, seeds)
+                elif kind == "Reshape" or entry == -2:
+                    return None
             return ax
         if kind in ("Slice", "Split", "Concat", "Gather"):
             return self._along(name, split, seeds, out.shape)

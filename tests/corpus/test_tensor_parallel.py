@@ -122,3 +122,27 @@ def test_a_tensor_parallel_stage_counts_a_ranks_share_of_memory(corpus: Corpus) 
     assert any("records" in p for p in check_gpp_plan(cheat, graph))
     with pytest.raises(ValueError, match="do not make replicas"):
         type(split.stages[0]).model_validate({**split.stages[0].model_dump(), "tensor_parallel": 3})
+
+
+@pytest.mark.slow
+def test_a_tensor_parallel_run_resumes_exactly(corpus: Corpus, tmp_path) -> None:
+    """Each rank checkpoints its blocks (``name/tp<i>``) and their momentum; the resumed run's
+    losses and weights are the whole run's, bit for bit."""
+    import shutil
+    from dataclasses import replace
+
+    import numpy as np
+
+    path = str(corpus.paths[LLAMA])
+    graph = load_graph(path, input_shapes=SHAPES)
+    plan = make_plan(graph, [(list(graph.order), ["d0", "d1"], 4)], 4, tensor_parallel=2)
+    folder = tmp_path / "ckpt"
+    options = TrainOptions(steps=4, lr=0.05, seed=3, momentum=0.9, checkpoint=str(folder), checkpoint_every=2)
+    whole = run_gpp_plan(plan, graph, path, options, LaunchOptions(timeout_s=120), return_weights=True)
+    shutil.rmtree(folder / "step-4")
+    resumed = run_gpp_plan(
+        plan, graph, path, replace(options, resume=True), LaunchOptions(timeout_s=120), return_weights=True
+    )
+    assert resumed.losses == whole.losses[2:]
+    for name, want in whole.weights.items():
+        np.testing.assert_array_equal(resumed.weights[name], want, err_msg=name)

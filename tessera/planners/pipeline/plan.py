@@ -81,6 +81,8 @@ def plan_gpp(
     if t == 1:
         plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost, refine)
     else:  # planned on the tensor-parallel groups, then named by their devices
+        # Stage measurement runs a stage whole in one process, not as t ranks: operator times only.
+        refine = None
         cost = tensor_parallel_cost(cost, graph, t, cluster.links.intra_node)
         groups = dataclasses.replace(options, num_devices=options.num_devices and options.num_devices // t)
         plan, pipe, sim = _build(graph, group_cluster(cluster, t), groups, kind, baseline, cost, refine)
