@@ -21,7 +21,7 @@ import torch.nn.functional as F  # noqa: N812 (torch's own spelling)
 from onnx import numpy_helper
 from torch import Tensor
 
-from tessera.backends.torch_ops import OPS, OpFn, axis_of, from_numpy, node_attributes
+from tessera.backends.torch_ops import OPS, OpFn, axis_of, from_numpy, function_of, node_attributes
 
 
 def _linear(x: Sequence[Tensor | None], a: Mapping[str, Any]) -> Tensor:
@@ -69,7 +69,7 @@ class Step:
 
     @property
     def fn(self) -> OpFn:
-        return FUSED[self.op_type] if self.op_type in FUSED else OPS[self.op_type]
+        return FUSED[self.op_type] if self.op_type in FUSED else function_of(self.op_type)
 
 
 def steps_of(model: onnx.ModelProto) -> tuple[list[Step], dict[str, np.ndarray]]:

@@ -18,10 +18,12 @@ from onnx import numpy_helper
 from torch import Tensor, nn
 
 from tessera.backends.torch_ops import (
+    EXTENSIONS,
     MAX_OPSET,
     MIN_OPSET,
     OPS,
     from_numpy,
+    function_of,
     node_attributes,
     schema_version,
     schema_versions,
@@ -54,7 +56,7 @@ def unsupported_operators(nodes: Iterable[tuple[str, str, str]]) -> dict[str, li
     other domains included): ``{op type: [node, …]}``, in op-type order."""
     found: dict[str, list[str]] = {}
     for name, op_type, domain in nodes:
-        if domain not in ("", "ai.onnx") or op_type not in OPS:
+        if domain not in ("", "ai.onnx") or (op_type not in OPS and op_type not in EXTENSIONS):
             found.setdefault(op_type, []).append(name)
     return dict(sorted(found.items()))
 
@@ -123,7 +125,7 @@ class OnnxModule(nn.Module):
                 self._init_keys[t.name] = ("buffer", f"c_{key}")
         self._nodes = [
             NodeStep(
-                OPS[n.op_type],
+                function_of(n.op_type),
                 n.op_type,
                 tuple(n.input),
                 tuple(n.output),

@@ -4,8 +4,8 @@ against the whole stage in one process: outputs, input gradients and every weigh
 
 from __future__ import annotations
 
-import os
-import socket
+import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -19,15 +19,9 @@ from tessera.core.tensor_parallel import shard, tensor_parallel
 from tessera.executor.tensor_parallel import local_model, split_weights
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, t: int, port: int, path: str, shapes: dict, run_batch: int, drop: str, out) -> None:  # noqa: PLR0913
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=t)
+def _rank(rank: int, t: int, store: str, path: str, shapes: dict, run_batch: int, drop: str, out) -> None:  # noqa: PLR0913
+    # A file store: no port to race other processes for.
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=t)
     torch.set_num_threads(1)
     try:
         graph = load_graph(path, input_shapes=shapes)
@@ -78,13 +72,15 @@ def tp_errors(
     ``shapes`` and run at a micro-batch of ``run_batch``."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_rank, args=(r, t, port, path, shapes, run_batch, drop, out)) for r in range(t)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
+    with tempfile.TemporaryDirectory() as folder:
+        store = str(Path(folder) / "store")
+        procs = [
+            ctx.Process(target=_rank, args=(r, t, store, path, shapes, run_batch, drop, out))
+            for r in range(t)
+        ]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=240)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return sorted(out.get() for _ in range(t))
+    return sorted(out.get(timeout=10) for _ in range(t))

@@ -25,6 +25,9 @@ Inputs = Sequence[Tensor | None]
 OpFn = Callable[[Inputs, Mapping[str, Any]], Tensor | tuple[Tensor, ...]]
 
 OPS: dict[str, OpFn] = {}
+# Operators of tessera's own that the executor inserts into a graph it runs (collectives: not ONNX's,
+# so not in OPS, whose coverage of the ONNX schemas is tested).
+EXTENSIONS: dict[str, OpFn] = {}
 
 # The opsets the table's schema versions are taken from and tested at (docs/operators.md).
 MIN_OPSET, MAX_OPSET = 13, 23
@@ -39,6 +42,22 @@ def op(*names: str) -> Callable[[OpFn], OpFn]:
         return fn
 
     return register
+
+
+def extension(*names: str) -> Callable[[OpFn], OpFn]:
+    """Register ``fn`` as the implementation of tessera's own operators ``names`` (EXTENSIONS)."""
+
+    def register(fn: OpFn) -> OpFn:
+        for name in names:
+            EXTENSIONS[name] = fn
+        return fn
+
+    return register
+
+
+def function_of(op_type: str) -> OpFn:
+    """The function of an ONNX operator, or of one of tessera's own (EXTENSIONS)."""
+    return OPS[op_type] if op_type in OPS else EXTENSIONS[op_type]
 
 
 @functools.cache

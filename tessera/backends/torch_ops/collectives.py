@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from tessera.backends.torch_ops import Inputs, op
+from tessera.backends.torch_ops import Inputs, extension
 
 _GROUPS: dict[str, Any] = {}
 
@@ -56,18 +56,18 @@ class _Reduce(torch.autograd.Function):
         return grad, None
 
 
-@op("TpCopy")
+@extension("TpCopy")
 def tp_copy(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
     t = x[0]
     return _Copy.apply(t, _group(attrs)) if t.is_floating_point() else t
 
 
-@op("TpReduce")
+@extension("TpReduce")
 def tp_reduce(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
     return _Reduce.apply(x[0], _group(attrs))
 
 
-@op("TpShard")
+@extension("TpShard")
 def tp_shard(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
     """Block ``index`` of ``t`` of each part (``part`` long) along ``axis`` (core.tensor_parallel.shard)."""
     axis, t, index, part = (int(attrs[k]) for k in ("axis", "t", "index", "part"))
@@ -76,7 +76,7 @@ def tp_shard(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
     return blocks[0] if len(blocks) == 1 else torch.cat(blocks, axis)
 
 
-@op("TpLocal")
+@extension("TpLocal")
 def tp_local(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
     """A shape (or Split's sizes) as the rank's: entry ``axis`` (-1: every entry) over ``t``, where
     it gives a size (0 copies the input's and -1 infers one: already the rank's)."""
@@ -89,7 +89,7 @@ def tp_local(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
     return out
 
 
-@op("TpWhole")
+@extension("TpWhole")
 def tp_whole(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
     """A rank's Shape (entry ``axis``; -1: a Size) of a split tensor as the whole tensor's."""
     shape, axis, t = x[0], int(attrs["axis"]), int(attrs["t"])
