@@ -62,19 +62,9 @@ class Region:
     constants: Mapping[str, int]  # Shape/Size of a split tensor → its split axis
     copied: frozenset[str]  # whole tensors read through the copy whose gradient is all-reduced
 
-    def flops(self, graph: Graph) -> int:
-        return sum(graph.op(n).flops for n in self.nodes)
-
     def reduce_bytes(self, graph: Graph) -> int:
         """Bytes the forward all-reduces (the rows' outputs)."""
         return sum(graph.tensors[graph.op(n).outputs[0]].nbytes for n in self.rows)
-
-    def copy_bytes(self, graph: Graph) -> int:
-        """Bytes the backward all-reduces (the gradients of the copied tensors)."""
-        return sum(graph.tensors[t].nbytes for t in self.copied)
-
-    def weight_elements(self, graph: Graph) -> int:
-        return sum(graph.initializers[w].numel for w in self.weights)
 
 
 @dataclass(frozen=True)
@@ -94,6 +84,11 @@ class TpSplit:
     @property
     def nodes(self) -> frozenset[str]:
         return frozenset(n for r in self.regions for n in r.nodes)
+
+    @property
+    def weights(self) -> dict[str, tuple[int, int]]:
+        """Every region's split initializers: name → (axis, parts) (:func:`shard`)."""
+        return {w: ax for r in self.regions for w, ax in r.weights.items()}
 
 
 class _Conflict(Exception):

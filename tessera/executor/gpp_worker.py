@@ -15,7 +15,7 @@ import torch.distributed as dist
 from tessera.executor.checkpoint import leave_stopped, resume, save_state, stop_agreed, stop_on_sigterm
 from tessera.executor.launcher import WATCHDOG_FACTOR, Watchdog, memory_status, worker_setup
 from tessera.executor.stage_worker import StageWorker, WorkerSpec
-from tessera.executor.tensor_parallel import split_weights, whole_weights
+from tessera.executor.tensor_parallel import whole_weights
 from tessera.executor.training import optimizer_state_bytes
 
 __all__ = ["gpp_worker"]
@@ -46,7 +46,7 @@ def gpp_worker(spec: WorkerSpec) -> dict[str, Any]:
         worker = StageWorker(spec, rank, device)
         ckpt, total = spec.checkpoint, spec.options.steps
         # A split weight's block is kept under its own name: the tensor-parallel ranks hold different ones.
-        blocks = split_weights(worker.tp_split)
+        blocks = worker.tp_split.weights
         named = [(f"{n}/tp{index}" if n in blocks else n, p) for n, p in worker.module.onnx_parameters()]
         start = resume(ckpt, named, worker.opt, worker.schedule, worker.sharded) if ckpt is not None else 0
         stop = stop_on_sigterm() if ckpt is not None else None

@@ -35,7 +35,7 @@ from tessera.executor.launcher import (
 )
 from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
-from tessera.executor.tensor_parallel import local_model, split_weights, tp_group
+from tessera.executor.tensor_parallel import local_model, tp_group
 from tessera.executor.timeline import ALLREDUCE, COMPUTE, WAIT, Timeline
 from tessera.executor.training import TrainingData, TrainOptions, labelled, loss_term, make_optimizer
 from tessera.executor.zero import ZeroShard, zero_shards
@@ -163,7 +163,7 @@ class StageWorker:
         # weight on every tensor-parallel rank, a whole one on the first), and a weight several
         # stages hold on the first of them.
         first = {w: ids[min(idx)] for w, idx in shared.items()}
-        blocks = split_weights(self.tp_split)
+        blocks = self.tp_split.weights
         self.norm_params = [
             p
             for w, p in mine.items()

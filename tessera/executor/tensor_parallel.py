@@ -21,7 +21,7 @@ from tessera.core.tensor_parallel import TpSplit, shard
 from tessera.core.weights import is_lazy_tensor, lazy_values
 from tessera.executor.routing import Routing
 
-__all__ = ["local_model", "split_weights", "tp_group", "whole_weights"]
+__all__ = ["local_model", "tp_group", "whole_weights"]
 
 
 def local_model(
@@ -34,7 +34,7 @@ def local_model(
         return model
     g = model.graph
     t = split.t
-    weights = {w: ax for r in split.regions for w, ax in r.weights.items()}
+    weights = split.weights
     inits = [_sharded(proto, weights.get(proto.name), t, index) for proto in g.initializer]
     shapes = {n: s for r in split.regions for n, s in r.shapes.items()}
     constants = {n: s for r in split.regions for n, s in r.constants.items()}
@@ -168,15 +168,10 @@ def tp_group(routing: Routing, rank: int) -> Any:
     return mine
 
 
-def split_weights(split: TpSplit) -> dict[str, tuple[int, int]]:
-    """The initializers each rank holds a block of: name → (axis, parts) (:func:`shard`)."""
-    return {w: ax for r in split.regions for w, ax in r.weights.items()}
-
-
 def whole_weights(named: list[tuple[str, Tensor]], split: TpSplit, group: Any) -> dict[str, np.ndarray]:
     """The stage's weights as one process holds them: the split ones gathered from the group's
     ranks (collective over ``group``)."""
-    blocks = split_weights(split)
+    blocks = split.weights
     out = {}
     for name, p in named:
         value = p.detach().cpu()

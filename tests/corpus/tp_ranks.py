@@ -16,7 +16,7 @@ from tessera.backends.torch_module import to_torch
 from tessera.backends.torch_ops.collectives import use_group
 from tessera.core.graph import load_graph
 from tessera.core.tensor_parallel import shard, tensor_parallel
-from tessera.executor.tensor_parallel import local_model, split_weights
+from tessera.executor.tensor_parallel import local_model
 
 
 def _rank(rank: int, t: int, store: str, path: str, shapes: dict, run_batch: int, drop: str, out) -> None:  # noqa: PLR0913
@@ -49,7 +49,7 @@ def _rank(rank: int, t: int, store: str, path: str, shapes: dict, run_batch: int
             grads = {n: p.grad for n, p in module.onnx_parameters() if p.grad is not None}
             results.append(([o.detach() for o in outputs], grads))
         (want_out, want_grads), (got_out, got_grads) = results
-        blocks = split_weights(split)
+        blocks = split.weights
         worst = max(_rel(a, b) for a, b in zip(want_out, got_out, strict=True))
         for name, grad in want_grads.items():
             if name in blocks:

@@ -33,26 +33,23 @@ EXTENSIONS: dict[str, OpFn] = {}
 MIN_OPSET, MAX_OPSET = 13, 23
 
 
-def op(*names: str) -> Callable[[OpFn], OpFn]:
-    """Register ``fn`` as the implementation of the ONNX operators ``names``."""
-
+def _registrar(table: dict[str, OpFn], *names: str) -> Callable[[OpFn], OpFn]:
     def register(fn: OpFn) -> OpFn:
         for name in names:
-            OPS[name] = fn
+            table[name] = fn
         return fn
 
     return register
+
+
+def op(*names: str) -> Callable[[OpFn], OpFn]:
+    """Register ``fn`` as the implementation of the ONNX operators ``names``."""
+    return _registrar(OPS, *names)
 
 
 def extension(*names: str) -> Callable[[OpFn], OpFn]:
     """Register ``fn`` as the implementation of tessera's own operators ``names`` (EXTENSIONS)."""
-
-    def register(fn: OpFn) -> OpFn:
-        for name in names:
-            EXTENSIONS[name] = fn
-        return fn
-
-    return register
+    return _registrar(EXTENSIONS, *names)
 
 
 def function_of(op_type: str) -> OpFn:

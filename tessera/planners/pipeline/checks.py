@@ -16,6 +16,7 @@ from tessera.core.cost import CostModel, per_device_samples
 from tessera.core.external_data import unread_weights
 from tessera.core.plans import PLAN_CHECKS
 from tessera.core.schedule import SCHEDULE_KINDS, in_flight_of, schedule_problems
+from tessera.core.tensor_parallel import TpSplit, tensor_parallel
 from tessera.planners.pipeline.memory import (
     StageMemoryEstimate,
     sharded_optimizer,
@@ -226,6 +227,7 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
     problems.extend(_tensor_parallel_problems(plan, devices))
     groups = [[n for n in st.nodes if n in graph.dag] for st in plan.stages]
     copies, owned = graph.shared_copies(groups), graph.shared_owned(groups)
+    splits = {t: tensor_parallel(graph, t) for t in {st.tensor_parallel for st in plan.stages}}
     for st in plan.stages:
         types = {devices[d].type_name for d in st.devices}
         if len(types) > 1:
@@ -235,7 +237,13 @@ def _memory_problems(plan: Any, graph: Any, devices: dict[str, Any]) -> list[str
             continue
         try:
             need = counted_memory(
-                st, graph, devices[st.devices[0]].type, training, copies[st.id], owned[st.id]
+                st,
+                graph,
+                devices[st.devices[0]].type,
+                training,
+                copies[st.id],
+                owned[st.id],
+                splits[st.tensor_parallel],
             )
         except ValueError as exc:  # bytes per parameter below weights + gradients
             return [f"training.bytes_per_param: {exc}"]
@@ -291,14 +299,21 @@ def _zero_problems(plan: Any) -> list[str]:
 
 
 def counted_memory(  # noqa: PLR0913
-    st: Any, graph: Any, device_type: Any, training: Any, copies: int = 0, owned: int = 0
+    st: Any,
+    graph: Any,
+    device_type: Any,
+    training: Any,
+    copies: int = 0,
+    owned: int = 0,
+    split: TpSplit | None = None,
 ) -> StageMemoryEstimate:
     """Eq. 3.2 for one device of plan stage ``st`` (recomputing its activations where ``st.recompute``,
     its optimizer state sharded where ``st.zero``), counted from ``graph`` on ``device_type`` for
     ``training`` (a :class:`~tessera.core.plans.TrainingSetup`): what ``validate`` checks a plan's
     memory against. ``copies``: parameter elements of shared weights the stage holds without being
     charged for (:meth:`tessera.core.graph.Graph.shared_copies`); ``owned``: those it is charged
-    for (:meth:`~tessera.core.graph.Graph.shared_owned`), whose optimizer state ZeRO keeps whole."""
+    for (:meth:`~tessera.core.graph.Graph.shared_owned`), whose optimizer state ZeRO keeps whole;
+    ``split``: the whole graph's tensor-parallel split at the stage's degree, where the caller has it."""
     cost = CostModel.for_device(device_type, training.precision, training.bytes_per_param)
     nodes = [n for n in st.nodes if n in graph.dag]
     inside = set(nodes)
@@ -310,7 +325,7 @@ def counted_memory(  # noqa: PLR0913
     optimizer += copies * (memory.gradient_bytes_per_param + memory.optimizer_state_bytes_per_param)
     t = getattr(st, "tensor_parallel", 1)
     if t > 1:  # each tensor-parallel rank keeps 1/t of the split weights and activations
-        params, acts = tensor_parallel_share(graph, nodes, t)
+        params, acts = tensor_parallel_share(graph, nodes, split or tensor_parallel(graph, t))
         kept = 1 - 1 / t
         weights -= params * memory.weight_bytes_per_param * kept
         optimizer -= (

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from tessera.core.cost import per_device_samples
 from tessera.core.graph import Graph
-from tessera.core.tensor_parallel import tensor_parallel
+from tessera.core.tensor_parallel import TpSplit
 
 
 @dataclass(frozen=True)
@@ -110,14 +110,26 @@ def max_in_flight(
     return int(free // per)
 
 
-def tensor_parallel_share(graph: Graph, nodes: Iterable[str], t: int) -> tuple[int, int]:
-    """What ``t``-way tensor parallelism splits among a stage's operators ``nodes`` (the regions
-    wholly inside them, :func:`tessera.core.tensor_parallel.tensor_parallel`): parameter elements
-    and activation bytes per sample; each rank keeps 1/t of them."""
-    if t <= 1:
-        return 0, 0
-    split = tensor_parallel(graph, t).restrict(nodes)
-    params = sum(graph.initializers[w].numel for r in split.regions for w in r.weights)
-    made = {o for n in split.nodes for o in graph.op(n).outputs}
-    acts = sum(graph.tensors[x].nbytes for r in split.regions for x in r.split if x in made)
+def split_memory(graph: Graph, split: TpSplit) -> tuple[dict[str, int], dict[str, float]]:
+    """Per operator, what the tensor-parallel ``split`` divides among its ranks (each keeps 1/t):
+    the split parameter elements it is charged for (``Graph.param_owner``) and the split activation
+    bytes per sample it makes."""
+    params: dict[str, int] = {}
+    acts: dict[str, float] = {}
+    for w in split.weights:
+        owner = graph.param_owner.get(w)
+        if owner is not None:
+            params[owner] = params.get(owner, 0) + graph.initializers[w].numel
+    for region in split.regions:
+        for tensor in region.split:
+            producer = graph.producer.get(tensor)
+            if producer is not None:
+                acts[producer] = acts.get(producer, 0.0) + graph.tensors[tensor].nbytes
     return params, acts
+
+
+def tensor_parallel_share(graph: Graph, nodes: Iterable[str], split: TpSplit) -> tuple[int, float]:
+    """:func:`split_memory` summed over a stage's operators ``nodes``: the regions of ``split`` (the
+    whole graph's) lying wholly inside them."""
+    params, acts = split_memory(graph, split.restrict(nodes))
+    return sum(params.values()), sum(acts.values())

@@ -7,7 +7,7 @@ References: GraphPipe thesis §3.5–3.7; PipeDream and Piper for the sequential
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,12 @@ from tessera.planners.pipeline.profile import MeasuredCosts
 from tessera.planners.pipeline.search import build_tree, partition, planned_device_type
 from tessera.planners.pipeline.spp import method_name, plan_sequential, sequential_record
 from tessera.planners.pipeline.stage_profile import RefineFn
-from tessera.planners.pipeline.tensor_parallel import group_cluster, group_devices, tensor_parallel_cost
+from tessera.planners.pipeline.tensor_parallel import (
+    TensorParallelCost,
+    group_cluster,
+    group_devices,
+    tensor_parallel_cost,
+)
 from tessera.planners.pipeline.types import PartitionOptions, Pipeline
 from tessera.planners.sim import SimResult, simulate_pipeline
 
@@ -86,7 +91,7 @@ def plan_gpp(
         cost = tensor_parallel_cost(cost, graph, t, cluster.links.intra_node)
         groups = dataclasses.replace(options, num_devices=options.num_devices and options.num_devices // t)
         plan, pipe, sim = _build(graph, group_cluster(cluster, t), groups, kind, baseline, cost, refine)
-        plan = _ungrouped(plan, graph, cluster, t)
+        plan = _ungrouped(plan, graph, cluster, cost)
     if measured is not None:
         plan.predicted["cost_model"] = measured.to_json()
     return plan, pipe, sim
@@ -170,34 +175,53 @@ def _fastest_degree(  # noqa: PLR0913
     counts = [slot.count for group in cluster.nodes for slot in group.devices]
     if options.num_devices:
         counts.append(options.num_devices)
-    found: list[tuple[float, int, PlanResult]] = []
+    degrees = [d for d in range(1, min(counts) + 1) if all(c % d == 0 for c in counts)]
+    found, best = _fastest(
+        (
+            t,
+            lambda t=t: plan_gpp(
+                graph,
+                cluster,
+                dataclasses.replace(options, tensor_parallel=t),
+                kind=kind,
+                baseline=baseline,
+                measured=measured,
+                refine=refine,
+            ),  # fmt: skip
+        )
+        for t in degrees
+    )
+    return found[best][1]
+
+
+def _fastest(
+    attempts: Iterable[tuple[Any, Callable[[], PlanResult]]],
+) -> tuple[list[tuple[Any, PlanResult]], int]:
+    """Each attempt's plan, for those that fit (with what the attempt names), and the index of the
+    fastest as simulated (a tie: the earlier). The first InfeasibleError when none fits."""
+    found: list[tuple[Any, PlanResult]] = []
     infeasible: InfeasibleError | None = None
-    for t in (d for d in range(1, min(counts) + 1) if all(c % d == 0 for c in counts)):
+    for name, attempt in attempts:
         try:
-            result = plan_gpp(
-                graph, cluster, dataclasses.replace(options, tensor_parallel=t),
-                kind=kind, baseline=baseline, measured=measured, refine=refine,
-            )  # fmt: skip
+            found.append((name, attempt()))
         except InfeasibleError as err:
             infeasible = infeasible or err
-            continue
-        found.append((-result[2].throughput, t, result))
     if not found:
         assert infeasible is not None
         raise infeasible
-    return min(found, key=lambda f: f[:2])[2]
+    return found, max(range(len(found)), key=lambda i: (found[i][1][2].throughput, -i))
 
 
-def _ungrouped(plan: GppPlan, graph: Graph, cluster: ClusterSpec, t: int) -> GppPlan:
+def _ungrouped(plan: GppPlan, graph: Graph, cluster: ClusterSpec, cost: TensorParallelCost) -> GppPlan:
     """``plan`` (made on :func:`group_cluster`'s groups) on ``cluster``'s devices, each stage's
     memory counted as validate counts it (a region a stage boundary cuts runs whole)."""
-    device = planned_device_type(cluster)
+    device, t = planned_device_type(cluster), cost.t
     groups = [st.nodes for st in plan.stages]
     copies, owned = graph.shared_copies(groups), graph.shared_owned(groups)
     stages = []
     for i, st in enumerate(plan.stages):
         st = st.model_copy(update={"devices": group_devices(st.devices, t), "tensor_parallel": t})
-        mem = counted_memory(st, graph, device, plan.training, copies[i], owned[i])
+        mem = counted_memory(st, graph, device, plan.training, copies[i], owned[i], cost.split)
         memory = StageMemory(
             weights=mem.weights, optimizer=mem.optimizer, activations=mem.activations, peak=mem.peak
         )
@@ -412,21 +436,12 @@ def plan_gpp_best(
         names, _ = applicable(graph.model, label=graph.source)
         if names:
             candidates.append(rewritten(graph, names))
-    kept: list[Graph] = []
-    results: list[PlanResult] = []
-    infeasible: InfeasibleError | None = None
-    for g in candidates:
+
+    def attempt(g: Graph) -> PlanResult:
         measured = measure(g) if measure is not None else None
-        try:
-            stages = refine(g) if refine is not None else None
-            results.append(
-                plan_gpp(g, cluster, options, kind=kind, baseline=baseline, measured=measured, refine=stages)
-            )
-            kept.append(g)
-        except InfeasibleError as err:  # --rewrite auto: the other model may fit
-            infeasible = infeasible or err
-    if not results:
-        assert infeasible is not None
-        raise infeasible
-    best = max(range(len(results)), key=lambda i: (results[i][2].throughput, -i))
-    return RewriteChoice(kept, results, best)
+        stages = refine(g) if refine is not None else None
+        return plan_gpp(g, cluster, options, kind=kind, baseline=baseline, measured=measured, refine=stages)
+
+    # --rewrite auto: a model that does not fit leaves the other.
+    found, best = _fastest((g, lambda g=g: attempt(g)) for g in candidates)
+    return RewriteChoice([g for g, _ in found], [r for _, r in found], best)

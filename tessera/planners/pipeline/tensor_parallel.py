@@ -18,7 +18,8 @@ from tessera.core.cost import CostModel, allreduce_time
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph, OpNode
 from tessera.core.specs import ClusterSpec, Link
-from tessera.core.tensor_parallel import tensor_parallel
+from tessera.core.tensor_parallel import TpSplit, tensor_parallel
+from tessera.planners.pipeline.memory import split_memory
 
 __all__ = ["TensorParallelCost", "group_cluster", "group_devices", "tensor_parallel_cost"]
 
@@ -28,6 +29,7 @@ class TensorParallelCost(CostModel):
     """A tensor-parallel group's device: the base model's costs with the split operators' share."""
 
     t: int = 1
+    split: TpSplit | None = None  # the whole graph's (validate restricts it to each stage)
     split_nodes: frozenset[str] = frozenset()
     forward_reduce: Mapping[str, float] = field(default_factory=dict)  # node → bytes per sample
     backward_reduce: Mapping[str, float] = field(default_factory=dict)  # node → bytes per sample
@@ -75,8 +77,6 @@ def tensor_parallel_cost(base: CostModel, graph: Graph, t: int, link: Link | Non
     split = tensor_parallel(graph, t)
     forward: dict[str, float] = {}
     backward: dict[str, float] = {}
-    params: dict[str, int] = {}
-    acts: dict[str, float] = {}
     for region in split.regions:
         for n in region.rows:
             forward[n] = float(graph.tensors[graph.op(n).outputs[0]].nbytes)
@@ -86,17 +86,11 @@ def tensor_parallel_cost(base: CostModel, graph: Graph, t: int, link: Link | Non
             if tensor in region.copied and tensor not in first:
                 first[tensor] = n
                 backward[n] = backward.get(n, 0.0) + graph.tensors[tensor].nbytes
-        for w in region.weights:
-            owner = graph.param_owner.get(w)
-            if owner is not None:
-                params[owner] = params.get(owner, 0) + graph.initializers[w].numel
-        for tensor in region.split:
-            producer = graph.producer.get(tensor)
-            if producer is not None:
-                acts[producer] = acts.get(producer, 0.0) + graph.tensors[tensor].nbytes
+    params, acts = split_memory(graph, split)
     return TensorParallelCost(
         **{f.name: getattr(base, f.name) for f in dataclasses.fields(CostModel)},
         t=t,
+        split=split,
         split_nodes=split.nodes,
         forward_reduce=forward,
         backward_reduce=backward,
