@@ -207,7 +207,7 @@ def launch(  # noqa: PLR0913
     """Run ``plan`` (a plan file or a plan object) on torch.distributed workers on this machine and
     report measured against predicted (``tessera launch``). ``training``: the optimizer, schedule,
     loss and checkpoint options as ``launch``'s flags name them (``optimizer``, ``weight_decay``,
-    ``lr_schedule``, ``max_grad_norm``, ``loss``, ``checkpoint``, ...). LaunchError (exit 4) when a
+    ``lr_schedule``, ``max_grad_norm``, ``loss``, ``precision``, ``checkpoint``, ...). LaunchError (exit 4) when a
     worker fails; a report's ``failure`` is set when its outputs are wrong."""
     if isinstance(plan, str | os.PathLike):
         path = os.fspath(plan)

@@ -17,6 +17,7 @@ import onnx
 from onnx import numpy_helper
 from torch import Tensor, nn
 
+from tessera.backends.precision import in_precision
 from tessera.backends.torch_ops import (
     EXTENSIONS,
     MAX_OPSET,
@@ -98,7 +99,7 @@ class OnnxModule(nn.Module):
     :meth:`run` does the same by name.
     """
 
-    def __init__(self, model: onnx.ModelProto, *, label: str = "<model>") -> None:
+    def __init__(self, model: onnx.ModelProto, *, label: str = "<model>", precision: str = "fp32") -> None:
         super().__init__()
         g = model.graph
         self.label = label
@@ -125,7 +126,7 @@ class OnnxModule(nn.Module):
                 self._init_keys[t.name] = ("buffer", f"c_{key}")
         self._nodes = [
             NodeStep(
-                function_of(n.op_type),
+                in_precision(n.op_type, function_of(n.op_type), precision),
                 n.op_type,
                 tuple(n.input),
                 tuple(n.output),
@@ -136,7 +137,7 @@ class OnnxModule(nn.Module):
         ]
         self._types = [(n.name or n.op_type, n.op_type) for n in g.node]
         # forward's program (fused, generated code); run() interprets the nodes (hooks need them)
-        self.program = build_program(model, self.input_names, tuple(self._init_keys), label)
+        self.program = build_program(model, self.input_names, tuple(self._init_keys), label, precision)
 
     def compile_program(self) -> None:
         """Run forward through ``torch.compile`` of the program (inductor, dynamic shapes). Slower
@@ -223,6 +224,7 @@ class OnnxModule(nn.Module):
         return env
 
 
-def to_torch(model: onnx.ModelProto, *, label: str = "<model>") -> OnnxModule:
-    """Convert ``model`` (whole or extracted) into an :class:`OnnxModule`."""
-    return OnnxModule(model, label=label)
+def to_torch(model: onnx.ModelProto, *, label: str = "<model>", precision: str = "fp32") -> OnnxModule:
+    """Convert ``model`` (whole or extracted) into an :class:`OnnxModule` whose products compute in
+    ``precision`` (``fp32``: as the model says; ``bf16``: :mod:`tessera.backends.precision`)."""
+    return OnnxModule(model, label=label, precision=precision)

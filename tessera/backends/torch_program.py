@@ -18,13 +18,19 @@ import onnx
 import torch
 from torch import Tensor, fx, nn
 
+from tessera.backends.precision import in_precision
 from tessera.backends.torch_fusion import Step, constant_tensor, steps_of
 
 
 def build_program(
-    model: onnx.ModelProto, inputs: Sequence[str], initializers: Sequence[str], label: str
+    model: onnx.ModelProto,
+    inputs: Sequence[str],
+    initializers: Sequence[str],
+    label: str,
+    precision: str = "fp32",
 ) -> fx.GraphModule:
-    """The program computing ``model``'s outputs from ``inputs`` then ``initializers`` (by name)."""
+    """The program computing ``model``'s outputs from ``inputs`` then ``initializers`` (by name),
+    its products in ``precision`` (:mod:`tessera.backends.precision`)."""
     steps, constants = steps_of(model)
     root = nn.Module()
     graph = fx.Graph()
@@ -41,9 +47,9 @@ def build_program(
         args = tuple(env[t] if t else None for t in s.inputs)
         named = [k for k, t in enumerate(s.outputs) if t]
         if named == [0]:
-            env[s.outputs[0]] = graph.call_function(_call(s, label, 0), args)
+            env[s.outputs[0]] = graph.call_function(_call(s, label, 0, precision), args)
             continue
-        call = graph.call_function(_call(s, label, named[-1] + 1 if named else 0), args)
+        call = graph.call_function(_call(s, label, named[-1] + 1 if named else 0, precision), args)
         for k in named:
             env[s.outputs[k]] = graph.call_function(operator.getitem, (call, k))
     graph.output(tuple(env[vi.name] for vi in model.graph.output))
@@ -66,9 +72,9 @@ def compiled(program: fx.GraphModule) -> Callable[..., Any]:
     return torch.compile(program, dynamic=True)
 
 
-def _call(step: Step, label: str, outputs: int) -> Callable[..., Any]:
+def _call(step: Step, label: str, outputs: int, precision: str) -> Callable[..., Any]:
     """The step as a function of its inputs: one tensor back, or a tuple of ``outputs`` (> 1)."""
-    fn, attrs, node = step.fn, step.attrs, step.nodes[0]
+    fn, attrs, node = in_precision(step.op_type, step.fn, precision), step.attrs, step.nodes[0]
 
     def call(*args: Tensor | None) -> Any:
         try:

@@ -38,6 +38,7 @@ TRAINING_OPTIONS = (
     "checkpoint",
     "checkpoint_every",
     "resume",
+    "precision",
 )
 # Options that only some plan kinds read; giving one for another kind is a usage error, not ignored.
 _KIND_OPTIONS: dict[str, frozenset[str]] = {
@@ -163,6 +164,15 @@ def _refuse_options_of_other_kinds(kind: str) -> None:
     help="[gpp/spp] Clip the gradients to this global norm (over every stage and replica).",
 )
 @click.option(
+    "--precision",
+    type=click.Choice(["fp32", "bf16"]),
+    default="fp32",
+    show_default=True,
+    help="[gpp/spp] bf16: matrix products and convolutions compute in bf16 (fp32 operands cast, results "
+    "back in fp32), the rest and the weights stay fp32; refused on a GPU without bf16, slow on a CPU "
+    "without AVX512-BF16 or AMX.",
+)
+@click.option(
     "--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Seed of the synthetic data."
 )
 @click.option(
@@ -246,6 +256,7 @@ def launch(  # noqa: PLR0913
     checkpoint: str | None,
     checkpoint_every: int | None,
     resume: bool,
+    precision: str,
     seed: int,
     data: str | None,
     compile_: bool,
@@ -274,7 +285,7 @@ def launch(  # noqa: PLR0913
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
     if isinstance(plan, GppPlan) and plan.predicted.get("cost_model") != "roofline":
-        _warn_if_timed_otherwise(plan, plan_path, optimizer, loss or default_loss(data))
+        _warn_if_timed_otherwise(plan, plan_path, optimizer, loss or default_loss(data), precision)
     source = model or (plan.model.path if plan.model is not None else None)
     for flag, path in (("--save-model", save_model), ("--trace", trace)):
         if path is not None:  # before the run: a path that cannot be written loses nothing
@@ -313,6 +324,7 @@ def launch(  # noqa: PLR0913
             "checkpoint_every": checkpoint_every or 0,
             "resume": resume,
             "loss": loss or default_loss(data),
+            "precision": precision,
         },
         compile=compile_,
         save_model=save_model,
@@ -332,9 +344,17 @@ def launch(  # noqa: PLR0913
         raise LaunchError(report.failure)
 
 
-def _warn_if_timed_otherwise(plan: GppPlan, plan_path: str, optimizer: str, loss: str) -> None:
-    """A profiled plan's stages were timed with its optimizer's step and its loss: say so when this
-    run trains with others, whose times the prediction does not hold."""
+def _warn_if_timed_otherwise(
+    plan: GppPlan, plan_path: str, optimizer: str, loss: str, precision: str
+) -> None:
+    """A profiled plan's stages were timed with its optimizer's step and its loss, in fp32: say so
+    when this run trains with others, whose times the prediction does not hold."""
+    if precision != "fp32":
+        click.echo(
+            f"tessera: warning: {plan_path}: the plan's stages were timed in fp32, this run computes its "
+            f"products in {precision}: the prediction is fp32's",
+            err=True,
+        )
     for what, planned, given in (
         ("optimizer", plan.training.optimizer, optimizer),
         ("loss", plan.training.loss, loss),

@@ -67,8 +67,13 @@ def run_identity(plan_sha256: str, model_sha256: str, options: dict[str, Any]) -
         "loss",
         "data",
         "seed",
+        "precision",
     )
     return {"plan_sha256": plan_sha256, "model_sha256": model_sha256, **{k: options.get(k) for k in keep}}
+
+
+# What a checkpoint written before a field was recorded means by it.
+_WRITTEN_BEFORE = {"precision": "fp32"}
 
 
 def latest(folder: str | os.PathLike[str], identity: dict[str, Any]) -> tuple[int, Path] | None:
@@ -89,7 +94,7 @@ def latest(folder: str | os.PathLike[str], identity: dict[str, Any]) -> tuple[in
         written = json.loads((path / META).read_text())
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read {META}: {exc}", source=str(path)) from None
-    differs = [k for k, v in identity.items() if written.get(k) != v]
+    differs = [k for k, v in identity.items() if written.get(k, _WRITTEN_BEFORE.get(k)) != v]
     if differs:
         what = "; ".join(f"{k}: checkpoint {written.get(k)!r}, this run {identity[k]!r}" for k in differs)
         raise InputError(f"the checkpoint was written by another run ({what})", source=str(path))

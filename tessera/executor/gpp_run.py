@@ -17,7 +17,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
+from tessera.backends.precision import native_bf16
 from tessera.backends.torch_module import check_supported
 from tessera.core.errors import InputError, Terminated
 from tessera.core.graph import Graph
@@ -71,6 +73,7 @@ class GppRun(RunReport):
                 "steps": self.options.steps,
                 "optimizer": self.options.describe(),
                 "loss": LOSSES[self.options.loss],
+                "precision": precision_note(self.options.precision, self.backend),
                 "data": self.options.data or f"synthetic (seed {self.options.seed})",
                 **({"saved_model": self.saved_model} if self.saved_model else {}),
             },
@@ -79,6 +82,23 @@ class GppRun(RunReport):
                 self.measured, self.predicted, self.stages, self.ranks, self.allreduce_peers
             ),
         }
+
+
+def _check_precision(precision: str, backend: str) -> None:
+    """Refuse bf16 on GPUs without it (as torch's autocast would be refused there)."""
+    if precision == "bf16" and backend == "nccl" and not native_bf16(torch.device("cuda")):
+        raise InputError(
+            f"--precision bf16: {torch.cuda.get_device_name()} has no bf16 (torch.cuda.is_bf16_supported)"
+        )
+
+
+def precision_note(precision: str, backend: str) -> str:
+    """How the run's products computed: ``fp32``, ``bf16``, or ``bf16 (emulated: ...)`` on a CPU
+    without native bf16, where they run many times slower than fp32."""
+    device = torch.device("cuda" if backend == "nccl" else "cpu")
+    if precision == "bf16" and not native_bf16(device):
+        return "bf16 (emulated: this CPU has neither AVX512-BF16 nor AMX; slower than fp32)"
+    return precision
 
 
 def run_gpp_plan(
@@ -103,6 +123,7 @@ def run_gpp_plan(
     routing = build_routing(plan, graph, tensor_layouts(graph, model_path))
     devices = [d for st in plan.stages for d in st.devices]
     backend = choose_backend(plan.cluster, devices)
+    _check_precision(options.precision, backend)
     if launch.threads_per_rank is None:  # as the plan's measurements assumed
         launch = dataclasses.replace(launch, threads_per_rank=plan_threads(plan.cluster, devices))
     spec = WorkerSpec(

@@ -122,7 +122,9 @@ class StageWorker:
         self.tp_split = tensor_parallel(graph, t).restrict(self.stage.nodes)
         self.tp_group = tp_group(routing, rank) if t > 1 else None
         sub = local_model(graph, self.stage.nodes, self.tp_split, self.tp_index)
-        self.module: OnnxModule = to_torch(sub, label=f"stage {self.stage_id}").to(device)
+        self.module: OnnxModule = to_torch(
+            sub, label=f"stage {self.stage_id}", precision=spec.options.precision
+        ).to(device)
         if spec.options.compile:
             self.module.compile_program()
         self.params = [p for _, p in self.module.onnx_parameters()]

@@ -37,7 +37,8 @@ class TrainOptions:
     seeded synthetic data. The optimizer (torch.optim's ``sgd``, ``adamw`` or ``adam``) at peak
     learning rate ``lr``, ``weight_decay`` (None: the optimizer's default) and ``momentum`` (SGD);
     the rate warms up linearly over ``warmup_steps``, then follows ``lr_schedule`` down to 0 at the
-    last step (``constant``: stays); gradients clipped to the global norm ``max_grad_norm``."""
+    last step (``constant``: stays); gradients clipped to the global norm ``max_grad_norm``; the
+    products computed in ``precision`` (:mod:`tessera.backends.precision`)."""
 
     steps: int = 3
     lr: float = 0.01
@@ -54,9 +55,10 @@ class TrainOptions:
     checkpoint: str | None = None  # a folder of checkpoints (executor/checkpoint.py)
     checkpoint_every: int = 0  # steps between checkpoints (0: after the last step only)
     resume: bool = False  # continue from the newest complete checkpoint in ``checkpoint``
+    precision: str = "fp32"  # "bf16": products in bf16 (backends/precision.py)
 
     def describe(self) -> str:
-        """``AdamW(lr=0.001, weight_decay=0.01, cosine, warmup 3, clip 1)`` as the report prints it."""
+        """``AdamW(lr=0.001, weight_decay=0.01, cosine, warmup 3, clip 1, bf16)`` as the report prints it."""
         name = {"sgd": "SGD", "adamw": "AdamW", "adam": "Adam"}[self.optimizer]
         parts = [f"lr={self.lr:g}"]
         if self.momentum:
@@ -69,6 +71,8 @@ class TrainOptions:
             parts.append(f"warmup {self.warmup_steps}")
         if self.max_grad_norm is not None:
             parts.append(f"clip {self.max_grad_norm:g}")
+        if self.precision != "fp32":
+            parts.append(self.precision)
         return f"{name}({', '.join(parts)})"
 
 
@@ -180,7 +184,7 @@ def train_reference(
 
     options = options or TrainOptions(steps=steps, lr=lr, seed=seed, data=data)
     graph = model if isinstance(model, Graph) else load_graph(model)
-    module = to_torch(graph.model, label=graph.source).to(dtype)
+    module = to_torch(graph.model, label=graph.source, precision=options.precision).to(dtype)
     params = [p for _, p in module.onnx_parameters()]
     opt, schedule = make_optimizer(params, options)
     source = TrainingData(graph, mini_batch, options.seed, options.data, options.loss)

@@ -292,3 +292,31 @@ def test_graph_loss_needs_one_scalar_output(tmp_path: Path) -> None:
         InputError, match=r"--loss graph trains on the model's own loss, one scalar float output; it has 0"
     ):
         TrainingData(graph, 4, loss="graph")
+
+
+def test_bf16_products_train_as_one_process_in_bf16(tmp_path: Path) -> None:
+    """--precision bf16 on the zoo GPT over 2 stages: with whole mini-batches the plan computes one
+    process's bf16 training exactly (the stage boundary carries fp32, so the cut changes nothing),
+    which is not fp32's; with micro-batches of 2 and 4 the gradients round per micro-batch, within
+    1e-4 of it."""
+    path = tmp_path / "gpt.onnx"
+    graph = save_model(build("gpt", "tiny", 0), path)
+    tokens = tmp_path / "text.npy"
+    np.save(tokens, np.frombuffer(Path(__file__).read_bytes()[:8000], dtype=np.uint8).astype(np.int64) % 128)
+    half = len(graph.order) // 2
+    options = TrainOptions(
+        steps=8, lr=3e-3, seed=2, data=str(tokens), loss="ce", optimizer="adamw", warmup_steps=2,
+        max_grad_norm=1.0, precision="bf16",
+    )  # fmt: skip
+    ref = train_reference(graph, 8, 8, options=options)
+    fp32 = train_reference(graph, 8, 8, options=replace(options, precision="fp32"))
+    assert np.abs(np.array(ref.losses) / fp32.losses - 1).max() > 1e-5  # bf16 rounds
+    whole = make_plan(graph, [(graph.order[:half], ["d0"], 8), (graph.order[half:], ["d1"], 8)], 8)
+    run = run_gpp_plan(whole, graph, str(path), options, LaunchOptions(timeout_s=60), return_weights=True)
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-6)
+    for name, want in ref.weights.items():
+        np.testing.assert_allclose(run.weights[name], want, rtol=1e-6, atol=1e-6, err_msg=name)
+    assert run.to_json()["training"]["precision"].startswith("bf16")
+    split = make_plan(graph, [(graph.order[:half], ["d0"], 2), (graph.order[half:], ["d1"], 4)], 8)
+    run = run_gpp_plan(split, graph, str(path), options, LaunchOptions(timeout_s=60))
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-4)

@@ -369,3 +369,27 @@ def test_a_launch_leaves_nothing_in_the_temporary_directory(chain_plan, tmp_path
     left = sorted(p.name for p in scratch.iterdir())
     # onnxruntime writes one shared .ses file in TMPDIR when imported: not the launch's
     assert [name for name in left if name != ".ses"] == [], left
+
+
+def test_precision_is_a_training_flag(chain_plan, tmp_path: Path) -> None:
+    """--precision bf16 trains in bf16 products (the report says so, and how the device computes
+    them); it does not apply to a cp plan, and a checkpoint of one precision does not resume in
+    the other."""
+    graph, plan_path = chain_plan
+    res = run_cli("launch", str(plan_path), "--steps", "2", "--precision", "bf16", "--json")
+    assert res.code == 0, res.err
+    report = json.loads(res.out)
+    assert report["training"]["precision"].startswith("bf16")
+    assert report["training"]["optimizer"] == "SGD(lr=0.01, bf16)"
+    ref = train_reference(graph, 2, 4, options=TrainOptions(steps=2, precision="bf16"))
+    np.testing.assert_allclose([s["loss"] for s in report["steps"]], ref.losses, rtol=1e-5)
+    assert "timed in fp32" in res.err  # the profiled plan's prediction is fp32's
+    res = run_cli("launch", str(plan_path), "--precision", "fp16")
+    assert res.code == 2 and "'fp16' is not one of" in res.err, res.err
+    folder = tmp_path / "ckpt"
+    res = run_cli(
+        "launch", str(plan_path), "--steps", "1", "--checkpoint", str(folder), "--precision", "bf16"
+    )
+    assert res.code == 0, res.err
+    res = run_cli("launch", str(plan_path), "--steps", "2", "--checkpoint", str(folder), "--resume")
+    assert res.code == 2 and "precision: checkpoint 'bf16', this run 'fp32'" in res.err, res.err

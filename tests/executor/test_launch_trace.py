@@ -112,3 +112,5 @@ def test_trace_applies_to_training_plans_only(tmp_path: Path) -> None:
         result = run_cli("launch", str(plan), flag, str(tmp_path / value))
         assert result.code == 2 and f"{flag} does not apply to a cp plan" in result.err, flag
         assert not (tmp_path / value).exists()
+    result = run_cli("launch", str(plan), "--precision", "bf16")
+    assert result.code == 2 and "--precision does not apply to a cp plan" in result.err, result.err
