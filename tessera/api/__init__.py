@@ -125,6 +125,7 @@ def plan(  # noqa: PLR0913
     recompute: str = "never",
     zero: int | str = 0,
     tensor_parallel: int | str = 1,
+    stages: int | None = None,
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
@@ -166,7 +167,8 @@ def plan(  # noqa: PLR0913
     choice = plan_pipeline(
         graph, spec, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
         memory_limit=memory_limit, k=k, recompute=recompute, zero=zero, tensor_parallel=tensor_parallel,
-        bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, baseline=baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
+        stages=stages, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, baseline=baseline,
+        rewrite_auto=rewrite_auto, profile=profile, cache=cache,
     )  # fmt: skip
     return choice.plan[0]
 

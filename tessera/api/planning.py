@@ -45,6 +45,7 @@ def plan_pipeline(  # noqa: PLR0913
     recompute: str = "never",
     zero: int | str = 0,
     tensor_parallel: int | str = 1,
+    stages: int | None = None,
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
@@ -68,6 +69,7 @@ def plan_pipeline(  # noqa: PLR0913
     options = pipeline_options(
         cluster, mini_batch=mini_batch, devices=devices, schedule=schedule, memory_limit=memory_limit,
         k=k, recompute=recompute, bytes_per_param=bytes_per_param, zero=zero, tensor_parallel=tensor_parallel,
+        stages=stages,
     )  # fmt: skip
     if optimizer not in OPTIMIZERS:
         raise InputError(f"--optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")

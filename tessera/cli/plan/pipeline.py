@@ -111,6 +111,13 @@ OPTIONS = OptionGroup(
         help="[gpp/spp] Every stage's replicas are groups of this many devices of one node, the model's matrix products split Megatron-style (columns then rows, attention by heads; found from the graph's dataflow, docs/gpp.md); auto: the fastest degree dividing each node's devices, as simulated. --devices counts every device.",
     ),
     click.option(
+        "--stages",
+        type=click.IntRange(min=1),
+        default=None,
+        help="[gpp/spp] Exactly this many pipeline stages (each on at least one device; the search places "
+        "them and their devices). Default: the number the search finds fastest.",
+    ),
+    click.option(
         "--rewrite",
         "rewrites",
         type=click.Choice([*REWRITES, "all", "auto"]),
@@ -178,6 +185,7 @@ def runner(kind: str) -> Callable[..., None]:
         recompute: str,
         zero: str,
         tensor_parallel: str,
+        stages: int | None,
         bytes_per_param: float | None,
         optimizer: str,
         loss: str,
@@ -222,6 +230,7 @@ def runner(kind: str) -> Callable[..., None]:
             recompute=recompute,
             zero=zero,
             tensor_parallel=tensor_parallel,
+            stages=stages,
             bytes_per_param=bytes_per_param,
             optimizer=optimizer,
             loss=loss,
@@ -253,6 +262,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     recompute: str = "never",
     zero: int | str = 0,
     tensor_parallel: int | str = 1,
+    stages: int | None = None,
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
@@ -266,7 +276,8 @@ def run_pipeline_plan(  # noqa: PLR0913
     (``all``), or the stages that need the memory (``auto``, chosen by the search); ``bytes_per_param``:
     weights + gradients + optimizer state per parameter (default 16: Adam, mixed precision);
     ``zero``: ZeRO-1 on no replicated stage (0), every one (1), or those that need the memory (auto);
-    ``tensor_parallel``: every replica a group of that many devices of a node (docs/gpp.md).
+    ``tensor_parallel``: every replica a group of that many devices of a node (docs/gpp.md);
+    ``stages``: exactly that many stages.
     ``rewrite_auto`` (``--rewrite auto``): plan ``graph`` (loaded without rewrites) as given and
     with every rewrite that changes it (:func:`tessera.core.rewrite.applicable`), and keep the
     faster plan (the search, and the baseline, run twice). Otherwise, on a graph loaded without
@@ -286,7 +297,7 @@ def run_pipeline_plan(  # noqa: PLR0913
         choice = plan_pipeline(
             graph, cluster, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
             memory_limit=memory_limit, k=k, recompute=recompute, zero=zero, tensor_parallel=tensor_parallel,
-            bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
+            stages=stages, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
             progress=progress,
             note=lambda line: click.echo(f"tessera: {line}", err=True),
         )  # fmt: skip

@@ -28,7 +28,8 @@ JOIN_FRACTION = 0.25  # a tail joins its neighbour's stage when it costs at most
 GRAIN_STATES = 128
 
 # (latency, depth, slack, tps, sink latency, plan); a plan's stages are ("S", lo, hi, d, r), r = 1
-# where the stage recomputes its activations in the backward.
+# where the stage recomputes its activations in the backward; ("+", a, b, n) joins two plans of n
+# stages in all; ("@", shift, p) is p moved by ``shift`` units.
 Entry = tuple[float, int, int, float, float, tuple]
 # Per PartitionOptions.recompute: whether a stage may keep its activations (False) or recompute
 # them (True), in the order the DP prefers them.
@@ -214,7 +215,25 @@ class StageDP:
     def run(self, t_max: float) -> list[Entry]:
         """The root's front at ``t_max`` (empty when infeasible)."""
         self.t_max = t_max
-        return self.solve(self.tree.root, self.num_devices, self.tree.root.hi)
+        front = self.solve(self.tree.root, self.num_devices, self.tree.root.hi)
+        if self.opts.stages is not None:
+            front = [e for e in front if stage_count(e[5]) == self.opts.stages]
+        return front
+
+    def front(self, cands: list[Entry]) -> list[Entry]:
+        """The entries worth keeping (:func:`pareto`). With a stage count asked for
+        (``--stages N``), plans of more stages are dropped and each count keeps its own front: a
+        plan of fewer stages does not rule out one that adds the stages the count still needs."""
+        wanted = self.opts.stages
+        if wanted is None:
+            return pareto(cands)
+        by_count: dict[int, list[Entry]] = {}
+        for c in cands:
+            n = stage_count(c[5])
+            if n <= wanted:
+                by_count.setdefault(n, []).append(c)
+        kept = [e for n in sorted(by_count) for e in pareto(by_count[n])]
+        return sorted(kept, key=lambda c: (c[0], c[1], -c[2], c[3]))
 
     def _lookup(self, key: Hashable, node: SPNode) -> list[Entry] | None:
         got = self._memo.get(key)
@@ -240,7 +259,7 @@ class StageDP:
     def solve(self, node: SPNode, d: int, ext: int) -> list[Entry]:
         """Front of ``node`` on at most ``d`` devices; units [node.hi, ext) join its sink stage."""
         if node.kind == "leaf":
-            return pareto(self.bases(node.lo, ext, d))
+            return self.front(self.bases(node.lo, ext, d))
         if node.kind == "series":
             return self.series(node, 0, d, ext)
         return self.parallel(node, 0, d, ext)
@@ -296,7 +315,7 @@ class StageDP:
                     previous = heads
                     for rest in self.series(node, j, d - d1, ext):
                         cands.extend(seq(h, rest) for h in heads)
-        return self._store(key, node, pareto(cands))
+        return self._store(key, node, self.front(cands))
 
     def _chain(self, node: SPNode, i: int, k: int) -> SPNode:
         """Branches i..k of a parallel node as one series of their units (depth-first order)."""
@@ -384,7 +403,7 @@ class StageDP:
                 for group in self.base_entries(lo, ends[k], d1):
                     for rest in self.parallel(node, k + 1, d - used, ext):
                         cands.append(combine(group, rest))
-        return self._store(key, node, pareto(cands))
+        return self._store(key, node, self.front(cands))
 
 
 def device_grain(num_devices: int) -> int:
@@ -400,12 +419,12 @@ def seq(first: Entry, rest: Entry) -> Entry:
     """``first`` then ``rest`` (a series decomposition): depths and latencies add."""
     l1, h1, s1, t1, _, p1 = first
     l2, h2, s2, t2, k2, p2 = rest
-    return (l1 + l2, h1 + h2, min(s2, s1 - h2), max(t1, t2), k2, ("+", p1, p2))
+    return (l1 + l2, h1 + h2, min(s2, s1 - h2), max(t1, t2), k2, joined(p1, p2))
 
 
 def par(a: Entry, b: Entry) -> Entry:
     """Independent branches (a parallel decomposition): the larger depth and latency (§3.5)."""
-    return (max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3]), 0.0, ("+", a[5], b[5]))
+    return (max(a[0], b[0]), max(a[1], b[1]), min(a[2], b[2]), max(a[3], b[3]), 0.0, joined(a[5], b[5]))
 
 
 def par_join(a: Entry, b: Entry) -> Entry:
@@ -416,8 +435,20 @@ def par_join(a: Entry, b: Entry) -> Entry:
         min(b[2], a[2] - 1),
         max(a[3], b[3]),
         b[4],
-        ("+", a[5], b[5]),
+        joined(a[5], b[5]),
     )
+
+
+def joined(a: tuple, b: tuple) -> tuple:
+    """The plan of ``a``'s stages and ``b``'s."""
+    return ("+", a, b, stage_count(a) + stage_count(b))
+
+
+def stage_count(plan: tuple) -> int:
+    """How many stages a DP plan has."""
+    while plan[0] == "@":
+        plan = plan[2]
+    return 1 if plan[0] == "S" else plan[3]
 
 
 def pareto(cands: list[Entry]) -> list[Entry]:

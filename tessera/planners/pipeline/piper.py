@@ -17,6 +17,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec
 from tessera.core.units import format_bytes
+from tessera.planners.pipeline.dp import joined
 from tessera.planners.pipeline.links import StageLinks
 from tessera.planners.pipeline.materialize import materialize
 from tessera.planners.pipeline.piper_dp import IdealDP, Lattice, lattice_lower_bound
@@ -284,7 +285,7 @@ def _to_pipeline(  # noqa: PLR0913
     end = len(order)
     for units, d, recompute in reversed(stages):
         span = ("S", end - len(units), end, d, int(recompute))
-        plan = span if plan is None else ("+", span, plan)
+        plan = span if plan is None else joined(span, plan)
         end -= len(units)
     assert plan is not None
     return materialize(

@@ -340,11 +340,12 @@ def pipeline_options(  # noqa: PLR0913
     bytes_per_param: float | None = None,
     zero: int | str = 0,
     tensor_parallel: int | str = 1,
+    stages: int | None = None,
 ) -> PartitionOptions:
     """The search's options from what a user gives (``tessera plan``'s values); InputError names the
     value that cannot be planned with. ``memory_limit`` may only lower the devices' memory;
     ``bytes_per_param``: weights + gradients + optimizer state per parameter (default 16: Adam,
-    mixed precision on GPUs, fp32 on CPUs)."""
+    mixed precision on GPUs, fp32 on CPUs); ``stages``: exactly that many pipeline stages."""
     if schedule not in SCHEDULE_CHOICES:
         raise InputError(f"--schedule {schedule!r}: expected one of {', '.join(SCHEDULE_CHOICES)}")
     if recompute not in ("never", "auto", "all"):
@@ -364,6 +365,7 @@ def pipeline_options(  # noqa: PLR0913
         raise InputError(f"--bytes-per-param {bytes_per_param}: expected a number of bytes in (0, 1024]")
     tensor_parallel = _degree(tensor_parallel, devices)
     device_type = planned_device_type(cluster, devices)
+    _check_stages(stages, devices or len(cluster.devices()), tensor_parallel)
     if limit is not None and limit > device_type.memory:
         raise InputError(
             f"--memory-limit {format_bytes(limit)} is more than a {cluster.devices()[0].type_name}'s "
@@ -379,11 +381,24 @@ def pipeline_options(  # noqa: PLR0913
         recompute=recompute,  # type: ignore[arg-type]
         zero=zero,  # type: ignore[arg-type]
         tensor_parallel=tensor_parallel,
+        stages=stages,
         bytes_per_param=bytes_per_param,
         # CPUs train in fp32 (tessera's executor does, and CPU mixed precision is not a thing):
         # weights, gradients, activations and messages are counted at 4 bytes.
         precision="fp32" if device_type.kind == "cpu" else "mixed",
     )
+
+
+def _check_stages(stages: int | None, devices: int, tensor_parallel: int) -> None:
+    """``--stages``: a stage takes at least one device (``tensor_parallel`` with tensor parallelism)."""
+    if stages is None:
+        return
+    per_stage = max(tensor_parallel, 1)
+    if not 1 <= stages <= devices // per_stage:
+        most = f"{devices // per_stage} (--devices {devices}" + (
+            f" over --tensor-parallel {tensor_parallel})" if per_stage > 1 else ")"
+        )
+        raise InputError(f"--stages {stages}: expected 1 to {most}: a stage takes at least one device")
 
 
 def _degree(given: int | str, devices: int | None) -> int:

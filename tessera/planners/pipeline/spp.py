@@ -107,7 +107,7 @@ def plan_sequential(
     chosen: Pipeline = pipedream
     method: Method = "pipedream"
     piper_throughput = None
-    if result is not None and result.pipeline is not None:
+    if result is not None and result.pipeline is not None and _stages_as_asked(result.pipeline, options):
         sim = simulate_pipeline(result.pipeline, trace=False)
         piper_throughput = sim.throughput
         if sim.iteration_time < pd_time:
@@ -121,6 +121,11 @@ def plan_sequential(
         piper=result,
         piper_throughput=piper_throughput,
     )
+
+
+def _stages_as_asked(pipe: Pipeline, options: PartitionOptions) -> bool:
+    """Whether ``pipe`` has the stage count ``--stages`` asks for (Piper's search does not take one)."""
+    return options.stages is None or len(pipe.stages) == options.stages
 
 
 def sequential_record(pipe: Pipeline) -> dict[str, Any]:

@@ -32,6 +32,7 @@ class PartitionOptions:
     recompute: RecomputeChoice = "never"
     zero: ZeroChoice = 0
     tensor_parallel: int = 1  # every stage's replicas are groups of this many devices of a node; 0: auto
+    stages: int | None = None  # exactly this many stages (plan --stages); None: the search's choice
     max_units: int = 128
     epsilon: float = 0.01
     precision: Literal["mixed", "fp32"] = "mixed"
