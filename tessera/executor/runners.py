@@ -77,7 +77,9 @@ def run_pipeline(plan: Plan, request: LaunchRequest) -> RunReport:
     if save and run.failure is None:
         from tessera.executor.trained_model import save_trained_model, trained_model
 
-        run.saved_model = [str(p) for p in save_trained_model(trained_model(graph.model, run.weights), save)]
+        # the inputs and outputs as the model declares them: it runs at any size the original ran at
+        model = trained_model(graph.named_model(), run.weights)
+        run.saved_model = [str(p) for p in save_trained_model(model, save)]
     return run
 
 

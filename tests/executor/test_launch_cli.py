@@ -393,3 +393,46 @@ def test_precision_is_a_training_flag(chain_plan, tmp_path: Path) -> None:
     assert res.code == 0, res.err
     res = run_cli("launch", str(plan_path), "--steps", "2", "--checkpoint", str(folder), "--resume")
     assert res.code == 2 and "precision: checkpoint 'bf16', this run 'fp32'" in res.err, res.err
+
+
+@pytest.mark.slow
+def test_the_saved_model_declares_its_inputs_as_the_original_does(tmp_path: Path) -> None:
+    """A model whose batch and sequence are symbolic, planned at a sequence of 5 (plan warns when
+    a symbolic dim other than the batch is left at 1): the trained model declares both symbols
+    again, and onnxruntime runs it at another batch and length with the trained weights."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32), "w")
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"), helper.make_node("Relu", ["h"], ["y"])],
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", 8])],
+        [w],
+    )
+    model = tmp_path / "seq.onnx"
+    model.write_bytes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    )
+    plan = tmp_path / "p.json"
+    args = ["plan", str(model), "--cluster", "local-cpu-split", "--mini-batch", "8", "-o", str(plan)]
+    res = run_cli(*args)
+    assert res.code == 0 and "symbolic dims bound to 1: x:1 (seq)" in res.err, res.err
+    res = run_cli(*args, "--input-shape", "x=1x5x8")
+    assert res.code == 0 and "symbolic dims bound" not in res.err, res.err
+    saved = tmp_path / "trained.onnx"
+    res = run_cli("launch", str(plan), "--steps", "2", "--lr", "0.1", "--save-model", str(saved), "--json")
+    assert res.code == 0, res.err
+    out = onnx.load(str(saved)).graph
+    declared = [
+        [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim]
+        for vi in (*out.input, *out.output)
+    ]
+    assert declared == [["batch", "seq", 8], ["batch", "seq", 8]]
+    trained = numpy_helper.to_array(next(t for t in out.initializer if t.name == "w"))
+    assert not np.array_equal(trained, numpy_helper.to_array(w))
+    x = np.random.default_rng(1).normal(size=(3, 7, 8)).astype(np.float32)
+    (y,) = ort.InferenceSession(str(saved)).run(None, {"x": x})
+    np.testing.assert_allclose(y, np.maximum(x @ trained, 0), rtol=1e-5, atol=1e-6)

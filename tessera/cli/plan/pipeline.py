@@ -306,6 +306,13 @@ def run_pipeline_plan(  # noqa: PLR0913
         click.echo(hint, err=True)
     if (why := untrainable_message(graph)) is not None:  # a plan to simulate; launch would refuse it
         click.echo(f"tessera: warning: {graph.source}: launch cannot train this model: {why}", err=True)
+    if bound := [k for k in graph.defaulted_dims if not k.rsplit(":", 1)[1].startswith("0 ")]:
+        # the batch axis takes the micro-batch; any other symbolic dim stays 1 (a sequence of one token)
+        click.echo(
+            f"tessera: warning: {graph.source}: symbolic dims bound to 1: {', '.join(bound)}: the plan, and "
+            "launch, train at that size (give --input-shape NAME=DIMS for another)",
+            err=True,
+        )
     _write_files(
         plan,
         pipe,

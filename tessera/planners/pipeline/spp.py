@@ -107,7 +107,7 @@ def plan_sequential(
     chosen: Pipeline = pipedream
     method: Method = "pipedream"
     piper_throughput = None
-    if result is not None and result.pipeline is not None and _stages_as_asked(result.pipeline, options):
+    if result is not None and result.pipeline is not None and _stages_as_asked(graph, result.pipeline, options):
         sim = simulate_pipeline(result.pipeline, trace=False)
         piper_throughput = sim.throughput
         if sim.iteration_time < pd_time:
@@ -123,9 +123,13 @@ def plan_sequential(
     )
 
 
-def _stages_as_asked(pipe: Pipeline, options: PartitionOptions) -> bool:
-    """Whether ``pipe`` has the stage count ``--stages`` asks for (Piper's search does not take one)."""
-    return options.stages is None or len(pipe.stages) == options.stages
+def _stages_as_asked(graph: Graph, pipe: Pipeline, options: PartitionOptions) -> bool:
+    """Whether ``pipe`` has the stages ``--stages`` asks for (Piper's search does not take a count):
+    that many, each holding a weight or computing FLOPs, as the DP's (:meth:`StageDP.idle`)."""
+    if options.stages is None:
+        return True
+    works = (any(graph.op(n).flops > 0 or graph.op(n).params > 0 for n in s.nodes) for s in pipe.stages)
+    return len(pipe.stages) == options.stages and all(works)
 
 
 def sequential_record(pipe: Pipeline) -> dict[str, Any]:

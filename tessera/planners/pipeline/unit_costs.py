@@ -27,6 +27,7 @@ class UnitCosts:
         self.optimizer = _prefix(per.optimizer)
         self.grads = _prefix(per.grads)
         self.act = _prefix(per.act)
+        self.flops = _prefix(per.flops)
         # The activations crossing units (one walk over the DAG's edges: the flows, the bytes
         # entering unit ranges and Piper's cuts all derive from it).
         self.tensors = unit_tensors(graph, tree, cost)
@@ -122,6 +123,7 @@ class _PerUnit:
     optimizer: np.ndarray
     grads: np.ndarray
     act: np.ndarray
+    flops: np.ndarray
     keys: list[int]
     _times: dict[int, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
 
@@ -157,6 +159,7 @@ class _PerUnit:
             optimizer=memory[:, 1],
             grads=np.array([sum(cost.gradient_bytes(graph.op(o)) for o in u) for u in units]),
             act=memory[:, 2],
+            flops=np.array([sum(graph.op(o).flops for o in u) for u in units], dtype=np.float64),
             keys=keys,
         )
 
@@ -169,6 +172,7 @@ class _PerUnit:
             optimizer=self.optimizer[idx],
             grads=self.grads[idx],
             act=self.act[idx],
+            flops=self.flops[idx],
             keys=[self.keys[u] for u in order],
             _times={s: (fw[idx], bw[idx]) for s, (fw, bw) in self._times.items()},
         )
