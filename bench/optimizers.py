@@ -1,20 +1,23 @@
 """Predicted against launched iteration time per optimizer and loss (``plan --profile --optimizer``).
 
-For each model (the zoo's tiny MMT and GPT, and the corpus's GPT-2 export), a one-device plan at
-mini-batch 8 is profiled with each optimizer (SGD, AdamW) and launched with it, 20 steps, three
-launches, median; the decoders also train on a token file with cross-entropy (``--loss ce``), from
-a plan profiled with ``--loss ce``. One device: no messages, so the
-error is the stage's compute, its optimizer step and the loss.
+For each model (the zoo's tiny MMT and GPT, and the corpus's GPT-2 export), a plan at mini-batch 8
+is profiled with each optimizer (SGD, AdamW) and launched with it, 20 steps, three launches,
+median; the decoders also train on a token file with cross-entropy (``--loss ce``), from a plan
+profiled with ``--loss ce``. Two layouts: one device (``local-cpu``: no messages, so the error is the
+stage's compute, its optimizer step and the loss) and two stages on the spec ``tessera calibrate``
+writes in the same run (``--stages 2``: the messages, and the clipping norm's all-reduce, too).
 
-    .venv/bin/python bench/optimizers.py        # writes bench/results/optimizers.md (~5 min)
+    .venv/bin/python bench/optimizers.py        # writes bench/results/optimizers.md (~12 min)
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import platform
 import sys
 import tempfile
+from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -66,43 +69,56 @@ def _launch(plan: Path, *args: str) -> float:
     return float(np.median(times))
 
 
+def _calibrated(work: Path) -> Path:
+    spec = work / "calibrated.yaml"
+    made = run_cli("calibrate", "-o", str(spec))
+    assert made.code == 0, made.err
+    return spec
+
+
 def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        layouts = {
+            "1 device": ["--cluster", "local-cpu"],
+            "2 stages": ["--cluster", str(_calibrated(work)), "--stages", "2"],
+        }
         for name, (model, decoder) in _models(work).items():
             shapes = ["--input-shape", "input_ids=8x32"] if name == "gpt2 (export)" else []
             cases = [("sgd", "mse"), ("adamw", "mse")] + ([("adamw", "ce")] if decoder else [])
-            for optimizer, loss in cases:
-                plan = work / f"{name}-{optimizer}-{loss}.json"
-                made = run_cli("plan", str(model), *shapes, "--cluster", "local-cpu", "--mini-batch", "8",
-                               "--profile", "--cache", str(work / "p.sqlite"), "--optimizer", optimizer,
-                               "--loss", loss, "--no-baseline", "-o", str(plan))  # fmt: skip
+            for (layout, where), (optimizer, loss) in itertools.product(layouts.items(), cases):
+                plan = work / f"{name}-{layout}-{optimizer}-{loss}.json"
+                made = run_cli("plan", str(model), *shapes, *where, "--mini-batch", "8", "--profile",
+                               "--cache", str(work / "p.sqlite"), "--optimizer", optimizer, "--loss", loss,
+                               "--no-baseline", "-o", str(plan))  # fmt: skip
                 assert made.code == 0, made.err
                 predicted = json.loads(plan.read_text())["predicted"]["iteration_time_s"]
                 extra = ["--data", str(_tokens(work, _vocab(model))), "--loss", "ce"] if loss == "ce" else []
-                measured = _launch(plan, "--optimizer", optimizer, *extra)
-                rows.append((name, optimizer, loss, predicted, measured))
+                measured = _launch(plan, "--optimizer", optimizer, "--max-grad-norm", "1.0", *extra)
+                rows.append((name, layout, optimizer, loss, predicted, measured))
                 print(rows[-1], flush=True)
     lines = [
         "# Predicted against launched, per optimizer and loss",
         "",
         f"Measured on {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"Python {platform.python_version()}; `local-cpu` (one device), mini-batch 8, `plan --profile "
-        f"--optimizer`, then `launch --steps {STEPS}` with that optimizer, the median of {LAUNCHES} launches' "
-        "median steps. `ce` rows are planned with `--loss ce` (the profile scores the logits by cross-entropy) "
-        "and train on a token file with it. Regenerate with `.venv/bin/python bench/optimizers.py`.",
+        f"Python {platform.python_version()}, {date.today()}; mini-batch 8, `plan --profile --optimizer` on "
+        "`local-cpu` (one device) or with `--stages 2` on the spec `tessera calibrate` wrote in the same run, "
+        f"then `launch --steps {STEPS} --max-grad-norm 1.0` with that optimizer, the median of {LAUNCHES} "
+        "launches' median steps. `ce` rows are planned with `--loss ce` (the profile scores the logits by "
+        "cross-entropy) and train on a token file with it. Regenerate with `.venv/bin/python bench/optimizers.py`.",
         "",
-        "| model | optimizer | loss | predicted ms | measured ms | error |",
-        "| --- | --- | --- | --- | --- | --- |",
+        "| model | plan | optimizer | loss | predicted ms | measured ms | error |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for name, optimizer, loss, predicted, measured in rows:
+    for name, layout, optimizer, loss, predicted, measured in rows:
         lines.append(
-            f"| {name} | {optimizer} | {loss} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} | "
+            f"| {name} | {layout} | {optimizer} | {loss} | {predicted * 1e3:.3f} | {measured * 1e3:.3f} | "
             f"{measured / predicted - 1:+.1%} |"
         )
-    errors = [abs(m / p - 1) for *_, p, m in rows]
-    lines += ["", f"Mean |error| {np.mean(errors):.1%}, largest {max(errors):.1%}."]
+    for layout in ("1 device", "2 stages"):
+        errors = [abs(m / p - 1) for _, where, *_, p, m in rows if where == layout]
+        lines += ["", f"{layout}: mean |error| {np.mean(errors):.1%}, largest {max(errors):.1%}."]
     write_atomic(OUT, "\n".join(lines) + "\n")
     print("\n".join(lines))
 

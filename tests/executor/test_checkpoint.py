@@ -69,6 +69,24 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(tied, tmp_path: 
         run_gpp_plan(plan, graph, str(path), replace(options, resume=True), LaunchOptions(timeout_s=60))
 
 
+def test_a_checkpoint_of_another_plan_or_model_is_refused_naming_it(tied, tmp_path: Path) -> None:
+    """Resuming with another plan (the same stages at another micro-batch) or another model (the
+    same graph, other weights) is refused before any worker starts, naming which differs."""
+    graph, plan, path = tied
+    folder = tmp_path / "ckpt"
+    options = TrainOptions(steps=2, lr=0.05, checkpoint=str(folder))
+    run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=60))
+    resume = replace(options, steps=4, resume=True)
+    other_plan = plan.model_copy(update={"stages": [st.model_copy(update={"micro_batch_size": 4}) for st in plan.stages]})
+    with pytest.raises(InputError, match="another run \\(plan_sha256: checkpoint '[0-9a-f]{64}'"):
+        run_gpp_plan(other_plan, graph, str(path), resume, LaunchOptions(timeout_s=60))
+    model = tied_chain()
+    model.graph.initializer[0].raw_data = bytes(len(model.graph.initializer[0].raw_data))
+    other = save_model(model, tmp_path / "other.onnx")
+    with pytest.raises(InputError, match="another run \\(model_sha256: checkpoint"):
+        run_gpp_plan(plan, other, str(tmp_path / "other.onnx"), resume, LaunchOptions(timeout_s=60))
+
+
 def test_checkpoint_flags_on_the_command_line(tied, tmp_path: Path) -> None:
     _, plan, _ = tied
     plan_path = write(plan, tmp_path / "plan.json")
