@@ -69,6 +69,14 @@ def _launch(plan: Path, *args: str) -> float:
     return float(np.median(times))
 
 
+def _cpu() -> str:
+    """The CPU's model name, as Linux reports it."""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor() or "unknown CPU"
+
+
 def _calibrated(work: Path) -> Path:
     spec = work / "calibrated.yaml"
     made = run_cli("calibrate", "-o", str(spec))
@@ -101,7 +109,7 @@ def main() -> None:
     lines = [
         "# Predicted against launched, per optimizer and loss",
         "",
-        f"Measured on {platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"Measured on {platform.machine()} ({_cpu()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"Python {platform.python_version()}, {date.today()}; mini-batch 8, `plan --profile --optimizer` on "
         "`local-cpu` (one device) or with `--stages 2` on the spec `tessera calibrate` wrote in the same run, "
         f"then `launch --steps {STEPS} --max-grad-norm 1.0` with that optimizer, the median of {LAUNCHES} "

@@ -70,14 +70,14 @@ def test_another_runs_checkpoint_is_refused_naming_what_differs(tied, tmp_path: 
 
 
 def test_a_checkpoint_of_another_plan_or_model_is_refused_naming_it(tied, tmp_path: Path) -> None:
-    """Resuming with another plan (the same stages at another micro-batch) or another model (the
-    same graph, other weights) is refused before any worker starts, naming which differs."""
+    """Resuming with another plan (the same stages, another prediction) or another model (the same
+    graph, other weights) is refused before any worker starts, naming which differs."""
     graph, plan, path = tied
     folder = tmp_path / "ckpt"
     options = TrainOptions(steps=2, lr=0.05, checkpoint=str(folder))
     run_gpp_plan(plan, graph, str(path), options, LaunchOptions(timeout_s=60))
     resume = replace(options, steps=4, resume=True)
-    other_plan = plan.model_copy(update={"stages": [st.model_copy(update={"micro_batch_size": 4}) for st in plan.stages]})
+    other_plan = plan.model_copy(update={"predicted": {**plan.predicted, "iteration_time_s": 1.0}})
     with pytest.raises(InputError, match="another run \\(plan_sha256: checkpoint '[0-9a-f]{64}'"):
         run_gpp_plan(other_plan, graph, str(path), resume, LaunchOptions(timeout_s=60))
     model = tied_chain()
