@@ -11,6 +11,7 @@ code the command would end with. ``__all__`` is the contract, documented in docs
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -92,6 +93,7 @@ def place(  # noqa: PLR0913
     import time
 
     from tessera.backends.measure import Measurer
+    from tessera.backends.native_output import summary as native_summary
     from tessera.backends.profile_cache import ProfileCache
     from tessera.executor.placement import verify_placement
     from tessera.planners.placement import PlacementOptions, plan_placement
@@ -105,9 +107,12 @@ def place(  # noqa: PLR0913
     store = ProfileCache(None if cache is None else os.fspath(cache))
     store.check()  # a path that cannot hold the cache fails now, before any measuring
     start = time.perf_counter()
-    result = plan_placement(graph, options, measurer=Measurer(store, seed=seed))
+    measurer = Measurer(store, seed=seed)
+    result = plan_placement(graph, options, measurer=measurer)
     search_s = time.perf_counter() - start
     verified = verify_placement(graph, result.plan, seed, data) if verify else None
+    for line in (*measurer.failures(), *native_summary()):  # one per backend, not one per build
+        warnings.warn(line, TesseraWarning, stacklevel=2)
     return Placement(result.plan, search_s, result.report, verified)
 
 

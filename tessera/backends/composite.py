@@ -23,6 +23,7 @@ import numpy as np
 from onnx import numpy_helper
 
 from tessera.backends.base import Runnable, cpu_cores
+from tessera.backends.native_output import caught
 from tessera.backends.registry import BackendRegistry, default_registry
 from tessera.core.errors import LaunchError
 from tessera.core.graph import Graph, is_floating
@@ -116,11 +117,12 @@ def build_group(graph: Graph, variant: str, nodes: Iterable[str], registry: Back
     running beside others, ``<backend>/threads=N``)."""
     sub = graph.extract(nodes)
     backend, _, how = variant.partition("/")
-    if how.startswith("threads="):
-        return registry.backend(backend).compile_threads(sub, int(how.removeprefix("threads=")))
-    if how:
-        return registry.backend(backend).compile_threads(sub, 1 if ONE_THREAD in variant else 0)
-    return registry.backend(backend).compile(sub)
+    with caught(backend):
+        if how.startswith("threads="):
+            return registry.backend(backend).compile_threads(sub, int(how.removeprefix("threads=")))
+        if how:
+            return registry.backend(backend).compile_threads(sub, 1 if ONE_THREAD in variant else 0)
+        return registry.backend(backend).compile(sub)
 
 
 def group_order(graph: Graph, groups: Sequence[Iterable[str]]) -> list[int]:

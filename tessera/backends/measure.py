@@ -10,6 +10,7 @@ References: Collage thesis §2.4.2, Eq. 2.2 (paper Eq. 2). Details: docs/backend
 
 from __future__ import annotations
 
+import collections
 import logging
 import math
 import sys
@@ -24,6 +25,7 @@ import onnx
 from onnx import TensorProto, helper
 
 from tessera.backends.base import Backend, BuildError, Runnable
+from tessera.backends.native_output import caught
 from tessera.backends.profile_cache import Profile, ProfileCache, device_fingerprint, subgraph_hash
 from tessera.core.graph import Graph, is_floating
 
@@ -101,6 +103,8 @@ class Measurer:
         self.seed = seed
         self.progress = progress
         self._constants: dict[tuple[int, str], Any] = {}  # tensor values; "integers": a dict of them
+        self.tried: collections.Counter[str] = collections.Counter()  # subgraphs per backend
+        self.failed: dict[str, list[str]] = {}  # backend -> why each failed subgraph failed
 
     # -- candidates -----------------------------------------------------------------------------
 
@@ -112,20 +116,25 @@ class Measurer:
         version = backend.version or "unknown"
         device = device_fingerprint(backend.device)
         hit = self.cache.get(backend.name, version, device, key)
+        self.tried[backend.name] += 1
         if hit is not None:
+            if hit.error is not None:
+                self.failed.setdefault(backend.name, []).append(hit.error)
             return Measurement(
                 backend.name, members, key, hit.median_s, hit.iqr_s, hit.runs, hit.compile_s, True, hit.error
             )
         feeds = self.feeds(graph, model)
         compile_s: float | None = None
         try:
-            start = time.perf_counter()
-            runnable = backend.compile(model)
-            compile_s = time.perf_counter() - start
-            timing = time_runs(lambda: runnable.run(feeds), warmup=self.warmup, repeat=self.repeat)
+            with caught(backend.name):
+                start = time.perf_counter()
+                runnable = backend.compile(model)
+                compile_s = time.perf_counter() - start
+                timing = time_runs(lambda: runnable.run(feeds), warmup=self.warmup, repeat=self.repeat)
         except Exception as exc:  # noqa: BLE001 - any failure is an infinite cost, never a crash
             error = " ".join(f"{type(exc).__name__}: {exc}".split())[:500]
-            log.warning("%s failed on a %d-node subgraph: %s", backend.name, len(members), error)
+            log.info("%s failed on a %d-node subgraph: %s", backend.name, len(members), error)
+            self.failed.setdefault(backend.name, []).append(error)
             profile = Profile(backend.name, version, device, key, math.inf, math.inf, 0, compile_s, error)
             self.cache.put(profile)
             return Measurement(backend.name, members, key, math.inf, math.inf, 0, compile_s, False, error)
@@ -135,6 +144,19 @@ class Measurer:
         return Measurement(
             backend.name, members, key, timing.median_s, timing.iqr_s, timing.runs, compile_s, False
         )
+
+    def failures(self) -> list[str]:
+        """One line per backend that failed on some subgraphs (the search placed them elsewhere):
+        how many of those it was given, and the most frequent reason (``-v`` shows each)."""
+        lines = []
+        for name, errors in sorted(self.failed.items()):
+            reason, count = collections.Counter(errors).most_common(1)[0]
+            reason = reason if len(reason) <= 200 else reason[:199] + "…"
+            lines.append(
+                f"{name} failed on {len(errors)} of the {self.tried[name]} subgraph(s) it was given "
+                f"(-v shows each); most often ({count}×): {reason}"
+            )
+        return lines
 
     def measure_many(
         self, candidates: Sequence[tuple[Backend, Iterable[str]]], graph: Graph
@@ -233,8 +255,10 @@ class Measurer:
         model = _relu_model(n)
         x = np.random.default_rng(self.seed).standard_normal(n).astype(np.float32)
         try:
-            a = src.compile(model)
-            b = dst.compile(model) if dst is not src else a
+            with caught(src.name):
+                a = src.compile(model)
+            with caught(dst.name):
+                b = dst.compile(model) if dst is not src else a
         except (BuildError, Exception) as exc:  # noqa: BLE001
             log.warning("cannot measure the %s -> %s switch: %s", src.name, dst.name, exc)
             return math.inf

@@ -143,6 +143,7 @@ def place(  # noqa: PLR0913
     could be measured, or --verify found different outputs.
     """
     from tessera.backends.measure import Measurer
+    from tessera.backends.native_output import summary as native_summary
     from tessera.backends.profile_cache import ProfileCache
     from tessera.planners.placement import PlacementOptions, plan_placement
 
@@ -179,6 +180,8 @@ def place(  # noqa: PLR0913
     search_s = time.perf_counter() - start
     plan = result.plan
     verified = verify_placement(graph, plan, seed, data) if verify else None
+    for line in (*measurer.failures(), *native_summary()):  # one line per backend, not one per build
+        click.echo(f"tessera: warning: {line}", err=True)
     if output:
         write_plan(plan, output)
     if trace:

@@ -128,12 +128,20 @@ class Broken(Backend):
 
 
 def test_failed_build_costs_infinity_and_is_cached(tmp_path: Path, gpt, caplog) -> None:
+    caplog.set_level("INFO")
     cache = ProfileCache(tmp_path / "p.sqlite")
     m = fast(cache).measure(Broken(), gpt, LINEAR)
     assert m.cost == math.inf and not m.ok and "no kernel" in m.error
-    again = fast(cache).measure(Broken(), gpt, LINEAR)
+    measurer = fast(cache)
+    again = measurer.measure(Broken(), gpt, LINEAR)
     assert again.cached and again.cost == math.inf
-    assert "broken failed" in caplog.text
+    assert "broken failed" in caplog.text  # each failure at -v
+    measurer.measure(Broken(), gpt, ["layer0/attn/softmax"])
+    # one line for the backend (a cached failure counts: the search still places it elsewhere)
+    assert measurer.failures() == [
+        "broken failed on 2 of the 2 subgraph(s) it was given (-v shows each); most often (2×): "
+        "BuildError: no kernel for this"
+    ]
 
 
 def test_constant_inputs_get_real_values(tmp_path: Path, gpt, ort) -> None:

@@ -107,7 +107,11 @@ def plan_sequential(
     chosen: Pipeline = pipedream
     method: Method = "pipedream"
     piper_throughput = None
-    if result is not None and result.pipeline is not None and _stages_as_asked(graph, result.pipeline, options):
+    if (
+        result is not None
+        and result.pipeline is not None
+        and _stages_as_asked(graph, result.pipeline, options)
+    ):
         sim = simulate_pipeline(result.pipeline, trace=False)
         piper_throughput = sim.throughput
         if sim.iteration_time < pd_time:
