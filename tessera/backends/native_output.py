@@ -26,7 +26,11 @@ def caught(backend: str) -> Iterator[None]:
     there as something ``backend`` said (lines with terminal escapes, a progress bar's, are
     dropped)."""
     sys.stderr.flush()
-    saved = os.dup(2)
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr to catch (closed by the caller): nothing to tell either
+        yield
+        return
     with tempfile.TemporaryFile() as sink:
         os.dup2(sink.fileno(), 2)
         try:

@@ -94,9 +94,10 @@ def latest(folder: str | os.PathLike[str], identity: dict[str, Any]) -> tuple[in
         written = json.loads((path / META).read_text())
     except (OSError, ValueError) as exc:
         raise InputError(f"cannot read {META}: {exc}", source=str(path)) from None
-    differs = [k for k, v in identity.items() if written.get(k, _WRITTEN_BEFORE.get(k)) != v]
+    recorded = {k: written.get(k, _WRITTEN_BEFORE.get(k)) for k in identity}
+    differs = [k for k, v in identity.items() if recorded[k] != v]
     if differs:
-        what = "; ".join(f"{k}: checkpoint {written.get(k)!r}, this run {identity[k]!r}" for k in differs)
+        what = "; ".join(f"{k}: checkpoint {recorded[k]!r}, this run {identity[k]!r}" for k in differs)
         raise InputError(f"the checkpoint was written by another run ({what})", source=str(path))
     return step, path
 
