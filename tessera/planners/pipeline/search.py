@@ -162,6 +162,7 @@ def _partition(  # noqa: C901
     started = time.perf_counter()
     num, limit, cost, tree = planning_inputs(graph, cluster, options, tree, cost)
     costs = UnitCosts(graph, tree, cost)
+    _check_stage_count(graph, costs, options)
     links = StageLinks(cluster, num)
     cands = micro_batch_candidates(options)
     if not cands:
@@ -473,6 +474,20 @@ def _critical_path(node: SPNode, unit: list[float]) -> float:
         return sum(unit[node.lo : node.hi])
     paths = [_critical_path(c, unit) for c in node.children]
     return sum(paths) if node.kind == "series" else max(paths)
+
+
+def _check_stage_count(graph: Graph, costs: UnitCosts, options: PartitionOptions) -> None:
+    """``--stages N`` needs N units that compute (a weight or FLOPs: :meth:`StageDP.idle`)."""
+    if options.stages is None:
+        return
+    working = sum(
+        costs.weights[u + 1] > costs.weights[u] or costs.flops[u + 1] > costs.flops[u] for u in range(costs.n)
+    )
+    if working < options.stages:
+        raise InputError(
+            f"--stages {options.stages}: at most {working} stage(s) of {graph.source} can compute "
+            "anything (hold a weight or FLOPs)"
+        )
 
 
 def _binary_search(dp: StageDP, num: int, epsilon: float, cap: float = math.inf) -> tuple[list[Entry], int]:

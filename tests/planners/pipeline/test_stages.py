@@ -53,6 +53,12 @@ def test_a_count_the_devices_cannot_hold_is_refused(v100) -> None:
         pipeline_options(v100, mini_batch=64, devices=8, tensor_parallel=4, stages=3)
 
 
+def test_more_stages_than_parts_that_compute_is_refused(v100) -> None:
+    g = chain(2, width=64)
+    with pytest.raises(InputError, match=r"--stages 5: at most \d stage\(s\) of .* can compute anything"):
+        partition(g, v100, PartitionOptions(mini_batch=8, num_devices=8, stages=5))
+
+
 def test_stages_on_the_command_line(tmp_path, zoo) -> None:
     model = tmp_path / "gpt.onnx"
     model.write_bytes(zoo("gpt").SerializeToString())
