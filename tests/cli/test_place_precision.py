@@ -38,7 +38,7 @@ def test_relative_error_is_against_each_outputs_scale() -> None:
     assert not verify_outputs(got, want, None)["ok"]  # fp32 exact by default
 
 
-@pytest.mark.parametrize("backend", ["openvino-bf16", "onnxruntime-int8"])
+@pytest.mark.parametrize("backend", [pytest.param("openvino-bf16", marks=needs_bf16), "onnxruntime-int8"])
 def test_a_reduced_precision_backend_needs_a_tolerance(mlp: Path, tmp_path: Path, backend: str) -> None:
     result = run_cli("place", str(mlp), "--backends", backend, "--cache", str(tmp_path / "c.sqlite"))
     assert result.code == 2 and "computes in reduced precision: give --tolerance" in result.err
