@@ -11,6 +11,7 @@ has nothing to quantize and is not this backend's to run. Details: docs/backends
 
 from __future__ import annotations
 
+import functools
 import logging
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -152,6 +153,7 @@ class OnnxRuntimeInt8Backend(OnnxRuntimeBackend):
         return quantize(model, calibration.feeds(model))
 
 
+@functools.cache
 def _vnni() -> bool:
     """Whether this x86 CPU has VNNI (AVX512-VNNI, AVX-VNNI or AMX). Without it onnxruntime's u8s8
     products use ``vpmaddubsw``, whose 16-bit sums saturate: weights then take 7 bits

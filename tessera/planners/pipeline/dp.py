@@ -147,7 +147,7 @@ class StageDP:
 
     def base(self, lo: int, hi: int, d: int, recompute: bool) -> Entry | None:
         """The region [lo, hi) as one stage on ``d`` devices (Algorithm 2, line 25), if feasible."""
-        if self.opts.stages is not None and self.idle(lo, hi):
+        if self.opts.stages is not None and not self.costs.computes(lo, hi):
             return None  # a stage asked for does work: shape arithmetic alone is no stage
         tps, cap, latency = self.stage(lo, hi, d, recompute)
         if tps > self.t_max:
@@ -159,11 +159,6 @@ class StageDP:
             if cap < min(self.step, self.m) or slack < 0:
                 return None
         return (latency, 1, slack, tps, latency, ("S", lo, hi, d, int(recompute)))
-
-    def idle(self, lo: int, hi: int) -> bool:
-        """Whether units [lo, hi) hold no weight and compute no FLOPs (shape arithmetic)."""
-        c = self.costs
-        return c.weights[hi] == c.weights[lo] and c.flops[hi] == c.flops[lo]
 
     def base_entries(self, lo: int, hi: int, d: int) -> list[Entry]:
         """The region [lo, hi) as one stage on ``d`` devices, in each allowed recompute variant

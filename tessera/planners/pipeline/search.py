@@ -477,12 +477,10 @@ def _critical_path(node: SPNode, unit: list[float]) -> float:
 
 
 def _check_stage_count(graph: Graph, costs: UnitCosts, options: PartitionOptions) -> None:
-    """``--stages N`` needs N units that compute (a weight or FLOPs: :meth:`StageDP.idle`)."""
+    """``--stages N`` needs N units that compute (:meth:`UnitCosts.computes`)."""
     if options.stages is None:
         return
-    working = sum(
-        costs.weights[u + 1] > costs.weights[u] or costs.flops[u + 1] > costs.flops[u] for u in range(costs.n)
-    )
+    working = sum(costs.computes(u, u + 1) for u in range(costs.n))
     if working < options.stages:
         raise InputError(
             f"--stages {options.stages}: at most {working} stage(s) of {graph.source} can compute "

@@ -20,6 +20,7 @@ from tessera.planners.pipeline.piper import PIPER_LIMIT, PiperResult, piper_idea
 from tessera.planners.pipeline.search import partition, planning_inputs
 from tessera.planners.pipeline.sp import SPNode, SPTree
 from tessera.planners.pipeline.types import PartitionOptions, Pipeline
+from tessera.planners.pipeline.unit_costs import computes
 from tessera.planners.sim import simulate_pipeline
 
 __all__ = [
@@ -129,11 +130,10 @@ def plan_sequential(
 
 def _stages_as_asked(graph: Graph, pipe: Pipeline, options: PartitionOptions) -> bool:
     """Whether ``pipe`` has the stages ``--stages`` asks for (Piper's search does not take a count):
-    that many, each holding a weight or computing FLOPs, as the DP's (:meth:`StageDP.idle`)."""
+    that many, each holding a weight or computing FLOPs, as the DP's (:func:`computes`)."""
     if options.stages is None:
         return True
-    works = (any(graph.op(n).flops > 0 or graph.op(n).params > 0 for n in s.nodes) for s in pipe.stages)
-    return len(pipe.stages) == options.stages and all(works)
+    return len(pipe.stages) == options.stages and all(computes(graph, s.nodes) for s in pipe.stages)
 
 
 def sequential_record(pipe: Pipeline) -> dict[str, Any]:

@@ -3,6 +3,7 @@ is costed in O(1): compute, weights, activations and the tensors that cross betw
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -40,6 +41,11 @@ class UnitCosts:
         self._unit_keys = per.keys
         self._times: dict[int, tuple[list[float], list[float]]] = {}
 
+    def computes(self, lo: int, hi: int) -> bool:
+        """Whether units [lo, hi) hold a weight or compute FLOPs (:func:`computes` of their
+        operators): a stage of shape arithmetic alone does neither."""
+        return self.weights[hi] > self.weights[lo] or self.flops[hi] > self.flops[lo]
+
     def reordered(self, tree: SPTree, order: list[int]) -> UnitCosts:
         """The costs of ``tree``: these units in the order ``order`` (unit ``i`` of ``tree`` is
         unit ``order[i]`` here); per-unit costs are reused, not recomputed."""
@@ -64,6 +70,11 @@ class UnitCosts:
     def enter(self, lo: int, hi: int) -> float:
         """Wire bytes per sample entering units [lo, hi) from earlier units (each tensor once)."""
         return float(self._enter[lo, hi])
+
+
+def computes(graph: Graph, nodes: Iterable[str]) -> bool:
+    """Whether operators ``nodes`` hold a weight or compute FLOPs (:meth:`UnitCosts.computes`)."""
+    return any(graph.op(n).flops > 0 or graph.op(n).params > 0 for n in nodes)
 
 
 def unit_tensors(graph: Graph, tree: SPTree, cost: CostModel) -> list[tuple[int, tuple[int, ...], float]]:
