@@ -1,11 +1,12 @@
 """Predicted against launched iteration time per optimizer and loss (``plan --profile --optimizer``).
 
 For each model (the zoo's tiny MMT and GPT, and the corpus's GPT-2 export), a plan at mini-batch 8
-is profiled with each optimizer (SGD, AdamW) and launched with it, 20 steps, three launches,
-median; the decoders also train on a token file with cross-entropy (``--loss ce``), from a plan
-profiled with ``--loss ce``. Two layouts: one device (``local-cpu``: no messages, so the error is the
+is profiled with each optimizer (SGD, AdamW), clipping to a global norm, and launched with them, 20
+steps, three launches, median; the decoders also train on a token file with cross-entropy
+(``--loss ce``), from a plan profiled with ``--loss ce``. Two layouts: one device (``local-cpu``: no messages, so the error is the
 stage's compute, its optimizer step and the loss) and two stages on the spec ``tessera calibrate``
 writes in the same run (``--stages 2``: the messages, and the clipping norm's all-reduce, too).
+Both charge the clipping: its pass in each stage's measured step, its all-reduce in the simulation.
 
     .venv/bin/python bench/optimizers.py        # writes bench/results/optimizers.md (~12 min)
 """
@@ -99,7 +100,7 @@ def main() -> None:
                 plan = work / f"{name}-{layout}-{optimizer}-{loss}.json"
                 made = run_cli("plan", str(model), *shapes, *where, "--mini-batch", "8", "--profile",
                                "--cache", str(work / "p.sqlite"), "--optimizer", optimizer, "--loss", loss,
-                               "--no-baseline", "-o", str(plan))  # fmt: skip
+                               "--max-grad-norm", "1.0", "--no-baseline", "-o", str(plan))  # fmt: skip
                 assert made.code == 0, made.err
                 predicted = json.loads(plan.read_text())["predicted"]["iteration_time_s"]
                 extra = ["--data", str(_tokens(work, _vocab(model))), "--loss", "ce"] if loss == "ce" else []
@@ -110,7 +111,7 @@ def main() -> None:
         "# Predicted against launched, per optimizer and loss",
         "",
         f"Measured on {platform.machine()} ({_cpu()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
-        f"Python {platform.python_version()}, {date.today()}; mini-batch 8, `plan --profile --optimizer` on "
+        f"Python {platform.python_version()}, {date.today()}; mini-batch 8, `plan --profile --optimizer --max-grad-norm 1.0` on "
         "`local-cpu` (one device) or with `--stages 2` on the spec `tessera calibrate` wrote in the same run, "
         f"then `launch --steps {STEPS} --max-grad-norm 1.0` with that optimizer, the median of {LAUNCHES} "
         "launches' median steps. `ce` rows are planned with `--loss ce` (the profile scores the logits by "

@@ -134,6 +134,7 @@ def plan(  # noqa: PLR0913
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
+    max_grad_norm: float | None = None,
     rewrites: Sequence[str] = (),
     baseline: bool = True,
     profile: bool = False,
@@ -172,8 +173,8 @@ def plan(  # noqa: PLR0913
     choice = plan_pipeline(
         graph, spec, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
         memory_limit=memory_limit, k=k, recompute=recompute, zero=zero, tensor_parallel=tensor_parallel,
-        stages=stages, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, baseline=baseline,
-        rewrite_auto=rewrite_auto, profile=profile, cache=cache,
+        stages=stages, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss,
+        max_grad_norm=max_grad_norm, baseline=baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
     )  # fmt: skip
     return choice.plan[0]
 

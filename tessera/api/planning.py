@@ -49,6 +49,7 @@ def plan_pipeline(  # noqa: PLR0913
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
+    max_grad_norm: float | None = None,
     baseline: bool = True,
     rewrite_auto: bool = False,
     profile: bool = False,
@@ -75,7 +76,9 @@ def plan_pipeline(  # noqa: PLR0913
         raise InputError(f"--optimizer {optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
     if loss not in ("mse", "ce"):
         raise InputError(f"--loss {loss!r}: expected mse or ce")
-    options = dataclasses.replace(options, optimizer=optimizer, loss=loss)
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise InputError(f"--max-grad-norm {max_grad_norm}: expected a positive norm")
+    options = dataclasses.replace(options, optimizer=optimizer, loss=loss, max_grad_norm=max_grad_norm)
     store = open_cache(cache) if profile else None
     device_type = planned_device_type(cluster, devices)
     try:
@@ -92,7 +95,13 @@ def plan_pipeline(  # noqa: PLR0913
             refine=(
                 lambda g: (
                     StageProfiler(
-                        g, device_type, store, cluster=cluster, optimizer=optimizer, loss=loss
+                        g,
+                        device_type,
+                        store,
+                        cluster=cluster,
+                        optimizer=optimizer,
+                        loss=loss,
+                        max_grad_norm=max_grad_norm,
                     ).refine_all
                 )
             )

@@ -285,7 +285,9 @@ def launch(  # noqa: PLR0913
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
     if isinstance(plan, GppPlan) and plan.predicted.get("cost_model") != "roofline":
-        _warn_if_timed_otherwise(plan, plan_path, optimizer, loss or default_loss(data), precision)
+        _warn_if_timed_otherwise(
+            plan, plan_path, optimizer, loss or default_loss(data), precision, max_grad_norm
+        )
     source = model or (plan.model.path if plan.model is not None else None)
     for flag, path in (("--save-model", save_model), ("--trace", trace)):
         if path is not None:  # before the run: a path that cannot be written loses nothing
@@ -345,7 +347,7 @@ def launch(  # noqa: PLR0913
 
 
 def _warn_if_timed_otherwise(
-    plan: GppPlan, plan_path: str, optimizer: str, loss: str, precision: str
+    plan: GppPlan, plan_path: str, optimizer: str, loss: str, precision: str, max_grad_norm: float | None
 ) -> None:
     """A profiled plan's stages were timed with its optimizer's step and its loss, in fp32: say so
     when this run trains with others, whose times the prediction does not hold."""
@@ -365,6 +367,14 @@ def _warn_if_timed_otherwise(
                 f"trains with {given}: plan with --{what} {given} for a prediction of it",
                 err=True,
             )
+    if (plan.training.max_grad_norm is None) != (max_grad_norm is None):
+        planned, given = ("without", "with") if max_grad_norm is not None else ("with", "without")
+        click.echo(
+            f"tessera: warning: {plan_path}: the plan was timed {planned} gradient clipping, this run trains "
+            f"{given} it: plan {'with' if max_grad_norm is not None else 'without'} --max-grad-norm for a "
+            "prediction of it",
+            err=True,
+        )
 
 
 def _checked_model(plan: Plan, plan_path: str, model: str | None) -> Graph | None:

@@ -252,13 +252,15 @@ class TrainingSetup(_Strict):
     # The optimizer whose step a profiled plan's stages were timed with (plan --optimizer).
     optimizer: Literal["sgd", "adamw", "adam"] = "sgd"
     loss: Literal["mse", "ce"] = "mse"  # the loss they were timed with (plan --loss)
+    # The global gradient norm the plan was timed clipping to (plan --max-grad-norm); None: none.
+    max_grad_norm: Annotated[float, Field(gt=0)] | None = None
 
     @model_serializer(mode="wrap")
     def _without_defaults(self, handler: Any) -> dict[str, Any]:
-        """``optimizer``, ``loss`` and ``zero`` are written when they are not the defaults (SGD,
-        squared error, 0): a plan made without --optimizer, --loss or --zero reads as before."""
+        """``optimizer``, ``loss``, ``zero`` and ``max_grad_norm`` are written when they are not the
+        defaults (SGD, squared error, 0, none): a plan made without those flags reads as before."""
         data = handler(self)
-        for key, default in (("optimizer", "sgd"), ("loss", "mse"), ("zero", 0)):
+        for key, default in (("optimizer", "sgd"), ("loss", "mse"), ("zero", 0), ("max_grad_norm", None)):
             if data.get(key) == default:
                 data.pop(key)
         return data

@@ -22,12 +22,13 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from tessera.backends.torch_module import OnnxModule, to_torch
+from tessera.backends.torch_optim import global_norm_clip
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan
 from tessera.core.tensor_parallel import tensor_parallel
 from tessera.executor.checkpoint import CheckpointSpec
-from tessera.executor.gradients import GradBucket, global_norm_clip
+from tessera.executor.gradients import GradBucket
 from tessera.executor.launcher import (
     inject_test_fault,
     memory_status,

@@ -180,7 +180,7 @@ def train_reference(
     docstring for data, loss and optimizer; ``options``, when given, for the optimizer, schedule and
     clipping, else SGD at ``lr``): the ground truth of a GPP run. ``dtype=torch.float64`` trains
     the same graph in double precision, the arbiter of fp32 round-off on ill-conditioned models."""
-    from tessera.executor.gradients import global_norm_clip
+    from tessera.backends.torch_optim import global_norm_clip
 
     options = options or TrainOptions(steps=steps, lr=lr, seed=seed, data=data)
     graph = model if isinstance(model, Graph) else load_graph(model)

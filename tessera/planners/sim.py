@@ -7,9 +7,10 @@ References: FlexFlow's execution simulator (Jia's thesis §3.4); GraphPipe thesi
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import heapq
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from tessera.core.cost import per_device_samples
@@ -405,7 +406,10 @@ def _parsed(action: str) -> tuple[str, int]:
 
 
 def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
-    """Simulate a :class:`tessera.planners.pipeline.types.Pipeline` (``trace``: see :func:`simulate`)."""
+    """Simulate a :class:`tessera.planners.pipeline.types.Pipeline` (``trace``: see :func:`simulate`).
+    A pipeline that clips to a global gradient norm (``clip_time``) synchronizes every rank before
+    its optimizer steps: the steps start after the last gradient and the norm's all-reduce."""
+    clip = pipeline.clip_time > 0
     stages = []
     for st in pipeline.stages:
         s = per_device_samples(st.micro_batch_size, len(st.devices))
@@ -423,7 +427,7 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
                 backward_time=st.backward_time,
                 actions=tuple(st.schedule),
                 devices=len(st.devices),
-                allreduce_time=st.allreduce_time + st.step_time,
+                allreduce_time=st.allreduce_time + (0.0 if clip else st.step_time),
                 static_memory=static,
                 activation_bytes=per_mb,
                 allreduce_nics=st.allreduce_nics,
@@ -431,7 +435,39 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
             )
         )
     edges = [sim_edge(e) for e in pipeline.edges]
-    return simulate(stages, edges, pipeline.mini_batch_size, trace=trace)
+    result = simulate(stages, edges, pipeline.mini_batch_size, trace=trace)
+    if not clip:
+        return result
+    steps = {st.id: st.step_time for st in pipeline.stages}
+    return clipped(result, stages, steps, pipeline.clip_time, pipeline.mini_batch_size)
+
+
+def clipped(
+    result: SimResult,
+    stages: Sequence[SimStage],
+    steps: Mapping[int, float],
+    clip_time: float,
+    mini_batch: int,
+) -> SimResult:
+    """``result`` (simulated without the optimizer steps) with the gradient norm's all-reduce of
+    ``clip_time`` after every stage's gradients and each stage's optimizer step (``steps``) after it;
+    traced, an all-reduce event per stage from its gradients' end."""
+    barrier = result.iteration_time + clip_time
+    finish = barrier + max(steps.values(), default=0.0)
+    events = list(result.events)  # empty unless traced
+    if events:
+        done = {s.id: max(e.end for e in result.events if e.stage == s.id) for s in stages}
+        events += [
+            Event("allreduce", sid, -1, end, barrier + steps.get(sid, 0.0)) for sid, end in done.items()
+        ]
+    used = sum(result.busy[s.id] * s.devices for s in stages)
+    return dataclasses.replace(
+        result,
+        iteration_time=finish,
+        throughput=mini_batch / finish,
+        bubble_fraction=max(0.0, 1.0 - used / (finish * sum(s.devices for s in stages))),
+        events=events,
+    )
 
 
 def sim_edge(e: PipelineEdge) -> SimEdge:

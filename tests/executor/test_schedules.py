@@ -45,7 +45,9 @@ def test_each_schedule_trains_as_one_process(tmp_path: Path, schedule: str) -> N
     assert last == LAST_STAGE.get(schedule, last)  # the schedules differ where it shows
     run = run_gpp_plan(plan, graph, str(path), OPTIONS, LaunchOptions(timeout_s=60), return_weights=True)
     ref = train_reference(graph, OPTIONS.steps, 8, options=OPTIONS)
-    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5)
+    # To 1e-5, and where the loss has fallen 35x (0.0016 from 0.056), to 1e-5 of the first: micro-batches
+    # sum their gradients in another order than one batch, and AdamW normalizes what that rounds.
+    np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-5, atol=1e-5 * ref.losses[0])
     assert run.losses[-1] < run.losses[0]
     for name, want in ref.weights.items():
         np.testing.assert_allclose(run.weights[name], want, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from tessera.executor.gradients import global_norm_clip
+from tessera.backends.torch_optim import global_norm_clip
 from tessera.executor.training import TrainOptions, lr_factor, make_optimizer
 
 

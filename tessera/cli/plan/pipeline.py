@@ -147,6 +147,14 @@ OPTIONS = OptionGroup(
         "logits scored by cross-entropy; the plan records it.",
     ),
     click.option(
+        "--max-grad-norm",
+        type=FiniteFloat(),
+        default=None,
+        help="[gpp/spp] The global gradient norm launch will clip to (its --max-grad-norm): --profile times "
+        "each stage's step with the norm's pass, the simulation charges its all-reduce over every rank "
+        "before the optimizer steps; the plan records it.",
+    ),
+    click.option(
         "--profile",
         is_flag=True,
         help="[gpp/spp] Measure every operator's forward and backward on this machine (torch) instead of the roofline model; cached.",
@@ -189,6 +197,7 @@ def runner(kind: str) -> Callable[..., None]:
         bytes_per_param: float | None,
         optimizer: str,
         loss: str,
+        max_grad_norm: float | None,
         rewrites: tuple[str, ...],
         no_baseline: bool = False,
     ) -> None:
@@ -234,6 +243,7 @@ def runner(kind: str) -> Callable[..., None]:
             bytes_per_param=bytes_per_param,
             optimizer=optimizer,
             loss=loss,
+            max_grad_norm=max_grad_norm,
             rewrite_auto="auto" in rewrites,
         )
 
@@ -266,6 +276,7 @@ def run_pipeline_plan(  # noqa: PLR0913
     bytes_per_param: float | None = None,
     optimizer: str = "sgd",
     loss: str = "mse",
+    max_grad_norm: float | None = None,
     rewrite_auto: bool = False,
 ) -> GppPlan:
     """The ``plan --kind gpp|spp`` command body: plan, write, print. Raises InfeasibleError (exit 3).
@@ -297,7 +308,7 @@ def run_pipeline_plan(  # noqa: PLR0913
         choice = plan_pipeline(
             graph, cluster, kind=kind, mini_batch=mini_batch, devices=devices, schedule=schedule,
             memory_limit=memory_limit, k=k, recompute=recompute, zero=zero, tensor_parallel=tensor_parallel,
-            stages=stages, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
+            stages=stages, bytes_per_param=bytes_per_param, optimizer=optimizer, loss=loss, max_grad_norm=max_grad_norm, baseline=not no_baseline, rewrite_auto=rewrite_auto, profile=profile, cache=cache,
             progress=progress,
             note=lambda line: click.echo(f"tessera: {line}", err=True),
         )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tessera.core.cost import CostModel
+from tessera.core.cost import CostModel, allreduce_time
 from tessera.core.graph import Graph
 from tessera.core.specs import ClusterSpec, Device, Link
 from tessera.planners.pipeline.sp import SPTree
@@ -138,3 +138,11 @@ def stage_edges(
         items = sorted(tensors.items())
         edges.append(PipelineEdge(su, sv, items, sum(v for _, v in items), grads=(su, sv) in floating))
     return edges
+
+
+def clip_time(cluster: ClusterSpec, ranks: list[str], max_grad_norm: float | None) -> float:
+    """The gradient norm's all-reduce (one float64 over every rank of ``ranks``, device ids) when the
+    run clips to a global norm; nothing on one rank."""
+    if max_grad_norm is None or len(ranks) < 2:
+        return 0.0
+    return allreduce_time(8, len(ranks), ring_link(cluster, [cluster.device(d) for d in ranks]))

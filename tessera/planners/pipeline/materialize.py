@@ -16,7 +16,7 @@ from tessera.core.schedule import gpipe, in_flight_of, k_f_k_b, one_f_one_b
 from tessera.core.specs import ClusterSpec
 from tessera.planners.pipeline.dp import stages_of
 from tessera.planners.pipeline.greedy import greedy_schedules
-from tessera.planners.pipeline.links import nic_route, ring_link, ring_nics, stage_edges
+from tessera.planners.pipeline.links import clip_time, nic_route, ring_link, ring_nics, stage_edges
 from tessera.planners.pipeline.memory import StageMemoryEstimate, sharded_optimizer, stage_memory
 from tessera.planners.pipeline.schedule import compute_in_flight
 from tessera.planners.pipeline.sp import SPTree
@@ -117,6 +117,7 @@ def materialize(  # noqa: PLR0913
         num_units=tree.num_units,
         memory_limit=limit,
         zero=opts.zero,
+        clip_time=clip_time(cluster, [d for st in stages for d in st.devices], opts.max_grad_norm),
     )
     warm_up = uniform_warm_up(pipe, slack) if slack and opts.searched_schedule == "1f1b" else {}
     return scheduled(pipe, warm_up)

@@ -238,6 +238,7 @@ def _training(options: PartitionOptions, cost: CostModel) -> TrainingSetup:
         zero=options.zero,
         optimizer=options.optimizer,  # type: ignore[arg-type]
         loss=options.loss,  # type: ignore[arg-type]
+        max_grad_norm=options.max_grad_norm,
     )
 
 

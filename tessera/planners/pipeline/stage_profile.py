@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 STAGE_BACKENDS = ("torch-train.stage.forward", "torch-train.stage.backward", "torch-train.stage.step")
 # In the cache key: rows measured another way are not reused.
-RECIPE = "in context: the data drawn, the schedule's actions, the optimizer step"
+RECIPE = "in context: the data drawn, the schedule's actions, the optimizer step (fused where it can be)"
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,7 @@ class StageProfiler:
         cluster: ClusterSpec | None = None,
         optimizer: str = "sgd",
         loss: str = "mse",
+        max_grad_norm: float | None = None,
     ) -> None:
         import torch
 
@@ -88,6 +89,7 @@ class StageProfiler:
         self.options = options or StageProfileOptions()
         self.optimizer = optimizer  # whose step each measured step takes (torch_optim)
         self.loss = loss  # "ce": the model's outputs scored by cross-entropy, as launch --loss ce
+        self.max_grad_norm = max_grad_norm  # each step clips its gradients' norm, as launch --max-grad-norm
         # A GPU cluster's stages run on this machine's GPU (fp32, as the workers train), timed to
         # the end of their kernels; a CPU cluster's with the device type's threads.
         self.device = torch_device_for(device_type)
@@ -166,6 +168,7 @@ class StageProfiler:
     def _key(self, request: _Request) -> str:
         nodes, samples, actions, mini_batch = request
         recipe = RECIPE + "".join(f" ({x})" for x in (self.optimizer, self.loss) if x not in ("sgd", "mse"))
+        recipe += " (clipped)" if self.max_grad_norm is not None else ""
         return digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, recipe])
 
     def _cached(self, request: _Request) -> StageTimes | None:
@@ -221,7 +224,7 @@ class StageProfiler:
         import torch
 
         from tessera.backends.torch_module import to_torch
-        from tessera.backends.torch_optim import torch_optimizer
+        from tessera.backends.torch_optim import global_norm_clip, torch_optimizer
 
         nodes, samples, actions, mini_batch = request
         module = to_torch(self.graph.extract(list(nodes)), label="stage").to(self.device)
@@ -234,6 +237,9 @@ class StageProfiler:
             TrainingData(self.graph, mini_batch),
             torch.cuda.synchronize if self.device == "cuda" else _no_sync,
             tuple(self.loss == "ce" and name in self.graph.outputs for name in module.output_names),
+            (lambda: global_norm_clip(params, params, self.max_grad_norm))
+            if self.max_grad_norm is not None and params
+            else None,
         )
 
     def _burst(self, run: _StageRun, warmup: int) -> tuple[list[float], ...]:
@@ -280,7 +286,7 @@ def _one_step(run: _StageRun, draw: Callable[[], object]) -> tuple[float, float,
     """One step of the stage as a rank runs it: the data drawn, ``actions`` in order (a forward
     with a squared-error loss of the outputs, or the cross-entropy of the model's logits where the
     run's loss is ``ce`` (labels fixed, classes last); a backward accumulating into
-    the gradients), the optimizer's step. Seconds: the mean forward, the mean backward, and the data and
+    the gradients), the gradients' norm clipped where the run clips, the optimizer's step. Seconds: the mean forward, the mean backward, and the data and
     the optimizer step together (each in the cache state the step leaves them, not in a tight loop
     of its own: measured apart, both ran 30-40% faster than in a step). ``sync`` waits for a GPU's
     queued kernels before each reading of the clock."""
@@ -310,6 +316,8 @@ def _one_step(run: _StageRun, draw: Callable[[], object]) -> tuple[float, float,
             sync()
             backward += time.perf_counter() - t0
     t0 = time.perf_counter()
+    if run.clip is not None:
+        run.clip()
     if optimizer is not None:
         optimizer.step()  # type: ignore[attr-defined]
         optimizer.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
@@ -337,6 +345,7 @@ class _StageRun:
     data: TrainingData
     sync: Callable[[], None]
     cross_entropy: tuple[bool, ...]  # per output of the stage: scored by cross-entropy
+    clip: Callable[[], object] | None  # the gradients' norm clipped (launch --max-grad-norm)
     step: int = 0
 
 

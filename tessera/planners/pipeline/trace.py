@@ -11,8 +11,8 @@ from typing import Any
 from tessera.core.plans import GppPlan
 from tessera.core.specs import ClusterSpec
 from tessera.core.trace import COMPUTE, Trace
-from tessera.planners.pipeline.links import nic_route, ring_nics
-from tessera.planners.sim import Event, SimEdge, SimResult, SimStage, simulate
+from tessera.planners.pipeline.links import clip_time, nic_route, ring_nics
+from tessera.planners.sim import Event, SimEdge, SimResult, SimStage, clipped, simulate
 
 __all__ = ["add_schedule", "device_tracks", "schedule_trace", "simulate_plan"]
 
@@ -53,6 +53,8 @@ def simulate_plan(
     planner simulated it: what ``launch --trace`` shows beside the run. ``floating``: whether a
     tensor carries a gradient back (an edge of none sends no gradient)."""
     measured = plan.predicted.get("cost_model") != "roofline"  # stage times measured: overheads too
+    ranks = [d for st in plan.stages for d in st.devices]
+    clip = clip_time(cluster, ranks, plan.training.max_grad_norm if plan.training else None)
     stages = []
     for st in plan.stages:
         p = st.predicted
@@ -65,7 +67,7 @@ def simulate_plan(
                 backward_time=p["backward_time_s"],
                 actions=tuple(st.schedule.actions),
                 devices=len(devices),
-                allreduce_time=p["allreduce_time_s"] + p.get("step_time_s", 0.0),
+                allreduce_time=p["allreduce_time_s"] + (0.0 if clip else p.get("step_time_s", 0.0)),
                 allreduce_nics=ring_nics(cluster, devices),
                 action_overhead=devices[0].type.action_overhead if measured else 0.0,
             )
@@ -91,7 +93,11 @@ def simulate_plan(
                 any(floating(t.name) for t in e.tensors),
             )  # fmt: skip
         )
-    return simulate(stages, edges, plan.mini_batch_size)
+    result = simulate(stages, edges, plan.mini_batch_size)
+    if not clip:
+        return result
+    steps = {st.id: st.predicted.get("step_time_s", 0.0) for st in plan.stages}
+    return clipped(result, stages, steps, clip, plan.mini_batch_size)
 
 
 def add_schedule(  # noqa: PLR0913

@@ -39,6 +39,9 @@ class PartitionOptions:
     bytes_per_param: float | None = None
     optimizer: str = "sgd"  # whose step measured stages are timed with (plan --optimizer)
     loss: str = "mse"  # the loss they are timed with (plan --loss)
+    # The global gradient norm they clip to (plan --max-grad-norm): the norm's pass is in measured
+    # stages' step, its all-reduce over every rank in the pipeline's ``clip_time``.
+    max_grad_norm: float | None = None
 
     @property
     def searched_schedule(self) -> ScheduleKind:
@@ -121,6 +124,9 @@ class Pipeline:
     memory_limit: float
     probes: int = 0
     zero: ZeroChoice = 0  # the search's --zero: "auto" decides each stage's ``zero`` as it schedules
+    # The gradient norm's all-reduce over every rank (launch --max-grad-norm): each stage's optimizer
+    # step waits for the last stage's backward and this (:func:`tessera.planners.sim.simulate_pipeline`).
+    clip_time: float = 0.0
 
     @property
     def pipeline_depth(self) -> int:

@@ -51,6 +51,13 @@ def test_stages_are_measured_then_read_back_from_the_cache(zoo_graph, tmp_path: 
     assert simulate_pipeline(refined).iteration_time >= bare.iteration_time + min(
         st.step_time for st in refined.stages
     )
+    # Clipping to a global norm: every stage's step waits for the last gradient and the norm's
+    # all-reduce; traced, each stage shows that wait and its step as one all-reduce event.
+    steps = max(st.step_time for st in refined.stages)
+    clipped = simulate_pipeline(dataclasses.replace(refined, clip_time=1e-3))
+    assert clipped.iteration_time == pytest.approx(bare.iteration_time + 1e-3 + steps)
+    ends = sorted(e.end for e in clipped.events if e.kind == "allreduce" and e.micro_batch == -1)
+    assert len(ends) >= len(refined.stages) and ends[-1] == pytest.approx(clipped.iteration_time)
 
 
 def test_pipelines_measured_together_are_each_refined_as_alone(zoo_graph, tmp_path: Path) -> None:
@@ -255,9 +262,12 @@ def test_each_optimizer_is_timed_with_its_own_step(zoo_graph, tmp_path: Path, mo
     built: list[str] = []
     real = stage_profile.StageProfiler._runner
 
+    runs: list = []
+
     def runner(self, request):
         run = real(self, request)
         built.append(type(run.optimizer).__name__)
+        runs.append(run)
         return run
 
     monkeypatch.setattr(stage_profile.StageProfiler, "_runner", runner)
@@ -269,6 +279,41 @@ def test_each_optimizer_is_timed_with_its_own_step(zoo_graph, tmp_path: Path, mo
     ce = StageProfiler(graph, device, cache, QUICK, optimizer="adamw", loss="ce")
     ce.refine(pipe)
     assert ce.measured == len(pipe.stages)  # a cross-entropy profile is one of its own
+    assert all(not run.clip for run in runs)
+
+
+def test_a_clipped_profile_times_the_norm_with_each_step(zoo_graph, tmp_path: Path, monkeypatch) -> None:
+    """With the norm launch clips to, each timed step clips its gradients (before the optimizer's
+    step, as the workers do) and the profile is one of its own in the cache; the optimizers are
+    torch's fused ones, as the workers'."""
+    from tessera.planners.pipeline import stage_profile
+
+    graph, cluster, _, pipe = _pipe(zoo_graph)
+    device = cluster.devices()[0].type
+    cache = ProfileCache(tmp_path / "p.sqlite")
+    clipped: list[int] = []
+    runs: list[object] = []
+    real = stage_profile.StageProfiler._runner
+
+    def runner(self, request):
+        run = real(self, request)
+        assert run.optimizer.defaults["fused"] is True
+        clip = run.clip
+
+        def counted():
+            clipped.append(1)
+            return clip()
+
+        runs.append(run)
+        return dataclasses.replace(run, clip=counted) if clip else run
+
+    monkeypatch.setattr(stage_profile.StageProfiler, "_runner", runner)
+    StageProfiler(graph, device, cache, QUICK, optimizer="adamw").refine(pipe)
+    assert not clipped and all(r.clip is None for r in runs)
+    with_clip = StageProfiler(graph, device, cache, QUICK, optimizer="adamw", max_grad_norm=1.0)
+    with_clip.refine(pipe)
+    assert with_clip.measured == len(pipe.stages)  # not read from the unclipped entries
+    assert len(clipped) >= len(pipe.stages) * (QUICK.warmup + QUICK.min_repeats)
 
 
 def test_a_cross_entropy_profile_scores_the_models_logits_by_it() -> None:
@@ -305,3 +350,40 @@ def test_plan_records_the_optimizer_and_launch_warns_when_it_trains_with_another
     assert json.loads(ce.read_text())["training"]["loss"] == "ce"
     run = run_cli("launch", str(ce), "--steps", "1")
     assert run.code == 0 and "timed with loss ce, this run trains with mse" in run.err
+
+
+def test_plan_records_the_clipping_charges_its_all_reduce_and_launch_warns_without_it(
+    zoo, tmp_path: Path
+) -> None:
+    model = tmp_path / "mmt.onnx"
+    model.write_bytes(zoo("mmt").SerializeToString())
+    base = [
+        "plan",
+        str(model),
+        "--cluster",
+        "local-cpu-split",
+        "--mini-batch",
+        "8",
+        "--stages",
+        "2",
+        "--json",
+    ]
+    plain = json.loads(run_cli(*base).out)
+    clipped = json.loads(run_cli(*base, "--max-grad-norm", "1.0").out)
+    assert "max_grad_norm" not in plain["training"] and clipped["training"]["max_grad_norm"] == 1.0
+    # The same stages; the norm's all-reduce over both ranks before the steps: at least its latency.
+    link = load_cluster("local-cpu-split").links.intra_node
+    assert [s["nodes"] for s in clipped["stages"]] == [s["nodes"] for s in plain["stages"]]
+    assert (
+        clipped["predicted"]["iteration_time_s"]
+        >= plain["predicted"]["iteration_time_s"] + 2 * (link.allreduce_latency or link.latency) * 0.999
+    )
+    assert run_cli(*base, "--max-grad-norm", "0").code == 2
+    profiled = tmp_path / "clipped.json"
+    made = run_cli(*base[:-1], "--profile", "--cache", str(tmp_path / "c.sqlite"), "--max-grad-norm", "1",
+                   "-o", str(profiled))  # fmt: skip
+    assert made.code == 0, made.err
+    run = run_cli("launch", str(profiled), "--steps", "1")
+    assert run.code == 0 and "timed with gradient clipping, this run trains without it" in run.err
+    run = run_cli("launch", str(profiled), "--steps", "1", "--max-grad-norm", "5")
+    assert run.code == 0 and "timed with" not in run.err
