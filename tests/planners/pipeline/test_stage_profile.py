@@ -261,7 +261,6 @@ def test_each_optimizer_is_timed_with_its_own_step(zoo_graph, tmp_path: Path, mo
     cache = ProfileCache(tmp_path / "p.sqlite")
     built: list[str] = []
     real = stage_profile.StageProfiler._runner
-
     runs: list = []
 
     def runner(self, request):
@@ -357,17 +356,7 @@ def test_plan_records_the_clipping_charges_its_all_reduce_and_launch_warns_witho
 ) -> None:
     model = tmp_path / "mmt.onnx"
     model.write_bytes(zoo("mmt").SerializeToString())
-    base = [
-        "plan",
-        str(model),
-        "--cluster",
-        "local-cpu-split",
-        "--mini-batch",
-        "8",
-        "--stages",
-        "2",
-        "--json",
-    ]
+    base = ["plan", str(model), *"--cluster local-cpu-split --mini-batch 8 --stages 2 --json".split()]
     plain = json.loads(run_cli(*base).out)
     clipped = json.loads(run_cli(*base, "--max-grad-norm", "1.0").out)
     assert "max_grad_norm" not in plain["training"] and clipped["training"]["max_grad_norm"] == 1.0
