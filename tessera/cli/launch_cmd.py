@@ -371,8 +371,7 @@ def _warn_if_timed_otherwise(
         planned, given = ("without", "with") if max_grad_norm is not None else ("with", "without")
         click.echo(
             f"tessera: warning: {plan_path}: the plan was timed {planned} gradient clipping, this run trains "
-            f"{given} it: plan {'with' if max_grad_norm is not None else 'without'} --max-grad-norm for a "
-            "prediction of it",
+            f"{given} it: plan {given} --max-grad-norm for a prediction of it",
             err=True,
         )
 

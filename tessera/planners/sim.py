@@ -409,7 +409,6 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
     """Simulate a :class:`tessera.planners.pipeline.types.Pipeline` (``trace``: see :func:`simulate`).
     A pipeline that clips to a global gradient norm (``clip_time``) synchronizes every rank before
     its optimizer steps: the steps start after the last gradient and the norm's all-reduce."""
-    clip = pipeline.clip_time > 0
     stages = []
     for st in pipeline.stages:
         s = per_device_samples(st.micro_batch_size, len(st.devices))
@@ -427,7 +426,7 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
                 backward_time=st.backward_time,
                 actions=tuple(st.schedule),
                 devices=len(st.devices),
-                allreduce_time=st.allreduce_time + (0.0 if clip else st.step_time),
+                allreduce_time=st.allreduce_time,
                 static_memory=static,
                 activation_bytes=per_mb,
                 allreduce_nics=st.allreduce_nics,
@@ -435,39 +434,37 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
             )
         )
     edges = [sim_edge(e) for e in pipeline.edges]
-    result = simulate(stages, edges, pipeline.mini_batch_size, trace=trace)
-    if not clip:
-        return result
     steps = {st.id: st.step_time for st in pipeline.stages}
-    return clipped(result, stages, steps, pipeline.clip_time, pipeline.mini_batch_size)
+    return simulate_steps(stages, edges, pipeline.mini_batch_size, steps, pipeline.clip_time, trace=trace)
 
 
-def clipped(
-    result: SimResult,
+def simulate_steps(  # noqa: PLR0913
     stages: Sequence[SimStage],
-    steps: Mapping[int, float],
-    clip_time: float,
+    edges: Sequence[SimEdge],
     mini_batch: int,
+    steps: Mapping[int, float],
+    clip_time: float = 0.0,
+    *,
+    trace: bool = True,
 ) -> SimResult:
-    """``result`` (simulated without the optimizer steps) with the gradient norm's all-reduce of
-    ``clip_time`` after every stage's gradients and each stage's optimizer step (``steps``) after it;
-    traced, an all-reduce event per stage from its gradients' end."""
+    """:func:`simulate` of ``stages`` (their all-reduces without the optimizer steps) with each
+    stage's optimizer step ``steps[id]``: right after its all-reduce, or, where the run clips to a
+    global gradient norm (``clip_time``: the norm's all-reduce over every rank), after every stage's
+    gradients and that all-reduce (traced: an all-reduce event per stage from its gradients' end)."""
+    if not clip_time:
+        with_steps = [
+            dataclasses.replace(s, allreduce_time=s.allreduce_time + steps[s.id]) if steps.get(s.id) else s
+            for s in stages
+        ]
+        return simulate(with_steps, edges, mini_batch, trace=trace)
+    result = simulate(stages, edges, mini_batch, trace=trace)
     barrier = result.iteration_time + clip_time
-    finish = barrier + max(steps.values(), default=0.0)
+    ends = {s.id: barrier + steps.get(s.id, 0.0) for s in stages}
     events = list(result.events)  # empty unless traced
     if events:
         done = {s.id: max(e.end for e in result.events if e.stage == s.id) for s in stages}
-        events += [
-            Event("allreduce", sid, -1, end, barrier + steps.get(sid, 0.0)) for sid, end in done.items()
-        ]
-    used = sum(result.busy[s.id] * s.devices for s in stages)
-    return dataclasses.replace(
-        result,
-        iteration_time=finish,
-        throughput=mini_batch / finish,
-        bubble_fraction=max(0.0, 1.0 - used / (finish * sum(s.devices for s in stages))),
-        events=events,
-    )
+        events += [Event("allreduce", sid, -1, end, ends[sid]) for sid, end in done.items()]
+    return _result(stages, mini_batch, result.last_end, ends, result.busy, result.peak_in_flight, events)
 
 
 def sim_edge(e: PipelineEdge) -> SimEdge:

@@ -12,7 +12,7 @@ from tessera.core.plans import GppPlan
 from tessera.core.specs import ClusterSpec
 from tessera.core.trace import COMPUTE, Trace
 from tessera.planners.pipeline.links import clip_time, nic_route, ring_nics
-from tessera.planners.sim import Event, SimEdge, SimResult, SimStage, clipped, simulate
+from tessera.planners.sim import Event, SimEdge, SimResult, SimStage, simulate_steps
 
 __all__ = ["add_schedule", "device_tracks", "schedule_trace", "simulate_plan"]
 
@@ -67,7 +67,7 @@ def simulate_plan(
                 backward_time=p["backward_time_s"],
                 actions=tuple(st.schedule.actions),
                 devices=len(devices),
-                allreduce_time=p["allreduce_time_s"] + (0.0 if clip else p.get("step_time_s", 0.0)),
+                allreduce_time=p["allreduce_time_s"],
                 allreduce_nics=ring_nics(cluster, devices),
                 action_overhead=devices[0].type.action_overhead if measured else 0.0,
             )
@@ -93,11 +93,8 @@ def simulate_plan(
                 any(floating(t.name) for t in e.tensors),
             )  # fmt: skip
         )
-    result = simulate(stages, edges, plan.mini_batch_size)
-    if not clip:
-        return result
     steps = {st.id: st.predicted.get("step_time_s", 0.0) for st in plan.stages}
-    return clipped(result, stages, steps, clip, plan.mini_batch_size)
+    return simulate_steps(stages, edges, plan.mini_batch_size, steps, clip)
 
 
 def add_schedule(  # noqa: PLR0913
