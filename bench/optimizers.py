@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from cli_runner import run_cli  # noqa: E402
 from corpus.exports import entry  # noqa: E402
 
+from tessera.backends.base import cpu_model  # noqa: E402
 from tessera.core.files import write_atomic  # noqa: E402
 from tessera.core.graph import load_graph  # noqa: E402
 from tessera.models import build  # noqa: E402
@@ -66,14 +67,6 @@ def _launch(plan: Path, *args: str) -> float:
     run = run_cli("launch", str(plan), "--steps", str(STEPS), "--json", *args)
     assert run.code == 0, run.err
     return float(json.loads(run.out)["measured"]["iteration_median_s"])
-
-
-def _cpu() -> str:
-    """The CPU's model name, as Linux reports it."""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor() or "unknown CPU"
 
 
 def _calibrated(work: Path) -> Path:
@@ -121,7 +114,7 @@ def write(rows: dict[tuple[str, str, str, str], list[tuple[float, float]]]) -> N
     lines = [
         "# Predicted against launched, per optimizer and loss",
         "",
-        f"Measured on {platform.machine()} ({_cpu()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
+        f"Measured on {platform.machine()} ({cpu_model()}), {torch.get_num_threads()} threads, torch {torch.__version__}, "
         f"Python {platform.python_version()}, {date.today()}; mini-batch 8, `plan --profile --optimizer --max-grad-norm 1.0` on "
         "`local-cpu` (one device) or with `--stages 2` on the spec `tessera calibrate` wrote in the same run, "
         f"then `launch --steps {STEPS} --max-grad-norm 1.0` with that optimizer (its median step), in "
