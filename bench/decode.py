@@ -12,6 +12,8 @@ per-token latency and its error, and whether tessera's tokens equal the export's
 
     .venv/bin/python bench/decode.py            # writes bench/results/decode.md
     .venv/bin/python bench/decode.py --quick    # corpus decoders only
+    .venv/bin/python bench/decode.py --compiled-only   # corpus decoders, launch --compile of plans
+                                                       # made with --compile (bench/results/decode_compiled.md)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from corpus.models import MODELS, _PlainLogits, _rescaled  # noqa: E402
 from tessera.core.files import write_atomic  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "decode.md"
+OUT_COMPILED = Path(__file__).parent / "results" / "decode_compiled.md"
 TESSERA = [sys.executable, "-m", "tessera"]
 STRATEGIES = (("dp", 1), ("cp", 2), ("tp", 2))
 NEW_TOKENS = 32
@@ -88,7 +91,7 @@ def tessera_run(
     planned = subprocess.run(
         [*TESSERA, "plan", path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", str(len(prompts)),
          "--context", str(len(prompts[0])), "--output-len", str(new), "--strategy", strategy,
-         "--degree", str(degree), "-o", str(plan)],
+         "--degree", str(degree), "-o", str(plan), *(["--compile"] if compile_ else [])],
         capture_output=True, text=True, check=False,
     )  # fmt: skip
     if planned.returncode:
@@ -124,8 +127,17 @@ def big_llama() -> tuple[torch.nn.Module, str]:
     return module, str(path)
 
 
-def row(
-    label: str, model: torch.nn.Module, path: str, batch: int, prompt: int, new: int, work: Path, vocab: int
+def row(  # noqa: PLR0913 - the bench's grid
+    label: str,
+    model: torch.nn.Module,
+    path: str,
+    batch: int,
+    prompt: int,
+    new: int,
+    work: Path,
+    vocab: int,
+    *,
+    traced: bool = True,
 ) -> dict:
     prompts = prompts_of(vocab, batch, prompt)
     hf = {}
@@ -134,7 +146,7 @@ def row(
             hf[cache] = hf_per_token(model, prompts, new, cache)
         except Exception as exc:  # noqa: BLE001 - a model without a static cache in transformers
             hf[cache] = (None, f"{type(exc).__name__}")
-    runs = {f"{s}{d}": tessera_run(path, prompts, new, s, d, work) for s, d in STRATEGIES}
+    runs = {f"{s}{d}": tessera_run(path, prompts, new, s, d, work) for s, d in STRATEGIES if traced}
     if batch == 1:
         for s, d in STRATEGIES:
             runs[f"{s}{d}-compiled"] = tessera_run(path, prompts, new, s, d, work, compile_=True)
@@ -182,6 +194,11 @@ def table(rows: list[dict]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the corpus decoders only")
+    parser.add_argument(
+        "--compiled-only",
+        action="store_true",
+        help="the corpus decoders' compiled runs only (their own file)",
+    )
     parser.add_argument("--models", default="", help="comma-separated corpus decoders (default: all)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -200,9 +217,12 @@ def main() -> None:
             limit = graph_decoder(made.path).max_positions or 4096  # a position table bounds the run
             new = min(NEW_TOKENS, limit // 2)
             prompt = min(128, limit - new)
-            rows.append(row(name, module, made.path, 1, prompt, new, work, module.config.vocab_size))
+            vocab = module.config.vocab_size
+            rows.append(
+                row(name, module, made.path, 1, prompt, new, work, vocab, traced=not args.compiled_only)
+            )
             print(table(rows)[-1], flush=True)
-        if not args.quick:
+        if not (args.quick or args.compiled_only):
             module, path = big_llama()
             for batch in (1, 8):
                 for prompt in (128, 1024):
@@ -218,11 +238,13 @@ def main() -> None:
         "ms: milliseconds per decode step (one token per request) after the prefill; ratio: tessera's "
         "over generate()'s faster cache; error: measured against the plan's predicted per-token latency. "
         "`-compiled`: `launch --compile` (torch.compile of the decode step; its compile time is "
-        "excluded). Regenerate with `.venv/bin/python bench/decode.py`.",
+        "excluded) of a plan made with `plan --compile` (its prediction the compiled step's). Regenerate "
+        f"with `.venv/bin/python bench/decode.py{' --compiled-only' if args.compiled_only else ''}`.",
         "",
     ]
-    write_atomic(OUT, "\n".join(header + table(rows)) + "\n")
-    print(f"wrote {OUT}")
+    out = OUT_COMPILED if args.compiled_only else OUT
+    write_atomic(out, "\n".join(header + table(rows)) + "\n")
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

@@ -147,12 +147,14 @@ def plan(  # noqa: PLR0913
     dtype: str | None = None,
     strategy: str = "auto",
     degree: int | None = None,
+    compile: bool = False,  # noqa: A002 - the command's flag
 ) -> GppPlan | CpPlan:
     """A plan for ``cluster`` (a preset name, a spec file or a :class:`ClusterSpec`), as ``tessera
     plan`` makes it. ``kind`` ``gpp`` or ``spp``: a training pipeline of ``model`` at ``mini_batch``
     samples; ``cp``: decoding ``batch`` requests of ``context`` tokens (``output_len``: a number, or a
     distribution as ``plan --output-len`` takes it) with the decoder ``model`` or the LLM config
-    ``llm``. InfeasibleError when nothing fits, InputError on bad input."""
+    ``llm``; ``compile``: its decode step predicted as ``launch(compile=True)`` runs it.
+    InfeasibleError when nothing fits, InputError on bad input."""
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
     if kind == "cp":
         if batch is None or context is None:
@@ -160,8 +162,10 @@ def plan(  # noqa: PLR0913
         graph = None if model is None else load(model, input_shapes=input_shapes)
         planned = plan_decoding(
             spec, graph=graph, llm=llm, batch=batch, context=context, output_len=output_len,
-            layers=layers, dtype=dtype, strategy=strategy, degree=degree,
+            layers=layers, dtype=dtype, strategy=strategy, degree=degree, compile=compile,
         )  # fmt: skip
+        for line in planned.warnings:
+            warnings.warn(line, TesseraWarning, stacklevel=2)
         assert planned.plan is not None
         return planned.plan
     if kind not in ("gpp", "spp"):

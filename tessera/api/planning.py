@@ -148,6 +148,8 @@ class DecodePlanning:
     plan: CpPlan | None
     rows: list[SweepRow]
     config: LlmConfig
+    warnings: list[str] = dataclasses.field(default_factory=list)
+    """What the prediction could not hold to (one line each), for the caller to show."""
 
 
 def plan_decoding(  # noqa: PLR0913
@@ -163,9 +165,11 @@ def plan_decoding(  # noqa: PLR0913
     dtype: str | None = None,
     strategy: str = "auto",
     degree: int | None = None,
+    compile: bool = False,  # noqa: A002 - launch's flag
 ) -> DecodePlanning:
     """A cp plan of the decoder ``graph`` or of the LLM config ``llm`` (a file or a preset): the
-    decoder recognized (InputError naming the node otherwise), then planned."""
+    decoder recognized (InputError naming the node otherwise), then planned; ``compile``: its decode
+    step predicted as ``launch --compile`` runs it."""
     from tessera.planners.cp.llm import LlmSource, load_llm_config
     from tessera.planners.cp.plan import plan_cp_request
     from tessera.planners.cp.recognize import recognize_decoder
@@ -190,12 +194,22 @@ def plan_decoding(  # noqa: PLR0913
         assert llm is not None
         config, source = load_llm_config(llm)
     config = config.with_dtype(dtype)
+    warnings = []
+    if compile:
+        from tessera.planners.cp.cost import CostParams
+
+        params = dataclasses.replace(params or CostParams(), compiled=True)
+        if not all(t.decode_compiled_op_overhead for t in cluster.device_types.values()):
+            warnings.append(
+                f"cluster {cluster.name}: no decode_compiled_op_overhead for its devices (tessera calibrate "
+                "measures it): the compiled step is predicted at the traced step's cost per operation"
+            )
     plan, rows = plan_cp_request(
         config, cluster, batch=batch, context=context, output_lengths=parse_output_lengths(output_len),
         sweep_contexts=sweep_contexts or [], layers=layers, model=model_ref, source=source,
         positions=positions, strategy=None if strategy == "auto" else strategy, degree=degree, params=params,
     )  # fmt: skip
-    return DecodePlanning(plan, rows, config)
+    return DecodePlanning(plan, rows, config, warnings)
 
 
 def _counted(graph: Graph, decoder: Decoder) -> CostParams | None:

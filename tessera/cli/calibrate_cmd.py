@@ -119,9 +119,14 @@ def summary(report: dict[str, Any]) -> str:
             f"kernel_launch_overhead {seconds_text(device['kernel_launch_overhead'])}",
         ),
         (
-            "decode step per op",
+            "decode step",
             f"{seconds_text(m['decode_op']['step_s'])} a step / {m['decode_op']['operations']} operations",
             f"decode_op_overhead {seconds_text(device.get('decode_op_overhead') or 0.0)}",
+        ),
+        (
+            "compiled decode",
+            f"{seconds_text(m['decode_op']['compiled_step_s'])} a step / {m['decode_op']['operations']} operations",
+            f"decode_compiled_op_overhead {seconds_text(device.get('decode_compiled_op_overhead') or 0.0)}",
         ),
         (
             "p2p one way",

@@ -13,12 +13,13 @@ from typing import Any
 import click
 
 from tessera.api.models import plan_graph
+from tessera.cli.launch_warnings import warn_if_stepped_otherwise, warn_if_timed_otherwise
 from tessera.cli.options import FiniteFloat, check_outputs, json_option, plan_model_option, warn_line
 from tessera.cli.render import emit_json, human_bytes
 from tessera.core.errors import InputError, LaunchError
 from tessera.core.files import check_writable
 from tessera.core.graph import Graph
-from tessera.core.plans import GppPlan, Plan, load_plan
+from tessera.core.plans import CpPlan, GppPlan, Plan, load_plan
 from tessera.core.tokens import default_loss
 from tessera.core.user_files import MAX_TEXT_BYTES, read_user_file
 from tessera.executor import RUNNERS, LaunchRequest
@@ -285,9 +286,11 @@ def launch(  # noqa: PLR0913
     plan = load_plan(plan_path)
     _refuse_options_of_other_kinds(plan.kind)
     if isinstance(plan, GppPlan) and plan.predicted.get("cost_model") != "roofline":
-        _warn_if_timed_otherwise(
+        warn_if_timed_otherwise(
             plan, plan_path, optimizer, loss or default_loss(data), precision, max_grad_norm
         )
+    if isinstance(plan, CpPlan):
+        warn_if_stepped_otherwise(plan, plan_path, compile_)
     source = model or (plan.model.path if plan.model is not None else None)
     for flag, path in (("--save-model", save_model), ("--trace", trace)):
         if path is not None:  # before the run: a path that cannot be written loses nothing
@@ -344,36 +347,6 @@ def launch(  # noqa: PLR0913
         click.echo(_SUMMARIES[plan.kind](report.to_json()))
     if report.failure is not None:
         raise LaunchError(report.failure)
-
-
-def _warn_if_timed_otherwise(
-    plan: GppPlan, plan_path: str, optimizer: str, loss: str, precision: str, max_grad_norm: float | None
-) -> None:
-    """A profiled plan's stages were timed with its optimizer's step and its loss, in fp32: say so
-    when this run trains with others, whose times the prediction does not hold."""
-    if precision != "fp32":
-        click.echo(
-            f"tessera: warning: {plan_path}: the plan's stages were timed in fp32, this run computes its "
-            f"products in {precision}: the prediction is fp32's",
-            err=True,
-        )
-    for what, planned, given in (
-        ("optimizer", plan.training.optimizer, optimizer),
-        ("loss", plan.training.loss, loss),
-    ):
-        if planned != given:
-            click.echo(
-                f"tessera: warning: {plan_path}: the plan's stages were timed with {what} {planned}, this run "
-                f"trains with {given}: plan with --{what} {given} for a prediction of it",
-                err=True,
-            )
-    if (plan.training.max_grad_norm is None) != (max_grad_norm is None):
-        planned, given = ("without", "with") if max_grad_norm is not None else ("with", "without")
-        click.echo(
-            f"tessera: warning: {plan_path}: the plan was timed {planned} gradient clipping, this run trains "
-            f"{given} it: plan {given} --max-grad-norm for a prediction of it",
-            err=True,
-        )
 
 
 def _checked_model(plan: Plan, plan_path: str, model: str | None) -> Graph | None:

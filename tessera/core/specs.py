@@ -157,6 +157,10 @@ class DeviceType(_SpecModel):
     """Host time of one operation of a traced decode step (its dispatch and a small kernel; ``tessera
     calibrate`` measures it on CPU ranks); the cp cost model charges it per operation of the
     plan's decode step. None: ``kernel_launch_overhead``."""
+    decode_compiled_op_overhead: Seconds | None = None
+    """The same, of the step compiled by torch.compile's inductor (``launch --compile``; ``tessera
+    calibrate`` measures it on CPU ranks): charged per operation of the traced step by plans made
+    with ``--compile``. None: ``decode_op_overhead``."""
     replica_contention: float = Field(default=0.0, ge=0.0, le=10.0)
     """Replicas of one data-parallel stage on the same node run the same operators at the same
     moment: each forward and backward takes this fraction longer than on one rank alone (instead of
@@ -448,6 +452,11 @@ class ClusterSpec(_SpecModel):
                     ),
                     **({"replica_contention": dtype.replica_contention} if dtype.replica_contention else {}),
                     **({"decode_op_overhead": dtype.decode_op_overhead} if dtype.decode_op_overhead else {}),
+                    **(
+                        {"decode_compiled_op_overhead": dtype.decode_compiled_op_overhead}
+                        if dtype.decode_compiled_op_overhead
+                        else {}
+                    ),
                 }
                 for name, dtype in sorted(self.device_types.items())
             },

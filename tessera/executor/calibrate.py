@@ -218,6 +218,8 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "operations": raw[0]["decode_op"]["operations"],
             "step_s": statistics.median(r["decode_op"]["step_s"] for r in raw),
             "op_s": statistics.median(r["decode_op"]["op_s"] for r in raw),
+            "compiled_step_s": statistics.median(r["decode_op"]["compiled_step_s"] for r in raw),
+            "compiled_op_s": statistics.median(r["decode_op"]["compiled_op_s"] for r in raw),
         },
         "per_op": {
             "nodes": list(CHAIN_NODES),
@@ -400,6 +402,8 @@ def _comments(cal: Calibration) -> list[str]:
         "    roofline time of such a node.",
         "  decode_op_overhead: the zoo's tiny GPT decoded as a dp rank does (a traced step, a static cache):",
         f"    {seconds_text(m['decode_op']['step_s'])} a step over its {m['decode_op']['operations']} operations",
+        "  decode_compiled_op_overhead: the same step compiled by torch.compile's inductor (launch --compile):",
+        f"    {seconds_text(m['decode_op']['compiled_step_s'])} a step over the same operations",
         f"  memory: {MEMORY_FRACTION:.0%} of this machine's {bytes_text(cal.memory_total)} over {cal.ranks} ranks",
         f"  links.intra_node: gloo send/recv between ranks {pairs} (pairs at once), half the round trip:",
         f"    {p2p_text(p2p)};",
@@ -500,6 +504,7 @@ def _spec_yaml(cal: Calibration) -> str:
         f"    memory_bandwidth: {bandwidth_text(m['bandwidth']['copy_bytes_per_s'])}",
         f"    kernel_launch_overhead: {seconds_text(m['per_op']['kernel_launch_overhead_s'])}",
         f"    decode_op_overhead: {seconds_text(m['decode_op']['op_s'])}",
+        f"    decode_compiled_op_overhead: {seconds_text(m['decode_op']['compiled_op_s'])}",
         *(
             [
                 f"    action_overhead: {seconds_text(m['pipeline']['action_overhead_s'])}",

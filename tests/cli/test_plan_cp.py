@@ -73,6 +73,29 @@ def test_sweep_table_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     assert [row["winner"] for row in data["sweep"]] == ["tp", "cp"]
 
 
+def test_a_plan_for_the_compiled_step_predicts_it_and_says_where_it_cannot(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "gpt.onnx"
+    path.write_bytes(build("gpt", "tiny", seed=0, seq=256).SerializeToString())
+    args = ["plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "1", "--context", "128",
+            "--output-len", "32", "--strategy", "dp", "--degree", "1", "--json"]  # fmt: skip
+    code, out, err = run(args, capsys)
+    assert code == 0 and "warning" not in err, err
+    traced = json.loads(out)["predicted"]
+    code, out, err = run([*args, "--compile"], capsys)
+    assert code == 0 and "warning" not in err, err
+    compiled = json.loads(out)["predicted"]
+    assert "compiled" not in traced["cost_model"] and compiled["cost_model"]["compiled"] is True
+    operations = traced["cost_model"]["step_operations"]
+    saved = operations * (4.6e-6 - 2.6e-6)  # local-cpu-split's traced and compiled cost per operation
+    assert traced["breakdown"]["host_s"] - compiled["breakdown"]["host_s"] == pytest.approx(saved, rel=1e-3)
+    # A cluster that has measured no compiled step: said, and charged the traced step's cost.
+    code, out, err = run([*args[:5], "a5000-4x", *args[6:], "--compile"], capsys)
+    assert code == 0 and "warning: cluster a5000-4x: no decode_compiled_op_overhead" in err
+    assert json.loads(out)["predicted"]["cost_model"]["compiled"] is True
+
+
 def test_not_a_decoder_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bert.onnx"
     path.write_bytes(build("bert", "tiny", seed=0).SerializeToString())

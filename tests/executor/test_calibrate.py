@@ -43,8 +43,16 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
         device.memory,
         device.memory_bandwidth,
         device.kernel_launch_overhead,
+        device.decode_op_overhead,
+        device.decode_compiled_op_overhead,
     ):
         assert math.isfinite(value) and value > 0
+    # the decode step's cost per operation, traced and compiled by inductor (launch --compile)
+    decode = report["measured"]["decode_op"]
+    assert device.decode_op_overhead == pytest.approx(decode["step_s"] / decode["operations"], rel=1e-3)
+    assert device.decode_compiled_op_overhead == pytest.approx(
+        decode["compiled_step_s"] / decode["operations"], rel=1e-3
+    )
     link = spec.links.intra_node
     assert 1e-6 <= link.latency <= 1e-2
     assert 1e7 <= link.bandwidth <= 1e11

@@ -69,10 +69,10 @@ def pin_choice(monkeypatch: pytest.MonkeyPatch, strategy: str, degree: int) -> N
     )
 
 
-def make_plan(tmp_path: Path, source: list[str], cluster: str, batch: int, context: int) -> Path:
+def make_plan(tmp_path: Path, source: list[str], cluster: str, batch: int, context: int, *extra: str) -> Path:
     out = tmp_path / "plan.json"
     res = run_cli("plan", *source, "--kind", "cp", "--cluster", cluster, "--batch", str(batch),
-                  "--context", str(context), "--output-len", "8", "-o", str(out))  # fmt: skip
+                  "--context", str(context), "--output-len", "8", "-o", str(out), *extra)  # fmt: skip
     assert res.code == 0, res.err
     return out
 
@@ -232,6 +232,23 @@ def test_the_planners_own_choice_dp_on_2_ranks(tmp_path: Path, gpt: Path) -> Non
     report = json.loads(res.out)
     assert report["strategy"] == "dp" and report["measured"]["communication_s"] == 0
     assert report["tokens"] == expected_tokens(plan, gpt, [30, 3, 12, 25], 0, 4)
+
+
+@pytest.mark.slow
+def test_a_plan_for_the_compiled_step_launches_compiled_and_warns_when_launched_traced(
+    tmp_path: Path, gpt: Path
+) -> None:
+    plan = make_plan(
+        tmp_path, [str(gpt)], "local-cpu-split", 2, 30, "--strategy", "dp", "--degree", "1", "--compile"
+    )
+    res = run_cli("launch", str(plan), "--new-tokens", "5", "--prompt-lens", "30,12", "--compile", "--json")
+    assert res.code == 0 and "warning" not in res.err, res.err
+    report = json.loads(res.out)
+    assert report["decode"]["step"] == "inductor" and report["decode"]["compile_s"] > 0
+    assert report["tokens"] == expected_tokens(plan, gpt, [30, 12], 0, 5)  # greedy tokens survive the fusion
+    res = run_cli("launch", str(plan), "--new-tokens", "2", "--prompt-lens", "30,12")
+    assert res.code == 0 and "the plan predicts the decode step compiled" in res.err
+    assert "plan without --compile for a prediction of it" in res.err
 
 
 @pytest.mark.slow

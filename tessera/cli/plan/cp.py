@@ -64,6 +64,13 @@ OPTIONS = OptionGroup(
         type=click.IntRange(min=1),
         help="[cp] Devices to decode on (default: the fastest predicted).",
     ),
+    click.option(
+        "--compile",
+        "compile_",
+        is_flag=True,
+        help="[cp] Predict the decode step as launch --compile runs it (torch.compile's inductor): each "
+        "operation at the cluster's decode_compiled_op_overhead.",
+    ),
 )
 
 
@@ -85,6 +92,7 @@ def run(  # noqa: C901, PLR0913
     strategy: str = "auto",
     degree: int | None = None,
     export: str | None = None,
+    compile_: bool = False,
 ) -> None:
     """Cache-parallel decode plan: load the decoder (or its config), plan, write, print."""
     spec = load_cluster(cluster)
@@ -121,7 +129,10 @@ def run(  # noqa: C901, PLR0913
         dtype=dtype,
         strategy=strategy,
         degree=degree,
+        compile=compile_,
     )
+    for line in planned.warnings:
+        click.echo(f"tessera: warning: {line}", err=True)
     plan, rows, config = planned.plan, planned.rows, planned.config
     if plan is not None and output:
         write_plan(plan, output)

@@ -29,6 +29,7 @@ __all__ = [
     "CostParams",
     "Estimate",
     "cp_comm_elements",
+    "decode_op_overhead",
     "degrees",
     "dp_replica_steps",
     "estimate",
@@ -67,6 +68,9 @@ class CostParams:
     """The operations one decode step of the whole model runs, counted from the step program the
     executor traces of the plan's ONNX model (``plan`` counts them; 0: ``kernels_per_layer`` a
     layer). Each is charged the device's ``decode_op_overhead``."""
+    compiled: bool = False
+    """The step runs compiled by torch.compile (``launch --compile``): each operation is charged the
+    device's ``decode_compiled_op_overhead`` instead (``decode_op_overhead`` where it has none)."""
     dp_trials: int = 2048
     """Monte Carlo draws of the output lengths for the DP straggler (seeded, so deterministic)."""
     seed: int = 0
@@ -77,6 +81,7 @@ class CostParams:
             "block_table_entry_s": self.block_table_entry_s,
             "kernels_per_layer": self.kernels_per_layer,
             **({"step_operations": self.step_operations} if self.step_operations else {}),
+            **({"compiled": True} if self.compiled else {}),
             "dp_trials": self.dp_trials,
             "seed": self.seed,
         }
@@ -342,7 +347,7 @@ def estimate(  # noqa: C901
             )
         compute = num_layers * (dense + attention) + head
         if p.step_operations:  # the executor's own count, the layers' share of it per layer
-            op = device.type.decode_op_overhead or device.type.kernel_launch_overhead
+            op = decode_op_overhead(device, compiled=p.compiled)
             return compute, p.step_operations * num_layers / llm.layers * op
         launches = (num_layers * kernels + (1 if with_head else 0)) * device.type.kernel_launch_overhead
         return compute, launches
@@ -410,6 +415,13 @@ def _expert_split(llm: LlmConfig, strategy: str, n: int, tokens: int) -> str:
         f"{held}; a step of {tokens} token(s) per device reads {llm.experts_read(tokens):.3g} of {llm.experts} experts "
         f"({llm.experts_per_token} per token, routing assumed uniform)"
     )
+
+
+def decode_op_overhead(device: Device, *, compiled: bool = False) -> float:
+    """Host seconds per operation of ``device``'s decode step: the compiled step's where ``compiled``
+    and the spec has it, else the traced step's, else the kernel launch overhead."""
+    t = device.type
+    return (compiled and t.decode_compiled_op_overhead) or t.decode_op_overhead or t.kernel_launch_overhead
 
 
 def _share(strategy: str, n: int) -> float:

@@ -187,3 +187,25 @@ def test_experts_per_token_cannot_exceed_the_experts() -> None:
     llm, _ = load_llm_config("mixtral-8x7b")
     with pytest.raises(ValueError, match="experts_per_token"):
         llm.model_validate({**llm.model_dump(), "experts_per_token": 9})
+
+
+def test_a_compiled_step_is_charged_the_compiled_overhead_per_operation() -> None:
+    llm, _ = load_llm_config("gpt2")
+    data = load_cluster("local-cpu-split").to_json_dict()
+    cluster = ClusterSpec.from_json_dict(data)
+    (kind,) = cluster.device_types.values()
+    work = Workload(1, 128, OutputLengths("fixed", 1, 1))
+    traced = estimate(llm, cluster, work, "dp", 1, params=CostParams(step_operations=200))
+    compiled = estimate(llm, cluster, work, "dp", 1, params=CostParams(step_operations=200, compiled=True))
+    assert (kind.decode_op_overhead, kind.decode_compiled_op_overhead) == (4.6e-6, 2.6e-6)
+    assert traced.host_s - compiled.host_s == pytest.approx(200 * (4.6e-6 - 2.6e-6))
+    assert compiled.compute_s == traced.compute_s
+    # a device without a compiled overhead: the traced one, not a silent zero
+    for t in data["device_types"].values():
+        del t["decode_compiled_op_overhead"]
+    bare = estimate(llm, ClusterSpec.from_json_dict(data), work, "dp", 1,
+                    params=CostParams(step_operations=200, compiled=True))  # fmt: skip
+    assert bare.host_s == pytest.approx(traced.host_s)
+    assert (
+        CostParams(compiled=True).to_json()["compiled"] is True and "compiled" not in CostParams().to_json()
+    )
