@@ -5,7 +5,8 @@ weights, exported by torch.onnx), and a larger Llama-style export (4 layers, hid
 vocab 8192) at batch 1 and 8, prompts 128 and 1024. For each: transformers' ``generate()`` of the
 same weights (greedy, its dynamic KV cache and its static one, eager, one thread), then ``tessera
 plan --kind cp`` and ``tessera launch`` of the export for dp x1, cp x2 and tp x2 on the
-``local-cpu-split`` cluster (one core per rank). Per-token latency is the mean decode step after the
+``local-cpu-split`` cluster (one core per rank; ``--calibrate``: on a spec ``tessera calibrate``
+measures at the start of the run, as a user plans). Per-token latency is the mean decode step after the
 prefill; the table gives it as a ratio to transformers' faster cache, the plan's predicted
 per-token latency and its error, and whether tessera's tokens equal the export's own greedy tokens
 (onnxruntime running the whole graph, no cache: the reference the tests use) and transformers'.
@@ -83,13 +84,14 @@ def tessera_run(
     work: Path,
     *,
     compile_: bool = False,
+    cluster: str = "local-cpu-split",
 ) -> dict:
     """``tessera plan --kind cp`` then ``tessera launch --json`` of ``path`` on ``prompts``."""
     lines = work / "prompts.txt"
     lines.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
     plan = work / f"{strategy}{degree}.json"
     planned = subprocess.run(
-        [*TESSERA, "plan", path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", str(len(prompts)),
+        [*TESSERA, "plan", path, "--kind", "cp", "--cluster", cluster, "--batch", str(len(prompts)),
          "--context", str(len(prompts[0])), "--output-len", str(new), "--strategy", strategy,
          "--degree", str(degree), "-o", str(plan), *(["--compile"] if compile_ else [])],
         capture_output=True, text=True, check=False,
@@ -138,6 +140,7 @@ def row(  # noqa: PLR0913 - the bench's grid
     vocab: int,
     *,
     traced: bool = True,
+    cluster: str = "local-cpu-split",
 ) -> dict:
     prompts = prompts_of(vocab, batch, prompt)
     hf = {}
@@ -146,10 +149,16 @@ def row(  # noqa: PLR0913 - the bench's grid
             hf[cache] = hf_per_token(model, prompts, new, cache)
         except Exception as exc:  # noqa: BLE001 - a model without a static cache in transformers
             hf[cache] = (None, f"{type(exc).__name__}")
-    runs = {f"{s}{d}": tessera_run(path, prompts, new, s, d, work) for s, d in STRATEGIES if traced}
+    runs = {
+        f"{s}{d}": tessera_run(path, prompts, new, s, d, work, cluster=cluster)
+        for s, d in STRATEGIES
+        if traced
+    }
     if batch == 1:
         for s, d in STRATEGIES:
-            runs[f"{s}{d}-compiled"] = tessera_run(path, prompts, new, s, d, work, compile_=True)
+            runs[f"{s}{d}-compiled"] = tessera_run(
+                path, prompts, new, s, d, work, compile_=True, cluster=cluster
+            )
     from decode_reference import greedy_tokens
 
     reference = greedy_tokens(path, prompts, new) if batch * (prompt + new) <= 4096 else None
@@ -200,6 +209,11 @@ def main() -> None:
         help="the corpus decoders' compiled runs only (their own file)",
     )
     parser.add_argument("--models", default="", help="comma-separated corpus decoders (default: all)")
+    parser.add_argument(
+        "--calibrate",
+        action="store_true",
+        help="plan on a spec tessera calibrate measures first, in this run (not local-cpu-split's)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -208,6 +222,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        cluster = "local-cpu-split"
+        if args.calibrate:  # the user's workflow: this machine measured now, then planned on
+            cluster = str(work / "calibrated.yaml")
+            subprocess.run([*TESSERA, "calibrate", "--seconds", "10", "--out", cluster], check=True)
         for (name, _, _), made in corpus.entries.items():
             if made.path is None:
                 continue
@@ -219,14 +237,27 @@ def main() -> None:
             prompt = min(128, limit - new)
             vocab = module.config.vocab_size
             rows.append(
-                row(name, module, made.path, 1, prompt, new, work, vocab, traced=not args.compiled_only)
+                row(
+                    name,
+                    module,
+                    made.path,
+                    1,
+                    prompt,
+                    new,
+                    work,
+                    vocab,
+                    traced=not args.compiled_only,
+                    cluster=cluster,
+                )
             )
             print(table(rows)[-1], flush=True)
         if not (args.quick or args.compiled_only):
             module, path = big_llama()
             for batch in (1, 8):
                 for prompt in (128, 1024):
-                    rows.append(row("llama-4x256", module.model, path, batch, prompt, 32, work, 8192))
+                    rows.append(
+                        row("llama-4x256", module.model, path, batch, prompt, 32, work, 8192, cluster=cluster)
+                    )
                     print(table(rows)[-1], flush=True)
     header = [
         "# Decoding: tessera launch against transformers' generate()",
@@ -234,12 +265,14 @@ def main() -> None:
         f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
         f"{os.cpu_count()} cores, torch {torch.__version__}, transformers "
         f"{__import__('transformers').__version__}, Python {platform.python_version()}. transformers "
-        "runs eager on one thread; each tessera rank is one process on one core (`local-cpu-split`). "
+        "runs eager on one thread; each tessera rank is one process on one core (planned on "
+        f"{'a spec `tessera calibrate --seconds 10` measured at the start of the run' if args.calibrate else '`local-cpu-split`'}). "
         "ms: milliseconds per decode step (one token per request) after the prefill; ratio: tessera's "
         "over generate()'s faster cache; error: measured against the plan's predicted per-token latency. "
         "`-compiled`: `launch --compile` (torch.compile of the decode step; its compile time is "
         "excluded) of a plan made with `plan --compile` (its prediction the compiled step's). Regenerate "
-        f"with `.venv/bin/python bench/decode.py{' --compiled-only' if args.compiled_only else ''}`.",
+        f"with `.venv/bin/python bench/decode.py{' --compiled-only' if args.compiled_only else ''}"
+        f"{' --calibrate' if args.calibrate else ''}`.",
         "",
     ]
     out = OUT_COMPILED if args.compiled_only else OUT
