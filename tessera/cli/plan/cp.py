@@ -74,7 +74,7 @@ OPTIONS = OptionGroup(
 )
 
 
-def run(  # noqa: C901, PLR0913
+def run(  # noqa: PLR0913
     *,
     model: str | None,
     input_shapes: tuple[str, ...],
@@ -96,20 +96,7 @@ def run(  # noqa: C901, PLR0913
 ) -> None:
     """Cache-parallel decode plan: load the decoder (or its config), plan, write, print."""
     spec = load_cluster(cluster)
-    if (model is None) == (llm is None):
-        raise click.UsageError(
-            "--kind cp takes either MODEL (an ONNX decoder) or --llm CONFIG, not both or neither"
-        )
-    if llm is not None and input_shapes:
-        raise click.UsageError("--input-shape binds MODEL's inputs: it does not apply to --llm")
-    if batch is None:
-        raise click.UsageError("--kind cp needs --batch")
-    if context is None and sweep_context is None:
-        raise click.UsageError("--kind cp needs --context (or --sweep-context)")
-    if context is None and output is not None:
-        raise click.UsageError("-o writes the plan for --context; give --context")
-    if plot is not None and sweep_context is None:
-        raise click.UsageError("--plot draws the --sweep-context table; give --sweep-context")
+    _check_options(model, llm, input_shapes, batch, context, sweep_context, output, plot)
     check_outputs(
         {"-o": output, "--plot": plot},
         {"model": model, "LLM config": llm, "cluster spec": cluster if os.path.isfile(cluster) else None},
@@ -142,6 +129,50 @@ def run(  # noqa: C901, PLR0913
         per = f", {layers} layer{'s' if layers > 1 else ''}" if layers else ""
         plot_sweep(rows, plot, title=f"{config.name} on {spec.name}, batch {batch}{per}")
 
+    _emit(
+        planned,
+        output,
+        as_json=as_json,
+        plot=plot,
+        pinned=strategy != "auto" or degree is not None,
+        layers=layers,
+    )
+    if export is not None and plan is not None and not (made := plan.serving[export])["expressible"]:
+        raise InputError(f"--export {export}: {made['why']}")
+
+
+def _check_options(
+    model: str | None,
+    llm: str | None,
+    input_shapes: tuple[str, ...],
+    batch: int | None,
+    context: str | None,
+    sweep_context: str | None,
+    output: str | None,
+    plot: str | None,
+) -> None:
+    """The cp options that exclude or need each other: a usage error (exit 2) naming them."""
+    if (model is None) == (llm is None):
+        raise click.UsageError(
+            "--kind cp takes either MODEL (an ONNX decoder) or --llm CONFIG, not both or neither"
+        )
+    if llm is not None and input_shapes:
+        raise click.UsageError("--input-shape binds MODEL's inputs: it does not apply to --llm")
+    if batch is None:
+        raise click.UsageError("--kind cp needs --batch")
+    if context is None and sweep_context is None:
+        raise click.UsageError("--kind cp needs --context (or --sweep-context)")
+    if context is None and output is not None:
+        raise click.UsageError("-o writes the plan for --context; give --context")
+    if plot is not None and sweep_context is None:
+        raise click.UsageError("--plot draws the --sweep-context table; give --sweep-context")
+
+
+def _emit(
+    planned: Any, output: str | None, *, as_json: bool, plot: str | None, pinned: bool, layers: int | None
+) -> None:
+    """The plan and the sweep, as JSON or as tables, as asked."""
+    plan, rows = planned.plan, planned.rows
     if as_json:
         if rows:
             emit_json(
@@ -152,13 +183,11 @@ def run(  # noqa: C901, PLR0913
     else:
         out = console()
         if plan is not None:
-            _print_cp_plan(out, plan, output, pinned=strategy != "auto" or degree is not None)
+            _print_cp_plan(out, plan, output, pinned=pinned)
         if rows:
             _print_sweep(out, rows, unit="tokens/s per layer" if layers == 1 else "tokens/s")
         if plot:
             out.print(f"plot written to {plot}")
-    if export is not None and plan is not None and not (made := plan.serving[export])["expressible"]:
-        raise InputError(f"--export {export}: {made['why']}")
 
 
 SERVE_COMMANDS = {  # engine -> (its name, the command that serves MODEL)

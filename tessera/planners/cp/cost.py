@@ -225,7 +225,7 @@ def estimate_all(
     ]
 
 
-def estimate(  # noqa: C901
+def estimate(
     llm: LlmConfig,
     cluster: ClusterSpec,
     workload: Workload,
@@ -255,7 +255,6 @@ def estimate(  # noqa: C901
     kv_token_layer = 2 * llm.kv_dim * b  # bytes one token adds to one layer's KV cache
     mean_kv = workload.mean_kv_length
     mean_blocks = math.ceil(mean_kv / blk)
-    max_kv = workload.max_kv_length
 
     # Weights: per layer, plus the embedding (held) and the LM head (read every step).
     layer_weight_bytes = llm.layer_params * b
@@ -265,67 +264,15 @@ def estimate(  # noqa: C901
     attn_flops_per_position = 4 * llm.heads * int(llm.head_dim)  # Q·Kᵀ and ·V, per token and position
 
     reasons: list[str] = []
-    collectives: list[Collective] = []
-    kernels = p.kernels_per_layer
-    if strategy == "tp":
-        kv_heads = int(llm.kv_heads)
-        if llm.heads % n or (kv_heads % n and n % kv_heads):
-            reasons.append(
-                f"tensor parallelism needs the heads ({llm.heads}) to be a multiple of the degree {n}, and "
-                f"the KV heads ({kv_heads}) a multiple or a divisor of it (thesis §4.2.3)"
-            )
-        shard = 1 / n
-        # Fewer KV heads than devices: each device keeps its query heads' KV head whole (replicated).
-        kv_shard = max(shard, 1 / kv_heads)
-        dense_tokens = batch
-        attn_requests, attn_positions, attn_share = batch, mean_kv, shard
-        table_entries = batch * mean_blocks
-        weights = (num_layers * layer_weight_bytes + embedding_bytes) * shard
-        kv_cache = batch * max_kv * kv_token_layer * num_layers * kv_shard
-        head_share = shard
-        if n > 1:
-            volume = tp_comm_elements(n, batch, llm.hidden) * b / 2  # per all-reduce
-            for what in ("attention output projection partial sums", "FFN output partial sums"):
-                collectives.append(_collective(cluster, group, "all_reduce", volume, what))
-        kv_split = "heads: every device holds all positions of every request for heads/N heads"
-    elif strategy == "dp":
-        if batch < n:
-            reasons.append(f"data parallelism over {n} replicas needs at least {n} requests (batch {batch})")
-        per_replica = math.ceil(batch / n)
-        dense_tokens = per_replica
-        attn_requests, attn_positions, attn_share = per_replica, mean_kv, 1.0
-        table_entries = per_replica * mean_blocks
-        weights = num_layers * layer_weight_bytes + embedding_bytes
-        kv_cache = per_replica * max_kv * kv_token_layer * num_layers
-        head_share = 1.0
-        kv_split = "requests: each replica holds the whole KV cache of its own requests"
-    else:  # cp
-        per_device = math.ceil(batch / n)
-        dense_tokens = per_device
-        # Every device attends all B requests to its shard: the largest block-aligned shard.
-        shard_blocks = math.ceil(mean_blocks / n)
-        attn_requests, attn_positions, attn_share = batch, min(mean_kv, shard_blocks * blk), 1.0
-        table_entries = batch * shard_blocks
-        weights = num_layers * layer_weight_bytes + embedding_bytes
-        max_shard = min(max_kv, math.ceil(math.ceil(max_kv / blk) / n) * blk)
-        kv_cache = batch * max_shard * kv_token_layer * num_layers
-        head_share = 1.0
-        if n > 1:
-            gather, exchange = cp_comm_elements(n, batch, llm.q_dim, llm.heads, kv_dim=llm.kv_dim)
-            collectives.append(
-                _collective(cluster, group, "all_gather", gather * b, "q, k, v of every request")
-            )
-            collectives.append(
-                _collective(
-                    cluster,
-                    group,
-                    "all_to_all",
-                    exchange * b,
-                    "partial attention o, m, s to each request's device",
-                )
-            )
-            kernels += 1  # the log-sum-exp merge of the partials
-        kv_split = "sequence: each device holds a block-aligned range of every request's positions"
+    kernels = p.kernels_per_layer + (1 if strategy == "cp" and n > 1 else 0)  # cp: the log-sum-exp merge
+    at = _Layout.of(strategy, llm, workload, n, blk)
+    dense_tokens, table_entries, kv_split = at.dense_tokens, at.table_entries, at.kv_split
+    attn_requests, attn_positions, attn_share = at.attn_requests, at.attn_positions, at.attn_share
+    weights = (num_layers * layer_weight_bytes + embedding_bytes) * at.weight_share
+    kv_cache = at.kv_requests * at.kv_positions * kv_token_layer * num_layers * at.kv_share
+    head_share = at.weight_share
+    reasons += at.reasons
+    collectives = _collectives(strategy, llm, cluster, group, batch, b)
 
     # Per device: the slowest device of the group sets the step.
     def step_parts(device: Device, tokens: int) -> tuple[float, float]:
@@ -415,6 +362,77 @@ def _expert_split(llm: LlmConfig, strategy: str, n: int, tokens: int) -> str:
         f"{held}; a step of {tokens} token(s) per device reads {llm.experts_read(tokens):.3g} of {llm.experts} experts "
         f"({llm.experts_per_token} per token, routing assumed uniform)"
     )
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What one device of a strategy holds and computes per decode step (thesis §4.2-4.4)."""
+
+    dense_tokens: int  # tokens through the dense layers
+    attn_requests: int  # requests attended, each over
+    attn_positions: float  # this many positions,
+    attn_share: float  # for this share of the heads
+    table_entries: float  # PagedAttention block-table entries kept
+    weight_share: float  # of every weight matrix (and the LM head)
+    kv_requests: int  # the KV cache held: requests x positions x share of the KV heads
+    kv_positions: int
+    kv_share: float
+    kv_split: str
+    reasons: tuple[str, ...] = ()
+
+    @staticmethod
+    def of(strategy: str, llm: LlmConfig, workload: Workload, n: int, blk: int) -> _Layout:
+        batch, mean_kv, max_kv = workload.batch, workload.mean_kv_length, workload.max_kv_length
+        mean_blocks = math.ceil(mean_kv / blk)
+        if strategy == "tp":
+            kv_heads = int(llm.kv_heads)
+            why = ()
+            if llm.heads % n or (kv_heads % n and n % kv_heads):
+                why = (
+                    f"tensor parallelism needs the heads ({llm.heads}) to be a multiple of the degree {n}, and "
+                    f"the KV heads ({kv_heads}) a multiple or a divisor of it (thesis §4.2.3)",
+                )
+            # Fewer KV heads than devices: each device keeps its query heads' KV head whole (replicated).
+            return _Layout(
+                batch, batch, mean_kv, 1 / n, batch * mean_blocks, 1 / n, batch, max_kv, max(1 / n, 1 / kv_heads),
+                "heads: every device holds all positions of every request for heads/N heads", why,
+            )  # fmt: skip
+        if strategy == "dp":
+            why = (f"data parallelism over {n} replicas needs at least {n} requests (batch {batch})",)
+            per_replica = math.ceil(batch / n)
+            return _Layout(
+                per_replica, per_replica, mean_kv, 1.0, per_replica * mean_blocks, 1.0, per_replica, max_kv, 1.0,
+                "requests: each replica holds the whole KV cache of its own requests", why if batch < n else (),
+            )  # fmt: skip
+        # cp: every device attends all B requests to its shard, the largest block-aligned one
+        shard_blocks = math.ceil(mean_blocks / n)
+        max_shard = min(max_kv, math.ceil(math.ceil(max_kv / blk) / n) * blk)
+        return _Layout(
+            math.ceil(batch / n), batch, min(mean_kv, shard_blocks * blk), 1.0, batch * shard_blocks, 1.0,
+            batch, max_shard, 1.0, "sequence: each device holds a block-aligned range of every request's positions",
+        )  # fmt: skip
+
+
+def _collectives(
+    strategy: str, llm: LlmConfig, cluster: ClusterSpec, group: list[Device], batch: int, b: float
+) -> list[Collective]:
+    """A layer's collectives: tp's two all-reduces, cp's all-gather and all-to-all (§4.4)."""
+    if len(group) == 1 or strategy == "dp":
+        return []
+    n = len(group)
+    if strategy == "tp":
+        volume = tp_comm_elements(n, batch, llm.hidden) * b / 2  # per all-reduce
+        return [
+            _collective(cluster, group, "all_reduce", volume, what)
+            for what in ("attention output projection partial sums", "FFN output partial sums")
+        ]
+    gather, exchange = cp_comm_elements(n, batch, llm.q_dim, llm.heads, kv_dim=llm.kv_dim)
+    return [
+        _collective(cluster, group, "all_gather", gather * b, "q, k, v of every request"),
+        _collective(
+            cluster, group, "all_to_all", exchange * b, "partial attention o, m, s to each request's device"
+        ),
+    ]
 
 
 def decode_op_overhead(device: Device, *, compiled: bool = False) -> float:
