@@ -90,7 +90,7 @@ class Trace:
         return streams[stream]
 
 
-def trace_problems(doc: Any) -> list[str]:  # noqa: C901
+def trace_problems(doc: Any) -> list[str]:
     """What breaks the trace-event format's rules in ``doc`` (empty: none): known phases, integer
     processes and threads, non-negative microsecond timestamps and durations, every process named,
     every flow start paired with exactly one end of the same id, no end before its start."""
@@ -99,40 +99,58 @@ def trace_problems(doc: Any) -> list[str]:  # noqa: C901
     problems: list[str] = []
     named: set[int] = set()
     used: set[int] = set()
-    starts: dict[Any, float] = {}
-    ends: dict[Any, float] = {}
+    flows: dict[str, dict[Any, float]] = {"s": {}, "f": {}}  # flow starts and ends by (cat, id)
     for i, e in enumerate(doc["traceEvents"]):
-        ph = e.get("ph")
-        if ph not in _PHASES:
-            problems.append(f"event {i}: phase {ph!r} is not one of {''.join(sorted(_PHASES))}")
+        why = _event_problem(e)
+        if why is not None:
+            problems.append(f"event {i}: {why}")
             continue
-        if not isinstance(e.get("pid"), int) or not isinstance(e.get("tid"), int):
-            problems.append(f"event {i}: pid and tid must be integers")
-            continue
-        if ph == "M":
+        if e["ph"] == "M":
             if e.get("name") == "process_name":
                 named.add(e["pid"])
             continue
         used.add(e["pid"])
-        ts = e.get("ts")
-        if not isinstance(ts, int | float) or ts < 0:
-            problems.append(f"event {i}: ts {ts!r} is not a non-negative number of microseconds")
+        if e["ph"] == "X":
+            problems.extend(f"event {i}: {why}" for why in _slice_problems(e))
             continue
-        if ph == "X":
-            if not isinstance(e.get("dur"), int | float) or e["dur"] < 0:
-                problems.append(f"event {i}: a complete event needs a non-negative dur")
-            if not e.get("name"):
-                problems.append(f"event {i}: a slice needs a name")
-        else:
-            key = (e.get("cat"), e.get("id"))
-            seen = starts if ph == "s" else ends
-            if key in seen:
-                problems.append(f"event {i}: flow {key} has two {'starts' if ph == 's' else 'ends'}")
-            seen[key] = ts
+        key, seen = (e.get("cat"), e.get("id")), flows[e["ph"]]
+        if key in seen:
+            problems.append(f"event {i}: flow {key} has two {'starts' if e['ph'] == 's' else 'ends'}")
+        seen[key] = e["ts"]
+    problems.extend(_flow_problems(flows["s"], flows["f"]))
+    problems.extend(f"process {pid} has events but no process_name" for pid in sorted(used - named))
+    return problems
+
+
+def _event_problem(e: Mapping[str, Any]) -> str | None:
+    """What makes one event unreadable (its phase, pid, tid or timestamp); None if nothing."""
+    ph = e.get("ph")
+    if ph not in _PHASES:
+        return f"phase {ph!r} is not one of {''.join(sorted(_PHASES))}"
+    if not isinstance(e.get("pid"), int) or not isinstance(e.get("tid"), int):
+        return "pid and tid must be integers"
+    ts = e.get("ts")
+    if ph != "M" and (not isinstance(ts, int | float) or ts < 0):
+        return f"ts {ts!r} is not a non-negative number of microseconds"
+    return None
+
+
+def _slice_problems(e: Mapping[str, Any]) -> list[str]:
+    """A complete event's own rules: a non-negative duration and a name."""
+    problems = []
+    if not isinstance(e.get("dur"), int | float) or e["dur"] < 0:
+        problems.append("a complete event needs a non-negative dur")
+    if not e.get("name"):
+        problems.append("a slice needs a name")
+    return problems
+
+
+def _flow_problems(starts: Mapping[Any, float], ends: Mapping[Any, float]) -> list[str]:
+    """Flows without their pair, or ending before they start."""
+    problems = []
     for key in starts.keys() | ends.keys():
         if key not in ends or key not in starts:
             problems.append(f"flow {key}: a {'start' if key in starts else 'end'} without its pair")
         elif ends[key] < starts[key]:
             problems.append(f"flow {key}: ends at {ends[key]} us, before it starts at {starts[key]} us")
-    problems.extend(f"process {pid} has events but no process_name" for pid in sorted(used - named))
     return problems
