@@ -29,7 +29,37 @@ from tessera.planners.sim import SimEdge, SimStage, simulate
 _MEMORY_SLACK = 64
 
 
-def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
+def check_gpp_plan(plan: Any, graph: Any) -> list[str]:
+    """Everything a gpp or spp plan must hold against its model (C1-C5 of docs/gpp.md, memory,
+    shared weights, what launch can train): one line per problem, empty if none."""
+    problems, crossing = _partition_problems(plan, graph)
+    found, known = _device_problems(plan)
+    problems.extend(found)
+    for st in plan.stages:
+        problems.extend(_stage_problems(plan, st, known))
+    problems.extend(_edge_problems(plan, crossing))
+    if not any(p.startswith(("C1", "C4")) for p in problems):
+        sim_stages = [
+            SimStage(st.id, st.micro_batch_size, 1.0, 2.0, tuple(st.schedule.actions)) for st in plan.stages
+        ]
+        sim_edges = [SimEdge(e.src, e.dst) for e in plan.edges]
+        try:
+            simulate(sim_stages, sim_edges, plan.mini_batch_size)
+        except ValueError as exc:
+            problems.append(f"C5: {exc}")
+    problems.extend(_shared_weight_problems(plan, graph))
+    if (why := graph.fixed_batch_message()) is not None:
+        problems.append(f"launch cannot train it: {why}")
+    if (why := untrainable_message(graph)) is not None:
+        problems.append(f"launch cannot train it: {why}")
+    if known is not None and not any(p.startswith(("C1", "C3")) for p in problems):
+        problems.extend(_memory_problems(plan, graph, known))
+    return problems
+
+
+def _partition_problems(plan: Any, graph: Any) -> tuple[list[str], dict[tuple[int, int], set[str]]]:
+    """C1 (every node in exactly one stage, the stages convex) and C2 (an edge wherever a stage feeds
+    another), with the tensors crossing from stage to stage."""
     problems: list[str] = []
     stage_of: dict[str, int] = {}
     for st in plan.stages:
@@ -53,7 +83,13 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
     declared = {(e.src, e.dst) for e in plan.edges}
     for su, sv in sorted(set(crossing) - declared):
         problems.append(f"C2: operators of stage {su} feed stage {sv} but the plan has no edge {su}->{sv}")
-    owner: dict[str, int] = {}
+    return problems, crossing
+
+
+def _device_problems(plan: Any) -> tuple[list[str], dict[str, Any] | None]:
+    """C3 (every device in one stage, and in the plan's cluster), with the cluster's devices by id
+    (None where the plan records no readable cluster)."""
+    problems: list[str] = []
     known = None
     if not plan.cluster:  # tessera plan always records it; without it C3 and memory go unchecked
         problems.append("cluster: the plan records no cluster, so C3 and device memory cannot be checked")
@@ -65,6 +101,7 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
             known = {d.id: d for d in cluster.devices()}
         except Exception as exc:  # noqa: BLE001 - reported as a problem
             problems.append(f"cluster: {exc}")
+    owner: dict[str, int] = {}
     for st in plan.stages:
         for dev in st.devices:
             if dev in owner:
@@ -72,52 +109,34 @@ def check_gpp_plan(plan: Any, graph: Any) -> list[str]:  # noqa: C901
             owner[dev] = st.id
             if known is not None and dev not in known:
                 problems.append(f"C3: stage {st.id} names device {dev!r}, not in the cluster")
-    for st in plan.stages:
-        if plan.mini_batch_size % st.micro_batch_size:
-            problems.append(
-                f"stage {st.id}: micro-batch {st.micro_batch_size} does not divide the mini-batch"
-            )
-            continue
-        m = plan.mini_batch_size // st.micro_batch_size
-        c4 = schedule_problems(st.schedule.actions, m)
-        problems.extend(f"C4: stage {st.id}: {p}" for p in c4)
-        if not c4:
-            problems.extend(_schedule_kind_problems(st, m))
-        if st.micro_batch_size < st.replicas:
-            problems.append(
-                f"stage {st.id}: micro-batch {st.micro_batch_size} is smaller than its "
-                f"{st.replicas} data-parallel replicas (a replica needs a sample)"
-            )
-        if st.in_flight != in_flight_of(st.schedule.actions):
-            problems.append(
-                f"stage {st.id}: in_flight {st.in_flight} but its schedule keeps "
-                f"{in_flight_of(st.schedule.actions)} micro-batches in flight"
-            )
-        mem = st.memory
-        if mem.peak != mem.weights + mem.optimizer + mem.activations:
-            problems.append(f"memory: stage {st.id} peak is not weights + optimizer + activations")
-        memories = [known[d].type.memory for d in st.devices if d in known] if known is not None else []
-        if memories:  # unknown devices are reported under C3
-            limit = min(memories)
-            if mem.peak > limit:
-                problems.append(f"memory: stage {st.id} needs {mem.peak} bytes, its devices have {limit}")
-    problems.extend(_edge_problems(plan, crossing))
-    if not any(p.startswith(("C1", "C4")) for p in problems):
-        sim_stages = [
-            SimStage(st.id, st.micro_batch_size, 1.0, 2.0, tuple(st.schedule.actions)) for st in plan.stages
-        ]
-        sim_edges = [SimEdge(e.src, e.dst) for e in plan.edges]
-        try:
-            simulate(sim_stages, sim_edges, plan.mini_batch_size)
-        except ValueError as exc:
-            problems.append(f"C5: {exc}")
-    problems.extend(_shared_weight_problems(plan, graph))
-    if (why := graph.fixed_batch_message()) is not None:
-        problems.append(f"launch cannot train it: {why}")
-    if (why := untrainable_message(graph)) is not None:
-        problems.append(f"launch cannot train it: {why}")
-    if known is not None and not any(p.startswith(("C1", "C3")) for p in problems):
-        problems.extend(_memory_problems(plan, graph, known))
+    return problems, known
+
+
+def _stage_problems(plan: Any, st: Any, known: dict[str, Any] | None) -> list[str]:
+    """One stage's own rules: its micro-batch, C4 (its schedule), replicas, in-flight count, memory."""
+    if plan.mini_batch_size % st.micro_batch_size:
+        return [f"stage {st.id}: micro-batch {st.micro_batch_size} does not divide the mini-batch"]
+    m = plan.mini_batch_size // st.micro_batch_size
+    c4 = schedule_problems(st.schedule.actions, m)
+    problems = [f"C4: stage {st.id}: {p}" for p in c4]
+    if not c4:
+        problems.extend(_schedule_kind_problems(st, m))
+    if st.micro_batch_size < st.replicas:
+        problems.append(
+            f"stage {st.id}: micro-batch {st.micro_batch_size} is smaller than its "
+            f"{st.replicas} data-parallel replicas (a replica needs a sample)"
+        )
+    if st.in_flight != in_flight_of(st.schedule.actions):
+        problems.append(
+            f"stage {st.id}: in_flight {st.in_flight} but its schedule keeps "
+            f"{in_flight_of(st.schedule.actions)} micro-batches in flight"
+        )
+    mem = st.memory
+    if mem.peak != mem.weights + mem.optimizer + mem.activations:
+        problems.append(f"memory: stage {st.id} peak is not weights + optimizer + activations")
+    memories = [known[d].type.memory for d in st.devices if d in known] if known is not None else []
+    if memories and mem.peak > min(memories):  # unknown devices are reported under C3
+        problems.append(f"memory: stage {st.id} needs {mem.peak} bytes, its devices have {min(memories)}")
     return problems
 
 
