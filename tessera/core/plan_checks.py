@@ -16,7 +16,7 @@ from tessera.core.rewrite import REWRITES, apply_rewrites
 __all__ = ["check_plan_against_model", "cp_plan_problems", "problems_error"]
 
 
-def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:  # noqa: C901
+def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:
     """Problems of a plan against the loaded model it names (empty when it fits).
 
     Checks the sha256, the node count, that every node the plan names exists, and — for placement
@@ -31,7 +31,6 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:  # noqa: C901
             f"the model is {graph.sha256[:12]}…"
         )
         return problems
-    known = set(graph.dag.nodes)
     groups: list[list[str]] = []
     if isinstance(plan, PlacementPlan):
         groups = [g.nodes for g in plan.groups]
@@ -49,32 +48,47 @@ def check_plan_against_model(plan: Plan, graph: Any) -> list[str]:  # noqa: C901
             f"model.num_nodes is {plan.model.num_nodes}; the model has {graph.num_nodes} operators"
         )
     if groups:
-        seen: dict[str, int] = {}
-        for i, nodes in enumerate(groups):
-            for n in nodes:
-                if n not in known:
-                    problems.append(f"group/stage {i} names unknown node {n!r}")
-                elif n in seen:
-                    problems.append(f"node {n!r} is in both group/stage {seen[n]} and {i}")
-                else:
-                    seen[n] = i
-        missing = [n for n in graph.order if n not in seen]
-        if missing:
-            problems.append(f"{len(missing)} node(s) not covered by any group/stage, first {missing[0]!r}")
+        problems.extend(_coverage_problems(groups, graph))
     if isinstance(plan, GppPlan):
-        ids = {s.id for s in plan.stages}
-        stage_dag = nx.DiGraph()
-        stage_dag.add_nodes_from(ids)
-        for e in plan.edges:
-            if e.src not in ids or e.dst not in ids:
-                problems.append(f"edge {e.src}->{e.dst} names an unknown stage")
-            stage_dag.add_edge(e.src, e.dst)
-        if not nx.is_directed_acyclic_graph(stage_dag):
-            problems.append("stage graph has a cycle")
+        problems.extend(_stage_graph_problems(plan))
     if isinstance(plan, CpPlan):
         problems.extend(cp_plan_problems(plan))
     for check in PLAN_CHECKS.get(plan.kind, []):
         problems.extend(check(plan, graph))
+    return problems
+
+
+def _coverage_problems(groups: list[list[str]], graph: Any) -> list[str]:
+    """Every node of ``graph`` in exactly one group (placement) or stage (pipeline), none unknown."""
+    problems: list[str] = []
+    known = set(graph.dag.nodes)
+    seen: dict[str, int] = {}
+    for i, nodes in enumerate(groups):
+        for n in nodes:
+            if n not in known:
+                problems.append(f"group/stage {i} names unknown node {n!r}")
+            elif n in seen:
+                problems.append(f"node {n!r} is in both group/stage {seen[n]} and {i}")
+            else:
+                seen[n] = i
+    missing = [n for n in graph.order if n not in seen]
+    if missing:
+        problems.append(f"{len(missing)} node(s) not covered by any group/stage, first {missing[0]!r}")
+    return problems
+
+
+def _stage_graph_problems(plan: GppPlan) -> list[str]:
+    """A pipeline's edges between its own stages, and no cycle among them."""
+    problems: list[str] = []
+    ids = {s.id for s in plan.stages}
+    stage_dag = nx.DiGraph()
+    stage_dag.add_nodes_from(ids)
+    for e in plan.edges:
+        if e.src not in ids or e.dst not in ids:
+            problems.append(f"edge {e.src}->{e.dst} names an unknown stage")
+        stage_dag.add_edge(e.src, e.dst)
+    if not nx.is_directed_acyclic_graph(stage_dag):
+        problems.append("stage graph has a cycle")
     return problems
 
 
