@@ -306,7 +306,7 @@ class BackendRegistry:
         return sum(self.load_yaml(p) for p in sorted(folder.glob("*.yaml")))
 
 
-def pattern_from_yaml(spec: Any, *, where: str = "pattern", source: str | Path | None = None) -> Pattern:  # noqa: C901
+def pattern_from_yaml(spec: Any, *, where: str = "pattern", source: str | Path | None = None) -> Pattern:
     """A pattern from its YAML form.
 
     ``"*"`` (or ``any``): a wildcard; ``const``: a weight; ``OpType``: that operator with free inputs;
@@ -325,28 +325,41 @@ def pattern_from_yaml(spec: Any, *, where: str = "pattern", source: str | Path |
     if unknown:
         raise InputError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}", source=source)
     if "any_of" in spec:
-        alts = spec["any_of"]
-        if not isinstance(alts, list) or not alts:
-            raise InputError(f"{where}.any_of: expected a non-empty list", source=source)
-        pattern: Pattern = pattern_from_yaml(alts[0], where=f"{where}.any_of[0]", source=source)
-        for i, alt in enumerate(alts[1:], 1):
-            pattern = pattern | pattern_from_yaml(alt, where=f"{where}.any_of[{i}]", source=source)
+        pattern = _alternatives(spec["any_of"], where, source)
     elif "op" in spec:
-        ops = spec["op"] if isinstance(spec["op"], list) else [spec["op"]]
-        if not ops or not all(isinstance(o, str) for o in ops):
-            raise InputError(f"{where}.op: expected an op type or a list of op types", source=source)
-        pattern = is_op(*ops)
-        if "args" in spec:
-            if not isinstance(spec["args"], list):
-                raise InputError(f"{where}.args: expected a list", source=source)
-            pattern = pattern(
-                *(
-                    pattern_from_yaml(a, where=f"{where}.args[{i}]", source=source)
-                    for i, a in enumerate(spec["args"])
-                )
-            )
+        pattern = _operator(spec, where, source)
     else:
         pattern = wildcard()
+    return _constrained(pattern, spec, where, source)
+
+
+def _alternatives(alts: Any, where: str, source: str | Path | None) -> Pattern:
+    """``any_of``: the first of its patterns that matches."""
+    if not isinstance(alts, list) or not alts:
+        raise InputError(f"{where}.any_of: expected a non-empty list", source=source)
+    pattern: Pattern = pattern_from_yaml(alts[0], where=f"{where}.any_of[0]", source=source)
+    for i, alt in enumerate(alts[1:], 1):
+        pattern = pattern | pattern_from_yaml(alt, where=f"{where}.any_of[{i}]", source=source)
+    return pattern
+
+
+def _operator(spec: Mapping[str, Any], where: str, source: str | Path | None) -> Pattern:
+    """``op`` (one type or a list) with its ``args`` patterns, if given."""
+    ops = spec["op"] if isinstance(spec["op"], list) else [spec["op"]]
+    if not ops or not all(isinstance(o, str) for o in ops):
+        raise InputError(f"{where}.op: expected an op type or a list of op types", source=source)
+    pattern = is_op(*ops)
+    if "args" not in spec:
+        return pattern
+    if not isinstance(spec["args"], list):
+        raise InputError(f"{where}.args: expected a list", source=source)
+    return pattern(
+        *(pattern_from_yaml(a, where=f"{where}.args[{i}]", source=source) for i, a in enumerate(spec["args"]))
+    )
+
+
+def _constrained(pattern: Pattern, spec: Mapping[str, Any], where: str, source: str | Path | None) -> Pattern:
+    """``pattern`` with the ``attrs``, ``shape`` and ``dtype`` the spec asks of the node."""
     if "attrs" in spec:
         if not isinstance(spec["attrs"], Mapping):
             raise InputError(f"{where}.attrs: expected a mapping", source=source)
