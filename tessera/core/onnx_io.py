@@ -96,7 +96,7 @@ def hoist_initializer_inputs(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:  # noqa: C901
+def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:
     """Check every node input has a producer, reject cycles, and put nodes in topological order.
 
     Exporters sometimes emit acyclic graphs out of order; those are sorted (stably) rather than
@@ -104,16 +104,7 @@ def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:  # noq
     """
     graph = model.graph
     available = {vi.name for vi in graph.input} | {t.name for t in graph.initializer}
-    producer: dict[str, int] = {}
-    for i, node in enumerate(graph.node):
-        for out in node.output:
-            if not out:
-                continue
-            if out in producer or out in available:
-                raise InputError(
-                    f"tensor {out!r} is produced twice (node {_node_label(node, i)})", source=label
-                )
-            producer[out] = i
+    producer = _producers(graph, available, label)
     deps = nx.DiGraph()
     deps.add_nodes_from(range(len(graph.node)))
     for i, node in enumerate(graph.node):
@@ -144,6 +135,22 @@ def sort_nodes(model: onnx.ModelProto, *, label: str) -> onnx.ModelProto:  # noq
         del graph.node[:]
         graph.node.extend(sorted_nodes)
     return model
+
+
+def _producers(graph: onnx.GraphProto, available: set[str], label: str) -> dict[str, int]:
+    """The node index producing each tensor; InputError for a tensor produced twice (by two nodes,
+    or by a node and a graph input or initializer)."""
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.node):
+        for out in node.output:
+            if not out:
+                continue
+            if out in producer or out in available:
+                raise InputError(
+                    f"tensor {out!r} is produced twice (node {_node_label(node, i)})", source=label
+                )
+            producer[out] = i
+    return producer
 
 
 def outer_scope_inputs(node: onnx.NodeProto) -> tuple[str, ...]:
@@ -334,7 +341,7 @@ def parse_input_shapes(specs: Sequence[str], *, option: str = "--input-shape") -
     return shapes
 
 
-def bind_input_shapes(  # noqa: C901
+def bind_input_shapes(
     model: onnx.ModelProto, shapes: Mapping[str, Shape], *, label: str, default_dim: int = 1
 ) -> dict[str, int]:
     """Make every graph input's shape concrete.
@@ -352,11 +359,28 @@ def bind_input_shapes(  # noqa: C901
                 f"--input-shape names {name!r}, which is not a graph input (inputs: {', '.join(inputs)})",
                 source=label,
             )
-    # Symbolic dims the given shapes bind: one value per name, applied to every input that uses it.
+    bound = _bound_dims(inputs, shapes, label)
+    defaulted: dict[str, int] = {}
+    for name, vi in inputs.items():
+        if not vi.type.HasField("tensor_type"):
+            raise InputError(
+                f"input {name!r} is not a tensor (sequences and maps are not supported)", source=label
+            )
+        if name in shapes:
+            _set_shape(vi.type.tensor_type, name, shapes[name], label)
+        else:
+            defaulted.update(_bind_symbolic(vi.type.tensor_type, name, bound, default_dim, label))
+    return defaulted
+
+
+def _bound_dims(
+    inputs: Mapping[str, onnx.ValueInfoProto], shapes: Mapping[str, Shape], label: str
+) -> dict[str, tuple[int, str]]:
+    """The symbolic dims the given shapes bind, each to one value (and the input that bound it),
+    applied to every input that names it; InputError where two shapes bind one differently."""
     bound: dict[str, tuple[int, str]] = {}
     for name, want in shapes.items():
-        tensor_type = inputs[name].type.tensor_type
-        for dim, value in zip(tensor_type.shape.dim, want, strict=False):
+        for dim, value in zip(inputs[name].type.tensor_type.shape.dim, want, strict=False):
             if not dim.dim_param:
                 continue
             first = bound.setdefault(dim.dim_param, (value, name))
@@ -366,49 +390,52 @@ def bind_input_shapes(  # noqa: C901
                     f"{value} ({name})",
                     source=label,
                 )
+    return bound
+
+
+def _set_shape(tensor_type: onnx.TypeProto.Tensor, name: str, want: Shape, label: str) -> None:
+    """Input ``name`` declared as ``want``, which must keep its rank and its fixed sizes."""
+    dims = tensor_type.shape.dim
+    if tensor_type.HasField("shape") and len(dims) != len(want):
+        raise InputError(
+            f"--input-shape {name}: rank {len(want)} given, the model declares rank {len(dims)}", source=label
+        )
+    for axis, (dim, value) in enumerate(zip(dims, want, strict=False)):
+        if dim.HasField("dim_value") and dim.dim_value not in (0, value) and dim.dim_value > 0:
+            raise InputError(
+                f"--input-shape {name}: axis {axis} is fixed to {dim.dim_value} in the model, {value} given",
+                source=label,
+            )
+    del dims[:]
+    for value in want:
+        dims.add().dim_value = value
+
+
+def _bind_symbolic(
+    tensor_type: onnx.TypeProto.Tensor,
+    name: str,
+    bound: Mapping[str, tuple[int, str]],
+    default_dim: int,
+    label: str,
+) -> dict[str, int]:
+    """Input ``name``'s symbolic or unknown dims bound (as another input's shape bound them, else to
+    ``default_dim``); returns those bound by default."""
+    if not tensor_type.HasField("shape"):
+        raise InputError(f"input {name!r} has no declared rank: give --input-shape {name}=…", source=label)
     defaulted: dict[str, int] = {}
-    for name, vi in inputs.items():
-        tensor_type = vi.type.tensor_type
-        if not vi.type.HasField("tensor_type"):
-            raise InputError(
-                f"input {name!r} is not a tensor (sequences and maps are not supported)", source=label
-            )
-        dims = tensor_type.shape.dim
-        if name in shapes:
-            want = shapes[name]
-            if tensor_type.HasField("shape") and len(dims) != len(want):
-                raise InputError(
-                    f"--input-shape {name}: rank {len(want)} given, the model declares rank {len(dims)}",
-                    source=label,
-                )
-            for axis, (dim, value) in enumerate(zip(dims, want, strict=False)):
-                if dim.HasField("dim_value") and dim.dim_value not in (0, value) and dim.dim_value > 0:
-                    raise InputError(
-                        f"--input-shape {name}: axis {axis} is fixed to {dim.dim_value} in the model, {value} given",
-                        source=label,
-                    )
-            del dims[:]
-            for value in want:
-                dims.add().dim_value = value
+    for axis, dim in enumerate(tensor_type.shape.dim):
+        if dim.HasField("dim_value") and dim.dim_value > 0:
             continue
-        if not tensor_type.HasField("shape"):
+        if dim.HasField("dim_value"):
             raise InputError(
-                f"input {name!r} has no declared rank: give --input-shape {name}=…", source=label
+                f"input {name!r} axis {axis} has size {dim.dim_value}: sizes must be positive", source=label
             )
-        for axis, dim in enumerate(dims):
-            if dim.HasField("dim_value") and dim.dim_value > 0:
-                continue
-            if dim.HasField("dim_value"):
-                raise InputError(
-                    f"input {name!r} axis {axis} has size {dim.dim_value}: sizes must be positive",
-                    source=label,
-                )
-            param = dim.dim_param or "?"
-            value = bound[param][0] if param in bound else default_dim
-            if param not in bound:
-                defaulted[f"{name}:{axis} ({param})"] = default_dim
-            dim.Clear()
-            dim.dim_value = value
+        param = dim.dim_param or "?"
+        value = bound[param][0] if param in bound else default_dim
+        if param not in bound:
+            defaulted[f"{name}:{axis} ({param})"] = default_dim
+        dim.Clear()
+        dim.dim_value = value
     return defaulted
 
 
