@@ -9,7 +9,7 @@ operators (Reshape, Squeeze, …), which move nothing. The per-operator table is
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,7 @@ def op_cost(
     return OpCost(flops=int(flops), bytes_moved=int(moved))
 
 
-def op_flops(  # noqa: C901
+def op_flops(
     op_type: str,
     attributes: Mapping[str, Any],
     input_shapes: Sequence[Shape | None],
@@ -81,26 +81,9 @@ def op_flops(  # noqa: C901
 ) -> int:
     out = output_shapes[0] if output_shapes else None
     ins = list(input_shapes)
-
-    def has_input(i: int) -> bool:
-        return len(ins) > i and ins[i] is not None
-
-    if op_type == "Conv":
-        return _conv_flops(ins, out, attributes, has_bias=has_input(2))
-    if op_type == "ConvTranspose":
-        return _conv_transpose_flops(ins, out, attributes, has_bias=has_input(2))
-    if op_type == "MatMul" or op_type == "MatMulInteger":
-        return _matmul_flops(ins[0], ins[1], out)
-    if op_type == "Gemm":
-        return _gemm_flops(ins, out, attributes)
-    if op_type == "Attention":
-        return _attention_flops(ins, attributes)
-    if op_type in ("Softmax", "LogSoftmax"):
-        return 5 * numel(out)
-    if op_type in NORMS_8:
-        return 8 * numel(out)
-    if op_type == "BatchNormalization":
-        return 2 * numel(out)
+    structured = _STRUCTURED.get(op_type)
+    if structured is not None:
+        return structured(ins, out, attributes)
     if op_type in REDUCTIONS:
         return numel(ins[0]) if ins else 0
     if op_type in POOLS:
@@ -108,9 +91,30 @@ def op_flops(  # noqa: C901
             return 0
         kernel = list(attributes.get("kernel_shape") or [])
         return out[0] * out[1] * window_taps(ins[0][2:], out[2:], kernel, attributes)
-    if op_type in ELEMENTWISE:
-        return numel(out)
-    return 0
+    return _PER_OUTPUT.get(op_type, 0) * numel(out)
+
+
+def _has_bias(ins: list[Shape | None]) -> bool:
+    return len(ins) > 2 and ins[2] is not None
+
+
+# Operators whose FLOPs follow from their operands' shapes (and attributes).
+_STRUCTURED: dict[str, Callable[[list[Shape | None], Shape | None, Mapping[str, Any]], int]] = {
+    "Conv": lambda ins, out, attrs: _conv_flops(ins, out, attrs, has_bias=_has_bias(ins)),
+    "ConvTranspose": lambda ins, out, attrs: _conv_transpose_flops(ins, out, attrs, has_bias=_has_bias(ins)),
+    "MatMul": lambda ins, out, attrs: _matmul_flops(ins[0], ins[1], out),
+    "MatMulInteger": lambda ins, out, attrs: _matmul_flops(ins[0], ins[1], out),
+    "Gemm": lambda ins, out, attrs: _gemm_flops(ins, out, attrs),
+    "Attention": lambda ins, out, attrs: _attention_flops(ins, attrs),
+}
+# FLOPs per output element of the rest (the sets do not overlap).
+_PER_OUTPUT: dict[str, int] = {
+    **dict.fromkeys(ELEMENTWISE, 1),
+    "BatchNormalization": 2,
+    **dict.fromkeys(NORMS_8, 8),
+    "Softmax": 5,
+    "LogSoftmax": 5,
+}
 
 
 def window_taps(
