@@ -91,8 +91,7 @@ def write(rows: dict[int, dict[str, dict]]) -> None:
         "",
         "`auto` plans every degree dividing a node's 8 devices and keeps the fastest as simulated.",
         "Megatron-LM's published configurations (tensor × pipeline × data for a model and GPU count)",
-        "simulated on the same cost model are pending: plans choose their stages, and a fixed",
-        "pipeline layout of equal layer counts is not an input yet.",
+        "beside tessera's own plans on the same cost model: `bench/results/megatron.md`.",
     ]
     write_result("tensor_parallel.md", lines)
 
