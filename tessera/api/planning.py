@@ -189,7 +189,7 @@ def plan_decoding(  # noqa: PLR0913
             raise InputError(why, source=graph.source)
         config = decoder.config
         source = LlmSource(kind="onnx", path=graph.source, sha256=graph.sha256)
-        model_ref, params, positions = ModelRef.of(graph), _counted(graph, decoder), decoder.position_limit
+        model_ref, (params, positions) = ModelRef.of(graph), _counted(graph, decoder)
     else:
         assert llm is not None
         config, source = load_llm_config(llm)
@@ -212,20 +212,23 @@ def plan_decoding(  # noqa: PLR0913
     return DecodePlanning(plan, rows, config, warnings)
 
 
-def _counted(graph: Graph, decoder: Decoder) -> CostParams | None:
+def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | None]:
     """The cost model's constants with the operations of the decode step ``launch`` will run, traced
-    from the model (weights in memory up to 1 GiB); None: the default count per layer."""
+    from the model (weights in memory up to 1 GiB; None: the default count per layer), and the
+    positions a request may hold as the decode step reads them (a learned table's rows less the
+    offset the graph adds; the recognized limit where the step is not built)."""
     if is_lazy(graph.model) or graph.param_bytes > MAX_COUNTED_BYTES:
-        return None
+        return None, decoder.position_limit
     from tessera.executor.decode_program import step_operations
     from tessera.executor.graph_decoder import GraphDecoder
     from tessera.planners.cp.cost import CostParams
 
     try:
-        operations = step_operations(GraphDecoder(graph, decoder))
+        stepped = GraphDecoder(graph, decoder)
+        operations = step_operations(stepped)
     except InputError:  # a graph the decoder cannot step: launch refuses it, with the reason
-        return None
-    return None if operations is None else CostParams(step_operations=operations)
+        return None, decoder.position_limit
+    return (None if operations is None else CostParams(step_operations=operations)), stepped.max_positions
 
 
 def _fixed_batch_message(graph: Graph, batch: int) -> str | None:

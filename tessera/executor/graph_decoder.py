@@ -91,6 +91,7 @@ class GraphDecoder:
                 "that its position embedding reads): decoding could not place new tokens",
                 source=self.label,
             )
+        self.max_positions = self._usable_positions(graph, decoder)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
@@ -160,6 +161,36 @@ class GraphDecoder:
             else:
                 feeds[name] = torch.arange(past, past + s, device=tokens.device).to(dtype).expand(b, s)
         return feeds
+
+    def _usable_positions(self, graph: Graph, decoder: Decoder) -> int | None:
+        """The positions a request may hold: the learned table's rows less what the graph adds to a
+        position before indexing the table (OPT's 2), found by running the graph at a few tokens and
+        reading the highest index each table's Gather receives; the decoder's limit otherwise."""
+        rows = decoder.positions
+        if rows is None:
+            return self.max_positions
+        tables = [
+            op.name
+            for op in graph.ops()
+            if op.op_type == "Gather"
+            and (info := graph.initializers.get(op.inputs[0])) is not None
+            and info.shape is not None
+            and len(info.shape) == 2
+            and info.shape[0] == rows
+        ]
+        highest: list[int] = []
+
+        def read(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            if args[1] is not None and args[1].numel():
+                highest.append(int(args[1].max()))
+            return outs
+
+        s = 4
+        hooks: dict[str, NodeHook] = {name: read for name in tables}
+        self.module.run(self.feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)  # as written
+        offset = max(highest, default=s - 1) - (s - 1)
+        limit = self.max_positions
+        return rows - offset if offset > 0 and (limit is None or rows - offset < limit) else limit
 
     def _position_nodes(self) -> list[str]:
         """The ``Range``/``CumSum`` nodes that count the sequence's positions (0..S-1, or 1..S): found

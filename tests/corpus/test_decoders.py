@@ -244,3 +244,17 @@ def test_a_bf16_export_decodes_as_its_torch_module(corpus: Corpus, tmp_path) -> 
     want = _torch_greedy(module, PROMPTS, NEW_TOKENS)
     assert len({t for tokens in want for t in tokens}) > 3
     _assert_decodes(str(path), PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
+
+
+def test_a_position_table_read_at_an_offset_holds_its_rows_less_the_offset(corpus: Corpus, tmp_path) -> None:
+    # OPT adds 2 to every position before indexing its table of max_position_embeddings + 2 rows: a
+    # request holds max_position_embeddings positions, which plan and launch both enforce.
+    made = corpus.entries[("opt-learned", "dynamo", "dynamic")]
+    rows = corpus.reference("opt-learned")[0].model.config.max_position_embeddings
+    out = tmp_path / "cp.json"
+    base = ["plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "1", "-o", str(out)]
+    result = run_cli(
+        *base, "--context", str(rows - 8), "--output-len", "10"
+    )  # the last token is not fed back
+    assert result.code == 2 and f"position table has {rows}" in result.err, result.err
+    assert run_cli(*base, "--context", str(rows - 8), "--output-len", "9").code == 0
