@@ -9,7 +9,8 @@ paper's runs predate the distributed optimizer):
 
 - **Megatron's shape**: ``--tensor-parallel t --stages p`` (data parallelism fills the rest), full
   recomputation as the paper's runs; stage boundaries and micro-batch chosen by tessera;
-- **tessera's own**: ``--tensor-parallel auto``, stages, replicas and recomputation (``auto``) chosen.
+- **tessera's own**: ``--tensor-parallel auto`` with the same full recomputation: the tensor-parallel
+  degree, stages and replicas chosen.
 
 Both are simulated on tessera's roofline cost model of the A100 (not measured). Beside them, the
 throughput Megatron measured on Selene, converted from its published aggregate PFLOP/s with the
@@ -21,15 +22,13 @@ paper's own FLOPs count per sequence (its eq. 3, recomputation included).
 from __future__ import annotations
 
 import json
-import resource
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from scale import generated, point_process, write_result  # noqa: E402
+from scale import generated, point_process, preset_cluster, timed_plan, write_result  # noqa: E402
 
 SEQ, VOCAB, PER_NODE = 2048, 51200, 8
 # Table 1: name -> (heads, hidden, layers, t, p, GPUs, global batch, published aggregate PFLOP/s)
@@ -37,7 +36,6 @@ TABLE_1 = {
     "18.4B": (48, 6144, 40, 8, 1, 256, 1024, 34.6),
     "39.1B": (64, 8192, 48, 8, 2, 512, 1536, 70.8),
     "76.1B": (80, 10240, 60, 8, 4, 1024, 1792, 143.8),
-    "145.6B": (96, 12288, 80, 8, 8, 1536, 2304, 227.1),
 }
 
 
@@ -49,38 +47,23 @@ def flops_per_sequence(hidden: int, layers: int) -> float:
 def point(name: str, which: str) -> dict:
     """One plan, timed in this process (run as ``--point NAME megatron|tessera``)."""
     from tessera.core.graph import load_graph
-    from tessera.core.specs import parse_cluster
     from tessera.models.gpt import GPTConfig, build_gpt
-    from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
+    from tessera.planners.pipeline.plan import pipeline_options
 
     heads, hidden, layers, t, p, gpus, batch, _ = TABLE_1[name]
     config = GPTConfig(
         layers=layers, hidden=hidden, heads=heads, kv_heads=heads, ffn=4 * hidden, vocab=VOCAB, seq=SEQ
     )
     graph = load_graph(build_gpt(config, lazy=True))
-    import yaml
-
-    spec = yaml.safe_load((ROOT / "tessera" / "configs" / "clusters" / "dgx-a100.yaml").read_text())
-    spec["name"], spec["nodes"][0]["count"] = f"dgx-a100-{gpus}", gpus // PER_NODE
-    cluster = parse_cluster(spec, source=spec["name"])
+    cluster = preset_cluster("dgx-a100", gpus)
     shape = (
         {"tensor_parallel": t, "stages": p, "recompute": "all"}
         if which == "megatron"
-        else {"tensor_parallel": "auto", "recompute": "auto"}
+        else {"tensor_parallel": "auto", "recompute": "all"}
     )
-    options = pipeline_options(cluster, mini_batch=batch, devices=gpus, zero=0, **shape)
-    started = time.perf_counter()
-    plan, pipe, sim = plan_gpp(graph, cluster, options, baseline=False)
-    return {
-        "seconds": time.perf_counter() - started,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "throughput": sim.throughput,
-        "stages": len(plan.stages),
-        "replicas": sorted({st.replicas for st in plan.stages}),
-        "tensor_parallel": plan.stages[0].tensor_parallel,
-        "micro_batch": pipe.micro_batch_size,
-        "recompute": sum(st.recompute for st in plan.stages),
-    }
+    return timed_plan(
+        graph, cluster, pipeline_options(cluster, mini_batch=batch, devices=gpus, zero=0, **shape)
+    )
 
 
 def main() -> None:
@@ -112,7 +95,7 @@ def write(rows: dict[str, dict[str, dict]]) -> None:
         "A100-80GB, NVLink) extended to the row's GPUs, ZeRO off. Simulated on tessera's roofline cost",
         "model (sequences/s), not measured. *Megatron's shape*: `--tensor-parallel t --stages p",
         "--recompute all` (stage boundaries, replicas and micro-batch by tessera); *tessera*:",
-        "`--tensor-parallel auto --recompute auto`. *Published*: Megatron's measured aggregate",
+        "`--tensor-parallel auto --recompute all`. *Published*: Megatron's measured aggregate",
         "PFLOP/s on Selene over the paper's FLOPs per sequence (eq. 3). Cells: sequences/s (× Megatron's",
         "shape) — stages × replicas × t, micro-batch, stages recomputed — planning seconds.",
         "",

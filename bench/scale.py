@@ -35,9 +35,13 @@ LLAMA_PER_DEVICE = 1  # sequences of 2,048 tokens per device in a mini-batch
 
 
 def cluster_of(model: str, n: int):
+    return preset_cluster("dgx-a100" if model == LLAMA70 else "graphpipe-v100", n)
+
+
+def preset_cluster(preset: str, n: int):
+    """The cluster preset with as many of its nodes as hold ``n`` devices."""
     from tessera.core.specs import parse_cluster
 
-    preset = "dgx-a100" if model == LLAMA70 else "graphpipe-v100"
     spec = yaml.safe_load((ROOT / "configs" / "clusters" / f"{preset}.yaml").read_text())
     per_node = spec["nodes"][0]["devices"][0]["count"]
     spec["name"] = f"{preset}-{n}"
@@ -83,6 +87,25 @@ def point(model: str, n: int) -> dict:
         "replicas": sorted({len(st.devices) for st in plan.stages}),
         "micro_batch": pipe.micro_batch_size,
         "zero": sum(st.zero for st in plan.stages),
+        "recompute": sum(st.recompute for st in plan.stages),
+    }
+
+
+def timed_plan(graph, cluster, options) -> dict:
+    """A plan made in this process: its planning seconds and peak memory, simulated throughput and
+    shape (stages, the replica counts, the tensor-parallel degree, micro-batch, stages recomputed)."""
+    from tessera.planners.pipeline.plan import plan_gpp
+
+    started = time.perf_counter()
+    plan, pipe, sim = plan_gpp(graph, cluster, options, baseline=False)
+    return {
+        "seconds": time.perf_counter() - started,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "throughput": sim.throughput,
+        "stages": len(plan.stages),
+        "replicas": sorted({st.replicas for st in plan.stages}),
+        "tensor_parallel": plan.stages[0].tensor_parallel,
+        "micro_batch": pipe.micro_batch_size,
         "recompute": sum(st.recompute for st in plan.stages),
     }
 

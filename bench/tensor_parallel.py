@@ -12,15 +12,21 @@ point runs in a process of its own.
 from __future__ import annotations
 
 import json
-import resource
 import sys
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
-from scale import LLAMA70, cluster_of, generated, model_of, point_process, write_result  # noqa: E402
+from scale import (  # noqa: E402
+    LLAMA70,
+    cluster_of,
+    generated,
+    model_of,
+    point_process,
+    timed_plan,
+    write_result,
+)
 
 DEVICES = (64, 256, 1024, 4096, 16384)
 DEGREES = ("1", "2", "4", "8", "auto")
@@ -28,22 +34,11 @@ DEGREES = ("1", "2", "4", "8", "auto")
 
 def point(n: int, t: str) -> dict:
     """One plan, timed in this process (run as ``--point N T``)."""
-    from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
+    from tessera.planners.pipeline.plan import pipeline_options
 
-    graph = model_of(LLAMA70)
     cluster = cluster_of(LLAMA70, n)
     options = pipeline_options(cluster, mini_batch=n, devices=n, zero=1, recompute="all", tensor_parallel=t)
-    started = time.perf_counter()
-    plan, pipe, sim = plan_gpp(graph, cluster, options, baseline=False)
-    return {
-        "seconds": time.perf_counter() - started,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "throughput": sim.throughput,
-        "stages": len(plan.stages),
-        "replicas": max(st.replicas for st in plan.stages),
-        "tensor_parallel": plan.stages[0].tensor_parallel,
-        "micro_batch": pipe.micro_batch_size,
-    }
+    return timed_plan(model_of(LLAMA70), cluster, options)
 
 
 def main(largest: int) -> None:
@@ -83,7 +78,7 @@ def write(rows: dict[int, dict[str, dict]]) -> None:
                 continue
             ratio = f" ({r['throughput'] / base:.2f}×)" if base else ""
             cells.append(
-                f"{r['throughput']:,.1f}{ratio} — {r['stages']} × {r['replicas']} × {r['tensor_parallel']} — "
+                f"{r['throughput']:,.1f}{ratio} — {r['stages']} × {max(r['replicas'])} × {r['tensor_parallel']} — "
                 f"{r['seconds']:.1f} s / {r['peak_rss_bytes'] / 2**20:.0f}"
             )
         lines.append(f"| {n:,} | " + " | ".join(cells) + " |")
