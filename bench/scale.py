@@ -206,7 +206,7 @@ def write(rows: dict[str, dict[int, dict]]) -> None:
         "",
         "The same 70B decoder planned with tensor-parallel stages (`--tensor-parallel`, 3D plans) is in",
         "`bench/results/tensor_parallel.md`; Megatron-LM's published configurations simulated on the same",
-        "cost model, beside tessera's own plans of the same models: `bench/megatron.py`, its results pending.",
+        "cost model, beside tessera's own plans of the same models, in `bench/results/megatron.md`.",
     ]
     write_result("scale.md", lines)
 

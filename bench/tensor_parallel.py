@@ -86,7 +86,7 @@ def write(rows: dict[int, dict[str, dict]]) -> None:
         "",
         "`auto` plans every degree dividing a node's 8 devices and keeps the fastest as simulated.",
         "Megatron-LM's published configurations (tensor × pipeline × data for a model and GPU count)",
-        "beside tessera's own plans on the same cost model: `bench/megatron.py`, its results pending.",
+        "beside tessera's own plans on the same cost model: `bench/results/megatron.md`.",
     ]
     write_result("tensor_parallel.md", lines)
 
