@@ -19,7 +19,7 @@ from tessera.backends.torch_ops.attention import heads_first
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy, materialize
-from tessera.planners.cp.recognize import Decoder
+from tessera.planners.cp.recognize import Decoder, position_tables
 from tessera.planners.cp.scores import ScoreMod, input_role
 
 __all__ = ["Attend", "GraphDecoder"]
@@ -29,6 +29,7 @@ __all__ = ["Attend", "GraphDecoder"]
 # what the graph does to Q·Kᵀ (scale, soft-cap, ALiBi, window); S new tokens after ``past`` cached.
 Attend = Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]
 _POSITION_OPS = ("Range", "CumSum")
+_PROBES = (3, 5)  # the sequence lengths the graph is run at to find its positions
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,6 @@ class GraphDecoder:
         model = materialize(graph.model) if is_lazy(graph.model) else graph.model
         self.module: OnnxModule = to_torch(model, label=self.label).train(False)
         self.vocab = decoder.config.vocab
-        self.max_positions = decoder.position_limit  # a learned table's rows; None: no limit
         # An Attention operator's head counts, for 3-D inputs ([B, S, H·D]).
         self.op_heads = {
             core.av_matmul: (core.heads, int(graph.op(core.av_matmul).attributes.get("kv_num_heads", 0) or 0))
@@ -71,8 +71,11 @@ class GraphDecoder:
         ]
         self.needed = _needed(graph, decoder, self.logits_output)
         self.programs: dict[tuple[int, int], Any] = {}  # (batch, new tokens) -> its StepProgram
+        tables = (
+            [op.name for op in position_tables(graph, decoder.config.hidden)] if decoder.positions else []
+        )
         try:
-            found = self._position_nodes()
+            found, highest = self._probe(tables)
         except RuntimeError as exc:  # the graph runs only at the sequence length it was exported at
             declared = graph.declared_shapes.get(self.token_input) or ()
             fixed = f" of {declared[1]}" if len(declared) == 2 and isinstance(declared[1], int) else ""
@@ -91,7 +94,11 @@ class GraphDecoder:
                 "that its position embedding reads): decoding could not place new tokens",
                 source=self.label,
             )
-        self.max_positions = self._usable_positions(graph, decoder)
+        # The positions a request may hold: a learned table's rows less what the graph adds to a
+        # position before indexing it (OPT's 2), else the recognized limit; None: no limit.
+        # A learned table's rows less what the graph adds to a position before indexing it (OPT's 2).
+        rows = None if decoder.positions is None else decoder.positions - max(0, highest - (_PROBES[-1] - 1))
+        self.max_positions = min((n for n in (rows, decoder.position_limit) if n is not None), default=None)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
@@ -162,40 +169,12 @@ class GraphDecoder:
                 feeds[name] = torch.arange(past, past + s, device=tokens.device).to(dtype).expand(b, s)
         return feeds
 
-    def _usable_positions(self, graph: Graph, decoder: Decoder) -> int | None:
-        """The positions a request may hold: the learned table's rows less what the graph adds to a
-        position before indexing the table (OPT's 2), found by running the graph at a few tokens and
-        reading the highest index each table's Gather receives; the decoder's limit otherwise."""
-        rows = decoder.positions
-        if rows is None:
-            return self.max_positions
-        tables = [
-            op.name
-            for op in graph.ops()
-            if op.op_type == "Gather"
-            and (info := graph.initializers.get(op.inputs[0])) is not None
-            and info.shape is not None
-            and len(info.shape) == 2
-            and info.shape[0] == rows
-        ]
-        highest: list[int] = []
-
-        def read(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-            if args[1] is not None and args[1].numel():
-                highest.append(int(args[1].max()))
-            return outs
-
-        s = 4
-        hooks: dict[str, NodeHook] = {name: read for name in tables}
-        self.module.run(self.feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)  # as written
-        offset = max(highest, default=s - 1) - (s - 1)
-        limit = self.max_positions
-        return rows - offset if offset > 0 and (limit is None or rows - offset < limit) else limit
-
-    def _position_nodes(self) -> list[str]:
-        """The ``Range``/``CumSum`` nodes that count the sequence's positions (0..S-1, or 1..S): found
-        by running the graph at two lengths and keeping the nodes whose output follows the length."""
+    def _probe(self, tables: list[str]) -> tuple[list[str], int]:
+        """The graph run as written at two lengths (:data:`_PROBES`): the ``Range``/``CumSum`` nodes
+        that count the sequence's positions (0..S-1, or 1..S: their output follows the length), and
+        the highest index the position ``tables``' Gathers receive at the longer one (-1: none)."""
         seen: dict[str, list[bool]] = {}
+        highest = [-1]
 
         def whole(
             args: Sequence[Tensor | None], outs: tuple[Tensor, ...], node: str, s: int
@@ -208,15 +187,21 @@ class GraphDecoder:
             seen.setdefault(node, []).append(counts)
             return outs
 
+        def indexed(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+            if args[1] is not None and args[1].numel():
+                highest[0] = max(highest[0], int(args[1].max()))
+            return outs
+
         candidates = [name for name, op in self.module.node_types().items() if op in _POSITION_OPS]
-        for s in (3, 5):
+        for s in _PROBES:
             hooks: dict[str, NodeHook] = {
                 name: (lambda a, o, name=name, s=s: whole(a, o, name, s)) for name in candidates
             }
+            hooks.update({name: indexed for name in tables} if s == _PROBES[-1] else {})
             for core in self.cores:  # the probe runs the graph as written: its own attention
                 hooks.pop(core.av, None)
             self.module.run(self.feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)
-        return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)]
+        return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)], highest[0]
 
 
 def _side_inputs(graph: Graph) -> dict[str, tuple[str, torch.dtype]]:

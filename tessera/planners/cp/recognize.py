@@ -20,7 +20,7 @@ from tessera.planners.cp.attention import AttentionCore, Matcher
 from tessera.planners.cp.llm import LlmConfig
 from tessera.planners.cp.scores import ScoreMod
 
-__all__ = ["Decoder", "position_limit", "recognize_decoder", "recognize_llm"]
+__all__ = ["Decoder", "position_limit", "position_tables", "recognize_decoder", "recognize_llm"]
 
 _NORMS = {
     "LayerNormalization": "layernorm",
@@ -326,13 +326,18 @@ def _shown(value: float | None) -> float | None:
 
 def position_limit(graph: Graph, hidden: int) -> int | None:
     """Rows of the model's learned position table: the positions a request may hold (prompt and
-    generated tokens fed back). The table is a ``Gather`` from an initializer ``[P, hidden]`` other
-    than the token embedding (the one indexed by a graph input); None when there is none (rotary or
-    sinusoidal positions have no table to run past)."""
-    layers = _Layers(Matcher(graph))
-    token = layers.embedding(hidden)
-    rows = [
-        int(info.shape[0])
+    generated tokens fed back). None when there is none (rotary or sinusoidal positions have no table
+    to run past)."""
+    rows = [int(graph.initializers[op.inputs[0]].shape[0]) for op in position_tables(graph, hidden)]
+    return min(rows) if rows else None
+
+
+def position_tables(graph: Graph, hidden: int) -> list[OpNode]:
+    """The ``Gather``s that read a learned position table: from an initializer ``[P, hidden]`` other
+    than the token embedding (the one indexed by a graph input)."""
+    token = _Layers(Matcher(graph)).embedding(hidden)
+    return [
+        op
         for op in graph.ops()
         if op.op_type == "Gather"
         and len(op.inputs) > 1
@@ -342,7 +347,6 @@ def position_limit(graph: Graph, hidden: int) -> int | None:
         and len(info.shape) == 2
         and info.shape[1] == hidden
     ]
-    return min(rows) if rows else None
 
 
 def recognize_llm(graph: Graph, *, name: str | None = None) -> LlmConfig:
