@@ -253,8 +253,6 @@ def estimate(
     batch = workload.batch
     blk = p.kv_block
     kv_token_layer = 2 * llm.kv_dim * b  # bytes one token adds to one layer's KV cache
-    mean_kv = workload.mean_kv_length
-    mean_blocks = math.ceil(mean_kv / blk)
 
     # Weights: per layer, plus the embedding (held) and the LM head (read every step).
     layer_weight_bytes = llm.layer_params * b
@@ -263,15 +261,11 @@ def estimate(
     dense_flops_per_token = 2 * (llm.attention_params + llm.active_ffn_params)
     attn_flops_per_position = 4 * llm.heads * int(llm.head_dim)  # Q·Kᵀ and ·V, per token and position
 
-    reasons: list[str] = []
     kernels = p.kernels_per_layer + (1 if strategy == "cp" and n > 1 else 0)  # cp: the log-sum-exp merge
     at = _Layout.of(strategy, llm, workload, n, blk)
-    dense_tokens, table_entries, kv_split = at.dense_tokens, at.table_entries, at.kv_split
-    attn_requests, attn_positions, attn_share = at.attn_requests, at.attn_positions, at.attn_share
+    reasons = list(at.reasons)
     weights = (num_layers * layer_weight_bytes + embedding_bytes) * at.weight_share
     kv_cache = at.kv_requests * at.kv_positions * kv_token_layer * num_layers * at.kv_share
-    head_share = at.weight_share
-    reasons += at.reasons
     collectives = _collectives(strategy, llm, cluster, group, batch, b)
 
     # Per device: the slowest device of the group sets the step.
@@ -279,18 +273,19 @@ def estimate(
         peak = device.type.peak_flops(llm.dtype)
         bw = device.type.memory_bandwidth
         dense = max(
-            tokens * dense_flops_per_token * _share(strategy, n) / peak,
-            llm.layer_read_params(tokens) * b * _share(strategy, n) / bw,
+            tokens * dense_flops_per_token * at.weight_share / peak,
+            llm.layer_read_params(tokens) * b * at.weight_share / bw,
         )
-        requests = attn_requests if strategy != "dp" else tokens
+        requests = at.attn_requests if strategy != "dp" else tokens
         attention = max(
-            requests * attn_positions * attn_flops_per_position * attn_share / peak,
-            requests * attn_positions * kv_token_layer * attn_share / bw,
+            requests * at.attn_positions * attn_flops_per_position * at.attn_share / peak,
+            requests * at.attn_positions * kv_token_layer * at.attn_share / bw,
         )
         head = 0.0
         if with_head:
             head = max(
-                tokens * 2 * llm.vocab * llm.hidden * head_share / peak, head_read_bytes * head_share / bw
+                tokens * 2 * llm.vocab * llm.hidden * at.weight_share / peak,
+                head_read_bytes * at.weight_share / bw,
             )
         compute = num_layers * (dense + attention) + head
         if p.step_operations:  # the executor's own count, the layers' share of it per layer
@@ -302,12 +297,12 @@ def estimate(
     def step_time(tokens: int) -> tuple[float, float, float, float]:
         worst = max(step_parts(d, tokens) for d in group)
         compute, launches = worst
-        entries = table_entries if strategy != "dp" else tokens * mean_blocks
+        entries = at.table_entries if strategy != "dp" else tokens * math.ceil(workload.mean_kv_length / blk)
         host = launches + entries * p.block_table_entry_s
         comm = num_layers * sum(c.time_s for c in collectives)
         return compute + host + comm, compute, comm, host
 
-    step, compute, comm, host = step_time(dense_tokens)
+    step, compute, comm, host = step_time(at.dense_tokens)
     straggler = 1.0
     if strategy == "dp" and batch >= n:
         # Replicas finish their own requests' work (Σ output lengths / slots) at different times.
@@ -343,8 +338,8 @@ def estimate(
         kv_cache_bytes=kv_bytes,
         capacity_bytes=capacity,
         collectives=tuple(collectives),
-        kv_split=kv_split,
-        expert_split=_expert_split(llm, strategy, n, dense_tokens),
+        kv_split=at.kv_split,
+        expert_split=_expert_split(llm, strategy, n, at.dense_tokens),
         dp_straggler=straggler,
     )
 
@@ -440,11 +435,6 @@ def decode_op_overhead(device: Device, *, compiled: bool = False) -> float:
     and the spec has it, else the traced step's, else the kernel launch overhead."""
     t = device.type
     return (compiled and t.decode_compiled_op_overhead) or t.decode_op_overhead or t.kernel_launch_overhead
-
-
-def _share(strategy: str, n: int) -> float:
-    """The fraction of each weight matrix a device holds and multiplies by."""
-    return 1 / n if strategy == "tp" else 1.0
 
 
 def _collective(
