@@ -64,7 +64,7 @@ def model_of(model: str):
 
 def point(model: str, n: int) -> dict:
     """One plan, timed in this process (run as ``--point MODEL N``)."""
-    from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
+    from tessera.planners.pipeline.plan import pipeline_options
 
     graph = model_of(model)
     cluster = cluster_of(model, n)
@@ -76,24 +76,13 @@ def point(model: str, n: int) -> dict:
         zero=1 if llama else 0,
         recompute="all" if llama else "never",
     )
-    started = time.perf_counter()
-    plan, pipe, sim = plan_gpp(graph, cluster, options, baseline=False)
-    seconds = time.perf_counter() - started
-    return {
-        "seconds": seconds,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-        "throughput": sim.throughput,
-        "stages": len(plan.stages),
-        "replicas": sorted({len(st.devices) for st in plan.stages}),
-        "micro_batch": pipe.micro_batch_size,
-        "zero": sum(st.zero for st in plan.stages),
-        "recompute": sum(st.recompute for st in plan.stages),
-    }
+    return timed_plan(graph, cluster, options)
 
 
 def timed_plan(graph, cluster, options) -> dict:
     """A plan made in this process: its planning seconds and peak memory, simulated throughput and
-    shape (stages, the replica counts, the tensor-parallel degree, micro-batch, stages recomputed)."""
+    shape (stages, the replica counts, the tensor-parallel degree, micro-batch, stages with ZeRO and
+    stages recomputed)."""
     from tessera.planners.pipeline.plan import plan_gpp
 
     started = time.perf_counter()
@@ -106,6 +95,7 @@ def timed_plan(graph, cluster, options) -> dict:
         "replicas": sorted({st.replicas for st in plan.stages}),
         "tensor_parallel": plan.stages[0].tensor_parallel,
         "micro_batch": pipe.micro_batch_size,
+        "zero": sum(st.zero for st in plan.stages),
         "recompute": sum(st.recompute for st in plan.stages),
     }
 
