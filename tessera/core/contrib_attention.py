@@ -14,7 +14,7 @@ import onnx
 from tessera.core.node_writer import NodeWriter, attributes, padded_inputs
 
 
-def _heads_first(w: NodeWriter, x: str, heads: int, perm: list[int]) -> str:
+def heads_first(w: NodeWriter, x: str, heads: int, perm: list[int]) -> str:
     """``[B, S, heads·D]`` → ``[B, heads, S, D]`` (perm [0, 2, 1, 3]) or ``[B, heads, D, S]``."""
     split = w.op("Reshape", [x, w.ints([0, 0, heads, -1], "heads")])
     return w.op("Transpose", [split], perm=perm)
@@ -40,7 +40,7 @@ def _mask_ok(shapes: dict[str, list[int | None]], mask: str) -> bool:
     return not mask or len(shapes.get(mask) or ()) in (2, 3)
 
 
-def _width(shapes: dict[str, list[int | None]], tensor: str) -> int | None:
+def last_width(shapes: dict[str, list[int | None]], tensor: str) -> int | None:
     dims = shapes.get(tensor)
     return dims[-1] if dims and isinstance(dims[-1], int) else None
 
@@ -52,9 +52,9 @@ def _core(  # noqa: PLR0913
     output."""
     heads = int(a["num_heads"])
     like = w.node.input[0]  # the query or the packed input: the data's element type
-    q4 = _heads_first(w, q, heads, [0, 2, 1, 3])
-    k4 = _heads_first(w, k, heads, [0, 2, 3, 1])
-    v4 = _heads_first(w, v, heads, [0, 2, 1, 3])
+    q4 = heads_first(w, q, heads, [0, 2, 1, 3])
+    k4 = heads_first(w, k, heads, [0, 2, 3, 1])
+    v4 = heads_first(w, v, heads, [0, 2, 1, 3])
     scale = a.get("scale")
     if not scale and q_width:
         scale = 1 / math.sqrt(q_width // heads)  # the default, 1/√head_size
@@ -82,11 +82,11 @@ def _core(  # noqa: PLR0913
 
 # The attributes each lowering reproduces; a node with any other (rotary, a shared cache buffer, …)
 # is left in place and refused, never lowered without it.
-_MHA_ATTRIBUTES = {"num_heads", "scale", "unidirectional", "mask_filter_value"}
-_ATTENTION_ATTRIBUTES = _MHA_ATTRIBUTES | {"qkv_hidden_sizes"}
+MHA_ATTRIBUTES = {"num_heads", "scale", "unidirectional", "mask_filter_value"}
+ATTENTION_ATTRIBUTES = MHA_ATTRIBUTES | {"qkv_hidden_sizes"}
 
 
-def _three_d(shapes: dict[str, list[int | None]], *tensors: str) -> bool:
+def three_d(shapes: dict[str, list[int | None]], *tensors: str) -> bool:
     return all(len(shapes.get(t) or ()) == 3 for t in tensors)
 
 
@@ -94,18 +94,18 @@ def multi_head_attention_lowerable(node: onnx.NodeProto, shapes: dict[str, list[
     """3-D Q, K and V (not packed, not a head-major past), no past or cache indirection, a raw key
     mask, a bias whose three parts have known widths, and no attribute the lowering would drop."""
     q, k, v, bias, mask = padded_inputs(node)[:5]
-    widths = [_width(shapes, t) for t in (q, k, v)]
+    widths = [last_width(shapes, t) for t in (q, k, v)]
     known = not bias or all(widths)
-    plain = set(attributes(node)) <= _MHA_ATTRIBUTES and _three_d(shapes, q, k, v)
+    plain = set(attributes(node)) <= MHA_ATTRIBUTES and three_d(shapes, q, k, v)
     return plain and not any(padded_inputs(node)[6:]) and _mask_ok(shapes, mask) and known
 
 
 def lower_multi_head_attention(w: NodeWriter, a: dict) -> None:
     """``MultiHeadAttention(query, key, value, bias?, key_padding_mask?, attention_bias?)``."""
     q, k, v, bias, mask, attention_bias = padded_inputs(w.node)[:6]
-    q_width = _width(w.shapes, q)
+    q_width = last_width(w.shapes, q)
     if bias:
-        sizes = [_width(w.shapes, t) or 0 for t in (q, k, v)]
+        sizes = [last_width(w.shapes, t) or 0 for t in (q, k, v)]
         bq, bk, bv = w.split_last(bias, sizes)
         q, k, v = (w.op("Add", [t, b]) for t, b in ((q, bq), (k, bk), (v, bv)))
     _core(w, q, k, v, a, [attention_bias] if attention_bias else [], mask, q_width)
@@ -114,9 +114,13 @@ def lower_multi_head_attention(w: NodeWriter, a: dict) -> None:
 def attention_lowerable(node: onnx.NodeProto, shapes: dict[str, list[int | None]]) -> bool:
     """No past (nor its length), a raw key mask, and packed weights of a known width."""
     x = padded_inputs(node)
-    plain = set(attributes(node)) <= _ATTENTION_ATTRIBUTES and _three_d(shapes, x[0])
+    plain = set(attributes(node)) <= ATTENTION_ATTRIBUTES and three_d(shapes, x[0])
     return (
-        plain and not x[4] and not any(x[6:]) and _mask_ok(shapes, x[3]) and _width(shapes, x[1]) is not None
+        plain
+        and not x[4]
+        and not any(x[6:])
+        and _mask_ok(shapes, x[3])
+        and last_width(shapes, x[1]) is not None
     )
 
 
@@ -127,6 +131,6 @@ def lower_attention(w: NodeWriter, a: dict) -> None:
     packed = w.op("MatMul", [x, weights])
     if bias:
         packed = w.op("Add", [packed, bias])
-    sizes = list(a.get("qkv_hidden_sizes") or [(_width(w.shapes, weights) or 0) // 3] * 3)
+    sizes = list(a.get("qkv_hidden_sizes") or [(last_width(w.shapes, weights) or 0) // 3] * 3)
     q, k, v = w.split_last(packed, sizes)
     _core(w, q, k, v, a, [attention_bias] if attention_bias else [], mask, sizes[0])

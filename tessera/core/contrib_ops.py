@@ -17,11 +17,19 @@ from collections.abc import Callable
 
 import onnx
 
+from tessera.core.cache_inputs import PAST_INPUTS
 from tessera.core.contrib_attention import (
+    ATTENTION_ATTRIBUTES,
+    MHA_ATTRIBUTES,
     attention_lowerable,
     lower_attention,
     lower_multi_head_attention,
     multi_head_attention_lowerable,
+)
+from tessera.core.contrib_gqa import (
+    GQA_ATTRIBUTES,
+    group_query_attention_lowerable,
+    lower_group_query_attention,
 )
 from tessera.core.node_writer import NodeWriter, attributes, padded_inputs
 
@@ -121,14 +129,19 @@ LOWERED: dict[tuple[str, str], tuple[Callable[[NodeWriter, dict], None], int]] =
     (MS, "BiasAdd"): (_bias_add, 1),
     (MS, "MultiHeadAttention"): (lower_multi_head_attention, 1),
     (MS, "Attention"): (lower_attention, 1),
+    (MS, "GroupQueryAttention"): (lower_group_query_attention, 1),
 }
 _SKIP_SUM = 3  # SkipLayerNormalization's input + skip + bias output, written by _skip_sum
 # The fused operators that lower only in some forms (no KV cache input, shapes known).
 _FORMS = {
     (MS, "MultiHeadAttention"): multi_head_attention_lowerable,
     (MS, "Attention"): attention_lowerable,
+    (MS, "GroupQueryAttention"): group_query_attention_lowerable,
 }
 Shapes = dict[str, list[int | None]]
+_FORM_ATTRIBUTES = {
+    "MultiHeadAttention": MHA_ATTRIBUTES, "Attention": ATTENTION_ATTRIBUTES, "GroupQueryAttention": GQA_ATTRIBUTES,
+}  # fmt: skip
 
 
 # The attributes each norm and activation lowering reproduces (the attention ones: _FORMS).
@@ -154,6 +167,29 @@ def _lowerable(node: onnx.NodeProto, read: set[str], shapes: Shapes) -> bool:
         return False
     defined = {0, _SKIP_SUM} if node.op_type.startswith("Skip") else set(range(found[1]))
     return all(i in defined or not out or out not in read for i, out in enumerate(node.output))
+
+
+def why_left(node: onnx.NodeProto) -> str | None:
+    """Why a fused operator tessera lowers in other forms was left in place; None for other ops."""
+    key = (_domain(node), node.op_type)
+    if key not in LOWERED:
+        return None
+    inputs = padded_inputs(node)
+    past = [inputs[i] for i in PAST_INPUTS.get(node.op_type, ()) if inputs[i]]
+    if past:
+        return (
+            f"its KV cache input {past[0]!r} is not a graph input of free past length (tessera runs a "
+            "graph's own cache only bound empty, and keeps its own)"
+        )
+    attrs = attributes(node)
+    allowed = _ATTRIBUTES.get(node.op_type, set()) | _FORM_ATTRIBUTES.get(node.op_type, set())
+    if extra := sorted(set(attrs) - allowed):
+        return f"its attribute(s) {', '.join(extra)} are not reproduced by tessera's standard-ONNX form"
+    if node.op_type not in _FORM_ATTRIBUTES:
+        if attrs.get("axis", -1) != -1:
+            return f"it normalizes over axis {attrs['axis']} (tessera writes back norms over the last axis)"
+        return "an output besides its result is read (a norm's mean or inverse deviation)"
+    return "its form (packed or head-major inputs, a 1-D mask index, unknown widths, extra inputs) is not lowered"
 
 
 def _shapes(model: onnx.ModelProto) -> tuple[Shapes, dict[str, int]]:

@@ -3,8 +3,8 @@
 The named steps, each usable alone (TVM-pass style, IR in, IR out):
 
 ``read_model`` (bytes → ModelProto) → ``hoist_initializer_inputs`` → ``sort_nodes`` (structure checks:
-dangling inputs, cycles) → ``name_nodes`` → ``lower_ir_version`` → ``bind_input_shapes`` → ``check_model``
-→ ``infer_shapes``. :func:`prepare_model` runs them in that order.
+dangling inputs, cycles) → ``name_nodes`` → ``bind_empty_cache`` → ``lower_contrib_ops`` →
+``lower_ir_version`` → ``bind_input_shapes`` → ``check_model`` → ``infer_shapes``. :func:`prepare_model` runs them in that order.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ import networkx as nx
 import onnx
 from google.protobuf.message import DecodeError
 
-from tessera.core.contrib_ops import lower_contrib_ops
+from tessera.core.cache_inputs import bind_empty_cache
+from tessera.core.contrib_ops import lower_contrib_ops, why_left
 from tessera.core.errors import InputError
 from tessera.core.external_data import load_present_external_data
 from tessera.core.shape_fold import folded_shapes
@@ -288,6 +289,9 @@ def check_model(model: onnx.ModelProto, *, label: str) -> None:
     for node in model.graph.node:
         if not onnx.defs.has(node.op_type, node.domain):
             domain = node.domain or "ai.onnx"
+            if (why := why_left(node)) is not None:
+                raise InputError(f"node {node.name!r} ({domain} {node.op_type}) is left as onnxruntime's fused "
+                                 f"operator: {why}", source=label)  # fmt: skip
             raise InputError(
                 f"node {node.name!r} uses op {node.op_type!r} of domain {domain!r}, which has no ONNX "
                 "schema (a custom or unknown op): tessera cannot infer its shapes or cost it",
@@ -544,6 +548,7 @@ def prepare_model(
     model = hoist_initializer_inputs(model)
     model = sort_nodes(model, label=label)
     model = name_nodes(model)
+    model = bind_empty_cache(model)  # a decoding graph's own KV cache inputs, bound to length 0
     model = lower_contrib_ops(model)  # onnxruntime's fused operators as standard ONNX
     model = lower_ir_version(model, label=label)
     # Shapes first: the checker refuses a graph input without a shape, which --input-shape gives.
