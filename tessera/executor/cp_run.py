@@ -160,7 +160,7 @@ def run_cp_plan(
     if model.max_positions is not None and longest > model.max_positions:
         raise InputError(
             f"the longest request needs {longest} positions (prompt {max(prompt_lens)} + "
-            f"{options.new_tokens - 1} decode steps) but the model's position table has {model.max_positions}",
+            f"{options.new_tokens - 1} decode steps) but the model holds {model.max_positions} positions (its position tables' rows)",
             source=plan_path,
         )
     backend = choose_backend(plan.cluster, _devices(plan))

@@ -19,7 +19,7 @@ from tessera.backends.torch_ops.attention import heads_first
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy, materialize
-from tessera.planners.cp.recognize import Decoder, position_tables
+from tessera.planners.cp.recognize import Decoder
 from tessera.planners.cp.scores import ScoreMod, input_role
 
 __all__ = ["Attend", "GraphDecoder"]
@@ -71,11 +71,16 @@ class GraphDecoder:
         ]
         self.needed = _needed(graph, decoder, self.logits_output)
         self.programs: dict[tuple[int, int], Any] = {}  # (batch, new tokens) -> its StepProgram
-        tables = (
-            [op.name for op in position_tables(graph, decoder.config.hidden)] if decoder.positions else []
-        )
+        tables = {  # Gathers of a weight table: positions index some (learned tables, rotary caches)
+            op.name: int(info.shape[0])
+            for op in graph.ops()
+            if op.op_type == "Gather"
+            and (info := graph.initializers.get(op.inputs[0])) is not None
+            and info.shape
+            and int(op.attributes.get("axis", 0)) == 0
+        }
         try:
-            found, highest = self._probe(tables)
+            found, first_rows = self._probe(list(tables))
         except RuntimeError as exc:  # the graph runs only at the sequence length it was exported at
             declared = graph.declared_shapes.get(self.token_input) or ()
             fixed = f" of {declared[1]}" if len(declared) == 2 and isinstance(declared[1], int) else ""
@@ -94,11 +99,11 @@ class GraphDecoder:
                 "that its position embedding reads): decoding could not place new tokens",
                 source=self.label,
             )
-        # The positions a request may hold: a learned table's rows less what the graph adds to a
-        # position before indexing it (OPT's 2), else the recognized limit; None: no limit.
-        # A learned table's rows less what the graph adds to a position before indexing it (OPT's 2).
-        rows = None if decoder.positions is None else decoder.positions - max(0, highest - (_PROBES[-1] - 1))
-        self.max_positions = min((n for n in (rows, decoder.position_limit) if n is not None), default=None)
+        # The positions a request may hold: the rows of each table the positions index (a learned
+        # table, a rotary cache) less the row position 0 reads there (OPT's 2), and the recognized
+        # limit; None: no limit.
+        rows = [tables[name] - first for name, first in first_rows.items()]
+        self.max_positions = min([*rows, *filter(None, [decoder.position_limit])], default=None)
 
     @torch.no_grad()
     def logits(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
@@ -169,12 +174,13 @@ class GraphDecoder:
                 feeds[name] = torch.arange(past, past + s, device=tokens.device).to(dtype).expand(b, s)
         return feeds
 
-    def _probe(self, tables: list[str]) -> tuple[list[str], int]:
+    def _probe(self, tables: list[str]) -> tuple[list[str], dict[str, int]]:
         """The graph run as written at two lengths (:data:`_PROBES`): the ``Range``/``CumSum`` nodes
         that count the sequence's positions (0..S-1, or 1..S: their output follows the length), and
-        the highest index the position ``tables``' Gathers receive at the longer one (-1: none)."""
+        of the ``tables``' Gathers those indexed by positions (rows o..o+S-1 at both lengths, for one
+        o), the row o that position 0 reads."""
         seen: dict[str, list[bool]] = {}
-        highest = [-1]
+        read: dict[str, list[int | None]] = {}  # each run's first row, where the rows counted positions
 
         def whole(
             args: Sequence[Tensor | None], outs: tuple[Tensor, ...], node: str, s: int
@@ -187,9 +193,12 @@ class GraphDecoder:
             seen.setdefault(node, []).append(counts)
             return outs
 
-        def indexed(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-            if args[1] is not None and args[1].numel():
-                highest[0] = max(highest[0], int(args[1].max()))
+        def indexed(
+            args: Sequence[Tensor | None], outs: tuple[Tensor, ...], node: str, s: int
+        ) -> tuple[Tensor, ...]:
+            rows = torch.unique(args[1]) if args[1] is not None and args[1].numel() else None
+            counted = rows is not None and len(rows) == s and int(rows[-1] - rows[0]) == s - 1
+            read.setdefault(node, []).append(int(rows[0]) if counted and rows is not None else None)
             return outs
 
         candidates = [name for name, op in self.module.node_types().items() if op in _POSITION_OPS]
@@ -197,11 +206,16 @@ class GraphDecoder:
             hooks: dict[str, NodeHook] = {
                 name: (lambda a, o, name=name, s=s: whole(a, o, name, s)) for name in candidates
             }
-            hooks.update({name: indexed for name in tables} if s == _PROBES[-1] else {})
+            hooks.update({name: (lambda a, o, name=name, s=s: indexed(a, o, name, s)) for name in tables})
             for core in self.cores:  # the probe runs the graph as written: its own attention
                 hooks.pop(core.av, None)
             self.module.run(self.feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)
-        return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)], highest[0]
+        first = {
+            name: runs[0]
+            for name, runs in read.items()
+            if len(runs) == len(_PROBES) and runs[0] is not None and len(set(runs)) == 1
+        }
+        return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)], first
 
 
 def _side_inputs(graph: Graph) -> dict[str, tuple[str, torch.dtype]]:

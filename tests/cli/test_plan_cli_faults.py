@@ -24,7 +24,7 @@ def gpt(write_model, zoo) -> Path:
 def test_a_context_beyond_the_models_positions_is_refused(gpt: Path) -> None:
     res = run_cli("plan", str(gpt), *CP, "--context", "64", "-o", str(gpt.with_name("cp.json")))
     assert res.code == 2 and not gpt.with_name("cp.json").exists()
-    assert res.err.startswith(f"tessera: error: {gpt}: ") and "position table has 16" in res.err
+    assert res.err.startswith(f"tessera: error: {gpt}: ") and "model holds 16 positions" in res.err
     # context 8 and 9 generated tokens: 8 + 9 - 1 = 16 positions (the last token is not fed back)
     res = run_cli("plan", str(gpt), *CP, "--context", "8", "--output-len", "9", "--json")
     assert res.code == 0, res.err

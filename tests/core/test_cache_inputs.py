@@ -9,7 +9,8 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import pytest
-from gqa_decoder import KV_HEADS, LAYERS, empty_cache, gqa_decoder, run_whole
+from cli_runner import run_cli
+from gqa_decoder import KV_HEADS, LAYERS, MAX_POS, empty_cache, gqa_decoder, run_whole
 from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.cache_inputs import bind_empty_cache, cache_inputs
@@ -139,3 +140,18 @@ def test_inputs_that_are_no_cache_are_left_alone() -> None:
     model = _concat_cache_model()
     model.graph.input[1].name = "keys"  # not named as a cache
     assert cache_inputs(model) == {}
+
+
+def test_a_rotary_cache_bounds_the_positions_a_plan_may_ask_for(tmp_path) -> None:
+    """The cos/sin caches hold MAX_POS rows: a request needing one more is refused at plan time."""
+    path = tmp_path / "gqa.onnx"
+    onnx.save(gqa_decoder(), path)
+
+    def plan(context: int) -> object:
+        return run_cli("plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "1",
+                       "--context", str(context), "--output-len", "8", "-o", str(tmp_path / "cp.json"))  # fmt: skip
+
+    refused = plan(MAX_POS - 6)
+    assert refused.code == 2 and f"needs {MAX_POS + 1} positions" in refused.err, refused.err
+    assert f"model holds {MAX_POS} positions" in refused.err
+    assert plan(MAX_POS - 7).code == 0

@@ -256,5 +256,5 @@ def test_a_position_table_read_at_an_offset_holds_its_rows_less_the_offset(corpu
     result = run_cli(
         *base, "--context", str(rows - 8), "--output-len", "10"
     )  # the last token is not fed back
-    assert result.code == 2 and f"position table has {rows}" in result.err, result.err
+    assert result.code == 2 and f"model holds {rows} positions" in result.err, result.err
     assert run_cli(*base, "--context", str(rows - 8), "--output-len", "9").code == 0

@@ -194,7 +194,7 @@ def test_a_request_longer_than_the_position_table_names_the_plan(
     Path("gpt.onnx").write_bytes(build("gpt", "tiny", seed=0).SerializeToString())  # 16 positions
     plan = _cp_plan(tmp_path, "gpt.onnx", context="8", batch=2)
     res = run_cli("launch", str(plan), "--prompt-lens", "16", "--new-tokens", "2")
-    assert res.code == 2 and "position table has 16" in _one_line_error(res.err, plan)
+    assert res.code == 2 and "model holds 16 positions" in _one_line_error(res.err, plan)
 
 
 # -- 6. the plan's llm block is its config's ---------------------------------------------------------

@@ -217,7 +217,7 @@ def plan_cp_request(  # noqa: PLR0913
     needs = f"context {widest} plus output lengths up to {output_lengths.max} needs {longest} positions"
     if positions is not None and longest > positions:
         raise InputError(
-            f"{needs}, but the model's position table has {positions}: give a shorter --context or --output-len",
+            f"{needs}, but the model holds {positions} positions (its position tables' rows): give a shorter --context or --output-len",
             source=model.path if model is not None else None,
         )
     if longest > MAX_TOKENS:  # what launch can decode (and what a plan's context may be)
