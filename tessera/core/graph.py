@@ -384,94 +384,23 @@ def rewritten(graph: Graph, rewrites: Sequence[str]) -> Graph:
     return out
 
 
-def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str, int] | None = None) -> Graph:  # noqa: C901
+def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str, int] | None = None) -> Graph:
     """Build the DAG and per-node costs of an already prepared (named, shape-inferred) model."""
     g = model.graph
-    tensors: dict[str, TensorInfo] = {}
-    for vi in [*g.input, *g.value_info, *g.output]:
-        info = _tensor_info_from_value_info(vi)
-        if info is not None:
-            tensors[vi.name] = info
-    initializers: dict[str, TensorInfo] = {}
-    for t in g.initializer:
-        initializers[t.name] = TensorInfo(
-            t.name, tuple(int(d) for d in t.dims), _dtype_name(t.data_type, label)
-        )
-    for t in g.sparse_initializer:
-        initializers[t.values.name] = TensorInfo(
-            t.values.name, tuple(int(d) for d in t.dims), _dtype_name(t.values.data_type, label)
-        )
-    tensors.update(initializers)
-    for node in g.node:
-        if node.op_type == "Constant":
-            for out in node.output:
-                if out not in tensors:
-                    tensors[out] = _constant_info(node, label)
-
-    producer: dict[str, str] = {}
-    consumers: dict[str, list[str]] = {}
+    tensors, initializers = _tensor_table(g, label)
     implicit = {node.name: outer_scope_inputs(node) for node in g.node}
-    for node in g.node:
-        for out in node.output:
-            if out:
-                producer[out] = node.name
-        for inp in (*node.input, *implicit[node.name]):
-            if inp:
-                consumers.setdefault(inp, []).append(node.name)
-
+    producer, consumers = _dataflow(g, implicit)
     inputs = {vi.name: tensors[vi.name] for vi in g.input if vi.name in tensors}
     outputs = {vi.name: tensors[vi.name] for vi in g.output if vi.name in tensors}
     _check_shapes(tensors, label)
 
     constant_nodes = find_constant_nodes(g, inputs, initializers, producer, implicit)
     param_owner = parameter_owners(g, tensors, initializers, constant_nodes, consumers)
-
     dag = nx.DiGraph()
     for node in g.node:
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        attrs = {k: _plain(v) for k, v in attrs.items()}
-        in_infos = [tensors.get(t) if t else None for t in node.input]
-        out_infos = [tensors.get(t) if t else None for t in node.output]
-        cost: OpCost = op_cost(
-            node.op_type,
-            attrs,
-            [i.shape if i else None for i in in_infos],
-            [o.shape if o else None for o in out_infos],
-            [i.nbytes if i else 0 for i in in_infos],
-            [o.nbytes if o else 0 for o in out_infos],
-        )
         owned = [tensors[t] for t in param_owner.get(node.name, ())]
-        params = sum(t.numel for t in owned)
-        param_bytes = sum(t.nbytes for t in owned)
-        dag.add_node(
-            node.name,
-            op=OpNode(
-                name=node.name,
-                op_type=node.op_type,
-                domain=node.domain,
-                attributes=attrs,
-                inputs=tuple(node.input),
-                outputs=tuple(node.output),
-                flops=cost.flops,
-                bytes_moved=cost.bytes_moved,
-                params=params,
-                param_bytes=param_bytes,
-                implicit_inputs=implicit[node.name],
-            ),
-        )
-    for node in g.node:
-        for t in (*node.input, *implicit[node.name]):
-            src = producer.get(t)
-            if src is None:
-                continue
-            info = tensors.get(t) or TensorInfo(t, None, "float32")
-            if dag.has_edge(src, node.name):
-                edge = dag.edges[src, node.name]
-                if all(x.name != t for x in edge["tensors"]):
-                    edge["tensors"] = (*edge["tensors"], info)
-                    edge["bytes"] += info.nbytes
-            else:
-                dag.add_edge(src, node.name, tensors=(info,), bytes=info.nbytes)
+        dag.add_node(node.name, op=_op_node(node, tensors, owned, implicit[node.name]))
+    _add_edges(dag, g, tensors, producer)
     return Graph(
         model=model,
         dag=dag,
@@ -492,6 +421,98 @@ def build_graph(model: onnx.ModelProto, *, label: str, defaulted_dims: dict[str,
         source=label,
         defaulted_dims=dict(defaulted_dims or {}),
     )
+
+
+def _tensor_table(g: onnx.GraphProto, label: str) -> tuple[dict[str, TensorInfo], dict[str, TensorInfo]]:
+    """Every tensor's info (declared and inferred values, weights, Constant outputs) and the weights'."""
+    tensors: dict[str, TensorInfo] = {}
+    for vi in [*g.input, *g.value_info, *g.output]:
+        info = _tensor_info_from_value_info(vi)
+        if info is not None:
+            tensors[vi.name] = info
+    initializers = {
+        t.name: TensorInfo(t.name, tuple(int(d) for d in t.dims), _dtype_name(t.data_type, label))
+        for t in g.initializer
+    }
+    for t in g.sparse_initializer:
+        initializers[t.values.name] = TensorInfo(
+            t.values.name, tuple(int(d) for d in t.dims), _dtype_name(t.values.data_type, label)
+        )
+    tensors.update(initializers)
+    for node in g.node:
+        if node.op_type == "Constant":
+            for out in node.output:
+                if out not in tensors:
+                    tensors[out] = _constant_info(node, label)
+    return tensors, initializers
+
+
+def _dataflow(
+    g: onnx.GraphProto, implicit: Mapping[str, tuple[str, ...]]
+) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Each tensor's producing node and its consumers (a subgraph's outer reads included)."""
+    producer: dict[str, str] = {}
+    consumers: dict[str, list[str]] = {}
+    for node in g.node:
+        for out in node.output:
+            if out:
+                producer[out] = node.name
+        for inp in (*node.input, *implicit[node.name]):
+            if inp:
+                consumers.setdefault(inp, []).append(node.name)
+    return producer, consumers
+
+
+def _op_node(
+    node: onnx.NodeProto,
+    tensors: Mapping[str, TensorInfo],
+    owned: list[TensorInfo],
+    implicit: tuple[str, ...],
+) -> OpNode:
+    """``node`` as an :class:`OpNode`: its cost from its tensors' shapes, the weights it owns."""
+    attrs = {a.name: _plain(helper.get_attribute_value(a)) for a in node.attribute}
+    in_infos = [tensors.get(t) if t else None for t in node.input]
+    out_infos = [tensors.get(t) if t else None for t in node.output]
+    cost: OpCost = op_cost(
+        node.op_type,
+        attrs,
+        [i.shape if i else None for i in in_infos],
+        [o.shape if o else None for o in out_infos],
+        [i.nbytes if i else 0 for i in in_infos],
+        [o.nbytes if o else 0 for o in out_infos],
+    )
+    return OpNode(
+        name=node.name,
+        op_type=node.op_type,
+        domain=node.domain,
+        attributes=attrs,
+        inputs=tuple(node.input),
+        outputs=tuple(node.output),
+        flops=cost.flops,
+        bytes_moved=cost.bytes_moved,
+        params=sum(t.numel for t in owned),
+        param_bytes=sum(t.nbytes for t in owned),
+        implicit_inputs=implicit,
+    )
+
+
+def _add_edges(
+    dag: nx.DiGraph, g: onnx.GraphProto, tensors: Mapping[str, TensorInfo], producer: Mapping[str, str]
+) -> None:
+    """An edge from each producer to each consumer, carrying the tensors it passes and their bytes."""
+    for node in g.node:
+        for t in (*node.input, *outer_scope_inputs(node)):
+            src = producer.get(t)
+            if src is None:
+                continue
+            info = tensors.get(t) or TensorInfo(t, None, "float32")
+            if not dag.has_edge(src, node.name):
+                dag.add_edge(src, node.name, tensors=(info,), bytes=info.nbytes)
+                continue
+            edge = dag.edges[src, node.name]
+            if all(x.name != t for x in edge["tensors"]):
+                edge["tensors"] = (*edge["tensors"], info)
+                edge["bytes"] += info.nbytes
 
 
 # Dims above this are taken as a mistake (a declared 2**40-element tensor is not a real model).
