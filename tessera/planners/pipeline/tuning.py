@@ -82,7 +82,7 @@ def fastest_tuned(timed: list[tuple[tuple, Pipeline]]) -> tuple[Pipeline, tuple]
     return out[1], out[0]
 
 
-def tune_warm_up(pipe: Pipeline, *, per_stage: bool = True) -> tuple[Pipeline, float]:  # noqa: C901
+def tune_warm_up(pipe: Pipeline, *, per_stage: bool = True) -> tuple[Pipeline, float]:
     """A 1F1B pipeline with each stage's warm-up tuned on the simulator, and its iteration time.
 
     Algorithm 4's idea (a stage runs ahead as far as it helps, no further) at the grain of the
@@ -98,56 +98,81 @@ def tune_warm_up(pipe: Pipeline, *, per_stage: bool = True) -> tuple[Pipeline, f
     if base is not None:
         for st, least in zip(pipe.stages, base.stages, strict=True):
             current[st.id] = max(0, st.in_flight - least.in_flight)
-    best, best_time = pipe, simulate_pipeline(pipe, trace=False).iteration_time
+    best_time = simulate_pipeline(pipe, trace=False).iteration_time
     if pipe.schedule_kind != "1f1b":
-        return best, best_time
-    m = pipe.num_micro_batches
-    sources = {e.src for e in pipe.edges}
-    budget = _TUNE_TASKS // (2 * m * len(pipe.stages))  # simulations this pipeline may take
-    # First every stage with successors together (the candidates come with 0–2 extra): where
-    # several stages feed one (a graph pipeline's branches into their merge), one running ahead
-    # gains nothing while the others hold the merge back, so the stage-by-stage steps below never
-    # find the warm-up they need together (CANDLE-Uno rewritten at 32 devices, seven branch stages
-    # into one: 1F1B 769.5k → 820.3k samples/s, Algorithm 4's). Extra m: every forward first
-    # (GPipe's order) on those stages.
-    for extra in [e for e in _JOINT_EXTRAS if e < m] + [m]:
-        if budget <= 0:
-            break
-        trial = {s: max(x, extra) if s in sources else x for s, x in current.items()}
-        if trial == current:
-            continue
-        budget -= 1
-        cand = scheduled(pipe, trial)
-        if cand is None:
-            break  # more warm-up only needs more memory
-        t = simulate_pipeline(cand, trace=False).iteration_time
-        if t < best_time:
-            best, best_time, current = cand, t, trial
-    if not per_stage:
-        return best, best_time
-    for st in reversed(pipe.stages):
-        if st.id not in sources:
-            continue
-        extra = 0
+        return pipe, best_time
+    budget = _TUNE_TASKS // (2 * pipe.num_micro_batches * len(pipe.stages))  # simulations it may take
+    tuning = _Tuning(pipe, pipe, best_time, current, budget)
+    tuning.joint()
+    if per_stage:
+        for st in reversed(pipe.stages):
+            if st.id in tuning.sources and not tuning.stage(st.id):
+                break
+    return tuning.best, tuning.best_time
+
+
+@dataclasses.dataclass
+class _Tuning:
+    """The state of :func:`tune_warm_up`: the best pipeline so far, its time, the extra warm-up per
+    stage it has, and the simulations left."""
+
+    pipe: Pipeline
+    best: Pipeline
+    best_time: float
+    current: dict[int, int]
+    budget: int
+
+    @property
+    def sources(self) -> set[int]:
+        return {e.src for e in self.pipe.edges}
+
+    def _simulated(self, trial: dict[int, int]) -> tuple[Pipeline, float] | None:
+        """``trial``'s pipeline and iteration time, one simulation spent; None: it does not fit memory."""
+        self.budget -= 1
+        cand = scheduled(self.pipe, trial)
+        return None if cand is None else (cand, simulate_pipeline(cand, trace=False).iteration_time)
+
+    def joint(self) -> None:
+        """Every stage with successors together (the candidates come with 0–2 extra): where several
+        stages feed one (a graph pipeline's branches into their merge), one running ahead gains
+        nothing while the others hold the merge back, so the stage-by-stage steps never find the
+        warm-up they need together (CANDLE-Uno rewritten at 32 devices, seven branch stages into
+        one: 1F1B 769.5k → 820.3k samples/s, Algorithm 4's). Extra m: every forward first (GPipe's
+        order) on those stages."""
+        m, sources = self.pipe.num_micro_batches, self.sources
+        for extra in [e for e in _JOINT_EXTRAS if e < m] + [m]:
+            if self.budget <= 0:
+                return
+            trial = {s: max(x, extra) if s in sources else x for s, x in self.current.items()}
+            if trial == self.current:
+                continue
+            found = self._simulated(trial)
+            if found is None:
+                return  # more warm-up only needs more memory
+            if found[1] < self.best_time:
+                (self.best, self.best_time), self.current = found, trial
+
+    def stage(self, stage: int) -> bool:
+        """``stage`` alone with 0, 1, 2, 4, … extra warm-up (ties to fewer in flight); False when the
+        simulations ran out."""
+        m = self.pipe.num_micro_batches
         for step in range(m + 1):
             extra = 0 if step == 0 else 1 << (step - 1)
             if extra >= m:
                 break
-            if extra == current[st.id]:
+            if extra == self.current[stage]:
                 continue
-            if budget <= 0:
-                return best, best_time
-            budget -= 1
-            trial = {**current, st.id: extra}
-            cand = scheduled(pipe, trial)
-            if cand is None:
-                if extra > current[st.id]:
+            if self.budget <= 0:
+                return False
+            trial = {**self.current, stage: extra}
+            found = self._simulated(trial)
+            if found is None:
+                if extra > self.current[stage]:
                     break  # more warm-up only needs more memory
                 continue
-            t = simulate_pipeline(cand, trace=False).iteration_time
-            if t < best_time or (t == best_time and extra < current[st.id]):
-                best, best_time, current = cand, t, trial
-    return best, best_time
+            if found[1] < self.best_time or (found[1] == self.best_time and extra < self.current[stage]):
+                (self.best, self.best_time), self.current = found, trial
+        return True
 
 
 def fastest_rescheduled(best: Pipeline, best_time: float, timed: list[tuple[tuple, Pipeline]]) -> Pipeline:
