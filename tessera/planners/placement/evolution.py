@@ -60,7 +60,7 @@ def graph_level_backend(available: Iterable[str]) -> str | None:
     return next((b for b in GRAPH_LEVEL_BACKENDS if b in names), None)
 
 
-def evolve(  # noqa: C901
+def evolve(
     n_bits: int,
     fitness: Callable[[Bits], float],
     seeds: Sequence[Bits],
@@ -70,29 +70,13 @@ def evolve(  # noqa: C901
 ) -> EvolutionResult:
     """Minimize ``fitness`` over bit strings of length ``n_bits`` (see the module docstring)."""
     rng = random.Random(options.seed)
-    memo: dict[Bits, float] = {}
-    start = clock()
-
-    def out_of_time() -> bool:
-        return options.budget_s is not None and clock() - start > options.budget_s
-
-    def score(bits: Bits) -> float:
-        if bits not in memo:
-            memo[bits] = fitness(bits)
-        return memo[bits]
-
+    scorer = _Scorer(fitness, clock, options.budget_s)
+    memo, score, out_of_time = scorer.memo, scorer.score, scorer.out_of_time
     if n_bits == 0:
         empty: Bits = ()
         return EvolutionResult(empty, score(empty), 0, len(memo), "no bits", [memo[empty]])
 
-    population: list[Bits] = []
-    for s in seeds:
-        if len(s) != n_bits:
-            raise ValueError(f"seed individual has {len(s)} bits, expected {n_bits}")
-        if tuple(s) not in population:
-            population.append(tuple(s))
-    while len(population) < max(options.population, len(population)):
-        population.append(tuple(rng.randint(0, 1) for _ in range(n_bits)))
+    population = _first_population(rng, n_bits, seeds, options.population)
     for ind in population:
         score(ind)
         if out_of_time():
@@ -107,19 +91,8 @@ def evolve(  # noqa: C901
             stopped = "budget"
             break
         generation += 1
-        ranked = sorted(scored, key=lambda i: (memo[i], i))
-        children: list[Bits] = ranked[: options.elite]
-        while len(children) < options.population:
-            a = _tournament(rng, scored, memo, options.tournament)
-            b = _tournament(rng, scored, memo, options.tournament)
-            if rng.random() < options.crossover_rate and n_bits > 1:
-                a, b = _two_point_crossover(rng, a, b)
-            for child in (a, b):
-                child = tuple(bit ^ 1 if rng.random() < mutation else bit for bit in child)
-                if len(children) < options.population:
-                    children.append(child)
-        scored = []
-        for child in children:
+        scored_before, scored = scored, []
+        for child in _children(rng, scored_before, memo, options, mutation):
             if out_of_time() and child not in memo:
                 continue
             score(child)
@@ -134,6 +107,59 @@ def evolve(  # noqa: C901
             stopped = "saturation"
             break
     return EvolutionResult(best, memo[best], generation, len(memo), stopped, history)
+
+
+class _Scorer:
+    """Fitness memoized per individual, and the search's time budget (None: none)."""
+
+    def __init__(self, fitness: Callable[[Bits], float], clock: Callable[[], float], budget_s: float | None):
+        self.fitness, self.clock, self.budget_s = fitness, clock, budget_s
+        self.memo: dict[Bits, float] = {}
+        self.start = clock()
+
+    def out_of_time(self) -> bool:
+        return self.budget_s is not None and self.clock() - self.start > self.budget_s
+
+    def score(self, bits: Bits) -> float:
+        if bits not in self.memo:
+            self.memo[bits] = self.fitness(bits)
+        return self.memo[bits]
+
+
+def _first_population(rng: random.Random, n_bits: int, seeds: Sequence[Bits], size: int) -> list[Bits]:
+    """The seeds (each once), then random individuals up to ``size``."""
+    population: list[Bits] = []
+    for s in seeds:
+        if len(s) != n_bits:
+            raise ValueError(f"seed individual has {len(s)} bits, expected {n_bits}")
+        if tuple(s) not in population:
+            population.append(tuple(s))
+    while len(population) < max(size, len(population)):
+        population.append(tuple(rng.randint(0, 1) for _ in range(n_bits)))
+    return population
+
+
+def _children(
+    rng: random.Random,
+    scored: Sequence[Bits],
+    memo: dict[Bits, float],
+    options: EvolutionOptions,
+    mutation: float,
+) -> list[Bits]:
+    """The next generation: the elite, then tournament winners crossed over in pairs and mutated."""
+    ranked = sorted(scored, key=lambda i: (memo[i], i))
+    children: list[Bits] = ranked[: options.elite]
+    n_bits = len(scored[0])
+    while len(children) < options.population:
+        a = _tournament(rng, scored, memo, options.tournament)
+        b = _tournament(rng, scored, memo, options.tournament)
+        if rng.random() < options.crossover_rate and n_bits > 1:
+            a, b = _two_point_crossover(rng, a, b)
+        for child in (a, b):
+            child = tuple(bit ^ 1 if rng.random() < mutation else bit for bit in child)
+            if len(children) < options.population:
+                children.append(child)
+    return children
 
 
 def _tournament(rng: random.Random, pool: Sequence[Bits], memo: dict[Bits, float], k: int) -> Bits:
