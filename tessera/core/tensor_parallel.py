@@ -13,13 +13,13 @@ layer: the analysis reads the operators and the concrete shapes. Narrative: docs
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 from onnx import numpy_helper
 
-from tessera.core.graph import Graph
+from tessera.core.graph import Graph, OpNode, TensorInfo
 
 __all__ = ["Region", "TpSplit", "shard", "tensor_parallel"]
 
@@ -238,16 +238,14 @@ class _Pass:
                 raise _Conflict(seeds)
         self.labels[op.outputs[0]] = _Label(len(out.shape) - 1, seeds, pieces)
 
-    def _rule(self, name: str, split: Mapping[int, _Label], seeds: frozenset[str]) -> int | None:  # noqa: C901, PLR0911
+    def _rule(self, name: str, split: Mapping[int, _Label], seeds: frozenset[str]) -> int | None:  # noqa: PLR0911
         g, op = self.g, self.g.op(name)
         kind = op.op_type
         first = next(iter(split.values()))
         shape_in = g.tensors[op.inputs[next(iter(split))]].shape
         out = g.tensors.get(op.outputs[0])
-        if out is None or out.shape is None or shape_in is None:
+        if not _ruled(op, out, shape_in):
             return None
-        if op.domain not in ("", "ai.onnx") and (op.domain, kind) != ("com.microsoft", "Gelu"):
-            return None  # another domain's operator: its semantics are not the ones below
         rank = len(out.shape)
         if kind == "Split" and op.attributes.get("axis", 0) % len(shape_in) == first.axis:
             return self._parts(name, first.axis, seeds)
@@ -259,38 +257,57 @@ class _Pass:
             ax = op.attributes.get("axis", -1) % rank
             return first.axis if ax != first.axis else None
         if kind in ("LayerNormalization", "RMSNormalization"):
-            ax = op.attributes.get("axis", -1) % rank
-            if list(split) != [0] or first.axis >= ax:
-                return None
-            for k in range(1, len(op.inputs)):
-                if op.inputs[k] and not self._whole(name, k, first.axis, out.shape, seeds):
-                    return None
-            return first.axis if len([o for o in op.outputs if o]) == 1 else None
+            return self._norm(name, split, seeds, out.shape)
         if kind == "Transpose":
             perm = list(op.attributes.get("perm", range(rank)[::-1]))
             return perm.index(first.axis)
         if kind in _REDUCE:
             return self._reduce(name, first.axis, len(shape_in))
         if kind in _REGROUP:
-            if list(split) != [0]:
-                return None
-            found = _regroup(shape_in, out.shape, first.axis, self.piece, self.t)
-            if found is None:
-                return None
-            ax, self.out_piece = found
-            if kind in ("Reshape", "Expand"):  # the entry of the shape input giving that axis
-                given = g.tensors[op.inputs[1]].shape
-                entry = ax - (rank - given[0]) if given else -2
-                if entry >= 0:
-                    self.shapes[name] = (entry, seeds)
-                elif kind == "Reshape" or entry == -2:
-                    return None
-            return ax
+            return self._regrouped(name, split, seeds, shape_in, out.shape) if list(split) == [0] else None
         if kind in ("Slice", "Split", "Concat", "Gather"):
             return self._along(name, split, seeds, out.shape)
         if kind == "MatMul":
             return self._batched(name, split, seeds, out.shape)
         return None
+
+    def _norm(
+        self, name: str, split: Mapping[int, _Label], seeds: frozenset[str], out: Sequence[int]
+    ) -> int | None:
+        """A norm over axes after the split one, its scale and bias whole, only its result read."""
+        op = self.g.op(name)
+        first = next(iter(split.values()))
+        ax = op.attributes.get("axis", -1) % len(out)
+        if list(split) != [0] or first.axis >= ax:
+            return None
+        for k in range(1, len(op.inputs)):
+            if op.inputs[k] and not self._whole(name, k, first.axis, out, seeds):
+                return None
+        return first.axis if len([o for o in op.outputs if o]) == 1 else None
+
+    def _regrouped(
+        self,
+        name: str,
+        split: Mapping[int, _Label],
+        seeds: frozenset[str],
+        shape_in: Sequence[int],
+        out: Sequence[int],
+    ) -> int | None:
+        """A Reshape, Expand, … that keeps the split axis's pieces whole: the axis they land on (a
+        Reshape's or Expand's shape input then split at that entry)."""
+        op = self.g.op(name)
+        found = _regroup(shape_in, out, next(iter(split.values())).axis, self.piece, self.t)
+        if found is None:
+            return None
+        ax, self.out_piece = found
+        if op.op_type in ("Reshape", "Expand"):  # the entry of the shape input giving that axis
+            given = self.g.tensors[op.inputs[1]].shape
+            entry = ax - (len(out) - given[0]) if given else -2
+            if entry >= 0:
+                self.shapes[name] = (entry, seeds)
+            elif op.op_type == "Reshape" or entry == -2:
+                return None
+        return ax
 
     def _parts(self, name: str, axis: int, seeds: frozenset[str]) -> int | None:
         """A Split along the split axis into equal parts, each whole parts of the layout (a fused
@@ -511,6 +528,14 @@ def _constant(graph: Graph, tensor: str) -> list[int] | None:
         if value is not None:
             return [int(v) for v in np.asarray(value).reshape(-1)]
     return None
+
+
+def _ruled(op: OpNode, out: TensorInfo | None, shape_in: Sequence[int] | None) -> bool:
+    """Shapes known, and an operator whose semantics the rules are for (the default domain's,
+    and onnxruntime's Gelu)."""
+    if out is None or out.shape is None or shape_in is None:
+        return False
+    return op.domain in ("", "ai.onnx") or (op.domain, op.op_type) == ("com.microsoft", "Gelu")
 
 
 def _regroup(
