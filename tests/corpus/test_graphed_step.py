@@ -24,8 +24,11 @@ NEW_TOKENS = 12  # past mistral-window's window of 8
 
 @pytest.mark.parametrize(
     "model",
-    ["gpt2", "llama-gqa-sdpa", "mistral-window", "bloom-alibi", "gemma2-softcap", "falcon-mqa", "mpt-alibi"],
-)
+    [
+        "gpt2", "llama-gqa-sdpa", "mistral-window", "bloom-alibi", "gemma2-softcap", "falcon-mqa", "mpt-alibi",
+        "mixtral-moe", "qwen2-moe",  # routing traced: TopK's k a constant of the graph
+    ],
+)  # fmt: skip
 def test_the_fixed_shape_step_decodes_the_reference_tokens(model: str, corpus: Corpus) -> None:
     made = corpus.entries[(model, "dynamo", "dynamic")]
     assert made.path is not None, made.error

@@ -124,8 +124,9 @@ def ints(t: Tensor | None) -> list[int]:
 
 
 def scalar(t: Tensor) -> float | int:
-    """A one-element tensor (rank 0 or 1) as a Python number."""
-    return t.reshape(-1)[0].item()
+    """A one-element tensor (rank 0 or 1) as a Python number (read as :func:`ints` reads, so a
+    constant reads in a traced step too)."""
+    return t.reshape(-1).tolist()[0]
 
 
 def axes_of(inputs: Inputs, attrs: Mapping[str, Any], position: int) -> list[int] | None:
