@@ -214,6 +214,9 @@ def main() -> None:
     )
     parser.add_argument("--models", default="", help="comma-separated corpus decoders (default: all)")
     parser.add_argument(
+        "--out", type=Path, default=None, help="the results file (default: by --compiled-only)"
+    )
+    parser.add_argument(
         "--calibrate",
         action="store_true",
         help="plan on a spec tessera calibrate measures first, in this run (not local-cpu-split's)",
@@ -236,10 +239,11 @@ def main() -> None:
         "`-compiled`: `launch --compile` (torch.compile of the decode step; its compile time is "
         "excluded) of a plan made with `plan --compile` (its prediction the compiled step's). Regenerate "
         f"with `.venv/bin/python bench/decode.py{' --compiled-only' if args.compiled_only else ''}"
-        f"{' --calibrate' if args.calibrate else ''}`.",
+        f"{' --calibrate' if args.calibrate else ''}{f' --models {args.models}' if args.models else ''}"
+        f"{f' --out {args.out}' if args.out else ''}`.",
         "",
     ]
-    out = OUT_COMPILED if args.compiled_only else OUT
+    out = args.out or (OUT_COMPILED if args.compiled_only else OUT)
 
     def save(rows: list[dict]) -> None:  # after every row: a run stopped half-way keeps its rows
         write_atomic(out, "\n".join(header + table(rows)) + "\n")
