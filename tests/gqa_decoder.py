@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD, FFN, LAYERS, MAX_POS = 128, 64, 4, 2, 16, 96, 2, 256
 
 
-def gqa_decoder(  # noqa: PLR0913 - each is a variant the tests cover
+def gqa_decoder(
     *,
     seed: int = 0,
     window: int = -1,

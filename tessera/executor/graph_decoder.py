@@ -71,16 +71,15 @@ class GraphDecoder:
         ]
         self.needed = _needed(graph, decoder, self.logits_output)
         self.programs: dict[tuple[int, int], Any] = {}  # (batch, new tokens) -> its StepProgram
-        tables = {  # Gathers of a weight table: positions index some (learned tables, rotary caches)
-            op.name: int(info.shape[0])
+        gathers = {  # positions index some (a learned table, a rotary cache, GPT-J's sin/cos rows)
+            op.name: int(op.attributes.get("axis", 0))
             for op in graph.ops()
-            if op.op_type == "Gather"
-            and (info := graph.initializers.get(op.inputs[0])) is not None
-            and info.shape
-            and int(op.attributes.get("axis", 0)) == 0
+            if op.op_type in ("Gather", "GatherElements")
+            or op.op_type == "GatherND"
+            and not op.attributes.get("batch_dims", 0)  # rows of axis 0
         }
         try:
-            found, first_rows = self._probe(list(tables))
+            found, tables = self._probe(gathers)
         except RuntimeError as exc:  # the graph runs only at the sequence length it was exported at
             declared = graph.declared_shapes.get(self.token_input) or ()
             fixed = f" of {declared[1]}" if len(declared) == 2 and isinstance(declared[1], int) else ""
@@ -102,7 +101,7 @@ class GraphDecoder:
         # The positions a request may hold: the rows of each table the positions index (a learned
         # table, a rotary cache) less the row position 0 reads there (OPT's 2), and the recognized
         # limit; None: no limit.
-        rows = [tables[name] - first for name, first in first_rows.items()]
+        rows = [size - first for first, size in tables.values()]
         self.max_positions = min([*rows, *filter(None, [decoder.position_limit])], default=None)
 
     @torch.no_grad()
@@ -174,13 +173,15 @@ class GraphDecoder:
                 feeds[name] = torch.arange(past, past + s, device=tokens.device).to(dtype).expand(b, s)
         return feeds
 
-    def _probe(self, tables: list[str]) -> tuple[list[str], dict[str, int]]:
+    def _probe(self, gathers: dict[str, int]) -> tuple[list[str], dict[str, tuple[int, int]]]:
         """The graph run as written at two lengths (:data:`_PROBES`): the ``Range``/``CumSum`` nodes
         that count the sequence's positions (0..S-1, or 1..S: their output follows the length), and
-        of the ``tables``' Gathers those indexed by positions (rows o..o+S-1 at both lengths, for one
-        o), the row o that position 0 reads."""
+        of the ``gathers`` (name: axis) those that read a table by position (rows o..o+S-1 at both
+        lengths, for one o, of a table whose size does not follow the length): (o, the table's
+        rows)."""
         seen: dict[str, list[bool]] = {}
-        read: dict[str, list[int | None]] = {}  # each run's first row, where the rows counted positions
+        read: dict[str, list[tuple[int, int] | None]] = {}  # per run: (first row, rows) if positions
+        types = self.module.node_types()
 
         def whole(
             args: Sequence[Tensor | None], outs: tuple[Tensor, ...], node: str, s: int
@@ -196,17 +197,21 @@ class GraphDecoder:
         def indexed(
             args: Sequence[Tensor | None], outs: tuple[Tensor, ...], node: str, s: int
         ) -> tuple[Tensor, ...]:
-            rows = torch.unique(args[1]) if args[1] is not None and args[1].numel() else None
+            data, index = args[0], args[1]
+            if index is not None and index.dim() and types[node] == "GatherND":
+                index = index if index.shape[-1] == 1 else None  # one index: a row of axis 0
+            rows = torch.unique(index) if data is not None and index is not None and index.numel() else None
             counted = rows is not None and len(rows) == s and int(rows[-1] - rows[0]) == s - 1
-            read.setdefault(node, []).append(int(rows[0]) if counted and rows is not None else None)
+            size = data.shape[gathers[node]] if data is not None and data.dim() else 0
+            read.setdefault(node, []).append((int(rows[0]), size) if counted and rows is not None else None)
             return outs
 
-        candidates = [name for name, op in self.module.node_types().items() if op in _POSITION_OPS]
+        candidates = [name for name, op in types.items() if op in _POSITION_OPS]
         for s in _PROBES:
             hooks: dict[str, NodeHook] = {
                 name: (lambda a, o, name=name, s=s: whole(a, o, name, s)) for name in candidates
             }
-            hooks.update({name: (lambda a, o, name=name, s=s: indexed(a, o, name, s)) for name in tables})
+            hooks.update({name: (lambda a, o, name=name, s=s: indexed(a, o, name, s)) for name in gathers})
             for core in self.cores:  # the probe runs the graph as written: its own attention
                 hooks.pop(core.av, None)
             self.module.run(self.feeds(torch.zeros(1, s, dtype=torch.long), 0), after=hooks)

@@ -246,11 +246,13 @@ def test_a_bf16_export_decodes_as_its_torch_module(corpus: Corpus, tmp_path) -> 
     _assert_decodes(str(path), PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
 
 
-def test_a_position_table_read_at_an_offset_holds_its_rows_less_the_offset(corpus: Corpus, tmp_path) -> None:
-    # OPT adds 2 to every position before indexing its table of max_position_embeddings + 2 rows: a
-    # request holds max_position_embeddings positions, which plan and launch both enforce.
-    made = corpus.entries[("opt-learned", "dynamo", "dynamic")]
-    rows = corpus.reference("opt-learned")[0].model.config.max_position_embeddings
+@pytest.mark.parametrize("family", ["opt-learned", "gptj-interleaved"])
+def test_a_position_table_bounds_the_positions_a_request_holds(family: str, corpus: Corpus, tmp_path) -> None:
+    # OPT adds 2 to every position before indexing its table of max_position_embeddings + 2 rows;
+    # GPT-J reads its sin/cos rows (max_position_embeddings of them) by GatherND: a request holds
+    # max_position_embeddings positions, which plan and launch both enforce.
+    made = corpus.entries[(family, "dynamo", "dynamic")]
+    rows = corpus.reference(family)[0].model.config.max_position_embeddings
     out = tmp_path / "cp.json"
     base = ["plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "1", "-o", str(out)]
     result = run_cli(
