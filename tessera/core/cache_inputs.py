@@ -8,6 +8,8 @@ size), a Concat onto it loses it, a fused attention reads no past, and the prese
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 import onnx
 from onnx import helper, numpy_helper
@@ -16,16 +18,25 @@ from onnx import helper, numpy_helper
 PAST_INPUTS = {"GroupQueryAttention": (3, 4), "MultiHeadAttention": (6, 7), "Attention": (4,)}
 
 
+def input_role(name: str) -> str:
+    """What a decoder's graph input carries, told by its name as transformers exports it:
+    ``mask`` (attention_mask), ``positions`` (position_ids) or ``tokens``."""
+    lowered = name.lower()
+    return "mask" if "mask" in lowered else "positions" if "position" in lowered else "tokens"
+
+
 def _cache_name(name: str) -> bool:
     lowered = name.lower()
     return "past" in lowered or "cache" in lowered or "present" in lowered
 
 
-def _dims(value: onnx.ValueInfoProto) -> list[int | str | None] | None:
+def declared_dims(value: onnx.ValueInfoProto) -> tuple[int | str | None, ...] | None:
+    """A value's shape as the model declares it: a number, a symbol's name, or None per axis; None
+    for no declared shape."""
     tensor = value.type.tensor_type
     if not value.type.HasField("tensor_type") or not tensor.HasField("shape"):
         return None
-    return [d.dim_value if d.HasField("dim_value") else d.dim_param or None for d in tensor.shape.dim]
+    return tuple(d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tensor.shape.dim)
 
 
 def _token_input(graph: onnx.GraphProto) -> onnx.ValueInfoProto | None:
@@ -36,14 +47,14 @@ def _token_input(graph: onnx.GraphProto) -> onnx.ValueInfoProto | None:
             i
             for i in graph.input
             if i.type.tensor_type.elem_type in ints
-            and len(_dims(i) or ()) == 2
-            and not any(w in i.name.lower() for w in ("mask", "position"))
+            and len(declared_dims(i) or ()) == 2
+            and input_role(i.name) == "tokens"
         ),
         None,
     )
 
 
-def _past_axis(dims: list[int | str | None], token_dims: list[int | str | None]) -> int | None:
+def _past_axis(dims: Sequence[int | str | None], token_dims: Sequence[int | str | None]) -> int | None:
     """The one axis of a cache input that is neither a number nor one of the token input's axes."""
     free = [i for i, d in enumerate(dims) if not isinstance(d, int) and (d is None or d not in token_dims)]
     return free[0] if len(free) == 1 else None
@@ -56,11 +67,11 @@ def cache_inputs(model: onnx.ModelProto) -> dict[str, tuple[int, int]]:
     tokens = _token_input(graph)
     if tokens is None:
         return {}
-    token_dims = _dims(tokens) or []
+    token_dims = declared_dims(tokens) or ()
     weights = {t.name for t in graph.initializer}
     found = {}
     for value in graph.input:
-        dims = _dims(value)
+        dims = declared_dims(value)
         floating = value.type.tensor_type.elem_type in _FLOATS
         if value.name in weights or dims is None or not floating or not 3 <= len(dims) <= 5:
             continue
@@ -83,7 +94,7 @@ def bind_empty_cache(model: onnx.ModelProto) -> onnx.ModelProto:
     graph = model.graph
     tokens = _token_input(graph)
     assert tokens is not None  # cache_inputs found one
-    token_dims = _dims(tokens) or []
+    token_dims = declared_dims(tokens) or ()
     empties = [
         node
         for value in graph.input
@@ -105,12 +116,12 @@ def bind_empty_cache(model: onnx.ModelProto) -> onnx.ModelProto:
 
 
 def _empty(
-    value: onnx.ValueInfoProto, axis: int, tokens: str, token_dims: list[int | str | None]
+    value: onnx.ValueInfoProto, axis: int, tokens: str, token_dims: Sequence[int | str | None]
 ) -> list[onnx.NodeProto]:
     """Nodes computing ``value`` as zeros of its shape with ``axis`` of length 0: the token input's
     axes where it shares their names, declared sizes elsewhere."""
     name = value.name
-    dims = _dims(value) or []
+    dims = declared_dims(value) or ()
     parts: list[onnx.NodeProto] = []
     pieces = []
     for i, d in enumerate(dims):

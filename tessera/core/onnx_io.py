@@ -4,7 +4,8 @@ The named steps, each usable alone (TVM-pass style, IR in, IR out):
 
 ``read_model`` (bytes → ModelProto) → ``hoist_initializer_inputs`` → ``sort_nodes`` (structure checks:
 dangling inputs, cycles) → ``name_nodes`` → ``bind_empty_cache`` → ``lower_contrib_ops`` →
-``lower_ir_version`` → ``bind_input_shapes`` → ``check_model`` → ``infer_shapes``. :func:`prepare_model` runs them in that order.
+``lower_ir_version`` → ``bind_input_shapes`` → ``check_model`` → ``infer_shapes``. :func:`prepare_model`
+runs them in that order.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import networkx as nx
 import onnx
 from google.protobuf.message import DecodeError
 
-from tessera.core.cache_inputs import bind_empty_cache
+from tessera.core.cache_inputs import bind_empty_cache, declared_dims
 from tessera.core.contrib_ops import lower_contrib_ops, why_left
 from tessera.core.errors import InputError
 from tessera.core.external_data import load_present_external_data
@@ -564,16 +565,7 @@ DeclaredShape = tuple[int | str | None, ...] | None
 
 def declared_shapes(model: onnx.ModelProto) -> dict[str, DeclaredShape]:
     """The graph inputs' and outputs' shapes as the model declares them, before tessera binds them."""
-    shapes: dict[str, DeclaredShape] = {}
-    for vi in (*model.graph.input, *model.graph.output):
-        tt = vi.type.tensor_type
-        if not (vi.type.HasField("tensor_type") and tt.HasField("shape")):
-            shapes[vi.name] = None
-            continue
-        shapes[vi.name] = tuple(
-            d.dim_value if d.HasField("dim_value") else (d.dim_param or None) for d in tt.shape.dim
-        )
-    return shapes
+    return {vi.name: declared_dims(vi) for vi in (*model.graph.input, *model.graph.output)}
 
 
 def restore_declared_shapes(model: onnx.ModelProto, shapes: Mapping[str, DeclaredShape]) -> onnx.ModelProto:

@@ -22,6 +22,7 @@ import onnx
 from onnx import helper, numpy_helper
 
 from tessera.backends.model_run import ModelRun
+from tessera.core.cache_inputs import input_role
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy_tensor, lazy_values
 
@@ -72,13 +73,6 @@ class ScoreError(Exception):
     def __init__(self, node: str, why: str) -> None:
         super().__init__(f"at {node}: {why}")
         self.node, self.why = node, why
-
-
-def input_role(name: str) -> str:
-    """What a decoder's graph input carries, told by its name as transformers exports it:
-    ``mask`` (attention_mask), ``positions`` (position_ids) or ``tokens``."""
-    lowered = name.lower()
-    return "mask" if "mask" in lowered else "positions" if "position" in lowered else "tokens"
 
 
 def token_input(graph: Graph) -> str | None:
