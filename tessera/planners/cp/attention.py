@@ -36,6 +36,7 @@ _PROBABILITY_OPS = frozenset({"Cast", "Identity", "Dropout", "Where", "Reshape"}
 _DATA_FIRST = frozenset(
     {"Reshape", "Expand", "Tile", "Unsqueeze", "Squeeze", "Slice", "Transpose", "Cast", "CastLike",
      "Identity", "Flatten", "Split", "Gather", "GatherND", "GatherElements", "Dropout",
+     "Clip",  # OLMo's clip_qkv: each projection's output clamped
      # a norm of each head's Q or K (Persimmon's LayerNorm, OLMo 2's RMSNorm as one operator)
      "LayerNormalization", "RMSNormalization", "SimplifiedLayerNormalization"}
 )  # fmt: skip
