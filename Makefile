@@ -59,7 +59,7 @@ demo: $(VENV)/.core
 		--context 32K --sweep-context 1K,4K,10K,32K,100K -o $(DEMO_DIR)/llama.cp.json
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # The unit tests without the real-export corpus (tests/corpus): the quick loop while developing.
 test-unit: $(VENV)/.test

@@ -221,11 +221,15 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
         return None, decoder.position_limit
     from tessera.executor.decode_program import step_operations
     from tessera.executor.graph_decoder import GraphDecoder
+    from tessera.executor.step_check import NotStepwise, check_stepwise
     from tessera.planners.cp.cost import CostParams
 
     try:
         stepped = GraphDecoder(graph, decoder)
+        check_stepwise(stepped, stepped.vocab)
         operations = step_operations(stepped)
+    except NotStepwise:  # it steps, but not exactly: refused now, not at launch
+        raise
     except InputError:  # a graph the decoder cannot step: launch refuses it, with the reason
         return None, decoder.position_limit
     return (None if operations is None else CostParams(step_operations=operations)), stepped.max_positions

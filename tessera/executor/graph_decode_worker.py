@@ -27,6 +27,7 @@ from tessera.executor.graphed_step import GraphedStep, greedy
 from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.shm_gather import ShmGather, usable
+from tessera.executor.step_check import check_stepwise
 from tessera.kernels import merge_partials
 from tessera.models.gpt import llm_gpt
 from tessera.planners.cp.recognize import recognize_decoder
@@ -39,9 +40,12 @@ MAX_SHM_BYTES = 64 * 2**20  # per rank and buffer; larger exchanges (long prefil
 
 def graph_decoder(model: str | onnx.ModelProto, *, label: str | None = None) -> GraphDecoder:
     """The decode step of the decoder ``model`` (a path or a model; InputError when it is none),
-    recognized as loaded (symbolic dimensions bound to 1, as ``plan`` recognizes it)."""
+    recognized as loaded (symbolic dimensions bound to 1, as ``plan`` recognizes it), checked to
+    decode with a KV cache what the whole graph computes (:func:`~tessera.executor.step_check.check_stepwise`)."""
     graph = load_graph(model, label=label)
-    return GraphDecoder(graph, recognize_decoder(graph))
+    decoder = GraphDecoder(graph, recognize_decoder(graph))
+    check_stepwise(decoder, decoder.vocab)
+    return decoder
 
 
 class DecodeWorker:

@@ -28,6 +28,7 @@ __all__ = ["Attend", "GraphDecoder"]
 # to the core: rotary applied, grouped-query heads repeated, or one head to broadcast); ``scores``:
 # what the graph does to Q·Kᵀ (scale, soft-cap, ALiBi, window); S new tokens after ``past`` cached.
 Attend = Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]
+Observer = Callable[[str, Sequence[Tensor]], None]
 _POSITION_OPS = ("Range", "CumSum")
 _PROBES = (3, 5)  # the sequence lengths the graph is run at to find its positions
 
@@ -115,8 +116,9 @@ class GraphDecoder:
         return self.interpret(tokens, past, attend)
 
     @torch.no_grad()
-    def interpret(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
-        """:meth:`logits`, the graph run node by node (each core's output replaced by ``attend``)."""
+    def interpret(self, tokens: Tensor, past: int, attend: Attend, observe: Observer | None = None) -> Tensor:
+        """:meth:`logits`, the graph run node by node (each core's output replaced by ``attend``);
+        ``observe(node, outputs)`` sees what every node the step runs hands on."""
         hooks: dict[str, NodeHook] = {name: _offset(past) for name in self.positions}
         batch = tokens.shape[0]
         for layer, core in enumerate(self.cores):
@@ -126,6 +128,8 @@ class GraphDecoder:
             held: dict[str, Tensor] = {}
             hooks[core.qk] = _keep(held)
             hooks[core.av] = _av_hook(self, layer, held, attend, past, batch)
+        if observe is not None:
+            hooks = {name: _observed(name, hooks.get(name), observe) for name in self.needed}
         out = self.module.run(self.feeds(tokens, past), after=hooks, only=self.needed)[self.logits_output]
         return self._checked(out)
 
@@ -253,6 +257,15 @@ def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:
             inputs = (inputs[1], *graph.op(replaced[node]).inputs)
         stack.extend(t for t in inputs if t)
     return frozenset(needed)
+
+
+def _observed(name: str, hook: NodeHook | None, observe: Observer) -> NodeHook:
+    def observed(args: Sequence[Tensor | None], outs: tuple[Tensor, ...]) -> Sequence[Tensor]:
+        outs = tuple(outs if hook is None else hook(args, outs))
+        observe(name, outs)
+        return outs
+
+    return observed
 
 
 def _offset(past: int) -> NodeHook:

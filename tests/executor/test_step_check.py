@@ -1,0 +1,64 @@
+"""Decoding refuses a graph in which something besides attention carries earlier positions into a
+step (executor/step_check.py): the zoo GPT with a causal convolution or a running sum over the
+sequence added to its hidden state is refused at plan time and at launch, naming the node."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from cli_runner import run_cli
+from onnx import helper, numpy_helper
+
+from tessera.executor.graph_decode_worker import graph_decoder
+from tessera.executor.step_check import NotStepwise
+from tessera.models import build
+
+HIDDEN = 32  # the zoo GPT tiny's
+
+
+def _mixed(kind: str) -> onnx.ModelProto:
+    """The zoo GPT whose embeddings get, added to them, a causal depthwise convolution over the
+    sequence (kernel 3, as LFM2's and Mamba's short convolutions) or a running sum (a scan)."""
+    model = build("gpt", "tiny", seed=3, kv_heads=2, seq=96)
+    graph = model.graph
+    source = "embed/position/add"  # [B, S, hidden]: the first layer reads it
+    rng = np.random.default_rng(0)
+    if kind == "conv":
+        weight = rng.normal(0, 0.5, (HIDDEN, 1, 3)).astype(np.float32)
+        graph.initializer.append(numpy_helper.from_array(weight, "mix/weight"))
+        nodes = [
+            helper.make_node("Transpose", [source], ["mix/channels"], perm=[0, 2, 1], name="mix/transpose"),
+            helper.make_node("Conv", ["mix/channels", "mix/weight"], ["mix/conv"], group=HIDDEN, pads=[2, 0],
+                             name="mix/conv"),
+            helper.make_node("Transpose", ["mix/conv"], ["mix/out"], perm=[0, 2, 1], name="mix/back"),
+        ]  # fmt: skip
+    else:
+        graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "mix/axis"))
+        nodes = [helper.make_node("CumSum", [source, "mix/axis"], ["mix/out"], name="mix/cumsum")]
+    nodes.append(helper.make_node("Add", [source, "mix/out"], ["mix/sum"], name="mix/add"))
+    at = next(i for i, node in enumerate(graph.node) if node.name == source) + 1
+    for node in graph.node[at:]:
+        node.input[:] = ["mix/sum" if name == source else name for name in node.input]
+    for offset, node in enumerate(nodes):
+        graph.node.insert(at + offset, node)
+    onnx.checker.check_model(model)
+    return model
+
+
+@pytest.mark.parametrize(("kind", "node"), [("conv", "mix/conv"), ("cumsum", "mix/cumsum")])
+def test_a_graph_mixing_positions_outside_attention_is_refused_naming_the_node(
+    kind: str, node: str, tmp_path: Path
+) -> None:
+    path = tmp_path / f"{kind}.onnx"
+    path.write_bytes(_mixed(kind).SerializeToString())
+    with pytest.raises(NotStepwise, match=f"node '{node}'"):
+        graph_decoder(str(path))
+    planned = run_cli(
+        "plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "2", "--context", "16",
+        "--output-len", "4", "--strategy", "cp", "--degree", "2", "-o", str(tmp_path / "plan.json"),
+    )  # fmt: skip
+    assert planned.code == 2 and f"node '{node}'" in planned.err and "exactly" in planned.err
+    assert "Traceback" not in planned.err and not (tmp_path / "plan.json").exists()
