@@ -33,7 +33,8 @@ __all__ = [
 
 LENGTHS = (5, 9)  # sequence lengths the score path is evaluated at (a window below 8 shows)
 # Raw-score values fed to the path: φ is read at each (0 gives the bias and the mask).
-_VALUES = (0.0, 1.0, -1.0, 0.5, 3.0, -30.0, 300.0, 1e5)
+_VALUES = (0.0, 1.0, -1.0, 0.5, 3.0, -30.0, 300.0)
+_LARGE = 1e5  # a raw score a soft-cap saturates at; less where the scores' dtype cannot hold it (fp16)
 _MASKED = -1e4  # a score at or below this after the path is masked (exporters use -inf, finfo.min, -1e9)
 _MAX_PROBE_ELEMENTS = 1 << 25  # scores of one probe run: 128 MiB of fp32
 _MAX_WINDOW = 1 << 20
@@ -293,7 +294,8 @@ class ScoreProbe:
 
     def _at(self, n: int) -> ScoreMod:
         """Evaluate at ``n`` tokens and classify."""
-        outs = {c: self._scores(c, n) for c in _VALUES}
+        large = _LARGE if self.dtype.kind != "f" else min(_LARGE, float(np.finfo(self.dtype).max) / 4)
+        outs = {c: self._scores(c, n) for c in (*_VALUES, large)}
         zero = outs[0.0]
         if np.isnan(zero).any() or np.isnan(outs[1.0]).any():
             raise ScoreError(self.softmax, "the score path computes NaN")
@@ -333,7 +335,7 @@ class ScoreProbe:
         scale = phi[1.0]
         if all(abs(phi[c] - scale * c) <= self._tolerance(scale * c) for c in phi):
             return scale, None
-        cap = abs(phi[1e5])
+        cap = abs(phi[max(phi)])
         if cap > 0 and abs(phi[0.5]) < cap:
             alpha = float(np.arctanh(phi[0.5] / cap) * cap / 0.5)
             if all(abs(phi[c] - cap * np.tanh(alpha * c / cap)) <= self._tolerance(cap) for c in phi):
@@ -455,6 +457,8 @@ class ScoreProbe:
                 if array is None or array.size != 1 or not np.issubdtype(array.dtype, np.number):
                     continue
                 value = float(array.reshape(()))
+                if array.dtype.kind == "f" and abs(value) == float(np.finfo(array.dtype).max):
+                    continue  # a mask's fill, the dtype's extreme (fp16's is 65504, an integer)
                 if value.is_integer() and longest - 1 <= abs(value) <= _MAX_WINDOW:
                     values.add(int(abs(value)))
         return sorted(values)

@@ -18,12 +18,10 @@ Nodes = list
 Path = Callable[[], tuple[Nodes, list, str]]
 
 
-def _core(path: Path) -> ScoreProbe:
+def _core(path: Path, dtype=np.float32) -> ScoreProbe:
     """x [1, S, 8] → two heads of 4 → q·kᵀ → ``path`` → Softmax → ·v; the probe of that core."""
     rng = np.random.default_rng(0)
-    inits = [
-        numpy_helper.from_array(rng.normal(size=(8, 8)).astype(np.float32), w) for w in ("wq", "wk", "wv")
-    ]
+    inits = [numpy_helper.from_array(rng.normal(size=(8, 8)).astype(dtype), w) for w in ("wq", "wk", "wv")]
     inits += [
         numpy_helper.from_array(np.array([1, -1, 2, 4], np.int64), "heads_shape"),
         numpy_helper.from_array(np.array(0, np.int64), "zero"),
@@ -55,8 +53,12 @@ def _core(path: Path) -> ScoreProbe:
     graph = helper.make_graph(
         nodes,
         "g",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", 8])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, "s", 4])],
+        [helper.make_tensor_value_info("x", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [1, "s", 8])],
+        [
+            helper.make_tensor_value_info(
+                "y", helper.np_dtype_to_tensor_dtype(np.dtype(dtype)), [1, 2, "s", 4]
+            )
+        ],
         inits + extra,
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -70,15 +72,22 @@ def _scalar(name: str, value: float, dtype=np.float32):
 def _scaled_masked(
     scale: float = 0.5, *, window: int | None = None, causal: bool = True, softcap: float | None = None,
     slopes: tuple[float, ...] | None = None, bias_power: int = 1, extra_hidden: int | None = None,
+    dtype=np.float32,
 ) -> Path:  # fmt: skip
-    """scores·scale [→ soft-cap] [+ slope·dist^power] masked where dist > 0 [or dist <= -window]."""
+    """scores·scale [→ soft-cap] [+ slope·dist^power] masked where dist > 0 [or dist <= -window]
+    (with -inf, or with fp16's lowest value as transformers masks fp16 scores)."""
+    fill = -np.inf if dtype == np.float32 else np.finfo(dtype).min
 
     def path() -> tuple[Nodes, list, str]:
         nodes = [helper.make_node("Mul", ["scores", "scale"], ["s0"])]
-        inits = [_scalar("scale", scale), _scalar("neg_inf", -np.inf), _scalar("izero", 0, np.int64)]
+        inits = [
+            _scalar("scale", scale, dtype),
+            _scalar("neg_inf", fill, dtype),
+            _scalar("izero", 0, np.int64),
+        ]
         out = "s0"
         if softcap is not None:
-            inits.append(_scalar("cap", softcap))
+            inits.append(_scalar("cap", softcap, dtype))
             nodes += [
                 helper.make_node("Div", [out, "cap"], ["s_div"]),
                 helper.make_node("Tanh", ["s_div"], ["s_tanh"]),
@@ -129,6 +138,19 @@ def test_a_sliding_window_is_read_off_the_mask(window: int) -> None:
 def test_a_soft_cap_is_fitted_with_its_scale() -> None:
     mod = _core(_scaled_masked(0.25, softcap=20.0)).classify()
     assert mod.softcap == pytest.approx(20.0, rel=1e-4) and mod.scale == pytest.approx(0.25, rel=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("kw", "want"),
+    [({}, (None, None)), ({"window": 12}, (12, None)), ({"softcap": 20.0}, (None, 20.0))],
+    ids=["scaled", "window", "softcap"],
+)
+def test_fp16_scores_masked_with_the_lowest_fp16_are_classified(kw: dict, want: tuple) -> None:
+    """fp16 holds no raw score of 1e5 (the probe's largest is cut to what it holds), and the mask's
+    fill, -65504, is an integer but no window."""
+    mod = _core(_scaled_masked(0.25, dtype=np.float16, **kw), np.float16).classify()
+    assert (mod.causal, mod.window) == (True, want[0]) and mod.scale == pytest.approx(0.25, rel=1e-2)
+    assert mod.softcap == (None if want[1] is None else pytest.approx(want[1], rel=1e-2))
 
 
 def test_alibi_slopes_are_read_per_head() -> None:
