@@ -226,7 +226,7 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
 
     try:
         stepped = GraphDecoder(graph, decoder)
-        check_stepwise(stepped, stepped.vocab)
+        check_stepwise(stepped)
         operations = step_operations(stepped)
     except NotStepwise:  # it steps, but not exactly: refused now, not at launch
         raise

@@ -31,12 +31,12 @@ class NotStepwise(InputError):
 
 
 @torch.no_grad()
-def check_stepwise(decoder: GraphDecoder, vocab: int) -> None:
+def check_stepwise(decoder: GraphDecoder) -> None:
     """Raise :class:`NotStepwise` naming the first node whose value at a decoded position differs
     from the whole graph's there; the step's inputs are ``_PROMPT`` cached tokens and one new one."""
     batch = decoder.fixed_batch or 1
     rng = np.random.default_rng(0)
-    tokens = torch.from_numpy(rng.integers(1, max(2, vocab), (batch, _PROMPT + 1))).long()
+    tokens = torch.from_numpy(rng.integers(1, max(2, decoder.vocab), (batch, _PROMPT + 1))).long()
     cache = GroupCache(np.zeros(_PROMPT + 1, dtype=np.int64), 0, torch.device("cpu"))
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:
