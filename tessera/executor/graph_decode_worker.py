@@ -99,17 +99,16 @@ class DecodeWorker:
         self.capture = False  # see compile()
 
     def compile(self, mode: str) -> None:
-        """Build each group's prefill and decode-step programs (``mode``: ``fx``, ``inductor``, or
-        ``interpret`` for none); the steps that cannot be compiled stay interpreted (``compiled``
-        says why)."""
+        """Build each group's decode-step program (``mode``: ``fx``, ``inductor``, or ``interpret``
+        for none); a step that cannot be compiled stays interpreted (``compiled`` says why).
+
+        A group's prefill runs once: it is interpreted. Tracing it would cost more than it saves (the
+        trace's check alone interprets the same shapes twice)."""
         if mode == "interpret":
             return
-        for group in self.groups:
-            for length in (self.prompt_lens[group[0]], 1):
-                key = (len(group), length)
-                if f"{key[0]}x{key[1]}" not in self.compiled:
-                    why = compile_step(self.decoder, *key, inductor=mode == "inductor" and length == 1)
-                    self.compiled[f"{key[0]}x{key[1]}"] = why
+        for size in sorted({len(group) for group in self.groups}):
+            if f"{size}x1" not in self.compiled:
+                self.compiled[f"{size}x1"] = compile_step(self.decoder, size, 1, inductor=mode == "inductor")
         # On a GPU each traced decode step is captured as a CUDA graph (graphed_step), where this
         # rank holds every position of its requests and attends without collectives.
         self.capture = (

@@ -4,6 +4,7 @@ disk between runs under a key of the library versions (``TESSERA_CORPUS_CACHE`` 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import hashlib
 import io
 import json
@@ -79,11 +80,27 @@ def entry(model: str, exporter: str, batch: str) -> Entry:
 
         stem += f"-{onnxruntime.__version__}"
     meta, onnx_path = folder / f"{stem}.json", folder / f"{stem}.onnx"
-    if meta.is_file():
-        data = json.loads(meta.read_text())
-        if data["error"] is not None or onnx_path.is_file():  # paths are re-rooted: the folder may move
-            return Entry(**{**data, "shape": tuple(data["shape"]), "path": data["path"] and str(onnx_path)})
+    cached = _cached(meta, onnx_path)
+    if cached is not None:
+        return cached
     folder.mkdir(parents=True, exist_ok=True)
+    # One export per stem however many test processes ask (pytest -n): the others wait, then read it.
+    with open(folder / f"{stem}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _cached(meta, onnx_path) or _made(model, exporter, batch, meta, onnx_path)
+
+
+def _cached(meta: Path, onnx_path: Path) -> Entry | None:
+    if not meta.is_file():
+        return None
+    data = json.loads(meta.read_text())
+    if data["error"] is None and not onnx_path.is_file():
+        return None
+    # paths are re-rooted: the folder may move
+    return Entry(**{**data, "shape": tuple(data["shape"]), "path": data["path"] and str(onnx_path)})
+
+
+def _made(model: str, exporter: str, batch: str, meta: Path, onnx_path: Path) -> Entry:
     spec = MODELS[model]
     module, x = reference(model)
     flops = torch_flops(module, x)

@@ -6,6 +6,7 @@ on 2 ranks the tokens of the torch model and of onnxruntime running the file wit
 from __future__ import annotations
 
 import inspect
+import os
 
 import numpy as np
 import onnx
@@ -70,7 +71,7 @@ def cache_export() -> tuple[str, torch.nn.Module]:
         shapes = {"input_ids": {0: batch, 1: seq}, "attention_mask": {0: batch, 1: total},
                   "past": tuple({0: batch, 2: past} for _ in range(2 * LAYERS))}  # fmt: skip
         outputs = ["logits", *(n.replace("past_key_values", "present") for n in _past_names())]
-        tmp = path.with_suffix(".tmp.onnx")
+        tmp = path.with_suffix(f".tmp{os.getpid()}.onnx")  # one per test process (pytest -n)
         torch.onnx.export(_WithCache(model), args, str(tmp), dynamo=True, dynamic_shapes=shapes,
                           input_names=["input_ids", "attention_mask", *_past_names()], output_names=outputs,
                           opset_version=18, external_data=False)  # fmt: skip
