@@ -33,10 +33,10 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from corpus.exports import ENTRIES, _export, build_corpus, cache_dir  # noqa: E402
-from corpus.models import MODELS, _PlainLogits, _rescaled  # noqa: E402
+from corpus.exports import ENTRIES, _export, build_corpus, cache_dir
+from corpus.models import MODELS, _PlainLogits, _rescaled
 
-from tessera.core.files import write_atomic  # noqa: E402
+from tessera.core.files import write_atomic
 
 OUT = Path(__file__).parent / "results" / "decode.md"
 OUT_COMPILED = Path(__file__).parent / "results" / "decode_compiled.md"

@@ -25,12 +25,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from corpus.exports import entry, reference  # noqa: E402
-from corpus.models import MODELS, VOCAB  # noqa: E402
+from corpus.exports import entry, reference
+from corpus.models import MODELS, VOCAB
 
-from tessera.backends.torch_module import to_torch  # noqa: E402
-from tessera.core.files import write_atomic  # noqa: E402
-from tessera.core.graph import load_graph  # noqa: E402
+from tessera.backends.torch_module import to_torch
+from tessera.core.files import write_atomic
+from tessera.core.graph import load_graph
 
 OUT = Path(__file__).parent / "results" / "executor.md"
 BATCH = 16

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from corpus.exports import cache_dir, entry  # noqa: E402
+from corpus.exports import cache_dir, entry
 
 EXPORTS = [
     "export:bert:legacy",

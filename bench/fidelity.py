@@ -27,21 +27,21 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from cli_runner import run_cli  # noqa: E402
-from corpus.exports import entry  # noqa: E402
+from cli_runner import run_cli
+from corpus.exports import entry
 
-from tessera.backends.profile_cache import ProfileCache  # noqa: E402
-from tessera.core.files import write_atomic  # noqa: E402
-from tessera.core.graph import load_graph  # noqa: E402
-from tessera.core.specs import load_cluster  # noqa: E402
-from tessera.executor.gpp_run import run_gpp_plan  # noqa: E402
-from tessera.executor.launcher import LaunchOptions  # noqa: E402
-from tessera.executor.training import TrainOptions  # noqa: E402
-from tessera.models import build  # noqa: E402
-from tessera.planners.pipeline.plan import plan_gpp  # noqa: E402
-from tessera.planners.pipeline.profile import profile_graph  # noqa: E402
-from tessera.planners.pipeline.search import planned_device_type  # noqa: E402
-from tessera.planners.pipeline.types import PartitionOptions  # noqa: E402
+from tessera.backends.profile_cache import ProfileCache
+from tessera.core.files import write_atomic
+from tessera.core.graph import load_graph
+from tessera.core.specs import load_cluster
+from tessera.executor.gpp_run import run_gpp_plan
+from tessera.executor.launcher import LaunchOptions
+from tessera.executor.training import TrainOptions
+from tessera.models import build
+from tessera.planners.pipeline.plan import plan_gpp
+from tessera.planners.pipeline.profile import profile_graph
+from tessera.planners.pipeline.search import planned_device_type
+from tessera.planners.pipeline.types import PartitionOptions
 
 OUT = Path(__file__).parent / "results" / "fidelity.md"
 RUN = OUT.with_suffix(".json")  # the measurements the table is rendered from (`--render` again)

@@ -1,11 +1,10 @@
 #!/usr/bin/env bash
-# The GPU checks of docs/gpu.md ("Pending checks"), in one run on a lent GPU machine (the device
-# tool: its python3 holds torch, triton, onnx, onnxruntime; pydantic does not, and travels as
-# wheels: `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
-# manylinux2014_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection` at the
-# versions of this venv, then name .whl in the call's carry). Each check has its own time limit and
-# the script goes on when one fails; the log and the kernel benchmark's table land in $OUT (or
-# ./gpu_out). Results: docs/gpu.md.
+# The GPU checks of docs/gpu.md ("Pending"), in one run on a GPU machine whose python3 holds torch,
+# triton, onnx and onnxruntime. pydantic, where missing, can travel as wheels: `pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d .whl pydantic
+# pydantic_core annotated-types typing-inspection` at the versions of this venv. Each check has its
+# own time limit and the script goes on when one fails; the log and the kernel benchmark's table land
+# in $OUT (or ./gpu_out). Results: docs/gpu.md.
 #
 #     bash bench/gpu_checks.sh            # about 5 minutes on an H200
 #     bash bench/gpu_checks.sh launch     # the planning and launch checks alone (about 2 minutes)

@@ -24,14 +24,14 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from tessera.core.files import write_atomic  # noqa: E402
-from tessera.core.weights import materialize  # noqa: E402
-from tessera.executor.decode_program import compile_step  # noqa: E402
-from tessera.executor.graph_decode_worker import _attention, graph_decoder  # noqa: E402
-from tessera.executor.graphed_step import GraphedStep  # noqa: E402
-from tessera.executor.kv_cache import GroupCache  # noqa: E402
-from tessera.models.gpt import llm_gpt  # noqa: E402
-from tessera.planners.cp.llm import load_llm_config  # noqa: E402
+from tessera.core.files import write_atomic
+from tessera.core.weights import materialize
+from tessera.executor.decode_program import compile_step
+from tessera.executor.graph_decode_worker import _attention, graph_decoder
+from tessera.executor.graphed_step import GraphedStep
+from tessera.executor.kv_cache import GroupCache
+from tessera.models.gpt import llm_gpt
+from tessera.planners.cp.llm import load_llm_config
 
 
 def sync(device: torch.device) -> None:

@@ -31,7 +31,7 @@ from tessera.executor.training import TrainOptions, train_reference
 from tessera.models import build
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from executor.plans import candle_dag, make_plan, mmt_dag  # noqa: E402
+from executor.plans import candle_dag, make_plan, mmt_dag
 
 STEPS = 6
 LR = 0.01

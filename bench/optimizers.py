@@ -24,15 +24,15 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-import torch  # noqa: E402
-from cli_runner import run_cli  # noqa: E402
-from corpus.exports import entry  # noqa: E402
+import torch
+from cli_runner import run_cli
+from corpus.exports import entry
 
-from tessera.backends.base import cpu_model  # noqa: E402
-from tessera.core.files import write_atomic  # noqa: E402
-from tessera.core.graph import load_graph  # noqa: E402
-from tessera.models import build  # noqa: E402
-from tessera.planners.cp.recognize import recognize_decoder  # noqa: E402
+from tessera.backends.base import cpu_model
+from tessera.core.files import write_atomic
+from tessera.core.graph import load_graph
+from tessera.models import build
+from tessera.planners.cp.recognize import recognize_decoder
 
 OUT = Path(__file__).parent / "results" / "optimizers.md"
 STEPS, ROUNDS = 20, 3

@@ -19,16 +19,16 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
-from cli_runner import run_cli  # noqa: E402
-from corpus.exports import ENTRIES, entry  # noqa: E402
+from cli_runner import run_cli
+from corpus.exports import ENTRIES, entry
 
-from tessera.core.files import write_atomic  # noqa: E402
-from tessera.core.graph import load_graph  # noqa: E402
-from tessera.core.specs import load_cluster  # noqa: E402
-from tessera.executor.gpp_run import run_gpp_plan  # noqa: E402
-from tessera.executor.launcher import LaunchOptions  # noqa: E402
-from tessera.executor.training import TrainOptions, train_reference  # noqa: E402
-from tessera.planners.pipeline.plan import pipeline_options, plan_gpp  # noqa: E402
+from tessera.core.files import write_atomic
+from tessera.core.graph import load_graph
+from tessera.core.specs import load_cluster
+from tessera.executor.gpp_run import run_gpp_plan
+from tessera.executor.launcher import LaunchOptions
+from tessera.executor.training import TrainOptions, train_reference
+from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
 
 OUT = Path(__file__).parent / "results" / "real_models.md"
 STEPS, MINI_BATCH = 4, 4

@@ -19,8 +19,8 @@ from tessera.core.specs import load_cluster
 from tessera.models import build
 
 sys.path.insert(0, str(Path(__file__).parent))
-from recompute import CONFIGS, _tput  # noqa: E402 - bench/recompute.py: its models, rows and cells
-from recompute import plan_row as recompute_plan_row  # noqa: E402
+from recompute import CONFIGS, _tput  # bench/recompute.py: its models, rows and cells
+from recompute import plan_row as recompute_plan_row
 
 SHARES = (0.75, 0.5, 0.35, 0.25)  # of the unlimited plan's peak
 MODES = ((0, "never"), ("auto", "never"), (0, "auto"), ("auto", "auto"))  # (zero, recompute)

@@ -121,7 +121,7 @@ class TvmBackend(Backend):
         if not tvm.runtime.enabled("llvm"):
             return False, "tvm was built without LLVM (no CPU code generation)"
         try:
-            import tvm.relax.frontend.onnx  # noqa: F401
+            import tvm.relax.frontend.onnx
         except Exception as exc:  # noqa: BLE001
             return False, f"tvm has no Relax ONNX frontend: {exc}"
         return True, ""

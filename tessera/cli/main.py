@@ -74,7 +74,7 @@ def cli(verbose: int, no_progress: bool) -> None:
 _PYTHON_SHOW_WARNING = warnings.showwarning
 
 
-def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001, PLR0913
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:  # noqa: ANN001
     """The API's warnings (:class:`~tessera.api.models.TesseraWarning`) as the commands' own lines."""
     if issubclass(category, TesseraWarning):
         click.echo(terminal_safe(f"tessera: warning: {message}"), err=True)

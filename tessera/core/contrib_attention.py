@@ -45,7 +45,7 @@ def last_width(shapes: dict[str, list[int | None]], tensor: str) -> int | None:
     return dims[-1] if dims and isinstance(dims[-1], int) else None
 
 
-def _core(  # noqa: PLR0913
+def _core(
     w: NodeWriter, q: str, k: str, v: str, a: dict, biases: list[str], mask: str, q_width: int | None
 ) -> None:
     """Attention of 3-D ``q``, ``k``, ``v`` (Q ``q_width`` wide, when known) into the node's first

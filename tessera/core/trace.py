@@ -38,7 +38,7 @@ class Trace:
         self.events.append({"ph": "M", "name": "process_sort_index", "pid": pid, "tid": 0, "args": order})
         self._tid(pid, COMPUTE)
 
-    def span(  # noqa: PLR0913
+    def span(
         self,
         pid: int,
         stream: str,

@@ -245,7 +245,7 @@ def _share(n: int, rank: int, world: int) -> tuple[int, int]:
     return rank * per, (rank + 1) * per
 
 
-def _attention(  # noqa: PLR0913
+def _attention(
     q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, past: int, scores: ScoreMod, heads: slice
 ) -> Tensor:
     """Attention over every key of the requests (dp, tp, one rank): one fused call where the

@@ -133,7 +133,7 @@ class GraphDecoder:
         out = self.module.run(self.feeds(tokens, past), after=hooks, only=self.needed)[self.logits_output]
         return self._checked(out)
 
-    def core_output(  # noqa: PLR0913
+    def core_output(
         self, layer: int, a: Tensor, b: Tensor, v: Tensor, attend: Attend, past: int, batch: int
     ) -> Tensor:
         """What core ``layer``'s output node computes, as attention over the cache: ``a``, ``b``,
@@ -281,7 +281,7 @@ def _keep(held: dict[str, Tensor]) -> NodeHook:
     return hook
 
 
-def _av_hook(  # noqa: PLR0913
+def _av_hook(
     decoder: GraphDecoder, layer: int, held: dict[str, Tensor], attend: Attend, past: int, batch: int
 ) -> NodeHook:
     """The hook on a core's ·V MatMul: attention over the cache in its place."""

@@ -36,7 +36,7 @@ def decode_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
     return o.reshape(b, h, v.shape[-1]), lse.reshape(b, h)
 
 
-def attention_partial(  # noqa: PLR0913
+def attention_partial(
     q: Tensor,
     k: Tensor,
     v: Tensor,

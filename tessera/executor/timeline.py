@@ -32,7 +32,7 @@ class Timeline:
         self._wall, self._pc = time.time(), time.perf_counter()
         self.spans: list[tuple[int, str, str, float, float, tuple[int, ...] | None]] = []
 
-    def add(  # noqa: PLR0913
+    def add(
         self, step: int, stream: str, name: str, start: float, end: float, key: tuple[int, ...] | None = None
     ) -> None:
         """A span between two ``perf_counter`` readings (``key``: a message's ``(step, backward,

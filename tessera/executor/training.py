@@ -120,7 +120,7 @@ def labelled(targets: Mapping[str, np.ndarray]) -> int:
     return int(sum(np.count_nonzero(t != IGNORED) for t in targets.values()))
 
 
-def loss_term(  # noqa: PLR0913
+def loss_term(
     output: Tensor,
     target: Tensor | None,
     samples: int,

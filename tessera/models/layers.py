@@ -202,7 +202,7 @@ def layer_norm(g: GraphBuilder, x: str, dim: int, name: str, *, epsilon: float =
         return g.op("LayerNormalization", [x, scale, bias], "layer_norm", axis=-1, epsilon=epsilon)
 
 
-def ffn(  # noqa: PLR0913
+def ffn(
     g: GraphBuilder,
     x: str,
     hidden: int,

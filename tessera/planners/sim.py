@@ -438,7 +438,7 @@ def simulate_pipeline(pipeline: Pipeline, *, trace: bool = True) -> SimResult:
     return simulate_steps(stages, edges, pipeline.mini_batch_size, steps, pipeline.clip_time, trace=trace)
 
 
-def simulate_steps(  # noqa: PLR0913
+def simulate_steps(
     stages: Sequence[SimStage],
     edges: Sequence[SimEdge],
     mini_batch: int,

@@ -24,17 +24,17 @@ import os
 # Before anything imports triton: run Triton kernels with its CPU interpreter.
 os.environ["TRITON_INTERPRET"] = "1"
 
-import subprocess  # noqa: E402
-import sys  # noqa: E402
-import textwrap  # noqa: E402
+import subprocess
+import sys
+import textwrap
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from tessera.kernels import (  # noqa: E402
+from tessera.kernels import (
     KernelUnavailableError,
     available_implementations,
     decode_attention_partial,

@@ -66,7 +66,7 @@ KINDS: dict[str, PlanKind] = {
 @json_option
 @cp.OPTIONS
 @pipeline.OPTIONS
-def plan(  # noqa: PLR0913
+def plan(
     model: str | None,
     kind: str,
     cluster: str,

@@ -317,7 +317,7 @@ def _zero_problems(plan: Any) -> list[str]:
     return problems
 
 
-def counted_memory(  # noqa: PLR0913
+def counted_memory(
     st: Any,
     graph: Any,
     device_type: Any,

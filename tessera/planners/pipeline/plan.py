@@ -97,7 +97,7 @@ def plan_gpp(
     return plan, pipe, sim
 
 
-def _build(  # noqa: PLR0913
+def _build(
     graph: Graph,
     cluster: ClusterSpec,
     options: PartitionOptions,
@@ -161,7 +161,7 @@ def _build(  # noqa: PLR0913
     return _to_plan(graph, cluster, pipe, sim, base, structure, _training(options, cost)), pipe, sim
 
 
-def _fastest_degree(  # noqa: PLR0913
+def _fastest_degree(
     graph: Graph,
     cluster: ClusterSpec,
     options: PartitionOptions,

@@ -97,7 +97,7 @@ def simulate_plan(
     return simulate_steps(stages, edges, plan.mini_batch_size, steps, clip)
 
 
-def add_schedule(  # noqa: PLR0913
+def add_schedule(
     trace: Trace,
     sim: SimResult,
     stages: Sequence[tuple[int, Sequence[str]]],
@@ -122,7 +122,7 @@ def add_schedule(  # noqa: PLR0913
             _transfer(trace, e, senders, devices[e.peer] if e.peer is not None else [], pids, offset, cat)
 
 
-def _transfer(  # noqa: PLR0913
+def _transfer(
     trace: Trace,
     e: Event,
     senders: list[str],

@@ -98,7 +98,7 @@ def within(got: dict[str, Any], want: dict[str, Any], backend: Any, tolerance: f
     return within_tolerance(got, want, tolerance)
 
 
-def wrong_groups(  # noqa: PLR0913
+def wrong_groups(
     graph: Graph,
     groups: Sequence[Group],
     feeds: dict[str, Any],
