@@ -121,7 +121,7 @@ def _made(model: str, exporter: str, batch: str, meta: Path, onnx_path: Path) ->
     return made
 
 
-def _export(  # noqa: PLR0913
+def _export(
     module: torch.nn.Module,
     x: torch.Tensor,
     name: str,

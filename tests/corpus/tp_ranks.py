@@ -19,7 +19,7 @@ from tessera.core.tensor_parallel import shard, tensor_parallel
 from tessera.executor.tensor_parallel import local_model
 
 
-def _rank(rank: int, t: int, store: str, path: str, shapes: dict, run_batch: int, drop: str, out) -> None:  # noqa: PLR0913
+def _rank(rank: int, t: int, store: str, path: str, shapes: dict, run_batch: int, drop: str, out) -> None:
     # A file store: no port to race other processes for.
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=t)
     torch.set_num_threads(1)
