@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from tessera.backends.patterns import find_matches, is_convex
-from tessera.backends.registry import BackendRegistry
+from tessera.backends.registry import BackendEntry, BackendRegistry
 from tessera.backends.rules import generate_groups
 from tessera.core.graph import Graph
 
@@ -111,7 +111,7 @@ def owned_constants(graph: Graph) -> dict[str, frozenset[str]]:
     return owned
 
 
-def enumerate_candidates(  # noqa: C901
+def enumerate_candidates(
     graph: Graph,
     registry: BackendRegistry,
     backends: Sequence[str],
@@ -150,19 +150,42 @@ def enumerate_candidates(  # noqa: C901
         out.append(PlacementCandidate(backend, nodes, via))
 
     for name in backends:
-        entry = registry.entry(name)
-        for named in entry.patterns:
-            for nodes in find_matches(graph, named.pattern):
-                add(name, nodes, f"pattern:{named.name}")
-        for rule in entry.rules:
-            for group in generate_groups(graph, rule):
-                add(name, group.nodes, f"rule:{rule.name}")
-        for node in graph.order:  # every operator alone (with what it owns), whatever the rules propose
-            if node not in owner:
-                add(name, frozenset([node]), "single-op")
+        for nodes, via in _proposed(graph, registry.entry(name), owner):
+            add(name, nodes, via)
 
+    out += _fallbacks(graph, support, backends, owned, {c.nodes for c in out})
     singles = {frozenset([n]) | owned.get(n, frozenset()) for n in graph.order if n not in owner}
-    have = {c.nodes for c in out}
+    assert all(s in {c.nodes for c in out} for s in singles)
+    return out
+
+
+def _proposed(
+    graph: Graph, entry: BackendEntry, owner: dict[str, str]
+) -> Iterator[tuple[frozenset[str], str]]:
+    """The groups a backend's registry ``entry`` proposes, and how: its patterns' matches, its rules'
+    groups, then every operator alone (with what it owns), whatever the rules propose."""
+    for named in entry.patterns:
+        for nodes in find_matches(graph, named.pattern):
+            yield nodes, f"pattern:{named.name}"
+    for rule in entry.rules:
+        for group in generate_groups(graph, rule):
+            yield group.nodes, f"rule:{rule.name}"
+    for node in graph.order:
+        if node not in owner:
+            yield frozenset([node]), "single-op"
+
+
+def _fallbacks(
+    graph: Graph,
+    support: SupportTable,
+    backends: Sequence[str],
+    owned: dict[str, frozenset[str]],
+    have: set[frozenset[str]],
+) -> list[PlacementCandidate]:
+    """A candidate on the default backend for each operator no candidate in ``have`` runs alone
+    (with what it owns), each logged with why no backend took it."""
+    owner = {c for cs in owned.values() for c in cs}
+    out = []
     for node in graph.order:
         alone = frozenset([node]) | owned.get(node, frozenset())
         if node in owner or alone in have:
@@ -177,7 +200,6 @@ def enumerate_candidates(  # noqa: C901
             DEFAULT_BACKEND,
         )
         out.append(PlacementCandidate(DEFAULT_BACKEND, alone, f"fallback:{DEFAULT_BACKEND}"))
-    assert all(s in {c.nodes for c in out} for s in singles)
     return out
 
 
