@@ -125,7 +125,7 @@ def plan_piper(
     return dataclasses.replace(chosen, search_time_s=time.perf_counter() - started)
 
 
-def _plan_piper(  # noqa: C901
+def _plan_piper(
     graph: Graph,
     cluster: ClusterSpec,
     options: PartitionOptions,
@@ -192,8 +192,14 @@ def _plan_piper(  # noqa: C901
             elapsed,
             f"infeasible: no sequential plan fits {format_bytes(limit_bytes)} per device",
         )
-    # The simulator picks among all of them (about a millisecond each), the fastest few with
-    # their warm-up tuned per stage (as the partitioner does).
+    best = _fastest([p for _, _, p in pool], options)
+    best.search_time_s = time.perf_counter() - started
+    return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
+
+
+def _fastest(pool: list[Pipeline], options: PartitionOptions) -> Pipeline:
+    """The fastest of ``pool`` as the simulator times them (about a millisecond each), the fastest
+    few with their warm-up tuned per stage (as the partitioner does)."""
     timed = [
         (
             (
@@ -205,7 +211,7 @@ def _plan_piper(  # noqa: C901
             ),
             p,
         )
-        for _, _, p in pool
+        for p in pool
     ]
     if options.searched_schedule == "1f1b":
         best, rank = fastest_tuned(timed)
@@ -213,8 +219,7 @@ def _plan_piper(  # noqa: C901
         rank, best = min(timed, key=lambda rp: rp[0])
     if options.schedule == "auto":
         best = fastest_rescheduled(best, rank[0], timed)
-    best.search_time_s = time.perf_counter() - started
-    return PiperResult(best, ideals, tree.num_units, requested, lattice.pairs, best.search_time_s)
+    return best
 
 
 def _tractable_tree(
