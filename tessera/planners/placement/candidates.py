@@ -153,7 +153,7 @@ def enumerate_candidates(
         for nodes, via in _proposed(graph, registry.entry(name), owner):
             add(name, nodes, via)
 
-    out += _fallbacks(graph, support, backends, owned, {c.nodes for c in out})
+    out += _fallbacks(graph, support, backends, owned, owner, {c.nodes for c in out})
     singles = {frozenset([n]) | owned.get(n, frozenset()) for n in graph.order if n not in owner}
     assert all(s in {c.nodes for c in out} for s in singles)
     return out
@@ -180,11 +180,11 @@ def _fallbacks(
     support: SupportTable,
     backends: Sequence[str],
     owned: dict[str, frozenset[str]],
+    owner: dict[str, str],
     have: set[frozenset[str]],
 ) -> list[PlacementCandidate]:
     """A candidate on the default backend for each operator no candidate in ``have`` runs alone
     (with what it owns), each logged with why no backend took it."""
-    owner = {c for cs in owned.values() for c in cs}
     out = []
     for node in graph.order:
         alone = frozenset([node]) | owned.get(node, frozenset())
