@@ -155,7 +155,8 @@ def enumerate_candidates(
 
     out += _fallbacks(graph, support, backends, owned, owner, {c.nodes for c in out})
     singles = {frozenset([n]) | owned.get(n, frozenset()) for n in graph.order if n not in owner}
-    assert all(s in {c.nodes for c in out} for s in singles)
+    covered = {c.nodes for c in out}
+    assert all(s in covered for s in singles)
     return out
 
 
