@@ -58,13 +58,16 @@ demo: $(VENV)/.core
 	$(VENV)/bin/tessera plan --kind cp --llm llama-7b --cluster a5000-4x --batch 32 --layers 1 \
 		--context 32K --sweep-context 1K,4K,10K,32K,100K -o $(DEMO_DIR)/llama.cp.json
 
-# The tests run in one process per core (pytest-xdist; at most 4: each launch test starts its own ranks).
+# The tests run in one process per core (pytest-xdist; at most 4: each launch test starts its own ranks),
+# then those that measure this machine's speed (marked `alone`) in one process with nothing beside them.
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --durations=30
+	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not alone" --durations=30
+	$(PY) -m pytest -q -m alone
 
 # The unit tests without the real-export corpus (tests/corpus): the quick loop while developing.
 test-unit: $(VENV)/.test
-	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not corpus"
+	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not corpus and not alone"
+	$(PY) -m pytest -q -m "alone and not corpus"
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff format --check tessera tests bench

@@ -19,6 +19,8 @@ from tessera.executor.calibrate import Calibration, fit_link, fit_ring, launch_o
 from tessera.executor.calibrate_worker import CHAIN_NODES, chain_model
 
 
+# The tests on this run are marked ``alone``: its numbers are this machine's speed, measured while no
+# other test process shares the cores (make test runs them after the parallel pass).
 @pytest.fixture(scope="module")
 def calibrated(tmp_path_factory):
     """One real run over an existing file: (its --json report, the spec path, the old file's inode)."""
@@ -32,6 +34,7 @@ def calibrated(tmp_path_factory):
     return json.loads(result.out), path, old_inode
 
 
+@pytest.mark.alone
 def test_the_spec_loads_with_sane_numbers(calibrated):
     report, path, _ = calibrated
     spec = load_cluster(path)
@@ -104,6 +107,7 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     assert report["spec"] == spec.to_json_dict() and report["output"] == str(path)
 
 
+@pytest.mark.alone
 def test_the_report_holds_every_measurement(calibrated):
     report, _, _ = calibrated
     m = report["measured"]
@@ -125,6 +129,7 @@ def test_the_report_holds_every_measurement(calibrated):
     assert "flops.fp32" in text and "links.intra_node" in text and "all-reduce (2 ranks)" in text
 
 
+@pytest.mark.alone
 def test_the_file_is_the_measurements_spec_and_nothing_else(calibrated):
     """The same measurements give the same file (no date, no run-dependent text): rebuilt from the
     report, the YAML is the file's, byte for byte."""
@@ -147,6 +152,7 @@ def test_the_file_is_the_measurements_spec_and_nothing_else(calibrated):
     assert "eval" not in path.read_text()
 
 
+@pytest.mark.alone
 def test_an_existing_file_is_replaced_atomically(calibrated):
     _, path, old_inode = calibrated
     assert path.stat().st_ino != old_inode  # a new file renamed over the old one, not rewritten in place
@@ -154,6 +160,7 @@ def test_an_existing_file_is_replaced_atomically(calibrated):
     assert os.listdir(path.parent) == [path.name]  # no temporary file left
 
 
+@pytest.mark.alone
 def test_plan_accepts_the_spec(calibrated, tmp_path):
     _, path, _ = calibrated
     model = tmp_path / "candle.onnx"
