@@ -16,11 +16,11 @@ import faulthandler
 import ipaddress
 import logging
 import os
-import re
 import resource
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -33,15 +33,10 @@ from typing import Any
 
 from tessera.core.errors import InputError, LaunchError, Terminated
 from tessera.executor.progress import HEARTBEAT_ENV, ProgressMonitor, beat
+from tessera.executor.worker_start import SECONDARY, as_launched, launcher_pid, start_server
 
 # Seconds between the agent's SIGTERM and SIGKILL to workers it stops.
 SHUTDOWN_GRACE_S = 5
-# Messages of failures that are a consequence of another rank's failure: the rank lost its link to
-# a peer or timed out waiting for one (tessera's workers say "waiting for … from rank N").
-_SECONDARY = re.compile(
-    r"waiting for .* from rank|connection (closed|reset|refused)|broken pipe|closed by peer",
-    re.IGNORECASE,
-)
 
 
 @dataclass(frozen=True)
@@ -169,17 +164,20 @@ def launch_workers(
         rdzv_configs={"rank": options.node_rank, "timeout": int(max(options.timeout_s, 1))},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",
+        start_method="spawn",  # or a fork server's (set below)
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # set in _scratch: nothing made yet
         **_shutdown_grace(LaunchConfig, grace_s),
     )
     threads = str(options.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
+    # c10d's C++ warnings (a socket timing out when a peer stops) would print many lines per
+    # worker; the launch reports the failure in one. Shown with -v (the root logger at INFO).
+    quiet = _env("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level()))
+    with quiet:  # the ranks' torch reads it as the server imports it
+        config.start_method = start_server(entrypoint)
     with (
         _scratch(config, DefaultLogsSpecs),
         tempfile.TemporaryDirectory(prefix="tessera-progress-") as heartbeats,
         _env(HEARTBEAT_ENV, heartbeats),
-        # c10d's C++ warnings (a socket timing out when a peer stops) would print many lines per
-        # worker; the launch reports the failure in one. Shown with -v (the root logger at INFO).
         _env("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level())),
         _env("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads)),
         _quiet_agent(),
@@ -189,7 +187,8 @@ def launch_workers(
         ).watching() as monitor,
     ):
         try:
-            return elastic_launch(config, entrypoint)(*args)
+            here = (dict(os.environ), os.getcwd(), list(sys.path), os.getpid())
+            return elastic_launch(config, as_launched)(*here, entrypoint, *args)
         except ChildFailedError as exc:
             raise LaunchError(monitor.verdict or _describe_failure(exc, describe_rank)) from None
         except Exception as exc:
@@ -297,7 +296,7 @@ def _message(failure: Any) -> str:
 
 def _is_secondary(failure: Any) -> bool:
     text = _message(failure)
-    return failure.exitcode < 0 or bool(text and _SECONDARY.search(text))
+    return failure.exitcode < 0 or bool(text and SECONDARY.search(text))
 
 
 def _reason(failure: Any) -> str:
@@ -487,7 +486,7 @@ def inject_test_fault(rank: int, step: int) -> None:
     if kind == "hang":
         time.sleep(10**6)
     if kind == "term":  # the launcher asked to stop (as by kill or a scheduler) during this step
-        os.kill(os.getppid(), signal.SIGTERM)
+        os.kill(launcher_pid(), signal.SIGTERM)
 
 
 class Watchdog:

@@ -42,24 +42,30 @@ def _state(pid: int) -> str | None:
         return None
 
 
-def _workers() -> list[int]:
-    """This process's spawned worker processes (``multiprocessing``'s ``spawn_main`` children)."""
-    found = []
+def workers_of(launcher: int) -> list[int]:
+    """The live worker processes of process ``launcher``: its children that multiprocessing spawned
+    (``spawn_main``) and the children of its fork server (``multiprocessing.forkserver``)."""
+    procs: dict[int, tuple[int, str, bytes]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
-            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            if ppid == os.getpid() and b"spawn_main" in (entry / "cmdline").read_bytes():
-                found.append(int(entry.name))
+            state, ppid = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+            procs[int(entry.name)] = (int(ppid), state, (entry / "cmdline").read_bytes())
         except (OSError, IndexError, ValueError):
             continue
-    return found
+    servers = {pid for pid, (ppid, _, cmd) in procs.items() if ppid == launcher and b"forkserver" in cmd}
+    return [
+        pid
+        for pid, (ppid, state, cmd) in procs.items()
+        if state != "Z"
+        and ((ppid == launcher and b"spawn_main" in cmd) or (ppid in servers and b"forkserver" in cmd))
+    ]
 
 
 class ProgressMonitor:
     """Watches the heartbeat files in ``folder``; when the newest is ``timeout_s`` old, it SIGKILLs
-    every worker that beat (this process's children only) and keeps :attr:`verdict`, the line the
+    every worker of this process and keeps :attr:`verdict`, the line the
     launch reports instead of the workers' own failures."""
 
     def __init__(
@@ -103,7 +109,7 @@ class ProgressMonitor:
                 f"{self.describe_rank(culprit)} {what} and no rank went on for {self.timeout_s:g} s "
                 "(--timeout): stopped every worker"
             )
-            for pid in _workers():
+            for pid in workers_of(os.getpid()):
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:

@@ -7,27 +7,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from tessera.executor.launcher import FAULT_ENV
-from tessera.executor.progress import HEARTBEAT_ENV
-
-
-def workers_of(pid: int) -> list[int]:
-    """The live worker processes (torch's ``spawn_main`` children) of launcher ``pid``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            cmd = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if int(fields[1]) == pid and fields[0] != "Z" and b"spawn_main" in cmd:
-            found.append(int(entry.name))
-    return found
+from tessera.executor.progress import workers_of
 
 
 def still_running(workers: list[int]) -> list[int]:
@@ -35,7 +20,9 @@ def still_running(workers: list[int]) -> list[int]:
     alive = []
     for pid in workers:
         try:
-            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            if (b"spawn_main" in cmd or b"forkserver" in cmd) and state != "Z":
                 alive.append(pid)
         except OSError:
             continue
@@ -94,20 +81,17 @@ def start_launch(args: list[str], fault: str | None = None) -> tuple[subprocess.
 
 
 def _heartbeats(workers: list[int]) -> list[Path]:
-    """The heartbeat files of the launch (tessera.executor.progress) that ``workers`` belong to."""
-    for pid in workers:
+    """The heartbeat files of ``workers`` (tessera.executor.progress: each holds its rank's pid),
+    in the launch's scratch folder in TMPDIR."""
+    pids = {str(pid) for pid in workers}
+    found = []
+    for path in Path(tempfile.gettempdir()).glob("tessera-launch-*/tessera-progress-*/rank*"):
         try:
-            env = dict(
-                item.split(b"=", 1)
-                for item in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-                if b"=" in item
-            )
+            if path.read_text().strip() in pids:
+                found.append(path)
         except OSError:
             continue
-        folder = env.get(HEARTBEAT_ENV.encode())
-        if folder:
-            return sorted(Path(folder.decode()).glob("rank*"))
-    return []
+    return sorted(found)
 
 
 def listening_addresses(pids: list[int]) -> list[str]:

@@ -361,6 +361,9 @@ def test_a_launch_leaves_nothing_in_the_temporary_directory(chain_plan, tmp_path
     scratch.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("TESSERA_DEBUG", FAULT_ENV)}
     env.update({"TMPDIR": str(scratch), **({FAULT_ENV: fault} if fault else {})})
+    # torch's compile cache (made in TMPDIR where unset, by torch.optim's first optimizer): torch's
+    # own files, kept on purpose, not the launch's
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "torchinductor")
     proc = subprocess.run(
         [sys.executable, "-m", "tessera", "launch", str(plan_path), "--steps", "2"],
         capture_output=True, text=True, timeout=300, env=env,

@@ -79,9 +79,10 @@ def _killed_at_exit(proc: subprocess.Popen, workers: list[int]) -> Iterator[None
 @pytest.mark.slow
 @pytest.mark.parametrize("fault", [None, "1:1:hang"], ids=["decoding", "a peer hung"])
 def test_workers_do_not_outlive_a_killed_launcher(cp_plan: Path, fault: str | None) -> None:
-    """SIGKILL gives the launcher no chance to stop its workers: each must notice on its own
-    (torch's spawn wrapper sets PR_SET_PDEATHSIG, SIGINT on the parent's death). Measured: gone
-    within about 1 s, whether decoding or waiting on a hung peer in a gloo collective."""
+    """SIGKILL gives the launcher no chance to stop its workers: each must notice on its own (a
+    rank forked from the server watches the launcher's pidfd; a spawned one gets torch's
+    PR_SET_PDEATHSIG). Gone within seconds, whether decoding or waiting on a hung peer in a gloo
+    collective."""
     proc, workers = start_launch(
         [str(cp_plan), "--prompt-lens", "16", "--new-tokens", "200000", "--timeout", "60"], fault=fault
     )
