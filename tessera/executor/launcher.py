@@ -171,14 +171,14 @@ def launch_workers(
     threads = str(options.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
     # c10d's C++ warnings (a socket timing out when a peer stops) would print many lines per
     # worker; the launch reports the failure in one. Shown with -v (the root logger at INFO).
-    quiet = _env("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level()))
-    with quiet:  # the ranks' torch reads it as the server imports it
+    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level())
+    with _env("TORCH_CPP_LOG_LEVEL", cpp_log_level):  # read as the server imports torch
         config.start_method = start_server(entrypoint)
     with (
         _scratch(config, DefaultLogsSpecs),
         tempfile.TemporaryDirectory(prefix="tessera-progress-") as heartbeats,
         _env(HEARTBEAT_ENV, heartbeats),
-        _env("TORCH_CPP_LOG_LEVEL", os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level())),
+        _env("TORCH_CPP_LOG_LEVEL", cpp_log_level),
         _env("OMP_NUM_THREADS", os.environ.get("OMP_NUM_THREADS", threads)),
         _quiet_agent(),
         _store_server(options, port),

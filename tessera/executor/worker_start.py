@@ -96,8 +96,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # alive, and another user's: the pid was reused
+        pass
     return True
 
 
