@@ -84,8 +84,12 @@ def _heartbeats(workers: list[int]) -> list[Path]:
     """The heartbeat files of ``workers`` (tessera.executor.progress: each holds its rank's pid),
     in the launch's scratch folder in TMPDIR."""
     pids = {str(pid) for pid in workers}
+    try:
+        paths = list(Path(tempfile.gettempdir()).glob("tessera-launch-*/tessera-progress-*/rank*"))
+    except OSError:  # another launch's folder went while listing: the caller looks again
+        return []
     found = []
-    for path in Path(tempfile.gettempdir()).glob("tessera-launch-*/tessera-progress-*/rank*"):
+    for path in paths:
         try:
             if path.read_text().strip() in pids:
                 found.append(path)
