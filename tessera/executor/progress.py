@@ -65,8 +65,8 @@ def workers_of(launcher: int) -> list[int]:
 
 class ProgressMonitor:
     """Watches the heartbeat files in ``folder``; when the newest is ``timeout_s`` old, it SIGKILLs
-    every worker of this process and keeps :attr:`verdict`, the line the
-    launch reports instead of the workers' own failures."""
+    every worker of this process and keeps :attr:`verdict`, the line the launch reports instead of
+    the workers' own failures."""
 
     def __init__(
         self, folder: Path, timeout_s: float, ranks: list[int], describe_rank: Callable[[int], str]
