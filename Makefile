@@ -64,10 +64,10 @@ test: $(VENV)/.test
 	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not alone" --durations=30
 	$(PY) -m pytest -q -m alone
 
-# The unit tests without the real-export corpus (tests/corpus): the quick loop while developing.
+# The quick loop while developing: the tests outside the real-export corpus (tests/corpus), less those
+# marked slow or alone (make test runs them all).
 test-unit: $(VENV)/.test
-	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not corpus and not alone"
-	$(PY) -m pytest -q -m "alone and not corpus"
+	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not corpus and not slow and not alone"
 
 lint: $(VENV)/.test
 	$(VENV)/bin/ruff format --check tessera tests bench
