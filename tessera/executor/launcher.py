@@ -154,6 +154,11 @@ def launch_workers(
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     nproc, port = resolve(options, world_size)
+    # c10d's C++ warnings (a socket timing out when a peer stops) would print many lines per
+    # worker; the launch reports the failure in one. Shown with -v (the root logger at INFO).
+    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level())
+    with _env("TORCH_CPP_LOG_LEVEL", cpp_log_level):  # read as the server imports torch
+        start_method = start_server(entrypoint)
     config = LaunchConfig(
         min_nodes=options.nnodes,
         max_nodes=options.nnodes,
@@ -164,16 +169,11 @@ def launch_workers(
         rdzv_configs={"rank": options.node_rank, "timeout": int(max(options.timeout_s, 1))},
         max_restarts=0,
         monitor_interval=0.1,
-        start_method="spawn",  # or a fork server's (set below)
+        start_method=start_method,
         logs_specs=DefaultLogsSpecs(log_dir=os.devnull),  # set in _scratch: nothing made yet
         **_shutdown_grace(LaunchConfig, grace_s),
     )
     threads = str(options.threads_per_rank or max(1, (os.cpu_count() or 1) // nproc))
-    # c10d's C++ warnings (a socket timing out when a peer stops) would print many lines per
-    # worker; the launch reports the failure in one. Shown with -v (the root logger at INFO).
-    cpp_log_level = os.environ.get("TORCH_CPP_LOG_LEVEL", _cpp_log_level())
-    with _env("TORCH_CPP_LOG_LEVEL", cpp_log_level):  # read as the server imports torch
-        config.start_method = start_server(entrypoint)
     with (
         _scratch(config, DefaultLogsSpecs),
         tempfile.TemporaryDirectory(prefix="tessera-progress-") as heartbeats,

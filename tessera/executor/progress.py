@@ -34,7 +34,7 @@ def beat() -> None:
     os.utime(_beating)
 
 
-def _state(pid: int) -> str | None:
+def process_state(pid: int) -> str | None:
     """The process's state letter (``/proc/PID/stat``: R, S, D, T stopped, Z…), None when gone."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -96,7 +96,7 @@ class ProgressMonitor:
             last = {r: beats[r][0] if r in beats else started for r in self.ranks}
             if time.time() - max(last.values()) <= self.timeout_s:
                 continue
-            stopped = [r for r, (_, pid) in beats.items() if _state(pid) in ("T", "t")]
+            stopped = [r for r, (_, pid) in beats.items() if process_state(pid) in ("T", "t")]
             culprit = min(stopped) if stopped else min(last, key=lambda r: (last[r], r))
             what = (
                 "is stopped (SIGSTOP?)"

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from tessera.executor.launcher import FAULT_ENV
-from tessera.executor.progress import workers_of
+from tessera.executor.progress import process_state, workers_of
 
 
 def still_running(workers: list[int]) -> list[int]:
@@ -21,8 +21,7 @@ def still_running(workers: list[int]) -> list[int]:
     for pid in workers:
         try:
             cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            if (b"spawn_main" in cmd or b"forkserver" in cmd) and state != "Z":
+            if (b"spawn_main" in cmd or b"forkserver" in cmd) and process_state(pid) != "Z":
                 alive.append(pid)
         except OSError:
             continue
