@@ -11,12 +11,18 @@ measured falls on all seven alike), and launched three times, in rounds over the
 |measured/predicted - 1| and Kendall's tau between the predicted and the measured order.
 Placement plans (``tessera place``) in the same run: predicted against launched latency.
 
+With ``--tensor-parallel``, the plans of tensor-parallel stages instead (``plan --tensor-parallel
+2``: one stage on 2 ranks, each with its block of the split products, at one and at four
+micro-batches), beside the same model's data-parallel plan, into ``fidelity_tp.md``.
+
     .venv/bin/python bench/fidelity.py          # writes bench/results/fidelity.md (~17 min)
     .venv/bin/python bench/fidelity.py --render # the table again from bench/results/fidelity.json
+    .venv/bin/python bench/fidelity.py --tensor-parallel  # bench/results/fidelity_tp.md (~4 min)
 """
 
 from __future__ import annotations
 
+import datetime
 import itertools
 import json
 import platform
@@ -25,6 +31,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "tests"))
 from cli_runner import run_cli
@@ -41,10 +48,12 @@ from tessera.models import build
 from tessera.planners.pipeline.plan import plan_gpp
 from tessera.planners.pipeline.profile import profile_graph
 from tessera.planners.pipeline.search import planned_device_type
+from tessera.planners.pipeline.stage_profile import StageProfiler
 from tessera.planners.pipeline.types import PartitionOptions
 
 OUT = Path(__file__).parent / "results" / "fidelity.md"
 RUN = OUT.with_suffix(".json")  # the measurements the table is rendered from (`--render` again)
+OUT_TP = OUT.with_name("fidelity_tp.md")  # --tensor-parallel's table (its run: fidelity_tp.json)
 STEPS = 30
 LAUNCHES = 3  # per plan: the launches of one plan differ by ±10% on this VM (the host's drift)
 MODELS = [  # (label, source, mini-batch)
@@ -54,6 +63,10 @@ MODELS = [  # (label, source, mini-batch)
     ("BERT export", "bert:legacy:dynamic", 16),
     ("ViT export", "vit:dynamo:dynamic", 16),
     ("ResNet export", "resnet:dynamo:dynamic", 16),
+    ("GPT-2 export", "gpt2:legacy:dynamic", 16),
+]
+TP_MODELS = [  # real exports whose attention and MLP split (tessera.core.tensor_parallel)
+    ("Llama-GQA export", "llama-gqa:dynamo:dynamic", 16),
     ("GPT-2 export", "gpt2:legacy:dynamic", 16),
 ]
 
@@ -73,6 +86,16 @@ def variants(b: int) -> list[tuple[str, str, dict]]:
     ]
 
 
+def tp_variants(b: int) -> list[tuple[str, str, dict]]:
+    """The tensor-parallel plans of a model at mini-batch ``b``, beside its data-parallel plan."""
+    tp = {"num_devices": 2, "tensor_parallel": 2}
+    return [
+        ("2 devices, micro-batch B", "gpp", {"num_devices": 2, "micro_batch_sizes": (b,)}),
+        ("tensor-parallel 2, micro-batch B", "gpp", tp | {"micro_batch_sizes": (b,)}),
+        ("tensor-parallel 2, micro-batch B/4", "gpp", tp | {"micro_batch_sizes": (b // 4,)}),
+    ]
+
+
 def model_path(source: str, folder: Path) -> tuple[str, dict | None]:
     if source.startswith("zoo:"):
         path = folder / f"{source[4:]}.onnx"
@@ -84,40 +107,49 @@ def model_path(source: str, folder: Path) -> tuple[str, dict | None]:
 
 def structure(plan) -> str:
     stages = plan.stages
+    tp = f" x tp{stages[0].tensor_parallel}" if stages[0].tensor_parallel > 1 else ""
     if len(stages) == 1:
-        return f"1 stage x{len(stages[0].devices)}" + (" (DP)" if len(stages[0].devices) > 1 else "")
-    return f"{len(stages)} stages"
+        replicas = len(stages[0].devices) // stages[0].tensor_parallel
+        return f"1 stage x{replicas}{tp}" + (" (DP)" if replicas > 1 else "")
+    return f"{len(stages)} stages{tp}"
 
 
-def _kept(into: list):
-    """A refine that keeps the pipelines it is given, unmeasured."""
+def _kept(into: dict):
+    """A refine that keeps the pipelines it is given (by tensor-parallel degree), unmeasured."""
 
-    def keep(pipes):
-        into.extend(pipes)
+    def keep(pipes, tensor_parallel: int = 1):
+        into.setdefault(tensor_parallel, []).extend(pipes)
         return list(pipes)
 
     return keep
 
 
-def model_rows(label: str, source: str, b: int, cluster, cache: ProfileCache, folder: Path) -> list[dict]:
+def _profiler(graph, cluster, cache: ProfileCache, devices: int) -> StageProfiler:
+    """What ``plan --profile`` measures stages with (tessera.api.plan_pipeline)."""
+    return StageProfiler(graph, planned_device_type(cluster, devices), cache, cluster=cluster)
+
+
+def model_rows(
+    label: str, source: str, b: int, cluster, cache: ProfileCache, folder: Path, plan_variants=variants
+) -> list[dict]:
     path, shapes = model_path(source, folder)
     graph = load_graph(path, input_shapes=shapes) if shapes else load_graph(path)
-    from tessera.cli.plan.pipeline import stage_profiler
-
     measured = profile_graph(graph, planned_device_type(cluster, 1), cache=cache)
     # Every pipeline the seven plannings will measure, measured together first (bursts in turns,
     # as one planning measures its plan and the sequential rival): the plans then take their
-    # stage times from the cache, all from the same stretch of the host's drift.
-    pipes: list = []
-    for _, kind, fields in variants(b):
+    # stage times from the cache, all from the same stretch of the host's drift. Tensor-parallel
+    # stages are measured on their ranks, one after another.
+    pipes: dict[int, list] = {}
+    for _, kind, fields in plan_variants(b):
         options = PartitionOptions(mini_batch=b, precision="fp32", **fields)
         plan_gpp(graph, cluster, options, kind=kind, baseline=False, measured=measured, refine=_kept(pipes))
-    stage_profiler(graph, cluster, cache, 2).refine_all(pipes)
+    for t, kept in sorted(pipes.items()):
+        _profiler(graph, cluster, cache, 2).refine_all(kept, t)
     plans = []
-    for name, kind, fields in variants(b):
+    for name, kind, fields in plan_variants(b):
         options = PartitionOptions(mini_batch=b, precision="fp32", **fields)
         roofline, _, _ = plan_gpp(graph, cluster, options, kind=kind, baseline=False)
-        refine = stage_profiler(graph, cluster, cache, options.num_devices).refine_all
+        refine = _profiler(graph, cluster, cache, options.num_devices).refine_all
         plan, _, _ = plan_gpp(
             graph, cluster, options, kind=kind, baseline=False, measured=measured, refine=refine
         )
@@ -253,11 +285,15 @@ def calibrated(folder: Path) -> Path:
 
 
 def main() -> None:
-    if sys.argv[1:2] == ["--render"]:  # the table again from the last run's measurements
-        run = json.loads(RUN.read_text())
-        write_atomic(OUT, render(run["rows"], run["spec"]))
-        print(OUT.read_text())
+    args = sys.argv[1:]
+    split = "--tensor-parallel" in args
+    out, run_file = (OUT_TP, OUT_TP.with_suffix(".json")) if split else (OUT, RUN)
+    if args[:1] == ["--render"]:  # the table again from the last run's measurements
+        run = json.loads(run_file.read_text())
+        write_atomic(out, render(run["rows"], run["spec"], split))
+        print(out.read_text())
         return
+    only = [a for a in args if not a.startswith("--")]  # labels to run (all by default), e.g. `mmt`
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         spec = calibrated(folder)
@@ -265,24 +301,32 @@ def main() -> None:
         cluster = load_cluster(str(spec))
         cache = ProfileCache(folder / "profiles.sqlite")
         rows = []
-        only = sys.argv[1:]  # labels to run (all by default), e.g. `bench/fidelity.py mmt`
-        for label, source, b in MODELS:
+        for label, source, b in TP_MODELS if split else MODELS:
             if not only or any(o in label for o in only):
-                rows += model_rows(label, source, b, cluster, cache, folder)
-        if not only or "placement" in only:
+                rows += model_rows(
+                    label, source, b, cluster, cache, folder, tp_variants if split else variants
+                )
+        if not split and (not only or "placement" in only):
             rows += placement_rows(folder)
-    write_atomic(RUN, json.dumps({"rows": rows, "spec": spec_text}, indent=1, default=float) + "\n")
-    write_atomic(OUT, render(rows, spec_text))
-    print(OUT.read_text())
+    write_atomic(run_file, json.dumps({"rows": rows, "spec": spec_text}, indent=1, default=float) + "\n")
+    write_atomic(out, render(rows, spec_text, split))
+    print(out.read_text())
 
 
 def _error(r: dict, key: str = "predicted_ms") -> float:
     return r["measured_ms"] / r[key] - 1
 
 
-def render(rows: list[dict], spec_text: str) -> str:
+def render(rows: list[dict], spec_text: str, split: bool = False) -> str:
+    plans = (
+        "a model's plans' stages measured together, their bursts in turns; a tensor-parallel "
+        "stage on its 2 ranks (each its block of the split products, the collectives over gloo), "
+        "one stage after another"
+        if split
+        else "a model's seven plans' stages measured together, their bursts in turns"
+    )
     lines = [
-        "# Fidelity: predicted against launched (CPU, gloo)",
+        "# Fidelity: predicted against launched (CPU, gloo)" + (", tensor-parallel stages" if split else ""),
         "",
         f"Machine: {platform.processor() or platform.machine()}, 2 cores; every rank one process with one "
         f"thread; {STEPS} SGD steps per launch, a launch's iteration = median over steps 2..{STEPS} of the "
@@ -293,10 +337,11 @@ def render(rows: list[dict], spec_text: str) -> str:
         "Cluster spec: `tessera calibrate` in the same run (below). 'roofline' = the plan's prediction "
         "with the calibrated spec's roofline; 'profiled' = `--profile` (operators measured for the "
         "search, then the chosen plan's stages measured as the executor runs them: its program, its "
-        "micro-batch, one thread, the optimizer step and the data drawn each step; a model's seven plans' "
-        "stages measured together, their bursts in turns).",
+        f"micro-batch, one thread, the optimizer step and the data drawn each step; {plans}).",
         "",
-        "Generated by `.venv/bin/python bench/fidelity.py`.",
+        f"Generated on {datetime.date.today().isoformat()} by `.venv/bin/python bench/fidelity.py"
+        + (" --tensor-parallel" if split else "")
+        + f"` (torch {torch.__version__}, Python {platform.python_version()}).",
         "",
         "| model | plan | structure | micro-batch | roofline ms | profiled ms | measured ms | launches ms | "
         "error (profiled) | error (roofline) | per stage: busy / all-reduce / idle, measured vs predicted ms |",

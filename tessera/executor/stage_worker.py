@@ -27,6 +27,7 @@ from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.plans import GppPlan
 from tessera.core.tensor_parallel import tensor_parallel
+from tessera.core.tp_program import local_model
 from tessera.executor.checkpoint import CheckpointSpec
 from tessera.executor.gradients import GradBucket
 from tessera.executor.launcher import (
@@ -36,7 +37,7 @@ from tessera.executor.launcher import (
 )
 from tessera.executor.progress import beat
 from tessera.executor.routing import Message, Routing, Unit
-from tessera.executor.tensor_parallel import local_model, tp_group
+from tessera.executor.tensor_parallel import tp_group
 from tessera.executor.timeline import ALLREDUCE, COMPUTE, WAIT, Timeline
 from tessera.executor.training import TrainingData, TrainOptions, labelled, loss_term, make_optimizer
 from tessera.executor.zero import ZeroShard, zero_shards

@@ -1,158 +1,21 @@
-"""A tensor-parallel rank's copy of a stage: its blocks of the split weights, the shapes of its
-split tensors, and the collectives (``TpCopy``, ``TpReduce``, ``TpShard``:
-``tessera.backends.torch_ops.collectives``) where whole and split tensors meet. The split itself
-comes from ``tessera.core.tensor_parallel``. Narrative: docs/executor.md."""
+"""A tensor-parallel rank's process groups and its weights gathered whole. The rank's copy of a
+stage is ``tessera.core.tp_program.local_model``; the split itself comes from
+``tessera.core.tensor_parallel``. Narrative: docs/executor.md."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
-import onnx
 import torch
 import torch.distributed as dist
-from onnx import helper, numpy_helper
 from torch import Tensor
 
 from tessera.backends.torch_ops.collectives import use_group
-from tessera.core.graph import Graph
-from tessera.core.tensor_parallel import TpSplit, shard
-from tessera.core.weights import is_lazy_tensor, lazy_values
+from tessera.core.tensor_parallel import TpSplit
 from tessera.executor.routing import Routing
 
-__all__ = ["local_model", "tp_group", "whole_weights"]
-
-
-def local_model(
-    graph: Graph, nodes: Iterable[str], split: TpSplit, index: int, *, group: str = "tp"
-) -> onnx.ModelProto:
-    """The stage ``nodes`` of ``graph`` as rank ``index`` of ``split.t`` runs it (``split`` restricted
-    to the stage). Shapes are read at run time, so any micro-batch runs."""
-    model = graph.extract(list(nodes))
-    if not split.regions:
-        return model
-    g = model.graph
-    t = split.t
-    weights = split.weights
-    inits = [_sharded(proto, weights.get(proto.name), t, index) for proto in g.initializer]
-    shapes = {n: s for r in split.regions for n, s in r.shapes.items()}
-    constants = {n: s for r in split.regions for n, s in r.constants.items()}
-    operands = {key: v for r in split.regions for key, v in r.operands.items()}
-    rows = {n for r in split.regions for n in r.rows}
-    out_nodes: list[onnx.NodeProto] = []
-    copies: dict[str, str] = {}  # whole tensor → its copy
-    for node in g.node:
-        node = _copy_of(node)
-        if node.name in constants:
-            out_nodes.extend(_whole_shape(node, graph, constants[node.name], t))
-            continue
-        for k, name in enumerate(node.input):
-            if (node.name, k) in operands:
-                node.input[k] = _operand(
-                    name, (node.name, k), operands[(node.name, k)], graph, copies, out_nodes, t, index, group
-                )
-        if node.name in shapes:  # the shape (Split: the sizes) the node is given, as the rank's
-            local = f"{node.name}__tp_shape"
-            out_nodes.append(
-                helper.make_node("TpLocal", [node.input[1]], [local], name=local, axis=shapes[node.name], t=t)
-            )
-            node.input[1] = local
-        out_nodes.extend(_row(node, group) if node.name in rows else [node])
-    del g.node[:]
-    g.node.extend(out_nodes)
-    del g.initializer[:]
-    g.initializer.extend(inits)
-    del g.value_info[:]  # the split tensors' shapes changed; the executor does not read them
-    return model
-
-
-def _sharded(proto: onnx.TensorProto, split: tuple[int, int] | None, t: int, index: int) -> onnx.TensorProto:
-    if split is None:
-        return proto
-    array = lazy_values(proto) if is_lazy_tensor(proto) else numpy_helper.to_array(proto)
-    return numpy_helper.from_array(
-        np.ascontiguousarray(shard(array, *split[:1], t, index, split[1])), proto.name
-    )
-
-
-def _operand(  # noqa: PLR0913
-    name: str,
-    key: tuple[str, int],
-    cut: tuple[int, int] | None,
-    graph: Graph,
-    copies: dict[str, str],
-    out_nodes: list[onnx.NodeProto],
-    t: int,
-    index: int,
-    group: str,
-) -> str:
-    """A whole tensor a split node reads: through the copy (its gradient all-reduced) where it is
-    floating, then cut to the rank's block where ``cut`` says."""
-    source = name
-    if graph.tensors[name].floating:
-        if name not in copies:
-            copies[name] = f"{name}__tp_copy"
-            out_nodes.append(
-                helper.make_node("TpCopy", [name], [copies[name]], name=copies[name], group=group)
-            )
-        source = copies[name]
-    if cut is None:
-        return source
-    axis, part = cut
-    target = f"{name}__tp_shard_{key[0]}_{key[1]}"
-    out_nodes.append(
-        helper.make_node("TpShard", [source], [target], name=target, axis=axis, t=t, index=index, part=part)
-    )
-    return target
-
-
-def _copy_of(node: onnx.NodeProto) -> onnx.NodeProto:
-    out = onnx.NodeProto()
-    out.CopyFrom(node)
-    return out
-
-
-def _row(node: onnx.NodeProto, group: str) -> list[onnx.NodeProto]:
-    """A row-split product, its partial sums all-reduced; a Gemm's bias added once, after."""
-    out = node.output[0]
-    partial = f"{out}__tp_partial"
-    bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
-    if bias is not None:
-        del node.input[2:]
-        beta = next((a.f for a in node.attribute if a.name == "beta"), 1.0)
-        kept = [a for a in node.attribute if a.name != "beta"]
-        del node.attribute[:]
-        node.attribute.extend(kept)
-    node.output[0] = partial
-    reduced = f"{out}__tp_sum" if bias is not None else out
-    made = [node, helper.make_node("TpReduce", [partial], [reduced], name=f"{out}__tp_reduce", group=group)]
-    if bias is not None:
-        if beta != 1.0:
-            raise NotImplementedError(f"{node.name}: a row-split Gemm with beta {beta}")
-        made.append(helper.make_node("Add", [reduced, bias], [out], name=f"{out}__tp_bias"))
-    return made
-
-
-def _whole_shape(node: onnx.NodeProto, graph: Graph, axis: int, t: int) -> list[onnx.NodeProto]:
-    """Shape/Size of a split tensor: the whole tensor's, as one process computes it."""
-    out = node.output[0]
-    if node.op_type == "Size":
-        entry = -1
-    else:
-        rank = len(graph.tensors[node.input[0]].shape or ())
-        attrs = {a.name: a.i for a in node.attribute}
-        start, end = (
-            v % rank if v < 0 else min(v, rank) for v in (attrs.get("start", 0), attrs.get("end", rank))
-        )
-        if not start <= axis < end:
-            return [node]
-        entry = axis - start
-    node.output[0] = f"{out}__tp_local"
-    return [
-        node,
-        helper.make_node("TpWhole", [node.output[0]], [out], name=f"{out}__tp_whole", axis=entry, t=t),
-    ]
+__all__ = ["tp_group", "whole_weights"]
 
 
 def tp_group(routing: Routing, rank: int) -> Any:

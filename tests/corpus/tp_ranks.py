@@ -1,4 +1,4 @@
-"""A stage run on ``t`` gloo ranks as tensor-parallel blocks (executor.tensor_parallel.local_model)
+"""A stage run on ``t`` gloo ranks as tensor-parallel blocks (core.tp_program.local_model)
 against the whole stage in one process: outputs, input gradients and every weight's gradient
 (a split weight's against its block of the whole gradient)."""
 
@@ -16,7 +16,7 @@ from tessera.backends.torch_module import to_torch
 from tessera.backends.torch_ops.collectives import use_group
 from tessera.core.graph import load_graph
 from tessera.core.tensor_parallel import shard, tensor_parallel
-from tessera.executor.tensor_parallel import local_model
+from tessera.core.tp_program import local_model
 
 
 def _rank(rank: int, t: int, store: str, path: str, shapes: dict, run_batch: int, drop: str, out) -> None:

@@ -7,6 +7,7 @@ References: GraphPipe thesis §3.5–3.7; PipeDream and Piper for the sequential
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -86,8 +87,8 @@ def plan_gpp(
     if t == 1:
         plan, pipe, sim = _build(graph, cluster, options, kind, baseline, cost, refine)
     else:  # planned on the tensor-parallel groups, then named by their devices
-        # Stage measurement runs a stage whole in one process, not as t ranks: operator times only.
-        refine = None
+        # Each stage measured on its t ranks (StageProfiler.refine_all), its collectives included.
+        refine = functools.partial(refine, tensor_parallel=t) if refine is not None else None
         cost = tensor_parallel_cost(cost, graph, t, cluster.links.intra_node)
         groups = dataclasses.replace(options, num_devices=options.num_devices and options.num_devices // t)
         plan, pipe, sim = _build(graph, group_cluster(cluster, t), groups, kind, baseline, cost, refine)

@@ -1,20 +1,22 @@
 """Stages measured as the executor runs them (``tessera plan --profile``): each stage of the chosen
 pipeline built as the stage workers build it (the program of ``Graph.extract``) and run step after
 step as a rank runs it: the mini-batch's data drawn, the stage's schedule of forwards and backwards
-at its replicas' micro-batch with the device's threads, the optimizer step; cached in the profile
-cache, so a warm run predicts the same. Why: docs/executor.md ("Fidelity").
+at its replicas' micro-batch with the device's threads, the optimizer step; a tensor-parallel
+stage as its ``t`` ranks run it (gloo processes, each with its block of the split). Cached in the
+profile cache, so a warm run predicts the same. Why: docs/executor.md ("Fidelity").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import statistics
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from tessera.core.cost import per_device_samples
 from tessera.core.data import TrainingData
@@ -22,6 +24,7 @@ from tessera.core.graph import Graph
 from tessera.core.schedule import gpipe
 from tessera.core.specs import ClusterSpec, DeviceType
 from tessera.planners.pipeline.profile import digest, torch_device_for
+from tessera.planners.pipeline.tensor_parallel import group_devices
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
 if TYPE_CHECKING:
@@ -30,6 +33,8 @@ if TYPE_CHECKING:
     from tessera.backends.profile_cache import ProfileCache
     from tessera.backends.torch_module import OnnxModule
 
+# A tensor-parallel stage's rows: its ranks' processes, a step's part the slowest rank's.
+SPLIT_RECIPE = "on its ranks, each step's slowest"
 STAGE_BACKENDS = ("torch-train.stage.forward", "torch-train.stage.backward", "torch-train.stage.step")
 # In the cache key: rows measured another way are not reused.
 RECIPE = "in context: the data drawn, the schedule's actions, the optimizer step (fused where it can be)"
@@ -60,6 +65,16 @@ class StageProfileOptions:
 def stages_measurable(device_type: DeviceType) -> bool:
     """Whether this machine can run stages as ``device_type`` would: a CPU, or a GPU torch sees."""
     return device_type.kind == "cpu" or torch_device_for(device_type) == "cuda"
+
+
+def split_measurable(device: str, t: int) -> bool:
+    """Whether ``t`` ranks of a tensor-parallel stage can run here on ``device``: CPU processes
+    always; on GPUs, one GPU a rank."""
+    if device != "cuda":
+        return True
+    import torch
+
+    return torch.cuda.device_count() >= t
 
 
 class StageProfiler:
@@ -103,15 +118,23 @@ class StageProfiler:
         self.fingerprint = device_fingerprint(f"torch {label}")
         self.version = str(torch.__version__)
         self.measured = 0  # stages timed in this run (the others came from the cache)
+        self.tensor_parallel = 1  # the pipelines being refined: ranks per stage replica
         self._model: OnnxModule | None = None  # the whole model, computing stages' inputs
 
-    def refine(self, pipe: Pipeline) -> Pipeline:
-        return self.refine_all([pipe])[0]
+    def refine(self, pipe: Pipeline, tensor_parallel: int = 1) -> Pipeline:
+        return self.refine_all([pipe], tensor_parallel)[0]
 
-    def refine_all(self, pipes: Sequence[Pipeline]) -> list[Pipeline]:
+    def refine_all(self, pipes: Sequence[Pipeline], tensor_parallel: int = 1) -> list[Pipeline]:
         """``pipes`` with their stages measured together, their bursts in turns
         (:meth:`_times`): pipelines a planner compares (a plan and its sequential rival, a
-        benchmark's plans of one model) take the host's drift alike, so it cannot order them."""
+        benchmark's plans of one model) take the host's drift alike, so it cannot order them.
+        ``tensor_parallel`` t > 1: ``pipes`` are planned on t-device groups (each stage device a
+        group, :func:`~tessera.planners.pipeline.tensor_parallel.group_cluster`), and each stage is
+        measured on t ranks; unchanged where this machine cannot run t ranks of the device (fewer
+        GPUs than t)."""
+        if tensor_parallel > 1 and not split_measurable(self.device, tensor_parallel):
+            return list(pipes)
+        self.tensor_parallel = tensor_parallel
         times = iter(self._times([self._request(st, p.mini_batch_size) for p in pipes for st in p.stages]))
         # Stages are measured one at a time; a rank that shares its node with other ranks of the
         # plan computes each action slower by the device's contention_overhead, and replicas of
@@ -132,7 +155,12 @@ class StageProfiler:
         two replicas on one node (none without the cluster, which says where each device is)."""
         if self.cluster is None:
             return set(), set()
-        node = {d: self.cluster.device(d).node for st in pipe.stages for d in st.devices}
+        t = self.tensor_parallel  # a group's node: its first device's
+        node = {
+            d: self.cluster.device(d if t == 1 else group_devices([d], t)[0]).node
+            for st in pipe.stages
+            for d in st.devices
+        }
         ranks = Counter(node.values())
         sharing = {st.id for st in pipe.stages if any(ranks[node[d]] > 1 for d in st.devices)}
         replicated = {st.id for st in pipe.stages if len({node[d] for d in st.devices}) < len(st.devices)}
@@ -158,7 +186,7 @@ class StageProfiler:
     def _request(self, st: PipelineStage, mini_batch: int) -> _Request:
         samples = per_device_samples(st.micro_batch_size, len(st.devices))
         actions = tuple(st.schedule or gpipe(mini_batch // st.micro_batch_size))
-        return _Request(tuple(st.nodes), samples, actions, mini_batch)
+        return _Request(tuple(st.nodes), samples, actions, mini_batch, self.tensor_parallel)
 
     def times(self, nodes: list[str], samples: int, actions: tuple[str, ...], mini_batch: int) -> StageTimes:
         """The stage of ``nodes`` running ``actions`` (``F0``, ``B0``, … a step) at ``samples``
@@ -166,9 +194,10 @@ class StageProfiler:
         return self._times([_Request(tuple(nodes), samples, actions, mini_batch)])[0]
 
     def _key(self, request: _Request) -> str:
-        nodes, samples, actions, mini_batch = request
+        nodes, samples, actions, mini_batch, t = request
         recipe = RECIPE + "".join(f" ({x})" for x in (self.optimizer, self.loss) if x not in ("sgd", "mse"))
         recipe += " (clipped)" if self.max_grad_norm is not None else ""
+        recipe += f" (tensor-parallel {t}: {SPLIT_RECIPE})" if t > 1 else ""
         return digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, recipe])
 
     def _cached(self, request: _Request) -> StageTimes | None:
@@ -188,7 +217,10 @@ class StageProfiler:
 
         found = {r: self._cached(r) for r in requests}
         missing = [r for r, t in found.items() if t is None]
-        for request, measured in zip(missing, self._measure(missing) if missing else [], strict=True):
+        whole = [r for r in missing if r.tensor_parallel == 1]
+        split = [r for r in missing if r.tensor_parallel > 1]  # on their ranks (one t per call)
+        taken = (self._measure(whole) if whole else []) + (self._measure_split(split) if split else [])
+        for request, measured in zip(whole + split, taken, strict=True):
             self.measured += 1
             seconds = [statistics.median(statistics.median(b[part]) for b in measured) for part in range(3)]
             repeats = sum(len(b[0]) for b in measured)
@@ -220,13 +252,59 @@ class StageProfiler:
             torch.set_num_threads(before)
         return bursts
 
+    def _measure_split(self, requests: list[_Request]) -> list[list[tuple[list[float], ...]]]:
+        """Per request, per burst, the seconds of each timed step of its stage run by its ``t``
+        tensor-parallel ranks (a step's part: the slowest rank's), each rank a process with the
+        device's threads, its collectives over gloo (NCCL on GPUs). The same ranks run every
+        request's stage, their bursts in turns (as :meth:`_times` takes whole stages')."""
+        from tessera.core.tensor_parallel import tensor_parallel
+        from tessera.core.tp_program import local_model
+
+        t = requests[0].tensor_parallel
+        whole = tensor_parallel(self.graph, t)
+        stages = []
+        for nodes, samples, actions, mini_batch, _ in requests:
+            models = [local_model(self.graph, nodes, whole.restrict(nodes), i) for i in range(t)]
+            kept = {i.name for i in models[0].graph.initializer}
+            names = tuple(i.name for i in models[0].graph.input if i.name not in kept)
+            values = [x.detach().cpu() for x in self._inputs(names, samples)]
+            stages.append(
+                _SplitStage(
+                    models=[m.SerializeToString() for m in models],
+                    feeds=dict(zip(names, values, strict=True)),
+                    grads=frozenset(n for n in names if n not in self.graph.inputs),
+                    actions=actions,
+                    data=TrainingData(self.graph, mini_batch),
+                )
+            )
+        job = _SplitJob(
+            stages=stages,
+            scored=frozenset(self.graph.outputs) if self.loss == "ce" else frozenset(),
+            optimizer=self.optimizer,
+            max_grad_norm=self.max_grad_norm,
+            threads=self.threads or 1,
+            device=self.device,
+            options=self.options,
+        )
+        per_rank = _run_ranks(job, t)
+        return [
+            [
+                tuple(
+                    [max(steps) for steps in zip(*(r[k][b][part] for r in per_rank), strict=True)]
+                    for part in range(3)
+                )
+                for b in range(self.options.bursts)
+            ]
+            for k in range(len(requests))
+        ]
+
     def _runner(self, request: _Request) -> _StageRun:
         import torch
 
         from tessera.backends.torch_module import to_torch
         from tessera.backends.torch_optim import global_norm_clip, torch_optimizer
 
-        nodes, samples, actions, mini_batch = request
+        nodes, samples, actions, mini_batch, _ = request
         module = to_torch(self.graph.extract(list(nodes)), label="stage").to(self.device)
         params = [p for _, p in module.onnx_parameters()]
         return _StageRun(
@@ -332,6 +410,7 @@ class _Request(NamedTuple):
     samples: int
     actions: tuple[str, ...]
     mini_batch: int
+    tensor_parallel: int = 1
 
 
 @dataclass
@@ -366,5 +445,168 @@ def _no_sync() -> None:
     pass
 
 
-RefineFn = Callable[[Sequence[Pipeline]], list[Pipeline]]
-"""Pipelines with their stages measured together (:meth:`StageProfiler.refine_all`)."""
+class RefineFn(Protocol):
+    """Pipelines with their stages measured together (:meth:`StageProfiler.refine_all`); with
+    ``tensor_parallel`` t > 1, pipelines of t-device groups, each stage measured on its t ranks."""
+
+    def __call__(self, pipes: Sequence[Pipeline], tensor_parallel: int = 1) -> list[Pipeline]: ...
+
+
+@dataclass(frozen=True)
+class _SplitStage:
+    """A tensor-parallel stage to measure: each rank's copy, its inputs and its schedule."""
+
+    models: list[bytes]  # rank i's copy of the stage (core.tp_program.local_model), serialized
+    feeds: dict[str, torch.Tensor]  # the stage's inputs by name, whole (as a rank receives them)
+    grads: frozenset[str]  # the inputs that take a gradient (received activations)
+    actions: tuple[str, ...]
+    data: TrainingData
+
+
+@dataclass(frozen=True)
+class _SplitJob:
+    """What each rank of a tensor-parallel measurement needs (sent to its process)."""
+
+    stages: list[_SplitStage]
+    scored: frozenset[str]  # outputs scored by cross-entropy (the model's, with launch --loss ce)
+    optimizer: str
+    max_grad_norm: float | None
+    threads: int
+    device: str
+    options: StageProfileOptions
+
+
+def _run_ranks(job: _SplitJob, t: int) -> list[list[tuple[list[float], ...]]]:
+    """Each rank's bursts of ``job``'s stage, its ``t`` ranks run as processes (spawned: a rank
+    starts clean of the planner's threads) meeting through a file store (no port to race for)."""
+    import tempfile
+    from pathlib import Path
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    with tempfile.TemporaryDirectory(prefix="tessera-stage-") as folder:
+        store = str(Path(folder) / "store")
+        procs = [ctx.Process(target=_split_rank, args=(r, t, store, job, out), daemon=True) for r in range(t)]
+        for proc in procs:
+            proc.start()
+        try:
+            results = _collected(out, procs)
+        finally:
+            for proc in procs:
+                proc.join(timeout=30)
+                if proc.is_alive():
+                    proc.kill()
+    failed = {r: v for r, v in results.items() if isinstance(v, str)}
+    if failed:
+        rank, why = min(failed.items())
+        raise RuntimeError(f"measuring a tensor-parallel stage on {t} ranks: rank {rank} failed: {why}")
+    return [results[r] for r in range(t)]
+
+
+def _collected(out: object, procs: list, limit_s: float = 600.0) -> dict[int, object]:
+    """Each rank's report from ``out``; a rank that ended without one (killed, crashed) is
+    reported by its exit code, and its peers, blocked in a collective, are not waited for."""
+    import queue
+
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + limit_s
+    ended = False  # a rank's process ended: what it sent is drained once more before naming it
+    while len(results) < len(procs):
+        try:
+            rank, value = out.get(timeout=2.0 if ended else 0.5)  # type: ignore[attr-defined]
+            results[rank] = value
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
+            if dead and ended:
+                return {r: f"its process ended with exit code {procs[r].exitcode}" for r in dead}
+            ended = bool(dead)
+            if time.monotonic() > deadline:
+                return {r: f"no report within {limit_s:.0f} s" for r in range(len(procs)) if r not in results}
+    return results
+
+
+def _split_rank(rank: int, t: int, store: str, job: _SplitJob, out: object) -> None:
+    """One rank of a tensor-parallel measurement: its block of each stage run step after step
+    as :func:`_one_step` runs a whole stage, the stages' bursts in turns; rank 0 decides when a
+    burst ends (every rank runs the same steps: their collectives pair up)."""
+    import torch
+    import torch.distributed as dist
+
+    from tessera.backends.torch_ops.collectives import use_group
+
+    cuda = job.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    else:  # each rank on cores of its own where they fit, as launch pins its ranks
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        if t * job.threads <= len(cores):
+            os.sched_setaffinity(0, cores[rank * job.threads : (rank + 1) * job.threads])
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=t
+    )
+    try:
+        torch.set_num_threads(job.threads)
+        use_group("tp", dist.group.WORLD)
+        device = f"cuda:{rank}" if cuda else "cpu"
+        runs = [_split_run(stage, job, rank, device) for stage in job.stages]
+        o = job.options
+        bursts: list[list[tuple[list[float], ...]]] = [[] for _ in runs]
+        for b in range(o.bursts):  # the stages' bursts in turns
+            for run, taken in zip(runs, bursts, strict=True):
+                taken.append(_burst_together(run, o, o.warmup if b == 0 else 0, rank, device))
+        out.put((rank, bursts))  # type: ignore[attr-defined]
+    except Exception as exc:  # reported to the planner, which names the rank
+        out.put((rank, f"{type(exc).__name__}: {exc}"))  # type: ignore[attr-defined]
+    finally:
+        dist.destroy_process_group()
+
+
+def _split_run(stage: _SplitStage, job: _SplitJob, rank: int, device: str) -> _StageRun:
+    import onnx
+    import torch
+
+    from tessera.backends.torch_module import to_torch
+    from tessera.backends.torch_optim import global_norm_clip, torch_optimizer
+
+    module = to_torch(onnx.load_from_string(stage.models[rank]), label="stage").to(device)
+    params = [p for _, p in module.onnx_parameters()]
+    return _StageRun(
+        module,
+        [stage.feeds[n].to(device).requires_grad_(n in stage.grads) for n in module.input_names],
+        torch_optimizer(job.optimizer, params, lr=1e-9) if params else None,
+        stage.actions,
+        stage.data,
+        torch.cuda.synchronize if device != "cpu" else _no_sync,
+        tuple(n in job.scored for n in module.output_names),
+        (lambda: global_norm_clip(params, params, job.max_grad_norm))
+        if job.max_grad_norm is not None and params
+        else None,
+    )
+
+
+def _burst_together(
+    run: _StageRun, o: StageProfileOptions, warmup: int, rank: int, device: str
+) -> tuple[list[float], ...]:
+    """:meth:`StageProfiler._burst` on every rank at once: rank 0's budget ends it for all."""
+    import torch
+    import torch.distributed as dist
+
+    times: tuple[list[float], list[float], list[float]] = ([], [], [])
+    spent = 0.0
+    go = torch.ones(1, device=device)
+    while True:
+        start = time.perf_counter()
+        parts = _one_step(run, functools.partial(run.data.batch, run.step))
+        spent, run.step = spent + time.perf_counter() - start, run.step + 1
+        for values, value in zip(times, parts, strict=True):
+            values.append(value)
+        steps = len(times[0])
+        if rank == 0:
+            go.fill_(
+                steps < warmup + o.min_repeats or (spent < o.budget_s and steps < warmup + o.max_repeats)
+            )
+        dist.broadcast(go, 0)
+        if not go.item():
+            return tuple(values[warmup:] for values in times)

@@ -376,3 +376,75 @@ def test_plan_records_the_clipping_charges_its_all_reduce_and_launch_warns_witho
     assert run.code == 0 and "timed with gradient clipping, this run trains without it" in run.err
     run = run_cli("launch", str(profiled), "--steps", "1", "--max-grad-norm", "5")
     assert run.code == 0 and "timed with" not in run.err
+
+
+def test_a_tensor_parallel_stage_is_measured_on_its_ranks(zoo_graph, tmp_path: Path) -> None:
+    """``plan --tensor-parallel 2 --profile``: the stage is measured as its 2 ranks run it (each
+    its block of the split, collectives over gloo), cached apart from the whole stage's times,
+    and the plan predicts with it."""
+    graph = zoo_graph("gpt")
+    cluster = load_cluster("local-cpu-split")
+    options = dataclasses.replace(
+        pipeline_options(cluster, mini_batch=8, tensor_parallel=2), micro_batch_sizes=(8,)
+    )
+    device = cluster.devices()[0].type
+    cache = ProfileCache(tmp_path / "p.sqlite")
+    profiler = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    plan, pipe, _ = plan_gpp(graph, cluster, options, baseline=False, refine=profiler.refine_all)
+    assert profiler.measured == len(pipe.stages) == 1 and plan.stages[0].tensor_parallel == 2
+    stage = pipe.stages[0]
+    assert stage.forward_time > 0 and stage.backward_time > 0 and stage.step_time > 0
+    assert plan.predicted["iteration_time_s"] >= stage.forward_time + stage.backward_time
+    again = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    replanned, _, _ = plan_gpp(graph, cluster, options, baseline=False, refine=again.refine_all)
+    assert again.measured == 0 and replanned.predicted == plan.predicted
+    whole = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    whole.refine(pipe)  # the same nodes as one process runs them: measured, not the ranks' row
+    assert whole.measured == 1
+    # Two plans' split stages: measured by the same ranks, their bursts in turns, each as alone.
+    _, quarter, _ = plan_gpp(
+        graph, cluster, dataclasses.replace(options, micro_batch_sizes=(2,)), baseline=False
+    )
+    fresh = ProfileCache(tmp_path / "q.sqlite")
+    together = StageProfiler(graph, device, fresh, QUICK, cluster=cluster)
+    both = together.refine_all([pipe, quarter], 2)
+    assert together.measured == 2 and both[0] != pipe and both[1] != quarter
+    assert StageProfiler(graph, device, fresh, QUICK, cluster=cluster).refine(quarter, 2) == both[1]
+
+
+def test_a_rank_that_fails_its_measurement_is_named(zoo_graph, tmp_path: Path) -> None:
+    from tessera.core.data import TrainingData
+    from tessera.planners.pipeline import stage_profile
+
+    stage = stage_profile._SplitStage(
+        models=[b"not a model"] * 2, feeds={}, grads=frozenset(), actions=("F0", "B0"),
+        data=TrainingData(zoo_graph("gpt"), 2),
+    )  # fmt: skip
+    job = stage_profile._SplitJob(
+        stages=[stage], scored=frozenset(), optimizer="sgd", max_grad_norm=None, threads=1, device="cpu",
+        options=QUICK,
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match=r"on 2 ranks: rank 0 failed: \w+"):
+        stage_profile._run_ranks(job, 2)
+
+
+def test_a_rank_that_dies_without_a_report_is_named_not_waited_for() -> None:
+    import multiprocessing as mp
+    import os
+    import time
+
+    from tessera.planners.pipeline import stage_profile
+
+    ctx = mp.get_context("spawn")
+    procs = [
+        ctx.Process(target=time.sleep, args=(60,), daemon=True),
+        ctx.Process(target=os._exit, args=(3,)),
+    ]
+    for p in procs:
+        p.start()
+    started = time.monotonic()
+    try:
+        got = stage_profile._collected(ctx.Queue(), procs)
+    finally:
+        procs[0].kill()
+    assert got == {1: "its process ended with exit code 3"} and time.monotonic() - started < 30
