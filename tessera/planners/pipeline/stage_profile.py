@@ -561,6 +561,11 @@ def _split_rank(rank: int, t: int, store: str, job: _SplitJob, out: object) -> N
         out.put((rank, f"{type(exc).__name__}: {exc}"))  # type: ignore[attr-defined]
     finally:
         dist.destroy_process_group()
+    # The report flushed, the process ends without running C++ destructors: gloo's threads,
+    # destroyed joinable at exit, would abort it with "terminate called" on the planner's stderr.
+    out.close()  # type: ignore[attr-defined]
+    out.join_thread()  # type: ignore[attr-defined]
+    os._exit(0)
 
 
 def _split_run(stage: _SplitStage, job: _SplitJob, rank: int, device: str) -> _StageRun:
