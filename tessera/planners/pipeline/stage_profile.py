@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -24,6 +23,8 @@ from tessera.core.graph import Graph
 from tessera.core.schedule import gpipe
 from tessera.core.specs import ClusterSpec, DeviceType
 from tessera.planners.pipeline.profile import digest, torch_device_for
+from tessera.planners.pipeline.stage_ranks import SplitJob, SplitStage, run_ranks, split_measurable
+from tessera.planners.pipeline.stage_step import StageProfileOptions, StageRun, no_sync, one_step
 from tessera.planners.pipeline.tensor_parallel import group_devices
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
@@ -50,31 +51,9 @@ class StageTimes:
     step: float
 
 
-@dataclass(frozen=True)
-class StageProfileOptions:
-    budget_s: float = 0.3  # timed runs per stage and burst stop after this long …
-    min_repeats: int = 5  # … and at least this many
-    max_repeats: int = 50
-    warmup: int = 2
-    # Each part's time is the median of the bursts' medians: a burst that another process slowed
-    # (a stage once measured 2.6x its time a minute later) is outvoted, not averaged in. A plan's
-    # stages take their bursts in turns (see StageProfiler._times).
-    bursts: int = 5
-
-
 def stages_measurable(device_type: DeviceType) -> bool:
     """Whether this machine can run stages as ``device_type`` would: a CPU, or a GPU torch sees."""
     return device_type.kind == "cpu" or torch_device_for(device_type) == "cuda"
-
-
-def split_measurable(device: str, t: int) -> bool:
-    """Whether ``t`` ranks of a tensor-parallel stage can run here on ``device``: CPU processes
-    always; on GPUs, one GPU a rank."""
-    if device != "cuda":
-        return True
-    import torch
-
-    return torch.cuda.device_count() >= t
 
 
 class StageProfiler:
@@ -269,7 +248,7 @@ class StageProfiler:
             names = tuple(i.name for i in models[0].graph.input if i.name not in kept)
             values = [x.detach().cpu() for x in self._inputs(names, samples)]
             stages.append(
-                _SplitStage(
+                SplitStage(
                     models=[m.SerializeToString() for m in models],
                     feeds=dict(zip(names, values, strict=True)),
                     grads=frozenset(n for n in names if n not in self.graph.inputs),
@@ -277,7 +256,7 @@ class StageProfiler:
                     data=TrainingData(self.graph, mini_batch),
                 )
             )
-        job = _SplitJob(
+        job = SplitJob(
             stages=stages,
             scored=frozenset(self.graph.outputs) if self.loss == "ce" else frozenset(),
             optimizer=self.optimizer,
@@ -286,7 +265,7 @@ class StageProfiler:
             device=self.device,
             options=self.options,
         )
-        per_rank = _run_ranks(job, t)
+        per_rank = run_ranks(job, t)
         return [
             [
                 tuple(
@@ -298,7 +277,7 @@ class StageProfiler:
             for k in range(len(requests))
         ]
 
-    def _runner(self, request: _Request) -> _StageRun:
+    def _runner(self, request: _Request) -> StageRun:
         import torch
 
         from tessera.backends.torch_module import to_torch
@@ -307,20 +286,20 @@ class StageProfiler:
         nodes, samples, actions, mini_batch, _ = request
         module = to_torch(self.graph.extract(list(nodes)), label="stage").to(self.device)
         params = [p for _, p in module.onnx_parameters()]
-        return _StageRun(
+        return StageRun(
             module,
             self._inputs(module.input_names, samples),
             torch_optimizer(self.optimizer, params, lr=1e-9) if params else None,
             actions,
             TrainingData(self.graph, mini_batch),
-            torch.cuda.synchronize if self.device == "cuda" else _no_sync,
+            torch.cuda.synchronize if self.device == "cuda" else no_sync,
             tuple(self.loss == "ce" and name in self.graph.outputs for name in module.output_names),
             (lambda: global_norm_clip(params, params, self.max_grad_norm))
             if self.max_grad_norm is not None and params
             else None,
         )
 
-    def _burst(self, run: _StageRun, warmup: int) -> tuple[list[float], ...]:
+    def _burst(self, run: StageRun, warmup: int) -> tuple[list[float], ...]:
         """Steps of ``run`` until the budget is spent (at least ``min_repeats``), the first
         ``warmup`` left out."""
         o = self.options
@@ -331,7 +310,7 @@ class StageProfiler:
         ):
             start = time.perf_counter()
             draw = functools.partial(run.data.batch, run.step)
-            parts = _one_step(run, draw)
+            parts = one_step(run, draw)
             spent, run.step = spent + time.perf_counter() - start, run.step + 1
             for values, value in zip(times, parts, strict=True):
                 values.append(value)
@@ -360,51 +339,6 @@ class StageProfiler:
         ]
 
 
-def _one_step(run: _StageRun, draw: Callable[[], object]) -> tuple[float, float, float]:
-    """One step of the stage as a rank runs it: the data drawn, ``actions`` in order (a forward
-    with a squared-error loss of the outputs, or the cross-entropy of the model's logits where the
-    run's loss is ``ce`` (labels fixed, classes last); a backward accumulating into
-    the gradients), the gradients' norm clipped where the run clips, the optimizer's step. Seconds: the mean forward, the mean backward, and the data and
-    the optimizer step together (each in the cache state the step leaves them, not in a tight loop
-    of its own: measured apart, both ran 30-40% faster than in a step). ``sync`` waits for a GPU's
-    queued kernels before each reading of the clock."""
-    module, feeds, optimizer, actions, sync = run.module, run.feeds, run.optimizer, run.actions, run.sync
-    t0 = time.perf_counter()
-    draw()
-    own = time.perf_counter() - t0
-    forward = backward = 0.0
-    losses: dict[str, object] = {}
-    for action in actions:
-        t0 = time.perf_counter()
-        if action[0] == "F":
-            # a micro-batch's inputs: leaves of their own, as received buffers are (no copy)
-            leaves = [x.detach().requires_grad_(x.requires_grad) for x in feeds]
-            scored = [_scored(o, ce) for o, ce in zip(module(*leaves), run.cross_entropy, strict=True)]
-            loss = sum(s for s in scored if s is not None) if any(s is not None for s in scored) else None
-            if loss is not None:
-                float(loss.detach())  # the worker reads the loss in its forward
-            losses[action[1:]] = loss
-            sync()
-            forward += time.perf_counter() - t0
-        else:
-            loss = losses.pop(action[1:])
-            if loss is not None:
-                loss.backward()  # type: ignore[attr-defined]
-            del loss
-            sync()
-            backward += time.perf_counter() - t0
-    t0 = time.perf_counter()
-    if run.clip is not None:
-        run.clip()
-    if optimizer is not None:
-        optimizer.step()  # type: ignore[attr-defined]
-        optimizer.zero_grad(set_to_none=True)  # type: ignore[attr-defined]
-    sync()
-    own += time.perf_counter() - t0
-    micro_batches = max(len(actions) // 2, 1)
-    return forward / micro_batches, backward / micro_batches, own
-
-
 class _Request(NamedTuple):
     nodes: tuple[str, ...]
     samples: int
@@ -413,205 +347,8 @@ class _Request(NamedTuple):
     tensor_parallel: int = 1
 
 
-@dataclass
-class _StageRun:
-    """A stage built to be measured: its program, inputs, optimizer, schedule and data."""
-
-    module: OnnxModule
-    feeds: list[torch.Tensor]
-    optimizer: object
-    actions: tuple[str, ...]
-    data: TrainingData
-    sync: Callable[[], None]
-    cross_entropy: tuple[bool, ...]  # per output of the stage: scored by cross-entropy
-    clip: Callable[[], object] | None  # the gradients' norm clipped (launch --max-grad-norm)
-    step: int = 0
-
-
-def _scored(output: torch.Tensor, cross_entropy: bool) -> torch.Tensor | None:
-    """An output's loss as the profile times it (None: it takes no gradient)."""
-    import torch
-
-    if not output.requires_grad:
-        return None
-    if cross_entropy and output.dim() >= 2:
-        logits = output.reshape(-1, output.shape[-1]).float()
-        labels = torch.arange(logits.shape[0], device=logits.device) % logits.shape[-1]
-        return torch.nn.functional.cross_entropy(logits, labels, reduction="sum") / logits.shape[0]
-    return (output * output).sum() / output.numel()
-
-
-def _no_sync() -> None:
-    pass
-
-
 class RefineFn(Protocol):
     """Pipelines with their stages measured together (:meth:`StageProfiler.refine_all`); with
     ``tensor_parallel`` t > 1, pipelines of t-device groups, each stage measured on its t ranks."""
 
     def __call__(self, pipes: Sequence[Pipeline], tensor_parallel: int = 1) -> list[Pipeline]: ...
-
-
-@dataclass(frozen=True)
-class _SplitStage:
-    """A tensor-parallel stage to measure: each rank's copy, its inputs and its schedule."""
-
-    models: list[bytes]  # rank i's copy of the stage (core.tp_program.local_model), serialized
-    feeds: dict[str, torch.Tensor]  # the stage's inputs by name, whole (as a rank receives them)
-    grads: frozenset[str]  # the inputs that take a gradient (received activations)
-    actions: tuple[str, ...]
-    data: TrainingData
-
-
-@dataclass(frozen=True)
-class _SplitJob:
-    """What each rank of a tensor-parallel measurement needs (sent to its process)."""
-
-    stages: list[_SplitStage]
-    scored: frozenset[str]  # outputs scored by cross-entropy (the model's, with launch --loss ce)
-    optimizer: str
-    max_grad_norm: float | None
-    threads: int
-    device: str
-    options: StageProfileOptions
-
-
-def _run_ranks(job: _SplitJob, t: int) -> list[list[tuple[list[float], ...]]]:
-    """Each rank's bursts of ``job``'s stage, its ``t`` ranks run as processes (spawned: a rank
-    starts clean of the planner's threads) meeting through a file store (no port to race for)."""
-    import tempfile
-    from pathlib import Path
-
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with tempfile.TemporaryDirectory(prefix="tessera-stage-") as folder:
-        store = str(Path(folder) / "store")
-        procs = [ctx.Process(target=_split_rank, args=(r, t, store, job, out), daemon=True) for r in range(t)]
-        for proc in procs:
-            proc.start()
-        try:
-            results = _collected(out, procs)
-        finally:
-            for proc in procs:
-                proc.join(timeout=30)
-                if proc.is_alive():
-                    proc.kill()
-    failed = {r: v for r, v in results.items() if isinstance(v, str)}
-    if failed:
-        rank, why = min(failed.items())
-        raise RuntimeError(f"measuring a tensor-parallel stage on {t} ranks: rank {rank} failed: {why}")
-    return [results[r] for r in range(t)]
-
-
-def _collected(out: object, procs: list, limit_s: float = 600.0) -> dict[int, object]:
-    """Each rank's report from ``out``; a rank that ended without one (killed, crashed) is
-    reported by its exit code, and its peers, blocked in a collective, are not waited for."""
-    import queue
-
-    results: dict[int, object] = {}
-    deadline = time.monotonic() + limit_s
-    ended = False  # a rank's process ended: what it sent is drained once more before naming it
-    while len(results) < len(procs):
-        try:
-            rank, value = out.get(timeout=2.0 if ended else 0.5)  # type: ignore[attr-defined]
-            results[rank] = value
-        except queue.Empty:
-            dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
-            if dead and ended:
-                return {r: f"its process ended with exit code {procs[r].exitcode}" for r in dead}
-            ended = bool(dead)
-            if time.monotonic() > deadline:
-                return {r: f"no report within {limit_s:.0f} s" for r in range(len(procs)) if r not in results}
-    return results
-
-
-def _split_rank(rank: int, t: int, store: str, job: _SplitJob, out: object) -> None:
-    """One rank of a tensor-parallel measurement: its block of each stage run step after step
-    as :func:`_one_step` runs a whole stage, the stages' bursts in turns; rank 0 decides when a
-    burst ends (every rank runs the same steps: their collectives pair up)."""
-    import torch
-    import torch.distributed as dist
-
-    from tessera.backends.torch_ops.collectives import use_group
-
-    cuda = job.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    else:  # each rank on cores of its own where they fit, as launch pins its ranks
-        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        if t * job.threads <= len(cores):
-            os.sched_setaffinity(0, cores[rank * job.threads : (rank + 1) * job.threads])
-    dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"file://{store}", rank=rank, world_size=t
-    )
-    try:
-        torch.set_num_threads(job.threads)
-        use_group("tp", dist.group.WORLD)
-        device = f"cuda:{rank}" if cuda else "cpu"
-        runs = [_split_run(stage, job, rank, device) for stage in job.stages]
-        o = job.options
-        bursts: list[list[tuple[list[float], ...]]] = [[] for _ in runs]
-        for b in range(o.bursts):  # the stages' bursts in turns
-            for run, taken in zip(runs, bursts, strict=True):
-                taken.append(_burst_together(run, o, o.warmup if b == 0 else 0, rank, device))
-        out.put((rank, bursts))  # type: ignore[attr-defined]
-    except Exception as exc:  # reported to the planner, which names the rank
-        out.put((rank, f"{type(exc).__name__}: {exc}"))  # type: ignore[attr-defined]
-    finally:
-        dist.destroy_process_group()
-    # The report flushed, the process ends without running C++ destructors: gloo's threads,
-    # destroyed joinable at exit, would abort it with "terminate called" on the planner's stderr.
-    out.close()  # type: ignore[attr-defined]
-    out.join_thread()  # type: ignore[attr-defined]
-    os._exit(0)
-
-
-def _split_run(stage: _SplitStage, job: _SplitJob, rank: int, device: str) -> _StageRun:
-    import onnx
-    import torch
-
-    from tessera.backends.torch_module import to_torch
-    from tessera.backends.torch_optim import global_norm_clip, torch_optimizer
-
-    module = to_torch(onnx.load_from_string(stage.models[rank]), label="stage").to(device)
-    params = [p for _, p in module.onnx_parameters()]
-    return _StageRun(
-        module,
-        [stage.feeds[n].to(device).requires_grad_(n in stage.grads) for n in module.input_names],
-        torch_optimizer(job.optimizer, params, lr=1e-9) if params else None,
-        stage.actions,
-        stage.data,
-        torch.cuda.synchronize if device != "cpu" else _no_sync,
-        tuple(n in job.scored for n in module.output_names),
-        (lambda: global_norm_clip(params, params, job.max_grad_norm))
-        if job.max_grad_norm is not None and params
-        else None,
-    )
-
-
-def _burst_together(
-    run: _StageRun, o: StageProfileOptions, warmup: int, rank: int, device: str
-) -> tuple[list[float], ...]:
-    """:meth:`StageProfiler._burst` on every rank at once: rank 0's budget ends it for all."""
-    import torch
-    import torch.distributed as dist
-
-    times: tuple[list[float], list[float], list[float]] = ([], [], [])
-    spent = 0.0
-    go = torch.ones(1, device=device)
-    while True:
-        start = time.perf_counter()
-        parts = _one_step(run, functools.partial(run.data.batch, run.step))
-        spent, run.step = spent + time.perf_counter() - start, run.step + 1
-        for values, value in zip(times, parts, strict=True):
-            values.append(value)
-        steps = len(times[0])
-        if rank == 0:
-            go.fill_(
-                steps < warmup + o.min_repeats or (spent < o.budget_s and steps < warmup + o.max_repeats)
-            )
-        dist.broadcast(go, 0)
-        if not go.item():
-            return tuple(values[warmup:] for values in times)

@@ -194,7 +194,7 @@ def test_a_burst_another_process_slowed_is_outvoted(zoo_graph, tmp_path: Path, m
         factor = 10.0 if next(calls) in slow else 1.0
         return 1e-3 * factor, 2e-3 * factor, 5e-4 * factor
 
-    monkeypatch.setattr(stage_profile, "_one_step", step)
+    monkeypatch.setattr(stage_profile, "one_step", step)
     profiler = StageProfiler(graph, cluster.devices()[0].type, ProfileCache(tmp_path / "p.sqlite"), options)
     st = profiler.refine(pipe).stages[0]
     assert next(calls) == options.warmup + options.bursts * options.max_repeats  # the slow burst ran
@@ -215,7 +215,7 @@ def test_a_plans_stages_take_their_bursts_in_turns(zoo_graph, tmp_path: Path, mo
         order.append(modules.setdefault(id(module), len(modules)))
         return 1e-3, 2e-3, 5e-4
 
-    monkeypatch.setattr(stage_profile, "_one_step", step)
+    monkeypatch.setattr(stage_profile, "one_step", step)
     profiler = StageProfiler(graph, cluster.devices()[0].type, ProfileCache(tmp_path / "p.sqlite"), options)
     refined = profiler.refine(pipe)
     assert order == [0] * 3 + [1] * 3 + ([0] * 2 + [1] * 2) * 2
@@ -316,14 +316,14 @@ def test_a_clipped_profile_times_the_norm_with_each_step(zoo_graph, tmp_path: Pa
 
 
 def test_a_cross_entropy_profile_scores_the_models_logits_by_it() -> None:
-    from tessera.planners.pipeline.stage_profile import _scored
+    from tessera.planners.pipeline.stage_step import scored
 
     logits = torch.randn(2, 3, 5, requires_grad=True)
     labels = torch.arange(6) % 5
     want = torch.nn.functional.cross_entropy(logits.reshape(6, 5), labels, reduction="sum") / 6
-    torch.testing.assert_close(_scored(logits, True), want)
-    torch.testing.assert_close(_scored(logits, False), (logits * logits).mean())
-    assert _scored(torch.randn(2, 3), True) is None  # an output that takes no gradient scores nothing
+    torch.testing.assert_close(scored(logits, True), want)
+    torch.testing.assert_close(scored(logits, False), (logits * logits).mean())
+    assert scored(torch.randn(2, 3), True) is None  # an output that takes no gradient scores nothing
 
 
 def test_plan_records_the_optimizer_and_launch_warns_when_it_trains_with_another(zoo, tmp_path: Path) -> None:
@@ -414,18 +414,18 @@ def test_a_tensor_parallel_stage_is_measured_on_its_ranks(zoo_graph, tmp_path: P
 
 def test_a_rank_that_fails_its_measurement_is_named(zoo_graph, tmp_path: Path) -> None:
     from tessera.core.data import TrainingData
-    from tessera.planners.pipeline import stage_profile
+    from tessera.planners.pipeline import stage_ranks
 
-    stage = stage_profile._SplitStage(
+    stage = stage_ranks.SplitStage(
         models=[b"not a model"] * 2, feeds={}, grads=frozenset(), actions=("F0", "B0"),
         data=TrainingData(zoo_graph("gpt"), 2),
     )  # fmt: skip
-    job = stage_profile._SplitJob(
+    job = stage_ranks.SplitJob(
         stages=[stage], scored=frozenset(), optimizer="sgd", max_grad_norm=None, threads=1, device="cpu",
         options=QUICK,
     )  # fmt: skip
     with pytest.raises(RuntimeError, match=r"on 2 ranks: rank 0 failed: \w+"):
-        stage_profile._run_ranks(job, 2)
+        stage_ranks.run_ranks(job, 2)
 
 
 def test_a_rank_that_dies_without_a_report_is_named_not_waited_for() -> None:
@@ -433,7 +433,7 @@ def test_a_rank_that_dies_without_a_report_is_named_not_waited_for() -> None:
     import os
     import time
 
-    from tessera.planners.pipeline import stage_profile
+    from tessera.planners.pipeline import stage_ranks
 
     ctx = mp.get_context("spawn")
     procs = [
@@ -444,7 +444,7 @@ def test_a_rank_that_dies_without_a_report_is_named_not_waited_for() -> None:
         p.start()
     started = time.monotonic()
     try:
-        got = stage_profile._collected(ctx.Queue(), procs)
+        got = stage_ranks._collected(ctx.Queue(), procs)
     finally:
         procs[0].kill()
     assert got == {1: "its process ended with exit code 3"} and time.monotonic() - started < 30
