@@ -188,6 +188,7 @@ def summary(report: dict[str, Any]) -> str:
         *(f"{a:<16} {b:<42} {c}" for a, b, c in rows),
         f"p2p by size: {p2p_text(p2p)}",
         f"all-reduce ({report['ranks']} ranks): {allreduce_text(reduce)}",
+        f"ZeRO-1 reduce-scatter + all-gather: {p2p_text({'bytes': reduce['bytes'], 'one_way_s': reduce['zero_seconds']})}",
     ]
     if report["shares_cores"]:
         lines.append(

@@ -185,6 +185,21 @@ def allreduce_time(nbytes: float, devices: int, link: Link | None) -> float:
     return 2 * (p - 1) / p * nbytes / bandwidth + 2 * (p - 1) * latency + link.allreduce_overhead
 
 
+def sharded_sync_time(nbytes: float, devices: int, link: Link | None) -> float:
+    """A ZeRO-1 step's collectives (reduce-scatter of ``nbytes`` of gradients, all-gather of the
+    updated shards): the link's measured ``zero_sync_curve`` for its rank count, beyond the curve
+    its end's ratio to the all-reduce; without one, an all-reduce's time (a ring's pair moves the
+    same bytes). 0 for one device."""
+    ring = allreduce_time(nbytes, devices, link)
+    curve = link.zero_sync_curve if link is not None else None
+    if not ring or not curve or devices != link.allreduce_ranks:  # type: ignore[union-attr]
+        return ring
+    if curve[0][0] <= nbytes <= curve[-1][0]:
+        return _log_log(curve, nbytes) + link.allreduce_overhead  # type: ignore[union-attr]
+    size, seconds = curve[0] if nbytes < curve[0][0] else curve[-1]
+    return ring * (seconds + link.allreduce_overhead) / allreduce_time(size, devices, link)  # type: ignore[union-attr]
+
+
 def _log_log(points: list[tuple[int, float]], x: float) -> float:
     """``points`` (increasing x) joined by straight lines on log-log axes, at ``x`` within them."""
     for (x0, y0), (x1, y1) in zip(points, points[1:], strict=False):

@@ -229,14 +229,22 @@ class Link(_SpecModel):
     the size), so ``core.cost.allreduce_time`` interpolates between these (log-log) for that many
     ranks, and uses the alpha-beta fit beyond them and for other counts."""
 
+    zero_sync_curve: list[tuple[Bytes, Seconds]] | None = None
+    """Measured ZeRO-1 steps' collectives over ``allreduce_ranks`` ranks: a flat buffer's
+    reduce-scatter then the all-gather of its shards, ``[bytes, seconds]`` by increasing size.
+    A ring's pair moves an all-reduce's bytes, but a library may run it slower (gloo: up to 3x);
+    ``core.cost.sharded_sync_time`` reads it (without it, a ZeRO-1 stage pays the all-reduce)."""
+
     @model_validator(mode="after")
     def _curve_increasing(self) -> Link:
-        curve = self.allreduce_curve
-        if curve is not None:
+        for name in ("allreduce_curve", "zero_sync_curve"):
+            curve = getattr(self, name)
+            if curve is None:
+                continue
             if self.allreduce_ranks is None or len(curve) < 2:
-                raise ValueError("allreduce_curve needs allreduce_ranks and at least two points")
+                raise ValueError(f"{name} needs allreduce_ranks and at least two points")
             if any(b[0] <= a[0] or b[1] <= 0 or a[1] <= 0 for a, b in zip(curve, curve[1:], strict=False)):
-                raise ValueError("allreduce_curve: sizes must increase and times be positive")
+                raise ValueError(f"{name}: sizes must increase and times be positive")
         return self
 
     def transfer_time(self, nbytes: float) -> float:
@@ -428,6 +436,11 @@ class ClusterSpec(_SpecModel):
                         "allreduce_curve": [list(point) for point in value.allreduce_curve],
                     }
                     if value.allreduce_curve
+                    else {}
+                ),
+                **(
+                    {"zero_sync_curve": [list(point) for point in value.zero_sync_curve]}
+                    if value.zero_sync_curve
                     else {}
                 ),
                 **{k: v for k, v in ring.items() if v is not None},

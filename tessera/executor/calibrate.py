@@ -204,6 +204,7 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
     received = [x["receive_s"] for x in loaded if "receive_s" in x]
     allreduce_bytes = raw[0]["allreduce"]["bytes"]
     allreduce = [max(r["allreduce"]["seconds"][i] for r in raw) for i in range(len(allreduce_bytes))]
+    zero_sync = [max(r["allreduce"]["zero_seconds"][i] for r in raw) for i in range(len(allreduce_bytes))]
     ring_latency, ring_bandwidth = fit_ring(allreduce_bytes, allreduce, ranks)
     from tessera.core.cost import allreduce_time
 
@@ -241,6 +242,8 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "bytes": allreduce_bytes,
             "seconds": allreduce,
             "ring_model_s": [allreduce_time(n, ranks, link) for n in allreduce_bytes],
+            # A ZeRO-1 step's reduce-scatter then all-gather of the same buffers.
+            "zero_seconds": zero_sync,
             "latency_s": ring_latency,
             "bandwidth_bytes_per_s": ring_bandwidth,
         },
@@ -418,6 +421,12 @@ def _comments(cal: Calibration) -> list[str]:
         f"    interpolate between them for {cal.ranks} ranks), fitted as the ring's per-step latency and",
         "    bandwidth for other sizes and rank counts:",
         *(f"    {size_text(n)} {seconds_text(t)} (ring model {seconds_text(p)})" for n, t, p in reduces),
+        "  zero_sync_curve: a ZeRO-1 step's reduce-scatter then all-gather of the same buffers (the",
+        "    slowest rank's median), which ZeRO-1 stages pay in place of the all-reduce: "
+        + ", ".join(
+            f"{size_text(n)} {seconds_text(t)}"
+            for n, t in zip(reduce["bytes"], reduce["zero_seconds"], strict=True)
+        ),
     ]
     if cal.shares_cores:
         lines.append(
@@ -488,8 +497,9 @@ def _spec_yaml(cal: Calibration) -> str:
     description = f"one of {cal.ranks} ranks of {cal.threads} thread(s) on a {cal.cores}-core {cal.cpu}"
     p2p = m["p2p"]
     reduce = m["allreduce"]
-    curve = ", ".join(
-        f"[{n}, {seconds_text(t)}]" for n, t in zip(reduce["bytes"], reduce["seconds"], strict=True)
+    curve, zero = (
+        ", ".join(f"[{n}, {seconds_text(t)}]" for n, t in zip(reduce["bytes"], reduce[key], strict=True))
+        for key in ("seconds", "zero_seconds")
     )
     lines = [
         *_comments(cal),
@@ -527,7 +537,8 @@ def _spec_yaml(cal: Calibration) -> str:
             if m.get("pipeline")
             else ""
         ),
-        f"               allreduce_ranks: {cal.ranks}, allreduce_curve: [{curve}]}}",
+        f"               allreduce_ranks: {cal.ranks}, allreduce_curve: [{curve}],",
+        f"               zero_sync_curve: [{zero}]}}",
     ]
     return "\n".join(lines) + "\n"
 

@@ -349,22 +349,32 @@ def measure_p2p_loaded(rank: int, world_size: int, budget_s: float) -> dict[str,
 
 
 def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:
-    """Sum all-reduces of :data:`ALLREDUCE_BYTES` over every rank (gloo), back to back; each rank's
-    median per call (the launcher reports the slowest rank's)."""
+    """Sum all-reduces of :data:`ALLREDUCE_BYTES` over every rank (gloo), back to back, and a
+    ZeRO-1 step's pair on the same buffers (reduce-scatter, then all-gather of the shards, as
+    ``executor.zero`` calls them); each rank's median per call (the launcher reports the slowest
+    rank's)."""
     import torch
     import torch.distributed as dist
 
-    seconds = []
+    ranks = dist.get_world_size()
+    seconds, pairs = [], []
     for nbytes in ALLREDUCE_BYTES:
-        buf = torch.zeros(max(1, nbytes // 4))
-        t0 = time.perf_counter()
-        dist.all_reduce(buf)  # warm-up
-        first = time.perf_counter() - t0
-        repeats = _agree_repeats(rank, first, budget_s / len(ALLREDUCE_BYTES), 0, None)
-        times = []
-        for _ in range(repeats):
+        buf = torch.zeros(max(ranks, nbytes // 4 // ranks * ranks))
+        shard = torch.zeros(buf.numel() // ranks)
+
+        def pair(buf: torch.Tensor = buf, shard: torch.Tensor = shard) -> None:
+            dist.reduce_scatter_single(shard, buf)
+            dist.all_gather_single(buf, shard.clone())
+
+        for call, into in ((lambda buf=buf: dist.all_reduce(buf), seconds), (pair, pairs)):
             t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            times.append(time.perf_counter() - t0)
-        seconds.append(statistics.median(times))
-    return {"bytes": list(ALLREDUCE_BYTES), "seconds": seconds}
+            call()  # warm-up
+            first = time.perf_counter() - t0
+            repeats = _agree_repeats(rank, first, budget_s / len(ALLREDUCE_BYTES) / 2, 0, None)
+            times = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                call()
+                times.append(time.perf_counter() - t0)
+            into.append(statistics.median(times))
+    return {"bytes": list(ALLREDUCE_BYTES), "seconds": seconds, "zero_seconds": pairs}

@@ -2,7 +2,14 @@ from __future__ import annotations
 
 import pytest
 
-from tessera.core.cost import CostModel, TrainingMemory, allreduce_time, backward_ratio, per_device_samples
+from tessera.core.cost import (
+    CostModel,
+    TrainingMemory,
+    allreduce_time,
+    backward_ratio,
+    per_device_samples,
+    sharded_sync_time,
+)
 from tessera.core.graph import OpNode
 from tessera.core.specs import ClusterSpec, DeviceType, Link
 
@@ -73,3 +80,20 @@ def test_a_measured_allreduce_curve_is_interpolated_for_its_rank_count() -> None
         Link(bandwidth=3e9, allreduce_ranks=2, allreduce_curve=[(65536, 1e-3), (4, 2e-3)])
     with pytest.raises(ValueError, match="needs allreduce_ranks"):
         Link(bandwidth=3e9, allreduce_curve=[(4, 1e-3), (65536, 2e-3)])
+
+
+def test_a_zero_stage_pays_the_measured_reduce_scatter_and_all_gather() -> None:
+    """ZeRO-1's pair: the link's measured curve for its rank count (log-log between points),
+    beyond it the curve's end ratio to the all-reduce; without a curve, the all-reduce's time."""
+    reduce = [(4, 2.7e-4), (65536, 4.0e-4), (1048576, 1.2e-3)]
+    pair = [(4, 3.0e-4), (65536, 9.0e-4), (1048576, 3.6e-3)]
+    link = Link(bandwidth=3e9, latency=7e-5, allreduce_ranks=2, allreduce_curve=reduce, zero_sync_curve=pair)
+    for n, seconds in pair:
+        assert sharded_sync_time(n, 2, link) == pytest.approx(seconds)
+    assert sharded_sync_time(2**22, 2, link) == pytest.approx(allreduce_time(2**22, 2, link) * 3.0)
+    assert sharded_sync_time(65536, 4, link) == allreduce_time(65536, 4, link)  # another rank count
+    plain = Link(bandwidth=3e9, latency=7e-5, allreduce_ranks=2, allreduce_curve=reduce)
+    assert sharded_sync_time(65536, 2, plain) == allreduce_time(65536, 2, plain)
+    assert sharded_sync_time(65536, 1, link) == 0.0
+    with pytest.raises(ValueError, match="zero_sync_curve: sizes must increase"):
+        Link(bandwidth=3e9, allreduce_ranks=2, zero_sync_curve=[(65536, 1e-3), (4, 2e-3)])

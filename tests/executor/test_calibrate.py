@@ -11,7 +11,7 @@ import pytest
 from cli_runner import run_cli
 
 from tessera.cli.calibrate_cmd import summary
-from tessera.core.cost import CostModel, allreduce_time
+from tessera.core.cost import CostModel, allreduce_time, sharded_sync_time
 from tessera.core.errors import LaunchError
 from tessera.core.graph import load_graph
 from tessera.core.specs import DeviceType, Link, load_cluster
@@ -96,6 +96,9 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     assert 1e-6 <= link.allreduce_latency <= 1e-2 and 1e7 <= link.allreduce_bandwidth <= 1e11
     # The measured curve is in the spec: the planners' all-reduce time is the measured one.
     assert link.allreduce_ranks == 2 and len(link.allreduce_curve) == len(reduce["bytes"]) == 7
+    # ZeRO-1's reduce-scatter and all-gather, measured on the same buffers, are what its stages pay.
+    for n, seconds in zip(reduce["bytes"], reduce["zero_seconds"], strict=True):
+        assert sharded_sync_time(n, 2, link) == pytest.approx(seconds + link.allreduce_overhead, rel=1e-3)
     # ... plus what a training step's all-reduce costs beyond it (a data-parallel launch).
     assert link.allreduce_overhead == pytest.approx(pipeline["allreduce_overhead_s"], rel=1e-3, abs=1e-8)
     for n, seconds in zip(reduce["bytes"], reduce["seconds"], strict=True):
@@ -122,6 +125,7 @@ def test_the_report_holds_every_measurement(calibrated):
         m["p2p"]["receive_s"],
         *m["allreduce"]["seconds"],
         *m["allreduce"]["ring_model_s"],
+        *m["allreduce"]["zero_seconds"],
     ]
     assert all(math.isfinite(x) and x > 0 for x in numbers)
     assert len(report["per_rank"]) == 2 and m["p2p"]["pairs"] == [[0, 1]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-from tessera.core.cost import allreduce_time, per_device_samples
+from tessera.core.cost import allreduce_time, per_device_samples, sharded_sync_time
 from tessera.planners.pipeline.memory import max_in_flight, sharded_optimizer
 from tessera.planners.pipeline.sp import SPNode, SPTree
 
@@ -112,7 +112,8 @@ class StageDP:
         compute = (fw[hi] - fw[lo]) + (bw[hi] - bw[lo])
         if recompute:
             compute += fw[hi] - fw[lo]
-        ar = allreduce_time(c.grads[hi] - c.grads[lo], d, self.links.within(d))
+        sync = sharded_sync_time if self.opts.zero == 1 else allreduce_time  # ZeRO-1's pair
+        ar = sync(c.grads[hi] - c.grads[lo], d, self.links.within(d))
         tps = compute / self.b + ar / self.B
         enter = c.enter(lo, c.n if self.chain else hi)
         # The all-reduce runs once per iteration; counting it in the latency as well (which adds up

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 import networkx as nx
 
-from tessera.core.cost import allreduce_time, per_device_samples
+from tessera.core.cost import allreduce_time, per_device_samples, sharded_sync_time
 from tessera.core.graph import Graph
 from tessera.core.schedule import gpipe, in_flight_of, k_f_k_b, one_f_one_b
 from tessera.core.specs import ClusterSpec
@@ -61,6 +61,9 @@ def materialize(  # noqa: PLR0913
             g += f
         grads = costs.grads[hi] - costs.grads[lo]
         link = ring_link(cluster, group)
+        ring = allreduce_time(grads, d, link)
+        extra = sharded_sync_time(grads, d, link) - ring if d > 1 and opts.zero != 0 else 0.0
+        zero = 1 if opts.zero == 1 and d > 1 else 0
         nodes = [op for u in range(lo, hi) for op in tree.units[u]]
         rank = {n: i for i, n in enumerate(graph.order)}
         nodes.sort(key=rank.__getitem__)
@@ -73,7 +76,7 @@ def materialize(  # noqa: PLR0913
                 in_flight=1,
                 forward_time=f,
                 backward_time=g,
-                allreduce_time=allreduce_time(grads, d, link),
+                allreduce_time=ring + (extra if zero else 0.0),
                 weights=costs.weights[hi] - costs.weights[lo],
                 optimizer=costs.optimizer[hi] - costs.optimizer[lo],
                 activation_per_sample=costs.act[hi] - costs.act[lo],
@@ -82,9 +85,11 @@ def materialize(  # noqa: PLR0913
                 allreduce_nics=ring_nics(cluster, group),
                 recompute=recompute,
                 # ZeRO-1 moves what the all-reduce does (a reduce-scatter of the gradients and an
-                # all-gather of the updated weights, each half a ring all-reduce): its time stays.
-                zero=1 if opts.zero == 1 and d > 1 else 0,
+                # all-gather of the updated weights, each half a ring all-reduce), at the link's
+                # measured time for the pair where calibrate measured it.
+                zero=zero,
                 state=(costs.optimizer[hi] - costs.optimizer[lo]) - grads,
+                zero_sync_extra=extra,
             )
         )
         for u in range(lo, hi):
@@ -194,12 +199,14 @@ def scheduled(pipe: Pipeline, extra: Mapping[int, int]) -> Pipeline | None:
             st.in_flight = in_flight_of(st.schedule)
         else:
             st.schedule = one_f_one_b(m, st.in_flight)
+        before = st.zero
         if pipe.zero == "auto":  # ZeRO-1 only where keeping the whole state does not fit
             st.zero = 0
         st.memory = _memory(st, b)
         if st.memory.peak > pipe.memory_limit and pipe.zero == "auto" and len(st.devices) > 1:
             st.zero = 1
             st.memory = _memory(st, b)
+        st.allreduce_time += (st.zero - before) * st.zero_sync_extra
         if st.memory.peak > pipe.memory_limit:
             return None
     return dataclasses.replace(pipe, stages=stages)

@@ -76,6 +76,9 @@ class PipelineStage:
     # apart) is sharded over the stage's replicas (tessera.planners.pipeline.memory.sharded_optimizer).
     zero: int = 0
     state: float = 0.0
+    # What ZeRO-1's reduce-scatter and all-gather cost beyond the ring all-reduce of the same
+    # gradients (core.cost.sharded_sync_time), in ``allreduce_time`` while ``zero`` is 1.
+    zero_sync_extra: float = 0.0
     # The optimizer step and drawing the data, per iteration (measured stages only:
     # tessera.planners.pipeline.stage_profile); the simulator runs it after the all-reduce.
     step_time: float = 0.0

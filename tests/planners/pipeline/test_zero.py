@@ -104,3 +104,33 @@ def test_auto_is_never_slower_than_without_zero(v100) -> None:
         )
         times[zero] = simulate_pipeline(partition(graph, v100, options, explain=False)).iteration_time
     assert times["auto"] <= times[0]
+
+
+def test_a_zero_stage_pays_the_links_measured_pair_fixed_or_auto(wide) -> None:
+    """Where calibrate measured ZeRO-1's reduce-scatter and all-gather (the link's
+    zero_sync_curve), a sharded stage's sync is that pair, not the all-reduce; whether
+    ``--zero 1`` fixes it or ``auto`` shards it for memory."""
+    path, graph, spec = wide
+    data = spec.model_dump(mode="json")
+    link = data["links"]["intra_node"]
+    link |= {"allreduce_ranks": 2, "allreduce_curve": [[4, 1e-5], [2**20, 1e-4]]}
+    plain = type(spec).model_validate(data)
+    link["zero_sync_curve"] = [[4, 1.2e-5], [2**20, 1.2e-4]]  # the pair: 1.2x the all-reduce
+    measured = type(spec).model_validate(data)
+    for zero in (1, "auto"):
+        times = []
+        for cluster in (plain, measured):
+            options = pipeline_options(cluster, mini_batch=8, devices=2, memory_limit="72KiB", zero=zero)
+            _, pipe, _ = plan_gpp(graph, cluster, options, baseline=False)
+            assert [(len(st.devices), st.zero) for st in pipe.stages] == [(2, 1)]
+            times.append(pipe.stages[0].allreduce_time)
+        # 5,120 parameters of 4-byte gradients: 20 KiB, 1.2x on the log-log line of both curves.
+        assert times[1] == pytest.approx(1.2 * times[0], rel=1e-6)
+    unsharded = pipeline_options(measured, mini_batch=8, devices=2, zero="auto")  # no limit: no shard
+    _, pipe, _ = plan_gpp(graph, measured, unsharded, baseline=False)
+    assert all(st.zero == 0 and st.allreduce_time <= times[0] for st in pipe.stages)
+    link["zero_sync_curve"] = [[4, 1e-3], [2**20, 1e-2]]  # 100x: the search turns to a pipeline
+    costly = type(spec).model_validate(data)
+    options = pipeline_options(costly, mini_batch=8, devices=2, memory_limit="72KiB", zero=1)
+    _, pipe, _ = plan_gpp(graph, costly, options, baseline=False)
+    assert [(len(st.devices), st.zero) for st in pipe.stages] == [(1, 0), (1, 0)]
