@@ -13,11 +13,12 @@ Placement plans (``tessera place``) in the same run: predicted against launched 
 
 With ``--tensor-parallel``, the plans of tensor-parallel stages instead (``plan --tensor-parallel
 2``: one stage on 2 ranks, each with its block of the split products, at one and at four
-micro-batches), beside the same model's data-parallel plan, into ``fidelity_tp.md``.
+micro-batches) and a ZeRO-1 plan (one stage on 2 replicas sharding its optimizer state), beside
+the same model's data-parallel plan, into ``fidelity_tp.md``.
 
     .venv/bin/python bench/fidelity.py          # writes bench/results/fidelity.md (~17 min)
     .venv/bin/python bench/fidelity.py --render # the table again from bench/results/fidelity.json
-    .venv/bin/python bench/fidelity.py --tensor-parallel  # bench/results/fidelity_tp.md (~4 min)
+    .venv/bin/python bench/fidelity.py --tensor-parallel  # bench/results/fidelity_tp.md (~6 min)
 """
 
 from __future__ import annotations
@@ -87,13 +88,29 @@ def variants(b: int) -> list[tuple[str, str, dict]]:
 
 
 def tp_variants(b: int) -> list[tuple[str, str, dict]]:
-    """The tensor-parallel plans of a model at mini-batch ``b``, beside its data-parallel plan."""
+    """The tensor-parallel plans of a model at mini-batch ``b``, and its ZeRO-1 plan (one stage on
+    2 replicas sharding the optimizer state: ``memory_limit`` 3/4 of one device's plan, which then
+    does not fit), beside its data-parallel plan."""
     tp = {"num_devices": 2, "tensor_parallel": 2}
     return [
         ("2 devices, micro-batch B", "gpp", {"num_devices": 2, "micro_batch_sizes": (b,)}),
         ("tensor-parallel 2, micro-batch B", "gpp", tp | {"micro_batch_sizes": (b,)}),
         ("tensor-parallel 2, micro-batch B/4", "gpp", tp | {"micro_batch_sizes": (b // 4,)}),
-    ]
+        ("2 replicas, ZeRO-1", "gpp", {"num_devices": 2, "micro_batch_sizes": (b,), "zero": 1, "stages": 1,
+                                        "memory_limit": "3/4 of one device"}),
+    ]  # fmt: skip
+
+
+def _options(graph, cluster, b: int, fields: dict) -> PartitionOptions:
+    """``fields`` as options; a ``memory_limit`` of "3/4 of one device": that share of the peak
+    memory of the model's one-device plan (roofline) at the same micro-batch."""
+    if fields.get("memory_limit") == "3/4 of one device":
+        alone = PartitionOptions(
+            mini_batch=b, precision="fp32", num_devices=1, micro_batch_sizes=fields["micro_batch_sizes"]
+        )
+        plan, _, _ = plan_gpp(graph, cluster, alone, baseline=False)
+        fields = fields | {"memory_limit": 0.75 * plan.stages[0].memory.peak}
+    return PartitionOptions(mini_batch=b, precision="fp32", **fields)
 
 
 def model_path(source: str, folder: Path) -> tuple[str, dict | None]:
@@ -108,6 +125,7 @@ def model_path(source: str, folder: Path) -> tuple[str, dict | None]:
 def structure(plan) -> str:
     stages = plan.stages
     tp = f" x tp{stages[0].tensor_parallel}" if stages[0].tensor_parallel > 1 else ""
+    tp += " ZeRO-1" if any(st.zero for st in stages) else ""
     if len(stages) == 1:
         replicas = len(stages[0].devices) // stages[0].tensor_parallel
         return f"1 stage x{replicas}{tp}" + (" (DP)" if replicas > 1 else "")
@@ -141,13 +159,13 @@ def model_rows(
     # stages are measured on their ranks, one after another.
     pipes: dict[int, list] = {}
     for _, kind, fields in plan_variants(b):
-        options = PartitionOptions(mini_batch=b, precision="fp32", **fields)
+        options = _options(graph, cluster, b, fields)
         plan_gpp(graph, cluster, options, kind=kind, baseline=False, measured=measured, refine=_kept(pipes))
     for t, kept in sorted(pipes.items()):
         _profiler(graph, cluster, cache, 2).refine_all(kept, t)
     plans = []
     for name, kind, fields in plan_variants(b):
-        options = PartitionOptions(mini_batch=b, precision="fp32", **fields)
+        options = _options(graph, cluster, b, fields)
         roofline, _, _ = plan_gpp(graph, cluster, options, kind=kind, baseline=False)
         refine = _profiler(graph, cluster, cache, options.num_devices).refine_all
         plan, _, _ = plan_gpp(
@@ -326,7 +344,8 @@ def render(rows: list[dict], spec_text: str, split: bool = False) -> str:
         else "a model's seven plans' stages measured together, their bursts in turns"
     )
     lines = [
-        "# Fidelity: predicted against launched (CPU, gloo)" + (", tensor-parallel stages" if split else ""),
+        "# Fidelity: predicted against launched (CPU, gloo)"
+        + (", tensor-parallel and ZeRO-1 stages" if split else ""),
         "",
         f"Machine: {platform.processor() or platform.machine()}, 2 cores; every rank one process with one "
         f"thread; {STEPS} SGD steps per launch, a launch's iteration = median over steps 2..{STEPS} of the "
