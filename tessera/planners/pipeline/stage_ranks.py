@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from tessera.core.data import TrainingData
+from tessera.core.errors import TesseraError
 from tessera.planners.pipeline.stage_step import StageProfileOptions, StageRun, no_sync, one_step
 
 if TYPE_CHECKING:
@@ -73,20 +74,21 @@ def run_ranks(job: SplitJob, t: int) -> list[list[tuple[list[float], ...]]]:
         try:
             results = _collected(out, procs)
         finally:
-            for proc in procs:
-                proc.join(timeout=30)
+            for proc in procs:  # a rank exits once it reported; one still here is blocked
+                proc.join(timeout=5)
                 if proc.is_alive():
                     proc.kill()
     failed = {r: v for r, v in results.items() if isinstance(v, str)}
     if failed:
         rank, why = min(failed.items())
-        raise RuntimeError(f"measuring a tensor-parallel stage on {t} ranks: rank {rank} failed: {why}")
+        raise TesseraError(f"measuring a tensor-parallel stage on {t} ranks: rank {rank} failed: {why}")
     return [results[r] for r in range(t)]
 
 
 def _collected(out: object, procs: list, limit_s: float = 600.0) -> dict[int, object]:
-    """Each rank's report from ``out``; a rank that ended without one (killed, crashed) is
-    reported by its exit code, and its peers, blocked in a collective, are not waited for."""
+    """Each rank's report from ``out``; the first failure ends the wait (its peers may be blocked
+    in a collective it will not join), and a rank that ended without a report (killed, crashed)
+    is reported by its exit code, its peers not waited for."""
     import queue
 
     results: dict[int, object] = {}
@@ -96,6 +98,8 @@ def _collected(out: object, procs: list, limit_s: float = 600.0) -> dict[int, ob
         try:
             rank, value = out.get(timeout=2.0 if ended else 0.5)  # type: ignore[attr-defined]
             results[rank] = value
+            if isinstance(value, str):
+                return results
         except queue.Empty:
             dead = [r for r, p in enumerate(procs) if r not in results and p.exitcode is not None]
             if dead and ended:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from cli_runner import run_cli
 
 from tessera.backends.profile_cache import ProfileCache
+from tessera.core.errors import TesseraError
 from tessera.core.specs import load_cluster
 from tessera.planners.pipeline.plan import pipeline_options, plan_gpp
 from tessera.planners.pipeline.stage_profile import StageProfileOptions, StageProfiler
@@ -424,8 +426,20 @@ def test_a_rank_that_fails_its_measurement_is_named(zoo_graph, tmp_path: Path) -
         stages=[stage], scored=frozenset(), optimizer="sgd", max_grad_norm=None, threads=1, device="cpu",
         options=QUICK,
     )  # fmt: skip
-    with pytest.raises(RuntimeError, match=r"on 2 ranks: rank 0 failed: \w+"):
+    with pytest.raises(TesseraError, match=r"on 2 ranks: rank \d failed: \w+"):
         stage_ranks.run_ranks(job, 2)
+    # Rank 1 runs and blocks in a collective rank 0 never joins: rank 0's failure ends the wait.
+    graph = zoo_graph("gpt")
+    drawn, _ = TrainingData(graph, 2).batch(0)
+    stage = dataclasses.replace(
+        stage,
+        models=[b"not a model", graph.model.SerializeToString()],
+        feeds={name: torch.from_numpy(value) for name, value in drawn.items()},
+    )
+    started = time.monotonic()
+    with pytest.raises(TesseraError, match=r"on 2 ranks: rank 0 failed: \w+"):
+        stage_ranks.run_ranks(dataclasses.replace(job, stages=[stage]), 2)
+    assert time.monotonic() - started < 120
 
 
 def test_a_rank_that_dies_without_a_report_is_named_not_waited_for() -> None:
