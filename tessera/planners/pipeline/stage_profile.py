@@ -24,7 +24,7 @@ from tessera.core.schedule import gpipe
 from tessera.core.specs import ClusterSpec, DeviceType
 from tessera.planners.pipeline.profile import digest, torch_device_for
 from tessera.planners.pipeline.stage_ranks import SplitJob, SplitStage, run_ranks, split_measurable
-from tessera.planners.pipeline.stage_step import StageProfileOptions, StageRun, no_sync, one_step
+from tessera.planners.pipeline.stage_step import StageProfileOptions, StageRun, one_step, stage_run
 from tessera.planners.pipeline.tensor_parallel import group_devices
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
@@ -97,7 +97,6 @@ class StageProfiler:
         self.fingerprint = device_fingerprint(f"torch {label}")
         self.version = str(torch.__version__)
         self.measured = 0  # stages timed in this run (the others came from the cache)
-        self.tensor_parallel = 1  # the pipelines being refined: ranks per stage replica
         self._model: OnnxModule | None = None  # the whole model, computing stages' inputs
 
     def refine(self, pipe: Pipeline, tensor_parallel: int = 1) -> Pipeline:
@@ -113,15 +112,15 @@ class StageProfiler:
         GPUs than t)."""
         if tensor_parallel > 1 and not split_measurable(self.device, tensor_parallel):
             return list(pipes)
-        self.tensor_parallel = tensor_parallel
-        times = iter(self._times([self._request(st, p.mini_batch_size) for p in pipes for st in p.stages]))
+        t = tensor_parallel
+        times = iter(self._times([self._request(st, p.mini_batch_size, t) for p in pipes for st in p.stages]))
         # Stages are measured one at a time; a rank that shares its node with other ranks of the
         # plan computes each action slower by the device's contention_overhead, and replicas of
         # one stage on a node (in lockstep: the same operators at once) by its replica_contention,
         # a fraction of the action (docs/executor.md).
         refined = []
         for pipe in pipes:
-            sharing, replicated = self._sharing(pipe)
+            sharing, replicated = self._sharing(pipe, t)
             stages = [
                 self._refined(st, next(times), *self._contention(st.id, sharing, replicated))
                 for st in pipe.stages
@@ -129,12 +128,12 @@ class StageProfiler:
             refined.append(dataclasses.replace(pipe, stages=stages))
         return refined
 
-    def _sharing(self, pipe: Pipeline) -> tuple[set[int], set[int]]:
+    def _sharing(self, pipe: Pipeline, t: int) -> tuple[set[int], set[int]]:
         """The stages with a rank on a node where another rank of ``pipe`` runs, and those with
-        two replicas on one node (none without the cluster, which says where each device is)."""
+        two replicas on one node (none without the cluster, which says where each device is);
+        ``t`` > 1: ``pipe``'s devices are t-device groups, each on its first device's node."""
         if self.cluster is None:
             return set(), set()
-        t = self.tensor_parallel  # a group's node: its first device's
         node = {
             d: self.cluster.device(d if t == 1 else group_devices([d], t)[0]).node
             for st in pipe.stages
@@ -162,10 +161,10 @@ class StageProfiler:
             action_overhead=self.action_overhead,
         )
 
-    def _request(self, st: PipelineStage, mini_batch: int) -> _Request:
+    def _request(self, st: PipelineStage, mini_batch: int, t: int) -> _Request:
         samples = per_device_samples(st.micro_batch_size, len(st.devices))
         actions = tuple(st.schedule or gpipe(mini_batch // st.micro_batch_size))
-        return _Request(tuple(st.nodes), samples, actions, mini_batch, self.tensor_parallel)
+        return _Request(tuple(st.nodes), samples, actions, mini_batch, t)
 
     def times(self, nodes: list[str], samples: int, actions: tuple[str, ...], mini_batch: int) -> StageTimes:
         """The stage of ``nodes`` running ``actions`` (``F0``, ``B0``, … a step) at ``samples``
@@ -258,7 +257,7 @@ class StageProfiler:
             )
         job = SplitJob(
             stages=stages,
-            scored=frozenset(self.graph.outputs) if self.loss == "ce" else frozenset(),
+            scored=self._scored_outputs(),
             optimizer=self.optimizer,
             max_grad_norm=self.max_grad_norm,
             threads=self.threads or 1,
@@ -278,26 +277,24 @@ class StageProfiler:
         ]
 
     def _runner(self, request: _Request) -> StageRun:
-        import torch
-
         from tessera.backends.torch_module import to_torch
-        from tessera.backends.torch_optim import global_norm_clip, torch_optimizer
 
         nodes, samples, actions, mini_batch, _ = request
         module = to_torch(self.graph.extract(list(nodes)), label="stage").to(self.device)
-        params = [p for _, p in module.onnx_parameters()]
-        return StageRun(
+        return stage_run(
             module,
             self._inputs(module.input_names, samples),
-            torch_optimizer(self.optimizer, params, lr=1e-9) if params else None,
             actions,
             TrainingData(self.graph, mini_batch),
-            torch.cuda.synchronize if self.device == "cuda" else no_sync,
-            tuple(self.loss == "ce" and name in self.graph.outputs for name in module.output_names),
-            (lambda: global_norm_clip(params, params, self.max_grad_norm))
-            if self.max_grad_norm is not None and params
-            else None,
+            optimizer=self.optimizer,
+            scored_outputs=self._scored_outputs(),
+            max_grad_norm=self.max_grad_norm,
+            device=self.device,
         )
+
+    def _scored_outputs(self) -> frozenset[str]:
+        """The outputs the loss scores by cross-entropy: the model's, with launch --loss ce."""
+        return frozenset(self.graph.outputs) if self.loss == "ce" else frozenset()
 
     def _burst(self, run: StageRun, warmup: int) -> tuple[list[float], ...]:
         """Steps of ``run`` until the budget is spent (at least ``min_repeats``), the first
@@ -305,9 +302,7 @@ class StageProfiler:
         o = self.options
         times: tuple[list[float], list[float], list[float]] = ([], [], [])
         spent = 0.0
-        while len(times[0]) < warmup + o.min_repeats or (
-            spent < o.budget_s and len(times[0]) < warmup + o.max_repeats
-        ):
+        while o.more(len(times[0]), spent, warmup):
             start = time.perf_counter()
             draw = functools.partial(run.data.batch, run.step)
             parts = one_step(run, draw)

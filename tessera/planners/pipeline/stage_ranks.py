@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from tessera.core.data import TrainingData
 from tessera.core.errors import TesseraError
-from tessera.planners.pipeline.stage_step import StageProfileOptions, StageRun, no_sync, one_step
+from tessera.planners.pipeline.stage_step import StageProfileOptions, StageRun, one_step, stage_run
 
 if TYPE_CHECKING:
     import torch
@@ -153,24 +153,20 @@ def _split_rank(rank: int, t: int, store: str, job: SplitJob, out: object) -> No
 
 def _split_run(stage: SplitStage, job: SplitJob, rank: int, device: str) -> StageRun:
     import onnx
-    import torch
 
     from tessera.backends.torch_module import to_torch
-    from tessera.backends.torch_optim import global_norm_clip, torch_optimizer
 
     module = to_torch(onnx.load_from_string(stage.models[rank]), label="stage").to(device)
-    params = [p for _, p in module.onnx_parameters()]
-    return StageRun(
+    feeds = [stage.feeds[n].to(device).requires_grad_(n in stage.grads) for n in module.input_names]
+    return stage_run(
         module,
-        [stage.feeds[n].to(device).requires_grad_(n in stage.grads) for n in module.input_names],
-        torch_optimizer(job.optimizer, params, lr=1e-9) if params else None,
+        feeds,
         stage.actions,
         stage.data,
-        torch.cuda.synchronize if device != "cpu" else no_sync,
-        tuple(n in job.scored for n in module.output_names),
-        (lambda: global_norm_clip(params, params, job.max_grad_norm))
-        if job.max_grad_norm is not None and params
-        else None,
+        optimizer=job.optimizer,
+        scored_outputs=job.scored,
+        max_grad_norm=job.max_grad_norm,
+        device=device,
     )
 
 
@@ -190,11 +186,8 @@ def _burst_together(
         spent, run.step = spent + time.perf_counter() - start, run.step + 1
         for values, value in zip(times, parts, strict=True):
             values.append(value)
-        steps = len(times[0])
         if rank == 0:
-            go.fill_(
-                steps < warmup + o.min_repeats or (spent < o.budget_s and steps < warmup + o.max_repeats)
-            )
+            go.fill_(o.more(len(times[0]), spent, warmup))
         dist.broadcast(go, 0)
         if not go.item():
             return tuple(values[warmup:] for values in times)

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from tessera.backends.torch_module import OnnxModule
 
-__all__ = ["StageProfileOptions", "StageRun", "no_sync", "one_step", "scored"]
+__all__ = ["StageProfileOptions", "StageRun", "no_sync", "one_step", "scored", "stage_run"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,13 @@ class StageProfileOptions:
     # (a stage once measured 2.6x its time a minute later) is outvoted, not averaged in. A plan's
     # stages take their bursts in turns (see StageProfiler._times).
     bursts: int = 5
+
+    def more(self, steps: int, spent_s: float, warmup: int) -> bool:
+        """Whether a burst that took ``steps`` steps in ``spent_s`` (``warmup`` of them left out)
+        takes another: until the budget is spent, at least ``min_repeats``, at most ``max_repeats``."""
+        return steps < warmup + self.min_repeats or (
+            spent_s < self.budget_s and steps < warmup + self.max_repeats
+        )
 
 
 def one_step(run: StageRun, draw: Callable[[], object]) -> tuple[float, float, float]:
@@ -90,6 +97,39 @@ class StageRun:
     cross_entropy: tuple[bool, ...]  # per output of the stage: scored by cross-entropy
     clip: Callable[[], object] | None  # the gradients' norm clipped (launch --max-grad-norm)
     step: int = 0
+
+
+def stage_run(
+    module: OnnxModule,
+    feeds: list[torch.Tensor],
+    actions: tuple[str, ...],
+    data: TrainingData,
+    *,
+    optimizer: str,
+    scored_outputs: frozenset[str],
+    max_grad_norm: float | None,
+    device: str,
+) -> StageRun:
+    """``module`` on ``device`` made ready to measure: its parameters' ``optimizer`` (torch_optim,
+    a negligible learning rate), the outputs in ``scored_outputs`` scored by cross-entropy, the
+    gradients' norm clipped to ``max_grad_norm`` where given, a GPU's queue awaited at each clock."""
+    import torch
+
+    from tessera.backends.torch_optim import global_norm_clip, torch_optimizer
+
+    params = [p for _, p in module.onnx_parameters()]
+    return StageRun(
+        module,
+        feeds,
+        torch_optimizer(optimizer, params, lr=1e-9) if params else None,
+        actions,
+        data,
+        torch.cuda.synchronize if device.startswith("cuda") else no_sync,
+        tuple(name in scored_outputs for name in module.output_names),
+        (lambda: global_norm_clip(params, params, max_grad_norm))
+        if max_grad_norm is not None and params
+        else None,
+    )
 
 
 def scored(output: torch.Tensor, cross_entropy: bool) -> torch.Tensor | None:
