@@ -43,6 +43,13 @@ class TrainingData:
             self.tokens = _token_windows(graph, path, seed, self.id_range)
         elif path is not None:
             self.arrays = load_npz(path, graph, mini_batch, loss)
+        if loss == "ce" and self.tokens is None and not any(k.startswith("target:") for k in self.arrays or {}):
+            raise InputError(  # every output would score nothing: a run that trains nothing, silently
+                "--loss ce scores the logits against labels, and "
+                + ("this file has no target:<output> array" if path else "synthetic inputs have none")
+                + ": give --data, a token file or an .npz with target:<output> labels",
+                source=path or graph.source,
+            )
 
     def batch(self, step: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
         B = self.mini_batch

@@ -118,8 +118,8 @@ def run_gpp_plan(
     if options.steps < 1:
         raise InputError(f"--steps {options.steps}: must be at least 1")
     check_supported(graph.model, model_path)  # refuse what the workers could not build, before they start
-    if options.data is not None:  # refuse bad data before starting workers
-        TrainingData(graph, plan.mini_batch_size, options.seed, options.data, options.loss)
+    # refuse bad data, or a loss with nothing to score, before starting workers
+    TrainingData(graph, plan.mini_batch_size, options.seed, options.data, options.loss)
     routing = build_routing(plan, graph, tensor_layouts(graph, model_path))
     devices = [d for st in plan.stages for d in st.devices]
     backend = choose_backend(plan.cluster, devices)

@@ -16,7 +16,7 @@ from executor.processes import interrupt_launch, still_running
 
 from tessera.core.plans import ModelRef, PlacementGroup, PlacementPlan, write_plan
 from tessera.executor.launcher import FAULT_ENV
-from tessera.executor.training import TrainOptions, train_reference
+from tessera.executor.training import TrainingData, TrainOptions, train_reference
 from tessera.models import build
 
 
@@ -230,6 +230,20 @@ def test_a_token_file_for_a_model_without_token_ids_is_refused_naming_it(chain_p
     assert str(tokens) in res.err and "token ids [batch, sequence]" in res.err
     res = run_cli("launch", str(plan_path), "--data", str(tokens), "--loss", "mse")
     assert res.code == 2 and "--loss ce, not mse" in res.err, res.err
+
+
+def test_cross_entropy_without_labels_is_refused_not_trained_as_nothing(chain_plan, tmp_path: Path) -> None:
+    """Synthetic inputs, or an .npz without target:<output> arrays, give cross-entropy no labels: every
+    output would score nothing and the run would train nothing at loss 0."""
+    graph, plan_path = chain_plan
+    res = run_cli("launch", str(plan_path), "--loss", "ce")
+    assert res.code == 2, res.err
+    assert "--loss ce" in res.err and "synthetic inputs have none" in res.err and "Traceback" not in res.err
+    data = tmp_path / "inputs.npz"
+    inputs, _ = TrainingData(graph, 4, seed=0).batch(0)
+    np.savez(data, **inputs)
+    res = run_cli("launch", str(plan_path), "--loss", "ce", "--data", str(data))
+    assert res.code == 2 and str(data) in res.err and "no target:<output> array" in res.err, res.err
 
 
 def test_options_of_another_plan_kind_are_refused_not_ignored(chain_plan) -> None:
