@@ -43,7 +43,11 @@ class TrainingData:
             self.tokens = _token_windows(graph, path, seed, self.id_range)
         elif path is not None:
             self.arrays = load_npz(path, graph, mini_batch, loss)
-        if loss == "ce" and self.tokens is None and not any(k.startswith("target:") for k in self.arrays or {}):
+        if (
+            loss == "ce"
+            and self.tokens is None
+            and not any(k.startswith("target:") for k in self.arrays or {})
+        ):
             raise InputError(  # every output would score nothing: a run that trains nothing, silently
                 "--loss ce scores the logits against labels, and "
                 + ("this file has no target:<output> array" if path else "synthetic inputs have none")
