@@ -48,6 +48,19 @@ def greedy_tokens(
     return out
 
 
+def torch_greedy(module: torch.nn.Module, prompts: Sequence[Sequence[int]], n: int) -> list[list[int]]:
+    """A torch module's own ``n`` greedy tokens after each prompt, recomputing the whole sequence
+    each token (no cache; ``module`` maps ``[1, S]`` ids to ``[1, S, vocab]`` logits)."""
+    out = []
+    with torch.no_grad():
+        for prompt in prompts:
+            ids = list(prompt)
+            for _ in range(n):
+                ids.append(int(module(torch.tensor([ids]))[0, -1].float().argmax()))
+            out.append(ids[len(prompt) :])
+    return out
+
+
 def free_session(model: str | Path | onnx.ModelProto) -> ort.InferenceSession:
     """An onnxruntime session of ``model`` with its sequence axis left free: a model that declares
     a fixed length but computes any (tessera's zoo GPT) runs at every length."""

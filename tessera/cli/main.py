@@ -40,7 +40,7 @@ ENVIRONMENT = {  # what a user may set; every TESSERA_ variable the package read
     "TESSERA_CACHE_DIR": "tessera's cache folder (profiles, TVM tuning records); default "
     "$XDG_CACHE_HOME/tessera, else ~/.cache/tessera",
     "TESSERA_NO_PROGRESS": "1: no progress bars (as --no-progress)",
-    "TESSERA_DEBUG": "1: a failure with exit 1 shows its traceback; a hung worker dumps its threads' stacks",
+    "TESSERA_DEBUG": "1: a failure with exit 1 shows its traceback, a failed worker its own; a hung worker dumps its threads' stacks",
 }
 INTERNAL_ENVIRONMENT = (
     "TESSERA_HEARTBEAT_DIR",

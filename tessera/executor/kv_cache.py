@@ -28,7 +28,7 @@ def decode_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
     ``q`` ``[B, H, D]``, ``k``/``v`` ``[B, Hc, T, D]`` → ``(o [B, H, Dv], lse [B, H])`` (natural log),
     each KV head's query heads taken as its queries. None where torch's fused CPU kernel does not
     apply (another device, no keys, no such kernel): the caller's kernel does it."""
-    if _FLASH_CPU is None or q.device.type != "cpu" or k.shape[2] == 0 or q.dtype != k.dtype:
+    if _FLASH_CPU is None or q.device.type != "cpu" or k.shape[2] == 0 or not q.dtype == k.dtype == v.dtype:
         return None
     b, h, d = q.shape
     hc = k.shape[1]

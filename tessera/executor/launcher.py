@@ -301,6 +301,10 @@ def _is_secondary(failure: Any) -> bool:
 
 def _reason(failure: Any) -> str:
     text = _message(failure)
+    if os.environ.get("TESSERA_DEBUG") and isinstance(failure.message, dict):  # the worker's traceback
+        stack = (failure.message.get("extraInfo") or {}).get("py_callstack")
+        if stack:
+            sys.stderr.write(f"{stack}\n")
     if text:
         return text
     if failure.exitcode < 0:

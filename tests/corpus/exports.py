@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 import torch
-from corpus.models import MODELS
+from corpus.models import MODELS, MaskInput, _DecoderLogits
 from torch.utils.flop_counter import FlopCounterMode
 
 CORPUS_VERSION = 5  # bump when the models or the export calls change
@@ -185,6 +185,48 @@ def _written(path: Path) -> Iterator[tuple[Path, list[str]]]:
         logging.disable(logging.NOTSET)
         tmp.unlink(missing_ok=True)
         Path(str(tmp) + ".data").unlink(missing_ok=True)
+
+
+# The other ways users export a plain family besides ``model(input_ids)`` by the dynamo exporter:
+# the attention mask as a second input (dynamo), an all-ones mask made inside the forward (the
+# legacy exporter: without a mask transformers 5 tests for packed sequences with ``torch.diff``,
+# which it cannot export), bf16 weights (dynamo, no mask), and an example of batch 1 (dynamo, a
+# dynamic batch asked for: torch.export fixes it at 1 anyway).
+FORMS = ("mask-input", "legacy-mask-inside", "bf16", "batch1")
+
+
+def form_export(model: str, form: str) -> Path:
+    """``model`` (a plain family) exported in ``form``, made once then read from the cache beside the
+    corpus; AssertionError with the exporter's error if it fails."""
+    path = cache_dir() / f"{model}-{form}.onnx"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not path.is_file():
+            error = _form_made(model, form, path)
+            assert error is None, f"{model} {form}: {error}"
+    return path
+
+
+def _form_made(model: str, form: str, path: Path) -> str | None:
+    module, x = reference(model)
+    hf = module.model  # the transformers model inside the plain wrapper
+    if form == "legacy-mask-inside":
+        return _export(_DecoderLogits(hf), x, "input_ids", "legacy", ("batch", "sequence"), path)
+    if form == "bf16":
+        return _export(module.to(torch.bfloat16), x, "input_ids", "dynamo", ("batch", "sequence"), path)
+    if form == "batch1":
+        return _export(module, x[:1], "input_ids", "dynamo", ("batch", "sequence"), path)
+    assert form == "mask-input", form
+    dims = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("sequence", min=2, max=32)}
+    with _written(path) as (tmp, failed):
+        torch.onnx.export(MaskInput(hf), (x, torch.ones_like(x)), str(tmp), dynamo=True,
+                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
+                          dynamic_shapes=(dims, dims))  # fmt: skip
+        onnx.save(onnx.load(str(tmp)), str(tmp))  # one file: external data folded in
+    return failed[0] if failed else None
 
 
 # Models whose legacy export also enters as onnxruntime's optimizer leaves it (dynamic batch).

@@ -59,6 +59,17 @@ class _PlainLogits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
+class MaskInput(nn.Module):
+    """``model(input_ids, attention_mask).logits``: the export with the mask as a second input."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+
+
 def _rescaled(model: nn.Module, std: float) -> nn.Module:
     """``model`` with every matrix but the embeddings drawn at ``std`` (seeded): the block outputs
     then outweigh the token's own embedding and greedy decoding picks varied tokens."""
@@ -316,3 +327,41 @@ MODELS: dict[str, Spec] = {
         for name, (build, _) in FAMILIES.items()
     },
 }
+
+
+def configured(model: str, config: object) -> dict[str, object]:
+    """What decoder ``model`` was built with, read from its transformers ``config`` (and, for the
+    families exported plainly, what is new in each: ``FAMILIES``): the fields recognition reports."""
+    kind = config.model_type
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    rope = getattr(config, "rope_parameters", None) or {}  # transformers 5 keeps the factor here
+    rotary = None if kind in ("gpt2", "bloom", "mpt", "opt") else rope.get("partial_rotary_factor", 1.0)
+    want = {
+        "layers": config.num_hidden_layers,
+        "hidden": config.hidden_size,
+        "heads": heads,
+        "kv_heads": getattr(config, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "ffn": getattr(config, "intermediate_size", None)
+        or getattr(config, "n_inner", None)
+        or 4 * config.hidden_size,
+        "gated_ffn": kind
+        in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "mixtral", "qwen2_moe", "exaone4"),
+        "vocab": config.vocab_size,
+        "tied_embeddings": bool(config.tie_word_embeddings),
+        "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
+        "norm": "layernorm"
+        if kind in ("gpt2", "phi", "bloom", "falcon", "gpt_neox", "mpt", "opt", "gptj")
+        else "rmsnorm",
+        "parallel_residual": kind == "phi",
+        "qkv": "fused" if kind == "gpt2" else "separate",
+        "position": "learned" if kind == "gpt2" else "rotary",
+        "window": None,
+        "softcap": None,
+        "alibi": False,
+        "experts": 1,
+        "experts_per_token": 1,
+        "shared_ffn": 0,
+    }
+    return {**want, **FAMILIES.get(model, (None, {}))[1]}

@@ -261,6 +261,10 @@ def test_a_rank_that_fails_mid_decode_stops_the_launch_with_exit_4(
     res = run_cli("launch", str(plan), "--new-tokens", "4", "--timeout", "20")
     assert res.code == 4, res.err
     assert "rank 1 (cp 1/2, device local0/cpu-core:1) failed: RuntimeError: injected fault" in res.err
+    assert "Traceback" not in res.err
+    monkeypatch.setenv("TESSERA_DEBUG", "1")  # the worker's own traceback, for a bug report
+    res = run_cli("launch", str(plan), "--new-tokens", "4", "--timeout", "20")
+    assert res.code == 4 and "Traceback" in res.err and "in inject_test_fault" in res.err, res.err
 
 
 def test_triton_attention_on_cpu_workers_is_refused_before_they_start(tmp_path: Path) -> None:

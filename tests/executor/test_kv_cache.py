@@ -153,6 +153,9 @@ def test_the_fused_decode_partial_is_the_reference_partial() -> None:
     torch.testing.assert_close(fused[0], o[:, :, 0], rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(fused[1], lse[:, :, 0], rtol=1e-5, atol=1e-6)
     assert decode_partial(q, k[:, :, :0], v[:, :, :0], 0.25) is None  # no keys: the caller's kernel
+    # GPT-J scores in fp32 whatever its weights: bf16 values beside fp32 queries and keys (the fused
+    # kernel takes one dtype; it failed the worker) go to the caller's kernel
+    assert decode_partial(q, k, v.to(torch.bfloat16), 0.25) is None
 
 
 def test_a_step_near_the_end_of_a_position_table_is_traced_and_checked_within_it() -> None:

@@ -35,9 +35,16 @@ def _mixed(kind: str) -> onnx.ModelProto:
                              name="mix/conv"),
             helper.make_node("Transpose", ["mix/conv"], ["mix/out"], perm=[0, 2, 1], name="mix/back"),
         ]  # fmt: skip
-    else:
+    elif kind == "cumsum":
         graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "mix/axis"))
         nodes = [helper.make_node("CumSum", [source, "mix/axis"], ["mix/out"], name="mix/cumsum")]
+    else:  # the running sum in bf16: the check's tolerance is then bf16's
+        graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "mix/axis"))
+        nodes = [
+            helper.make_node("Cast", [source], ["mix/low"], to=onnx.TensorProto.BFLOAT16, name="mix/low"),
+            helper.make_node("CumSum", ["mix/low", "mix/axis"], ["mix/sum16"], name="mix/cumsum"),
+            helper.make_node("Cast", ["mix/sum16"], ["mix/out"], to=onnx.TensorProto.FLOAT, name="mix/back"),
+        ]
     nodes.append(helper.make_node("Add", [source, "mix/out"], ["mix/sum"], name="mix/add"))
     at = next(i for i, node in enumerate(graph.node) if node.name == source) + 1
     for node in graph.node[at:]:
@@ -48,7 +55,9 @@ def _mixed(kind: str) -> onnx.ModelProto:
     return model
 
 
-@pytest.mark.parametrize(("kind", "node"), [("conv", "mix/conv"), ("cumsum", "mix/cumsum")])
+@pytest.mark.parametrize(
+    ("kind", "node"), [("conv", "mix/conv"), ("cumsum", "mix/cumsum"), ("cumsum-bf16", "mix/cumsum")]
+)
 def test_a_graph_mixing_positions_outside_attention_is_refused_naming_the_node(
     kind: str, node: str, tmp_path: Path
 ) -> None:
