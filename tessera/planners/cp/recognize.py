@@ -20,6 +20,9 @@ from tessera.planners.cp.attention import AttentionCore, Matcher
 from tessera.planners.cp.llm import LlmConfig
 from tessera.planners.cp.scores import ScoreMod
 
+# Ops whose output carries only a shape: a dynamic export's Reshape reads its shape off any tensor.
+_SHAPE_ONLY = frozenset({"Shape", "Size", "ConstantOfShape", "EyeLike"})
+
 __all__ = ["Decoder", "position_limit", "position_tables", "recognize_decoder", "recognize_llm"]
 
 _NORMS = {
@@ -38,7 +41,7 @@ class Decoder:
     positions: int | None  # rows of a learned position table; None with rotary (or no) positions
     rotary_dim: int | None  # channels of each head turned by the rotary embedding
     norm: str | None  # layernorm or rmsnorm (also decomposed); None when none was found
-    parallel_residual: bool  # attention and FFN read one normed input (GPT-J, Phi)
+    parallel_residual: bool  # the FFN reads the block's input, not attention's output (GPT-J, Phi, NeoX)
     qkv: str  # fused (one projection) or separate
     fixed_length: int | None = None  # the sequence length the graph is tied to; None: any length
     position_constant: bool = False  # learned positions folded into a constant added to the embedding
@@ -153,7 +156,7 @@ class _Layers:
                 continue
             width = min(widths)
             gated = 2 * width in widths or len(widths) >= 3
-            parallel = source == self.g.op(core.q_projection).inputs[0]
+            parallel = not self._after_attention(source, core)
             return Ffn(width, gated, parallel, experts, int(k.reshape(-1)[0]))
         return None
 
@@ -203,8 +206,26 @@ class _Layers:
         readers = ups[found[ffn]]
         # SwiGLU: gate and up read one tensor, or are one product
         gated = found[ffn] == 2 * ffn or any(readers.count(t) >= 2 for t in readers)
-        parallel = self.g.op(core.q_projection).inputs[0] in readers
+        parallel = not all(self._after_attention(t, core) for t in readers)  # (the LM head may be one)
         return Ffn(ffn, gated, parallel)
+
+    def _after_attention(self, tensor: str, core: AttentionCore) -> bool:
+        """Whether ``tensor`` is computed from ``core``'s output projection: a sequential block. Not
+        (a parallel residual): the FFN reads the block's input, through one norm shared with attention
+        (GPT-J, Phi) or a norm of its own (GPT-NeoX; an exporter that merges equal norms makes it one)."""
+        if core.out_projection is None:  # nothing to follow: parallel where both read one tensor
+            return tensor != self.g.op(core.q_projection).inputs[0]
+        start = min(self.m.position[p] for p in core.projections)
+        stack, seen = [tensor], set()
+        while stack:
+            op = self.m.producer(stack.pop())
+            if op is None or op.name in seen or self.m.position[op.name] < start or op.op_type in _SHAPE_ONLY:
+                continue
+            if op.name == core.out_projection:
+                return True
+            seen.add(op.name)
+            stack.extend(t for t in op.inputs if t)
+        return False
 
     def norm(self, core: AttentionCore) -> str | None:
         """The norm in front of ``core``'s projections: an operator, or decomposed (a ReduceMean of
