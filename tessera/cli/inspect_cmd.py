@@ -104,6 +104,11 @@ def _describe(decoder: dict[str, Any]) -> str:
         + (
             f" × {decoder['experts']} experts, {decoder['experts_per_token']} per token"
             + (f", shared FFN {decoder['shared_ffn']}" if decoder["shared_ffn"] else "")
+            + (
+                f"; {decoder['dense_layers']} layer(s) with a dense FFN {decoder['dense_ffn']} instead"
+                if decoder.get("dense_layers")
+                else ""
+            )
             if decoder["experts"] > 1
             else ""
         ),

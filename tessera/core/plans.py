@@ -458,6 +458,11 @@ def _check_experts(llm: dict[str, Any]) -> None:
         raise ValueError("llm.experts_per_token is more than llm.experts")
     if sizes["shared_ffn"] != 0:  # 0: no shared expert
         _bounded("llm.shared_ffn", llm["shared_ffn"], LLM_SIZE_LIMITS["ffn"])
+    if llm.get("dense_layers", 0) != 0:  # layers with a dense FFN beside the experts' (0: none)
+        _bounded("llm.dense_layers", llm["dense_layers"], llm["layers"] - 1)
+        _bounded("llm.dense_ffn", llm.get("dense_ffn"), LLM_SIZE_LIMITS["ffn"])
+        if sizes["experts"] == 1:
+            raise ValueError("llm.dense_layers needs a mixture of experts (llm.experts > 1)")
 
 
 def _bounded(where: str, value: Any, limit: int, *, what: str = "") -> int:

@@ -37,18 +37,22 @@ def weight_elements(llm: dict[str, Any], positions: int | None) -> int:
     q_dim, kv_dim = heads * head_dim, kv_heads * head_dim
     ffn_matrices = 3 if llm.get("gated_ffn") else 2
     experts, shared = (int({**DENSE_FFN, **llm}[key]) for key in ("experts", "shared_ffn"))
-    layer = (
-        4 * hidden  # ln1, ln2
-        + (hidden + 1) * q_dim
-        + 2 * (hidden + 1) * kv_dim
-        + q_dim * hidden
-        + hidden
-        + experts * (ffn_matrices * hidden * ffn + (ffn_matrices - 1) * ffn)
+    dense_layers, dense_ffn = int(llm.get("dense_layers", 0)), int(llm.get("dense_ffn", 0))
+    attention = (
+        4 * hidden + (hidden + 1) * q_dim + 2 * (hidden + 1) * kv_dim + q_dim * hidden + hidden
+    )  # ln1, ln2
+
+    def ffn_of(width: int) -> int:  # one FFN's matrices and biases
+        return ffn_matrices * hidden * width + (ffn_matrices - 1) * width
+
+    experts_ffn = (
+        experts * ffn_of(ffn)
         + (hidden * experts if experts > 1 else 0)  # the router
         + ffn_matrices * hidden * shared  # a shared expert
-        + hidden
     )
-    return layers * layer + 2 * vocab * hidden + 2 * hidden + (positions or 0) * hidden
+    # ``dense_layers`` of the layers hold a dense FFN of width ``dense_ffn`` instead of the experts
+    ffns = (layers - dense_layers) * experts_ffn + dense_layers * ffn_of(dense_ffn) + layers * hidden
+    return layers * attention + ffns + 2 * vocab * hidden + 2 * hidden + (positions or 0) * hidden
 
 
 def host_memory_need(

@@ -156,6 +156,14 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
                           num_key_value_heads=2, intermediate_size=128, moe_intermediate_size=48,
                           shared_expert_intermediate_size=96, num_experts=8, num_experts_per_tok=2, **_LAYERS),
                   {"experts": 8, "experts_per_token": 2, "shared_ffn": 96, "ffn": 48}),
+    # dots.llm1: 4 experts, 2 per token, a shared expert, and its first layer a dense FFN instead
+    # (first_k_dense_replace, as DeepSeek-V3 and Ernie 4.5 MoE).
+    "dots1-dense": (_family("Dots1", experts="batched_mm", hidden_size=64, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, intermediate_size=128, n_routed_experts=4,
+                            num_experts_per_tok=2, moe_intermediate_size=48, first_k_dense_replace=1,
+                            n_shared_experts=1, **_LAYERS),
+                    {"experts": 4, "experts_per_token": 2, "shared_ffn": 48, "ffn": 48, "dense_layers": 1,
+                     "dense_ffn": 128}),
     # OPT: learned positions read at an offset of 2, ReLU FFN, tied head.
     "opt-learned": (_family("OPT", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
                             init_std=DECODER_INIT, **_LAYERS),
@@ -347,7 +355,18 @@ def configured(model: str, config: object) -> dict[str, object]:
         or getattr(config, "n_inner", None)
         or 4 * config.hidden_size,
         "gated_ffn": kind
-        in ("llama", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "mixtral", "qwen2_moe", "exaone4"),
+        in (
+            "llama",
+            "qwen2",
+            "qwen3",
+            "mistral",
+            "gemma",
+            "gemma2",
+            "mixtral",
+            "qwen2_moe",
+            "exaone4",
+            "dots1",
+        ),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),
         "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
@@ -363,5 +382,7 @@ def configured(model: str, config: object) -> dict[str, object]:
         "experts": 1,
         "experts_per_token": 1,
         "shared_ffn": 0,
+        "dense_layers": 0,
+        "dense_ffn": 0,
     }
     return {**want, **FAMILIES.get(model, (None, {}))[1]}

@@ -205,6 +205,7 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = Fa
         f"kv_heads={llm['kv_heads']}"
         + (
             f", {llm['experts']} experts, {llm['experts_per_token']} per token"
+            + (f" ({llm['dense_layers']} dense layer(s))" if llm.get("dense_layers") else "")
             if llm.get("experts", 1) > 1
             else ""
         )

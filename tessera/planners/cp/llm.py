@@ -43,6 +43,9 @@ class LlmConfig(config_files.ConfigModel):
     ``experts`` FFNs of width ``ffn`` and a router sending each token to ``experts_per_token`` of them
     (Mixtral: 8, 2); the default, one expert, is a dense FFN. ``shared_ffn``: the width of a dense FFN
     every token also goes through beside its experts (Qwen2-MoE's shared expert), 0 for none.
+    ``dense_layers`` of a mixture's layers have a dense FFN of width ``dense_ffn`` instead (DeepSeek's,
+    Ernie 4.5's and dots.llm1's first layers, Llama 4's every other one); which ones does not change
+    a step's cost, so the count is kept.
     """
 
     # Sizes within what a cp plan may hold (LLM_SIZE_LIMITS: beyond any published model).
@@ -60,6 +63,8 @@ class LlmConfig(config_files.ConfigModel):
     experts: int = Field(default=1, strict=True, ge=1, le=LLM_SIZE_LIMITS["experts"])
     experts_per_token: int = Field(default=1, strict=True, ge=1, le=LLM_SIZE_LIMITS["experts_per_token"])
     shared_ffn: int = Field(default=0, strict=True, ge=0, le=LLM_SIZE_LIMITS["ffn"])
+    dense_layers: int = Field(default=0, strict=True, ge=0, le=LLM_SIZE_LIMITS["layers"])
+    dense_ffn: int = Field(default=0, strict=True, ge=0, le=LLM_SIZE_LIMITS["ffn"])
 
     @model_validator(mode="after")
     def _defaults_and_consistency(self) -> LlmConfig:
@@ -73,6 +78,13 @@ class LlmConfig(config_files.ConfigModel):
         if self.experts_per_token > self.experts:
             raise ValueError(
                 f"experts_per_token: {self.experts_per_token} is more than the {self.experts} experts"
+            )
+        if self.dense_layers and (
+            self.experts == 1 or self.dense_layers >= self.layers or not self.dense_ffn
+        ):
+            raise ValueError(
+                f"dense_layers: {self.dense_layers} dense FFN layers need a mixture of experts in the others "
+                f"(experts > 1, fewer than {self.layers} layers) and their width dense_ffn"
             )
         head_dim = self.hidden // self.heads if self.head_dim is None else self.head_dim
         object.__setattr__(self, "kv_heads", kv_heads)
@@ -113,15 +125,23 @@ class LlmConfig(config_files.ConfigModel):
             return 0
         return self.hidden * self.experts + (3 if self.gated_ffn else 2) * self.hidden * self.shared_ffn
 
-    @property
-    def ffn_params(self) -> int:
-        """Weights of one layer's FFN as held: every expert and the router."""
-        return self.experts * self.expert_params + self.every_token_params
+    def _per_layer(self, moe: float) -> float:
+        """An FFN quantity per layer: ``moe``'s in every layer, or with ``dense_layers`` the mean over
+        the layers of ``moe`` and a dense FFN's weights."""
+        if not self.dense_layers:
+            return moe
+        dense = (3 if self.gated_ffn else 2) * self.hidden * self.dense_ffn
+        return ((self.layers - self.dense_layers) * moe + self.dense_layers * dense) / self.layers
 
     @property
-    def active_ffn_params(self) -> int:
+    def ffn_params(self) -> float:
+        """Weights of one layer's FFN as held: every expert and the router (mean over the layers)."""
+        return self._per_layer(self.experts * self.expert_params + self.every_token_params)
+
+    @property
+    def active_ffn_params(self) -> float:
         """Weights one token multiplies by: its ``experts_per_token`` experts and the router."""
-        return self.experts_per_token * self.expert_params + self.every_token_params
+        return self._per_layer(self.experts_per_token * self.expert_params + self.every_token_params)
 
     def experts_read(self, tokens: int) -> float:
         """The experts at least one of ``tokens`` tokens is routed to, in expectation over uniform
@@ -132,10 +152,10 @@ class LlmConfig(config_files.ConfigModel):
     def ffn_read_params(self, tokens: int) -> float:
         """FFN weights a step of ``tokens`` tokens reads: the experts it reaches
         (:meth:`experts_read`) and what every token reads (the router, a shared expert)."""
-        return self.experts_read(tokens) * self.expert_params + self.every_token_params
+        return self._per_layer(self.experts_read(tokens) * self.expert_params + self.every_token_params)
 
     @property
-    def layer_params(self) -> int:
+    def layer_params(self) -> float:
         """Weights of one transformer layer: projections, FFN and two norms (scale + bias)."""
         return self.attention_params + self.ffn_params + 4 * self.hidden
 
@@ -150,7 +170,7 @@ class LlmConfig(config_files.ConfigModel):
 
     @property
     def params(self) -> int:
-        return self.layers * self.layer_params + self.embedding_params
+        return round(self.layers * self.layer_params) + self.embedding_params
 
     def kv_bytes_per_token(self, layers: int | None = None) -> int:
         """KV-cache bytes one token adds over ``layers`` layers (default all): ``2 · kv_dim · bytes``."""
@@ -175,6 +195,7 @@ class LlmConfig(config_files.ConfigModel):
             "experts": self.experts,
             "experts_per_token": self.experts_per_token,
             "shared_ffn": self.shared_ffn,
+            **({"dense_layers": self.dense_layers, "dense_ffn": self.dense_ffn} if self.dense_layers else {}),
             "parameters": self.params,
         }
 

@@ -71,7 +71,7 @@ class Decoder:
             "layers": c.layers, "hidden": c.hidden, "heads": c.heads, "kv_heads": c.kv_heads,
             "head_dim": c.head_dim, "ffn": c.ffn, "gated_ffn": c.gated_ffn, "vocab": c.vocab,
             "experts": c.experts, "experts_per_token": c.experts_per_token, "shared_ffn": c.shared_ffn,
-            "tied_embeddings": c.tied_embeddings, "positions": self.positions, "dtype": c.dtype,
+            "dense_layers": c.dense_layers, "dense_ffn": c.dense_ffn, "tied_embeddings": c.tied_embeddings, "positions": self.positions, "dtype": c.dtype,
             "rotary": None if self.rotary_dim is None else {"dim": self.rotary_dim, "partial": self.rotary_dim < (c.head_dim or 0)},
             "norm": self.norm, "parallel_residual": self.parallel_residual, "qkv": self.qkv,
             "attention": [core.softmax for core in self.cores],
@@ -404,16 +404,28 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     # Layers without rotary positions beside rotary ones (Exaone 4, SmolLM3: "NoPE" layers) are
     # one model; the rotary ones share one width.
     rotary = next((core.rotary_dim for core in cores if core.rotary_dim is not None), None)
+    # A mixture of experts may keep a dense FFN in some layers (DeepSeek's and Ernie 4.5's first ones,
+    # Llama 4's every other one): the layers then compare with the first of their own kind.
+    experts = next((ffn for ffn in ffns if ffn.experts > 1), ffns[0])
+    dense = [ffn for ffn in ffns if ffn.experts == 1] if experts.experts > 1 else []
     for i, (core, ffn) in enumerate(zip(cores, ffns, strict=True)):
+        kind = dense[0] if ffn.experts == 1 and dense else experts
         sizes = (core.hidden, core.heads, core.kv_heads, core.head_dim, core.rotary_dim or rotary, *ffn)
-        want = (first.hidden, first.heads, first.kv_heads, first.head_dim, rotary, *ffns[0])
+        want = (first.hidden, first.heads, first.kv_heads, first.head_dim, rotary, *kind)
         if sizes != want:
             raise InputError(
                 f"layers differ in size: layer {i} ({core.softmax}) has hidden, heads, kv_heads, head_dim, "
                 f"rotary dim, ffn, gated, parallel, experts, experts per token, shared FFN = {sizes}, "
-                f"layer 0 has {want}",
+                f"layer {ffns.index(kind)} has {want}",
                 source=graph.source,
             )
+    if dense and (dense[0].gated, dense[0].parallel) != (experts.gated, experts.parallel):
+        raise InputError(
+            f"layer {ffns.index(dense[0])}'s dense FFN (gated {dense[0].gated}, parallel {dense[0].parallel}) and "
+            f"layer {ffns.index(experts)}'s experts (gated {experts.gated}, parallel {experts.parallel}) differ "
+            "in kind",
+            source=graph.source,
+        )
     vocab, tied = layers.vocab(first.hidden)
     if vocab is None:
         raise InputError(
@@ -421,7 +433,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         )
     found = {
         "layers": len(cores), "hidden": first.hidden, "heads": first.heads, "kv_heads": first.kv_heads,
-        "head_dim": first.head_dim, "ffn": ffns[0].width, "vocab": vocab,
+        "head_dim": first.head_dim, "ffn": experts.width, "vocab": vocab,
     }  # fmt: skip
     meta = {p.key: p.value for p in graph.model.metadata_props}
     for key, value in found.items():
@@ -434,11 +446,13 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     config = LlmConfig(
         name=name or meta.get("tessera.model") or graph.model.graph.name or "onnx-model",
         dtype=first.dtype,  # type: ignore[arg-type]
-        gated_ffn=ffns[0].gated,
+        gated_ffn=experts.gated,
         tied_embeddings=tied,
-        experts=ffns[0].experts,
-        experts_per_token=ffns[0].experts_per_token,
-        shared_ffn=ffns[0].shared,
+        experts=experts.experts,
+        experts_per_token=experts.experts_per_token,
+        shared_ffn=experts.shared,
+        dense_layers=len(dense),
+        dense_ffn=dense[0].width if dense else 0,
         **found,
     )
     return Decoder(
@@ -447,7 +461,7 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         positions=position_limit(graph, first.hidden),
         rotary_dim=rotary,
         norm=layers.norm(first),
-        parallel_residual=ffns[0].parallel,
+        parallel_residual=experts.parallel,
         qkv="fused" if len(first.projections) == 1 else "separate",
         fixed_length=_fixed_length(graph, m),
         position_constant=layers.added_positions(first.hidden),

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tessera.core.specs import ClusterSpec, load_cluster
+from tessera.executor.cp_memory import weight_elements
 from tessera.planners.cp.cost import (
     CostParams,
     cp_comm_elements,
@@ -181,6 +182,32 @@ def test_a_mixture_of_experts_holds_every_expert_and_reads_those_its_tokens_are_
     # one token: the step reads 2 experts where the dense model reads its one FFN
     layer_read = (llm.layer_read_params(1) - dense.layer_read_params(1)) * llm.layers * 2 / 4
     assert moe.compute_s - one.compute_s == pytest.approx(layer_read / 768e9, rel=0.01)
+
+
+def test_layers_with_a_dense_ffn_beside_the_experts_count_their_own_weights() -> None:
+    """Mixtral's sizes with its first 2 of 32 layers dense (14336 wide), as DeepSeek's first layers
+    are: those layers hold and read one dense FFN, the others their experts; the executor's weight
+    estimate counts the same layers."""
+    moe, _ = load_llm_config("mixtral-8x7b")
+    llm = moe.model_validate({**moe.model_dump(), "dense_layers": 2, "dense_ffn": 14336})
+    dense_ffn = 3 * llm.hidden * 14336
+    layer = llm.attention_params + 4 * llm.hidden
+    want = 32 * layer + 30 * moe.ffn_params + 2 * dense_ffn + llm.embedding_params
+    assert llm.params == want
+    assert llm.layers * llm.ffn_read_params(1) == pytest.approx(30 * moe.ffn_read_params(1) + 2 * dense_ffn)
+    assert llm.layers * llm.active_ffn_params == pytest.approx(30 * moe.active_ffn_params + 2 * dense_ffn)
+    h, f, fd = llm.hidden, llm.ffn, 14336
+    experts_layer, dense_layer = 8 * (3 * h * f + 2 * f) + h * 8, 3 * h * fd + 2 * fd  # with biases
+    assert weight_elements(moe.to_json(), None) - weight_elements(llm.to_json(), None) == 2 * (
+        experts_layer - dense_layer
+    )
+    for bad in (
+        {"dense_layers": 32},  # every layer dense: no mixture
+        {"dense_ffn": 0},
+        {"experts": 1, "experts_per_token": 1},
+    ):
+        with pytest.raises(ValueError, match="dense_layers"):
+            llm.model_validate({**llm.model_dump(), **bad})
 
 
 def test_experts_per_token_cannot_exceed_the_experts() -> None:
