@@ -221,17 +221,15 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
         return None, decoder.position_limit
     from tessera.executor.decode_program import step_operations
     from tessera.executor.graph_decoder import GraphDecoder
-    from tessera.executor.step_check import NotStepwise, check_stepwise
+    from tessera.executor.step_check import check_stepwise
     from tessera.planners.cp.cost import CostParams
 
-    try:
-        stepped = GraphDecoder(graph, decoder)
-        check_stepwise(stepped)
-        operations = step_operations(stepped)
-    except NotStepwise:  # it steps, but not exactly: refused now, not at launch
-        raise
-    except InputError:  # a graph the decoder cannot step: launch refuses it, with the reason
-        return None, decoder.position_limit
+    # A graph the decode step cannot be built from (one that runs only at its exported length, or
+    # whose positions cannot be found) or that steps but not exactly (NotStepwise) is refused now,
+    # with the reason launch would give, not after a plan was written.
+    stepped = GraphDecoder(graph, decoder)
+    check_stepwise(stepped)
+    operations = step_operations(stepped)
     return (None if operations is None else CostParams(step_operations=operations)), stepped.max_positions
 
 

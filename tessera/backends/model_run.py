@@ -23,7 +23,7 @@ class ModelRun:
         import onnxruntime as ort
 
         options = ort.SessionOptions()
-        options.log_severity_level = 3
+        options.log_severity_level = 4  # failures come back as exceptions; ORT would also print them
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
         if threads:
             options.intra_op_num_threads = threads

@@ -71,3 +71,25 @@ def test_a_graph_mixing_positions_outside_attention_is_refused_naming_the_node(
     )  # fmt: skip
     assert planned.code == 2 and f"node '{node}'" in planned.err and "exactly" in planned.err
     assert "Traceback" not in planned.err and not (tmp_path / "plan.json").exists()
+
+
+def test_a_graph_that_runs_only_at_its_exported_length_is_refused_at_plan_time(tmp_path: Path) -> None:
+    """A reshape to the exported sequence length inside the hidden path (as a Mamba block's exports)
+    breaks the graph at any other length. launch refused it; plan wrote the plan first (exit 0)."""
+    model = build("gpt", "tiny", seed=3, kv_heads=2, seq=96)
+    graph = model.graph
+    source = "embed/position/add"
+    graph.initializer.append(numpy_helper.from_array(np.array([-1, 96, HIDDEN], np.int64), "fix/shape"))
+    at = next(i for i, node in enumerate(graph.node) if node.name == source) + 1
+    for node in graph.node[at:]:
+        node.input[:] = ["fix/out" if name == source else name for name in node.input]
+    graph.node.insert(at, helper.make_node("Reshape", [source, "fix/shape"], ["fix/out"], name="fix/reshape"))
+    path = tmp_path / "fixed.onnx"
+    path.write_bytes(model.SerializeToString())
+    planned = run_cli(
+        "plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "2", "--context", "16",
+        "--output-len", "4", "-o", str(tmp_path / "plan.json"),
+    )  # fmt: skip
+    assert planned.code == 2 and "runs only at its exported sequence length of 96" in planned.err
+    assert "node 'fix/reshape'" in planned.err and "dynamic sequence axis" in planned.err
+    assert len(planned.err.strip().splitlines()) == 1 and not (tmp_path / "plan.json").exists()
