@@ -93,7 +93,12 @@ class GraphDecoder:
                 source=self.label,
             ) from None
         self.positions = [name for name in found if name in self.needed]
-        if not self.positions and (decoder.positions is not None or decoder.rotary_dim is not None):
+        fed = any(kind == "positions" for kind, _ in self.side.values())  # position ids as an input
+        if (
+            not self.positions
+            and not fed
+            and (decoder.positions is not None or decoder.rotary_dim is not None)
+        ):
             raise InputError(
                 "cannot find where the graph counts token positions (a Range or CumSum over the sequence "
                 "that its position embedding reads): decoding could not place new tokens",
@@ -130,7 +135,9 @@ class GraphDecoder:
             hooks[core.av] = _av_hook(self, layer, held, attend, past, batch)
         if observe is not None:
             hooks = {name: _observed(name, hooks.get(name), observe) for name in self.needed}
-        out = self.module.run(self.feeds(tokens, past), after=hooks, only=self.needed)[self.logits_output]
+        out = self.module.run(
+            self.feeds(tokens, past), after=hooks, only=self.needed, tensors=(self.logits_output,)
+        )[self.logits_output]  # the other outputs (a KV cache the export returns) are not computed
         return self._checked(out)
 
     def core_output(

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import onnx
 import torch
-from corpus.models import MODELS, MaskInput, _DecoderLogits
+from corpus.models import MODELS, CacheOutputs, MaskInput, MaskPositionInput, _DecoderLogits
 from torch.utils.flop_counter import FlopCounterMode
 
 CORPUS_VERSION = 5  # bump when the models or the export calls change
@@ -191,8 +191,9 @@ def _written(path: Path) -> Iterator[tuple[Path, list[str]]]:
 # the attention mask as a second input (dynamo), an all-ones mask made inside the forward (the
 # legacy exporter: without a mask transformers 5 tests for packed sequences with ``torch.diff``,
 # which it cannot export), bf16 weights (dynamo, no mask), and an example of batch 1 (dynamo, a
-# dynamic batch asked for: torch.export fixes it at 1 anyway).
-FORMS = ("mask-input", "legacy-mask-inside", "bf16", "batch1")
+# dynamic batch asked for: torch.export fixes it at 1 anyway), position ids as an input beside the
+# mask (optimum's inputs), and the KV cache returned beside the logits (``use_cache=True``).
+FORMS = ("mask-input", "legacy-mask-inside", "bf16", "batch1", "mask-position-input", "cache-outputs")
 
 
 def form_export(model: str, form: str) -> Path:
@@ -219,12 +220,20 @@ def _form_made(model: str, form: str, path: Path) -> str | None:
         return _export(module.to(torch.bfloat16), x, "input_ids", "dynamo", ("batch", "sequence"), path)
     if form == "batch1":
         return _export(module, x[:1], "input_ids", "dynamo", ("batch", "sequence"), path)
-    assert form == "mask-input", form
     dims = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("sequence", min=2, max=32)}
+    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+    wrapped, args, names = {
+        "mask-input": (MaskInput(hf), (x, torch.ones_like(x)), ["input_ids", "attention_mask"]),
+        "mask-position-input": (
+            MaskPositionInput(hf),
+            (x, torch.ones_like(x), positions),
+            ["input_ids", "attention_mask", "position_ids"],
+        ),
+        "cache-outputs": (CacheOutputs(hf), (x,), ["input_ids"]),
+    }[form]
     with _written(path) as (tmp, failed):
-        torch.onnx.export(MaskInput(hf), (x, torch.ones_like(x)), str(tmp), dynamo=True,
-                          input_names=["input_ids", "attention_mask"], output_names=["logits"],
-                          dynamic_shapes=(dims, dims))  # fmt: skip
+        torch.onnx.export(wrapped, args, str(tmp), dynamo=True, input_names=names,
+                          dynamic_shapes=tuple(dims for _ in args))  # fmt: skip
         onnx.save(onnx.load(str(tmp)), str(tmp))  # one file: external data folded in
     return failed[0] if failed else None
 

@@ -70,6 +70,35 @@ class MaskInput(nn.Module):
         return self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
 
 
+class MaskPositionInput(nn.Module):
+    """``model(input_ids, attention_mask, position_ids).logits``: position ids as a third input, as
+    optimum and onnxruntime-genai's exports take them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor
+    ) -> torch.Tensor:
+        return self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).logits
+
+
+class CacheOutputs(nn.Module):
+    """``model(input_ids)`` with its KV cache returned beside the logits (``use_cache=True``): each
+    layer's keys and values as outputs, as an export for a decoding loop returns them."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.model(input_ids=input_ids, use_cache=True)
+        return (out.logits, *(t for layer in out.past_key_values.layers for t in (layer.keys, layer.values)))
+
+
 def _rescaled(model: nn.Module, std: float) -> nn.Module:
     """``model`` with every matrix but the embeddings drawn at ``std`` (seeded): the block outputs
     then outweigh the token's own embedding and greedy decoding picks varied tokens."""

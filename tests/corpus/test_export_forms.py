@@ -1,6 +1,6 @@
 """Every plain family of the corpus in the other forms users export it (``corpus.exports.FORMS``): the
 attention mask as an input, an all-ones mask inside the forward by the legacy exporter, bf16 weights,
-an example of batch 1. Each is recognized with its configured sizes, its decode step computes what
+an example of batch 1, position ids as an input, the KV cache returned beside the logits. Each is recognized with its configured sizes, its decode step computes what
 the whole graph computes (``check_stepwise``), and decoding with the KV cache gives the torch
 module's own greedy tokens. The launches on 2 ranks are tested on the plain exports
 (test_decoders.py): they run this same step."""
@@ -39,11 +39,16 @@ BF16 = (
     "mpt-alibi",
 )
 BATCH1 = ("mistral-window", "bloom-alibi", "gemma2-softcap", "falcon-mqa")
+# Position ids fed as an input (no Range of the graph's to count them) and a KV cache returned
+# beside the logits (outputs the decoder does not compute): rotary, windowed, soft-capped, learned
+# positions at an offset, rotary on pairs.
+INPUTS_OUTPUTS = ("qwen2-plain", "mistral-window", "gemma2-softcap", "opt-learned", "gptj-interleaved")
 CASES = (
     [(f, "mask-input") for f in FAMILIES]
     + [(f, "legacy-mask-inside") for f in FAMILIES]
     + [(f, "bf16") for f in BF16]
     + [(f, "batch1") for f in BATCH1]
+    + [(f, form) for f in INPUTS_OUTPUTS for form in ("mask-position-input", "cache-outputs")]
 )
 
 
