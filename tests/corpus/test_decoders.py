@@ -137,9 +137,17 @@ def test_a_batch_fixed_at_one_decodes_one_request_and_refuses_more_with_the_caus
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["qwen2-plain", "mistral-window"])
-def test_an_export_with_a_mask_input_decodes_exactly(family: str, tmp_path) -> None:
-    path = str(form_export(family, "mask-input"))
+@pytest.mark.parametrize(
+    ("family", "form"),
+    [
+        ("qwen2-plain", "mask-input"),
+        ("mistral-window", "mask-input"),
+        ("gemma2-softcap", "mask-position-input"),  # position ids fed from each request's positions
+        ("mistral-window", "cache-outputs"),  # the export returns its KV cache: outputs not computed
+    ],
+)
+def test_an_export_with_a_mask_input_decodes_exactly(family: str, form: str, tmp_path) -> None:
+    path = str(form_export(family, form))
     want = greedy_tokens(path, PROMPTS, NEW_TOKENS)
     _assert_decodes(path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
 
