@@ -38,9 +38,8 @@ def weight_elements(llm: dict[str, Any], positions: int | None) -> int:
     ffn_matrices = 3 if llm.get("gated_ffn") else 2
     experts, shared = (int({**DENSE_FFN, **llm}[key]) for key in ("experts", "shared_ffn"))
     dense_layers, dense_ffn = int(llm.get("dense_layers", 0)), int(llm.get("dense_ffn", 0))
-    attention = (
-        4 * hidden + (hidden + 1) * q_dim + 2 * (hidden + 1) * kv_dim + q_dim * hidden + hidden
-    )  # ln1, ln2
+    # two norms (scale, bias), the biased Q, K and V projections, the output projection and its bias
+    attention = 4 * hidden + (hidden + 1) * q_dim + 2 * (hidden + 1) * kv_dim + q_dim * hidden + hidden
 
     def ffn_of(width: int) -> int:  # one FFN's matrices and biases
         return ffn_matrices * hidden * width + (ffn_matrices - 1) * width
