@@ -129,11 +129,16 @@ def _export(
     axes: tuple[str, ...],
     path: Path,
     opset: int = 20,
+    *,
+    extra: dict[str, torch.Tensor] | None = None,
 ) -> str | None:
     """Export to ``path`` atomically, the leading ``axes`` of the input dynamic (a decoder's batch and
-    sequence, another model's batch); the exporter's error in one line if it fails."""
+    sequence, another model's batch); ``extra``: further inputs by name after ``x`` (a mask,
+    positions), dynamic alike (dynamo only); the exporter's error in one line if it fails."""
+    names, args = [name, *(extra or {})], (x, *(extra or {}).values())
     with _written(path) as (tmp, failed):
         if exporter == "legacy":
+            assert not extra, "extra inputs are exported by the dynamo exporter"
             dims = dict(enumerate(axes))
             torch.onnx.export(
                 module, (x,), str(tmp), dynamo=False, opset_version=17, input_names=[name],
@@ -146,10 +151,10 @@ def _export(
                 i: torch.export.Dim(axis, min=bounds[axis][0], max=bounds[axis][1])
                 for i, axis in enumerate(axes)
             }
-            shapes = (dims,) if axes else None
+            shapes = tuple(dims for _ in args) if axes else None
             torch.onnx.export(
-                module, (x,), str(tmp), dynamo=True, opset_version=opset, verbose=False,
-                input_names=[name], output_names=["output"], dynamic_shapes=shapes,
+                module, args, str(tmp), dynamo=True, opset_version=opset, verbose=False,
+                input_names=names, output_names=["output"], dynamic_shapes=shapes,
             )  # fmt: skip
         onnx.save(onnx.load(str(tmp)), str(tmp))  # one file: external data folded in
     return failed[0] if failed else None
@@ -214,28 +219,21 @@ def form_export(model: str, form: str) -> Path:
 def _form_made(model: str, form: str, path: Path) -> str | None:
     module, x = reference(model)
     hf = module.model  # the transformers model inside the plain wrapper
+    axes, mask = ("batch", "sequence"), torch.ones_like(x)
     if form == "legacy-mask-inside":
-        return _export(_DecoderLogits(hf), x, "input_ids", "legacy", ("batch", "sequence"), path)
+        return _export(_DecoderLogits(hf), x, "input_ids", "legacy", axes, path)
     if form == "bf16":
-        return _export(module.to(torch.bfloat16), x, "input_ids", "dynamo", ("batch", "sequence"), path)
+        return _export(module.to(torch.bfloat16), x, "input_ids", "dynamo", axes, path)
     if form == "batch1":
-        return _export(module, x[:1], "input_ids", "dynamo", ("batch", "sequence"), path)
-    dims = {0: torch.export.Dim("batch", max=64), 1: torch.export.Dim("sequence", min=2, max=32)}
-    positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
-    wrapped, args, names = {
-        "mask-input": (MaskInput(hf), (x, torch.ones_like(x)), ["input_ids", "attention_mask"]),
-        "mask-position-input": (
-            MaskPositionInput(hf),
-            (x, torch.ones_like(x), positions),
-            ["input_ids", "attention_mask", "position_ids"],
-        ),
-        "cache-outputs": (CacheOutputs(hf), (x,), ["input_ids"]),
-    }[form]
-    with _written(path) as (tmp, failed):
-        torch.onnx.export(wrapped, args, str(tmp), dynamo=True, input_names=names,
-                          dynamic_shapes=tuple(dims for _ in args))  # fmt: skip
-        onnx.save(onnx.load(str(tmp)), str(tmp))  # one file: external data folded in
-    return failed[0] if failed else None
+        return _export(module, x[:1], "input_ids", "dynamo", axes, path)
+    if form == "mask-input":
+        return _export(MaskInput(hf), x, "input_ids", "dynamo", axes, path, extra={"attention_mask": mask})
+    if form == "mask-position-input":
+        positions = torch.arange(x.shape[1]).expand(x.shape[0], -1)
+        extra = {"attention_mask": mask, "position_ids": positions}
+        return _export(MaskPositionInput(hf), x, "input_ids", "dynamo", axes, path, extra=extra)
+    assert form == "cache-outputs", form
+    return _export(CacheOutputs(hf), x, "input_ids", "dynamo", axes, path)
 
 
 # Models whose legacy export also enters as onnxruntime's optimizer leaves it (dynamic batch).
