@@ -29,7 +29,7 @@ def torch_optimizer(
     import torch
 
     kwargs = {} if weight_decay is None else {"weight_decay": weight_decay}
-    if fusable(params):
+    if fusable(params, name):
         kwargs["fused"] = True
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, **kwargs)
@@ -40,15 +40,20 @@ def torch_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
-def fusable(params: Sequence[torch.Tensor]) -> bool:
-    """Whether torch's fused optimizers take ``params``: floating-point tensors, all on one CPU or
-    CUDA device."""
+def fusable(params: Sequence[torch.Tensor], name: str = "adamw") -> bool:
+    """Whether optimizer ``name``'s fused kernel takes ``params`` and updates them as its loop does:
+    floating-point tensors, all on one CPU or CUDA device. Not SGD over bf16 or fp16 tensors on a
+    CPU: torch 2.13's fused CPU SGD updates only the last ``numel % 16`` elements of such a tensor
+    and leaves the rest as they were (tests/backends/test_torch_optim.py)."""
+    import torch
+
     devices = {p.device for p in params}
-    return (
-        len(devices) == 1
-        and next(iter(devices)).type in ("cpu", "cuda")
-        and all(p.is_floating_point() for p in params)
-    )
+    if len(devices) != 1 or next(iter(devices)).type not in ("cpu", "cuda"):
+        return False
+    if not all(p.is_floating_point() for p in params):
+        return False
+    half = any(p.dtype in (torch.bfloat16, torch.float16) for p in params)
+    return not (name == "sgd" and half and next(iter(devices)).type == "cpu")
 
 
 def global_norm_clip(

@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tessera.backends.torch_ops import to_numpy
 from tessera.backends.torch_ops.collectives import use_group
 from tessera.core.tensor_parallel import TpSplit
 from tessera.executor.routing import Routing
@@ -42,9 +43,7 @@ def whole_weights(named: list[tuple[str, Tensor]], split: TpSplit, group: Any) -
             gathered = [torch.empty_like(value) for _ in range(split.t)]
             dist.all_gather(gathered, value.contiguous(), group=group)
             axis, parts = blocks[name]
-            pieces = [np.split(g.numpy(), parts, axis) for g in gathered]
-            value = torch.from_numpy(
-                np.concatenate([np.concatenate([pr[k] for pr in pieces], axis) for k in range(parts)], axis)
-            )
-        out[name] = value.numpy().copy()
+            pieces = [torch.tensor_split(g, parts, axis) for g in gathered]
+            value = torch.cat([torch.cat([pr[k] for pr in pieces], axis) for k in range(parts)], axis)
+        out[name] = to_numpy(value).copy()  # bf16 weights too
     return out

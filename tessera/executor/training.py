@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from tessera.backends.torch_module import to_torch
+from tessera.backends.torch_ops import to_numpy
 from tessera.backends.torch_optim import torch_optimizer
 from tessera.core.data import TrainingData, load_npz
 from tessera.core.graph import Graph, load_graph
@@ -184,7 +185,9 @@ def train_reference(
 
     options = options or TrainOptions(steps=steps, lr=lr, seed=seed, data=data)
     graph = model if isinstance(model, Graph) else load_graph(model)
-    module = to_torch(graph.model, label=graph.source, precision=options.precision).to(dtype)
+    module = to_torch(graph.model, label=graph.source, precision=options.precision)
+    if dtype != torch.float32:  # the float64 arbiter; a model's own dtypes (bf16 weights) stay
+        module = module.to(dtype)
     params = [p for _, p in module.onnx_parameters()]
     opt, schedule = make_optimizer(params, options)
     source = TrainingData(graph, mini_batch, options.seed, options.data, options.loss)
@@ -213,7 +216,7 @@ def train_reference(
         opt.step()
         schedule.step()
         losses.append(float(loss.detach()))  # type: ignore[union-attr]
-    weights = {n: p.detach().numpy().copy() for n, p in module.onnx_parameters()}
+    weights = {n: to_numpy(p).copy() for n, p in module.onnx_parameters()}
     return ReferenceRun(losses, weights)
 
 

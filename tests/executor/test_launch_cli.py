@@ -453,3 +453,52 @@ def test_the_saved_model_declares_its_inputs_as_the_original_does(tmp_path: Path
     x = np.random.default_rng(1).normal(size=(3, 7, 8)).astype(np.float32)
     (y,) = ort.InferenceSession(str(saved)).run(None, {"x": x})
     np.testing.assert_allclose(y, np.maximum(x @ trained, 0), rtol=1e-5, atol=1e-6)
+
+
+def test_a_bf16_model_trains_tensor_parallel_and_is_saved_in_bf16(tmp_path: Path) -> None:
+    """bf16 weights (an export in bf16) come back whole from a 2-way tensor-parallel stage and are
+    written in the model's own dtype, as one process trains them (to bf16's rounding)."""
+    import ml_dtypes
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from tessera.core.graph import load_graph
+
+    rng = np.random.default_rng(0)
+    weights = [
+        numpy_helper.from_array(rng.normal(size=shape).astype(ml_dtypes.bfloat16), name)
+        for name, shape in (("w1", (8, 16)), ("w2", (16, 8)))
+    ]
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+        helper.make_node("MatMul", ["xb", "w1"], ["h"], name="up"),
+        helper.make_node("Relu", ["h"], ["r"]),
+        helper.make_node("MatMul", ["r", "w2"], ["y"], name="down"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "mlp",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 8])],
+        [helper.make_tensor_value_info("y", TensorProto.BFLOAT16, ["batch", 8])],
+        weights,
+    )
+    model = tmp_path / "bf16.onnx"
+    model.write_bytes(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
+    )
+    plan = tmp_path / "tp.json"
+    args = ("--cluster", "local-cpu-split", "--mini-batch", "4", "--tensor-parallel", "2", "-o", str(plan))
+    assert run_cli("plan", str(model), *args).code == 0
+    saved = tmp_path / "trained.onnx"
+    res = run_cli(
+        "launch", str(plan), "--steps", "2", "--lr", "0.05", "--loss", "mse", "--save-model", str(saved)
+    )
+    assert res.code == 0, res.err
+    trained = {t.name: t for t in onnx.load(str(saved)).graph.initializer}
+    assert {t.data_type for t in trained.values()} == {TensorProto.BFLOAT16}
+    reference = train_reference(load_graph(str(model)), 2, 4, seed=0, lr=0.05)  # mse, fp32
+    for name, want in reference.weights.items():
+        got = numpy_helper.to_array(trained[name]).astype(np.float32)
+        assert not np.array_equal(got, numpy_helper.to_array(weights[int(name[1]) - 1]).astype(np.float32))
+        want = want.astype(np.float32)  # (the row-parallel sum's order differs: a few bf16 steps)
+        assert np.abs(got - want).max() <= 0.02 * np.abs(want).max(), name
