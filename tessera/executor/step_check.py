@@ -46,7 +46,6 @@ def check_stepwise(decoder: GraphDecoder) -> None:
         keys, values, positions = cache.read(layer, cache.write(layer, k, v, past))
         return attention_partial(q, keys, values, torch.arange(past, past + q.shape[2]), positions, scores)[0]
 
-    decoder.interpret(tokens[:, :_PROMPT], 0, attend)
     step: dict[str, Tensor] = {}
     order: list[str] = []
 
@@ -55,7 +54,16 @@ def check_stepwise(decoder: GraphDecoder) -> None:
             step[node] = outs[0]
             order.append(node)
 
-    decoder.interpret(tokens[:, _PROMPT:], _PROMPT, attend, observe=keep)
+    try:
+        decoder.interpret(tokens[:, :_PROMPT], 0, attend)
+        decoder.interpret(tokens[:, _PROMPT:], _PROMPT, attend, observe=keep)
+    except RuntimeError as exc:  # the interpreter names the node that failed
+        why = " ".join(str(exc).removeprefix(f"{decoder.label}: ").split())[:200]
+        raise NotStepwise(
+            f"decoding with a KV cache fails ({why}): the graph reads more of the sequence than the "
+            "attention tessera replaces, so tessera cannot decode this model exactly",
+            source=decoder.label,
+        ) from None
     errors: dict[str, tuple[float, float]] = {}
 
     def compare(node: str) -> NodeHook:

@@ -1,6 +1,7 @@
 """Decoding refuses a graph in which something besides attention carries earlier positions into a
 step (executor/step_check.py): the zoo GPT with a causal convolution or a running sum over the
-sequence added to its hidden state is refused at plan time and at launch, naming the node."""
+sequence added to its hidden state, or a node that fails on a step's one position, is refused at
+plan time and at launch, naming the node."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def _mixed(kind: str) -> onnx.ModelProto:
     elif kind == "cumsum":
         graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "mix/axis"))
         nodes = [helper.make_node("CumSum", [source, "mix/axis"], ["mix/out"], name="mix/cumsum")]
+    elif kind == "gather":  # each position's hidden state picked by its absolute position (the
+        # identity over a whole sequence; a step holds one position: its index is out of range)
+        nodes = [
+            helper.make_node(
+                "Gather", [source, "embed/position/range"], ["mix/out"], axis=1, name="mix/gather"
+            )
+        ]
     else:  # the running sum in bf16: the check's tolerance is then bf16's
         graph.initializer.append(numpy_helper.from_array(np.array(1, np.int64), "mix/axis"))
         nodes = [
@@ -56,7 +64,8 @@ def _mixed(kind: str) -> onnx.ModelProto:
 
 
 @pytest.mark.parametrize(
-    ("kind", "node"), [("conv", "mix/conv"), ("cumsum", "mix/cumsum"), ("cumsum-bf16", "mix/cumsum")]
+    ("kind", "node"),
+    [("conv", "mix/conv"), ("cumsum", "mix/cumsum"), ("cumsum-bf16", "mix/cumsum"), ("gather", "mix/gather")],
 )
 def test_a_graph_mixing_positions_outside_attention_is_refused_naming_the_node(
     kind: str, node: str, tmp_path: Path

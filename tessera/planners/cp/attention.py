@@ -242,6 +242,14 @@ class Matcher:
 
     def core(self, softmax: OpNode) -> AttentionCore:
         qk = self._scores(softmax)
+        for name in self.g.consumers.get(softmax.inputs[0], ()):
+            reader = self.g.op(name)
+            if reader.name != softmax.name and reader.op_type not in ("Shape", "Size"):
+                raise NotAttention(
+                    reader.name,
+                    f"the scores are read by a {reader.op_type} besides the Softmax (an attention sink's "
+                    "log-sum-exp, a second normalization): tessera does not decode this attention",
+                )
         av = self._probabilities(softmax)
         q = self._trace(qk.inputs[0], "Q")
         k = self._trace(qk.inputs[1], "K")
@@ -322,8 +330,9 @@ class Matcher:
             return None, (why.node, why.why)
 
     def _probabilities(self, softmax: OpNode) -> OpNode:
-        """The MatMul that weighs V by ``softmax``'s output (through casts and the NaN guard)."""
-        queue = deque([softmax.outputs[0]])
+        """The MatMul that weighs V by ``softmax``'s output (through casts and the NaN guard); the only
+        one: probabilities that weigh two products (DiffLlama's two halves of V) are not one core."""
+        queue, products = deque([softmax.outputs[0]]), []
         for _ in range(16):
             if not queue:
                 break
@@ -331,10 +340,18 @@ class Matcher:
             for name in self.g.consumers.get(tensor, ()):
                 op = self.g.op(name)
                 if op.op_type == "MatMul" and op.inputs[0] == tensor:
-                    return op
-                if op.op_type in _PROBABILITY_OPS and (op.op_type != "Where" or tensor in op.inputs[1:]):
+                    products.append(op)
+                elif op.op_type in _PROBABILITY_OPS and (op.op_type != "Where" or tensor in op.inputs[1:]):
                     queue.append(op.outputs[0])
-        raise NotAttention(softmax.name, "no MatMul with V after the Softmax")
+        if not products:
+            raise NotAttention(softmax.name, "no MatMul with V after the Softmax")
+        if len(products) > 1:
+            raise NotAttention(
+                products[1].name,
+                f"the Softmax's probabilities weigh {len(products)} products ({products[0].name}, "
+                f"{products[1].name}) where attention weighs one V: tessera does not decode this attention",
+            )
+        return products[0]
 
     def _trace(self, tensor: str, role: str) -> _Trace:
         """Walk back from Q, K or V to the weight projections it is computed from."""

@@ -100,3 +100,28 @@ def test_a_score_transform_it_cannot_reproduce_is_refused_naming_the_node() -> N
 def test_attention_without_a_mask_is_not_causal() -> None:
     with pytest.raises(InputError, match=r"no causal self-attention found .* Softmax softmax"):
         recognize_llm(load_graph(_attention_like("Identity")))
+
+
+def test_probabilities_that_weigh_two_products_are_refused_naming_the_second() -> None:
+    """Differential attention (DiffLlama) weighs two halves of V by one Softmax: no one core a KV
+    cache replaces (its decode step failed inside the mask's GatherND: exit 1)."""
+    from onnx import helper
+
+    model = _attention_like("Identity")
+    model.graph.node.append(helper.make_node("MatMul", ["p", "v"], ["y2"], name="pv_second"))
+    model.graph.node.append(helper.make_node("Sub", ["y", "y2"], ["diff"], name="sub"))
+    model.graph.output[0].name = "diff"
+    with pytest.raises(InputError, match=r"at node pv_second: the Softmax's probabilities weigh 2 products"):
+        recognize_llm(load_graph(model))
+
+
+def test_scores_read_besides_the_softmax_are_refused_naming_the_reader() -> None:
+    """Granite's sliding-window variant scales attention by sigmoid(logsumexp(scores) - sink): the
+    scores feed more than the Softmax a KV cache replaces (its decode step failed: exit 1)."""
+    from onnx import TensorProto, helper
+
+    model = _attention_like("Identity")
+    model.graph.node.append(helper.make_node("ReduceLogSumExp", ["scored"], ["lse"], name="sink_lse"))
+    model.graph.output.append(helper.make_tensor_value_info("lse", TensorProto.FLOAT, [1, 1, 1]))
+    with pytest.raises(InputError, match=r"at node sink_lse: the scores are read by a ReduceLogSumExp"):
+        recognize_llm(load_graph(model))
