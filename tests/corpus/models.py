@@ -193,6 +193,12 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
                             n_shared_experts=1, **_LAYERS),
                     {"experts": 4, "experts_per_token": 2, "shared_ffn": 48, "ffn": 48, "dense_layers": 1,
                      "dense_ffn": 128}),
+    # PhiMoE: its router (sparsemixer) picks 2 of 4 experts by two ArgMaxes, the second over the
+    # scores with the first pick set to -inf; no TopK.
+    "phimoe-argmax": (_family("Phimoe", experts="batched_mm", hidden_size=64, num_attention_heads=4,
+                              num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
+                              num_experts_per_tok=2, **_LAYERS),
+                      {"experts": 4, "experts_per_token": 2}),
     # OPT: learned positions read at an offset of 2, ReLU FFN, tied head.
     "opt-learned": (_family("OPT", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
                             init_std=DECODER_INIT, **_LAYERS),
@@ -395,12 +401,13 @@ def configured(model: str, config: object) -> dict[str, object]:
             "qwen2_moe",
             "exaone4",
             "dots1",
+            "phimoe",
         ),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),
         "rotary": None if rotary is None else {"dim": int(head_dim * rotary), "partial": rotary < 1},
         "norm": "layernorm"
-        if kind in ("gpt2", "phi", "bloom", "falcon", "gpt_neox", "mpt", "opt", "gptj")
+        if kind in ("gpt2", "phi", "bloom", "falcon", "gpt_neox", "mpt", "opt", "gptj", "phimoe")
         else "rmsnorm",
         "parallel_residual": kind == "phi",
         "qkv": "fused" if kind == "gpt2" else "separate",

@@ -133,18 +133,25 @@ class _Layers:
         return routed if shared is None else routed._replace(shared=shared.width)
 
     def routed(self, core: AttentionCore, stop: int) -> Ffn | None:
-        """A mixture of experts: a ``TopK`` over a router's hidden × E scores picks k of E experts,
-        whose weights are E-stacked 3-D tensors (E × F × hidden, E × hidden × F, or E × 2F × hidden
+        """A mixture of experts: a router's hidden × E scores pick k of E experts, by a ``TopK`` of k
+        or by k ``ArgMax``es (PhiMoE's sparsemixer takes the best, masks it, takes the next); the
+        experts' weights are E-stacked 3-D tensors (E × F × hidden, E × hidden × F, or E × 2F × hidden
         with gate and up fused) read by the experts' products."""
         start = min(self.m.position[p] for p in core.projections)
         names = self.g.order[start:stop]
+        picks: dict[tuple[str, int], int] = {}  # (router input, E) -> experts picked per token
         for name in names:
             op = self.g.op(name)
-            k = self.m.array(op.inputs[1]) if op.op_type == "TopK" and len(op.inputs) > 1 else None
-            router = self._router(op.inputs[0], core.hidden) if k is not None and k.size == 1 else None
-            if router is None:
-                continue
-            source, experts = router
+            if op.op_type == "TopK":
+                k = self.m.array(op.inputs[1]) if len(op.inputs) > 1 else None
+                router = self._router(op.inputs[0], core.hidden) if k is not None and k.size == 1 else None
+                if router is not None:
+                    picks[router] = picks.get(router, 0) + int(k.reshape(-1)[0])  # type: ignore[union-attr]
+            elif op.op_type == "ArgMax":
+                router = self._router(op.inputs[0], core.hidden, masked=True)
+                if router is not None:
+                    picks[router] = picks.get(router, 0) + 1
+        for (source, experts), k in picks.items():
             widths = []
             for tensor in dict.fromkeys(t for n in names for t in self.g.op(n).inputs):
                 info = self.g.initializers.get(tensor)
@@ -157,12 +164,13 @@ class _Layers:
             width = min(widths)
             gated = 2 * width in widths or len(widths) >= 3
             parallel = not self._after_attention(source, core)
-            return Ffn(width, gated, parallel, experts, int(k.reshape(-1)[0]))
+            return Ffn(width, gated, parallel, experts, k)
         return None
 
-    def _router(self, scores: str, hidden: int) -> tuple[str, int] | None:
+    def _router(self, scores: str, hidden: int, *, masked: bool = False) -> tuple[str, int] | None:
         """``(input, E)`` of the hidden × E projection behind a TopK's scores (through the softmax
-        or sigmoid, a bias, casts and reshapes)."""
+        or sigmoid, a bias, casts and reshapes); ``masked``: also through the ``Where`` or
+        ``ScatterElements`` that sets the experts already picked to -inf."""
         for _ in range(6):
             op = self.m.producer(scores)
             if op is None:
@@ -170,6 +178,10 @@ class _Layers:
             w = self.m.weight_of(op)
             if w is not None:
                 return (op.inputs[0], w[2]) if w[1] == hidden and w[2] > 1 else None
+            if masked and op.op_type in ("Where", "ScatterElements") and len(op.inputs) == 3:
+                # Where(picked, -inf, scores), ScatterElements(scores, picked, -inf)
+                scores = op.inputs[2 if op.op_type == "Where" else 0]
+                continue
             live = [t for t in op.inputs if t and not self.m.is_constant(t)]
             if (
                 op.op_type not in ("Softmax", "Sigmoid", "Add", "Cast", "Reshape", "Identity")
