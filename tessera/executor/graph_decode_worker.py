@@ -186,7 +186,8 @@ class DecodeWorker:
                 o, lse = o[:, :, None], lse[:, :, None]
             else:
                 q_pos = torch.arange(past, past + q.shape[2], device=q.device)
-                o, lse = attention_partial(q, keys, values, q_pos, positions, scores, heads)
+                sink = self.rank == 0  # one rank's partial holds the sink (scores.sinks), once
+                o, lse = attention_partial(q, keys, values, q_pos, positions, scores, heads, sink=sink)
             # one exchange a layer: each rank's partial with its log-sum-exp as one more column
             parts = torch.stack(self._all_gather(torch.cat([o.float(), lse.float()[..., None]], dim=-1)))
             return merge_partials(parts[..., :-1], parts[..., -1])[0].to(o.dtype)

@@ -44,6 +44,8 @@ def attention_partial(
     k_pos: Tensor,
     scores: ScoreMod,
     heads: slice = slice(None),
+    *,
+    sink: bool = True,
 ) -> tuple[Tensor, Tensor]:
     """Attention of queries ``q`` ``[B, H, S, D]`` at positions ``q_pos`` ``[S]`` over keys and values
     ``[B, Hc, T, D]`` at ``k_pos`` ``[T]`` (``H`` a multiple of ``Hc``: each KV head serves ``H/Hc``
@@ -51,7 +53,9 @@ def attention_partial(
     heads ``q`` holds, for ALiBi's slopes): ``(o [B, H, S, Dv], lse [B, H, S])``, normalized within
     these keys (o = 0, lse = -inf for a query that sees none), mergeable with
     :func:`~tessera.kernels.merge_partials`. Masks and biases use absolute positions, so any shard
-    of the cache attends exactly as the whole would."""
+    of the cache attends exactly as the whole would. A per-head attention sink (``scores.sinks``) is
+    one more key of value 0 at no position: ``sink`` says this partial holds it (exactly one of
+    the partials merged for a query does)."""
     b, h, s_len, d = q.shape
     hc = k.shape[1]
     group = q.float().reshape(b, hc, h // hc * s_len, d)  # a KV head's query heads, row after row
@@ -68,6 +72,8 @@ def attention_partial(
         hidden = hidden | (distance <= -scores.window)
     s = s.masked_fill(hidden, float("-inf"))
     lse = torch.logsumexp(s, dim=-1)
+    if scores.sinks is not None and sink:
+        lse = torch.logaddexp(lse, _slopes(scores.sinks, s.device)[heads][:, None].expand_as(lse))
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
     p = torch.exp(s - safe[..., None]).reshape(b, hc, h // hc * s_len, t_len)
     return (p @ v.float()).reshape(b, h, s_len, v.shape[-1]), lse
@@ -75,7 +81,8 @@ def attention_partial(
 
 @functools.cache
 def _slopes(alibi: tuple[float, ...], device: torch.device) -> Tensor:
-    """ALiBi's slopes on ``device``, made once (a captured step may not copy from the host)."""
+    """Per-head values (ALiBi's slopes, sink logits) on ``device``, made once (a captured step may
+    not copy from the host)."""
     return torch.tensor(alibi, dtype=torch.float32, device=device)
 
 

@@ -199,6 +199,14 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
                               num_key_value_heads=2, intermediate_size=96, num_local_experts=4,
                               num_experts_per_tok=2, **_LAYERS),
                       {"experts": 4, "experts_per_token": 2}),
+    # GPT-OSS: a per-head attention sink (one more logit joined to the scores, its column dropped
+    # after the Softmax), a window on alternate layers, rotary tables of half the head, 4 experts.
+    "gptoss-sinks": (_family("GptOss", experts="batched_mm", hidden_size=64, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=16, intermediate_size=96, num_local_experts=4,
+                             num_experts_per_tok=2, sliding_window=4,
+                             layer_types=["sliding_attention", "full_attention"], **_LAYERS),
+                     {"experts": 4, "experts_per_token": 2, "layer_sinks": [True, True],
+                      "layer_windows": [4, None], "window": None}),
     # OPT: learned positions read at an offset of 2, ReLU FFN, tied head.
     "opt-learned": (_family("OPT", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
                             init_std=DECODER_INIT, **_LAYERS),
@@ -402,6 +410,7 @@ def configured(model: str, config: object) -> dict[str, object]:
             "exaone4",
             "dots1",
             "phimoe",
+            "gpt_oss",
         ),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),
@@ -420,5 +429,6 @@ def configured(model: str, config: object) -> dict[str, object]:
         "shared_ffn": 0,
         "dense_layers": 0,
         "dense_ffn": 0,
+        "layer_sinks": [False] * config.num_hidden_layers,
     }
     return {**want, **FAMILIES.get(model, (None, {}))[1]}

@@ -33,20 +33,26 @@ def gpt(tmp_path: Path) -> Path:
         ScoreMod(0.3, True, window=5),
         ScoreMod(0.3, True, softcap=2.0, alibi=SLOPES),
         ScoreMod(0.3, True, window=3, alibi=SLOPES),
+        ScoreMod(0.3, True, window=4, sinks=(0.5, -1.0, 2.0, 0.0)),
     ],
-    ids=["causal", "window", "softcap-alibi", "window-alibi"],
+    ids=["causal", "window", "softcap-alibi", "window-alibi", "window-sinks"],
 )
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 def test_attention_over_cache_shards_merges_to_the_whole_cache(mod: ScoreMod, kv_heads: int) -> None:
     """Masks and biases by absolute position, grouped KV heads read once: any split of the positions
-    merges exactly to full softmax attention with the modification applied to every (i, j)."""
+    merges exactly to full softmax attention with the modification applied to every (i, j); a
+    per-head sink (one more logit, of value 0) held by one shard, as GPT-OSS's softmax over the
+    scores joined with it."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(2, 4, 3, 8, generator=g)
     k, v = (torch.randn(2, kv_heads, 12, 8, generator=g) for _ in range(2))
     q_pos, k_pos = torch.arange(9, 12), torch.arange(12)
     whole, whole_lse = attention_partial(q, k, v, q_pos, k_pos, mod)
     shards = [torch.tensor([0, 1, 2, 7, 8]), torch.tensor([3, 4, 5, 6, 9, 10, 11])]
-    parts = [attention_partial(q, k[:, :, s], v[:, :, s], q_pos, k_pos[s], mod) for s in shards]
+    parts = [
+        attention_partial(q, k[:, :, s], v[:, :, s], q_pos, k_pos[s], mod, sink=i == 0)
+        for i, s in enumerate(shards)
+    ]
     o, lse = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
     torch.testing.assert_close(o, whole, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse, whole_lse, rtol=1e-5, atol=1e-6)
@@ -58,7 +64,12 @@ def test_attention_over_cache_shards_merges_to_the_whole_cache(mod: ScoreMod, kv
     if mod.alibi:
         s = s + torch.tensor(mod.alibi)[:, None, None] * dist
     hidden = (dist > 0) | ((dist <= -mod.window) if mod.window else torch.zeros_like(dist, dtype=torch.bool))
-    want = torch.softmax(s.masked_fill(hidden, float("-inf")), dim=-1) @ vr
+    s = s.masked_fill(hidden, float("-inf"))
+    if mod.sinks:  # softmax over [s, sink], the sink's column dropped
+        sink = torch.tensor(mod.sinks)[None, :, None, None].expand(*s.shape[:-1], 1)
+        want = torch.softmax(torch.cat([s, sink], dim=-1), dim=-1)[..., :-1] @ vr
+    else:
+        want = torch.softmax(s, dim=-1) @ vr
     torch.testing.assert_close(whole, want, rtol=1e-5, atol=1e-6)
 
 

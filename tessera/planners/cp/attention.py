@@ -9,6 +9,7 @@ walk stopped. Matching rules: docs/cp.md.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,6 +25,7 @@ from tessera.planners.cp.scores import (
     bound_batch,
     constant_value,
 )
+from tessera.planners.cp.softmax_input import softmax_scores
 
 __all__ = ["AttentionCore", "Matcher", "NotAttention"]
 
@@ -52,6 +54,7 @@ class NotAttention(Exception):
     def __init__(self, node: str, why: str) -> None:
         super().__init__(f"at {node}: {why}")
         self.node, self.why = node, why
+        self.softmax: str | None = None  # the Softmax whose scores a product of two activations makes
 
 
 @dataclass(frozen=True)
@@ -158,6 +161,8 @@ class Matcher:
                 elif op.op_type == "Attention" and op.domain in ("", "ai.onnx"):
                     found.append(self.op_core(op))
             except NotAttention as why:
+                if op.op_type == "Softmax" and self.reaches_scores(op.inputs[0], None):
+                    why.softmax = op.name  # attention, by what it computes: not to be left as it is
                 failed.append(why)
         return found, failed
 
@@ -242,15 +247,19 @@ class Matcher:
 
     def core(self, softmax: OpNode) -> AttentionCore:
         qk = self._scores(softmax)
-        for name in self.g.consumers.get(softmax.inputs[0], ()):
+        normalized = softmax_scores(self.g, softmax.name)
+        for name in self.g.consumers.get(normalized.scores, ()):
             reader = self.g.op(name)
-            if reader.name != softmax.name and reader.op_type not in ("Shape", "Size"):
+            if reader.name not in (softmax.name, *normalized.between) and reader.op_type not in (
+                "Shape",
+                "Size",
+            ):
                 raise NotAttention(
                     reader.name,
                     f"the scores are read by a {reader.op_type} besides the Softmax (an attention sink's "
                     "log-sum-exp, a second normalization): tessera does not decode this attention",
                 )
-        av = self._probabilities(softmax)
+        av = self._probabilities(softmax, sink=normalized.sink is not None)
         q = self._trace(qk.inputs[0], "Q")
         k = self._trace(qk.inputs[1], "K")
         v = self._trace(av.inputs[1], "V")
@@ -261,6 +270,8 @@ class Matcher:
         out = self._out_projection(av.outputs[0])
         rotary = q.rotary_dims | k.rotary_dims
         scores, error = self._evaluate(qk, softmax)
+        if scores is not None and normalized.sink is not None:
+            scores = dataclasses.replace(scores, sinks=self._sink_logits(normalized.sink, heads))
         return AttentionCore(
             softmax=softmax.name,
             qk_matmul=qk.name,
@@ -284,7 +295,7 @@ class Matcher:
         """The Q·Kᵀ MatMul before ``softmax``: the one MatMul of two activations that the Softmax's
         input is computed from within a few ops, whatever those ops are (what they compute is
         evaluated: :meth:`_evaluate`)."""
-        tensor = softmax.inputs[0]
+        tensor = softmax_scores(self.g, softmax.name)[0]
         for _ in range(_SCORE_DEPTH):
             op = self.producer(tensor)
             if op is None:
@@ -329,9 +340,10 @@ class Matcher:
         except ScoreError as why:
             return None, (why.node, why.why)
 
-    def _probabilities(self, softmax: OpNode) -> OpNode:
-        """The MatMul that weighs V by ``softmax``'s output (through casts and the NaN guard); the only
-        one: probabilities that weigh two products (DiffLlama's two halves of V) are not one core."""
+    def _probabilities(self, softmax: OpNode, *, sink: bool = False) -> OpNode:
+        """The MatMul that weighs V by ``softmax``'s output (through casts and the NaN guard, and,
+        after a ``sink`` column, the ``Slice`` that drops it); the only one: probabilities that weigh
+        two products (DiffLlama's two halves of V) are not one core."""
         queue, products = deque([softmax.outputs[0]]), []
         for _ in range(16):
             if not queue:
@@ -343,6 +355,8 @@ class Matcher:
                     products.append(op)
                 elif op.op_type in _PROBABILITY_OPS and (op.op_type != "Where" or tensor in op.inputs[1:]):
                     queue.append(op.outputs[0])
+                elif sink and op.op_type == "Slice" and self._drops_last_column(op):
+                    queue.append(op.outputs[0])
         if not products:
             raise NotAttention(softmax.name, "no MatMul with V after the Softmax")
         if len(products) > 1:
@@ -352,6 +366,50 @@ class Matcher:
                 f"{products[1].name}) where attention weighs one V: tessera does not decode this attention",
             )
         return products[0]
+
+    def _drops_last_column(self, op: OpNode) -> bool:
+        """Whether ``op`` (a Slice) keeps all but the last column of the last axis (``p[..., :-1]``)."""
+        values = [None if len(op.inputs) <= i or not op.inputs[i] else constant_value(self.g, op.inputs[i])
+                  for i in (1, 2, 3, 4)]  # fmt: skip
+        starts, ends, axes, steps = (
+            None if v is None else [int(x) for x in np.asarray(v).reshape(-1)] for v in values
+        )
+        rank = len(self.shape(op.inputs[0]) or ())
+        return (
+            starts == [0]
+            and ends == [-1]
+            and axes is not None
+            and axes[0] in (-1, rank - 1)
+            and steps in (None, [1])
+        )
+
+    def _sink_logits(self, tensor: str, heads: int) -> tuple[float, ...]:
+        """Each head's sink logit: the constant a sink column broadcasts (through reshapes, expands
+        and casts), one per head or one for all."""
+        at = tensor
+        for _ in range(8):
+            value = constant_value(self.g, at)
+            if value is not None:
+                flat = np.asarray(value, dtype=np.float64).reshape(-1)
+                if flat.size in (1, heads):
+                    return tuple(float(x) for x in np.broadcast_to(flat, (heads,)))
+                break
+            op = self.producer(at)
+            if op is None or op.op_type not in (
+                "Expand",
+                "Reshape",
+                "Cast",
+                "Unsqueeze",
+                "Squeeze",
+                "Identity",
+            ):
+                break
+            at = op.inputs[0]
+        node = self.producer(tensor)
+        raise NotAttention(
+            tensor if node is None else node.name,
+            f"the column joined after the scores is no constant per head ({heads} heads): not an attention sink",
+        )
 
     def _trace(self, tensor: str, role: str) -> _Trace:
         """Walk back from Q, K or V to the weight projections it is computed from."""
@@ -403,7 +461,14 @@ class Matcher:
     def _rotated_width(self, concat: OpNode) -> int:
         """The channels a rotation turns when ``concat`` joins a negated half with the other:
         ``[-x2, x1]`` (rotate_half: its width), or ``stack((-x2, x1), -1)`` (rotate-every-two, GPT-J:
-        the stacked pairs, flattened after it). 0 when it is no rotation."""
+        the stacked pairs, flattened after it), or the two rotated halves themselves,
+        ``[x1·cos − x2·sin, x2·cos + x1·sin]`` (GPT-OSS: tables of half the width). 0 when it is no
+        rotation."""
+        made = [self.producer(x) for x in concat.inputs]
+        if len(made) == 2 and all(made) and {p.op_type for p in made} == {"Sub", "Add"}:  # type: ignore[union-attr]
+            products = [self.producer(t) for p in made for t in p.inputs]  # type: ignore[union-attr]
+            if all(q is not None and q.op_type == "Mul" for q in products):
+                return self._last_dim(concat.outputs[0])
         for x in concat.inputs:
             p = self.producer(x)
             if p is not None and p.op_type == "Neg":

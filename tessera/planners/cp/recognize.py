@@ -18,6 +18,7 @@ from tessera.core.errors import InputError
 from tessera.core.graph import Graph, OpNode
 from tessera.planners.cp.attention import AttentionCore, Matcher
 from tessera.planners.cp.llm import LlmConfig
+from tessera.planners.cp.recognize_checks import check_causal, check_cores, fixed_length
 from tessera.planners.cp.scores import ScoreMod
 
 # Ops whose output carries only a shape: a dynamic export's Reshape reads its shape off any tensor.
@@ -80,6 +81,7 @@ class Decoder:
             "layer_rotary": [core.rotary_dim is not None for core in self.cores],
             "softcap": _shown(self.scores[0].softcap) if self.scores else None,
             "alibi": self.scores[0].alibi is not None if self.scores else False,
+            "layer_sinks": [mod.sinks is not None for mod in self.scores],
         }  # fmt: skip
 
     @property
@@ -196,10 +198,32 @@ class _Layers:
         (E × F, or E × 2F with gate and up fused) and a down one (F × E)."""
         own = {*core.projections, core.out_projection}
         start = min(self.m.position[p] for p in core.projections)
-        hidden = core.hidden
+        found = self._pairs(self.g.order[start:stop], own, core.hidden)
+        if found is None:
+            return None
+        ffn, readers, fused = found
+        # SwiGLU: gate and up read one tensor, or are one product
+        gated = fused or any(readers.count(t) >= 2 for t in readers)
+        parallel = not all(self._after_attention(t, core) for t in readers)  # (the LM head may be one)
+        return Ffn(ffn, gated, parallel)
+
+    def before_attention(self, core: AttentionCore) -> str | None:
+        """The down projection of a feed-forward block before ``core`` (the first attention): a layer
+        with no attention (a recurrence, linear attention, a convolution) precedes it."""
+        start = min(self.m.position[p] for p in core.projections)
+        found = self._pairs(self.g.order[:start], set(), core.hidden, down=True)
+        return None if found is None else found[1][0]
+
+    def _pairs(
+        self, names: list[str], own: set, hidden: int, *, down: bool = False
+    ) -> tuple[int, list[str], bool] | None:
+        """The widest up (E×F, or E×2F fused) then down (F×E) pair among ``names``: F, the tensors the
+        up projections read (``down``: the down projection's name instead), and whether gate and up
+        are one product."""
         ups: dict[int, list[str]] = {}  # F -> the tensors E×F projections read (so far)
         found: dict[int, int] = {}  # F of a down projection after its up -> the up's width (F or 2F)
-        for name in self.g.order[start:stop]:
+        downs: dict[int, str] = {}
+        for name in names:
             op = self.g.op(name)
             w = self.m.weight_of(op)
             if w is None or name in own:
@@ -210,16 +234,14 @@ class _Layers:
                     found[rows] = rows
                 elif 2 * rows in ups:  # gate and up fused in one E×2F product, split in halves (Phi-3)
                     found[rows] = 2 * rows
+                if rows in found:
+                    downs[rows] = name
             if rows == hidden:
                 ups.setdefault(cols, []).append(op.inputs[0])
         if not found:
             return None
         ffn = max(found)
-        readers = ups[found[ffn]]
-        # SwiGLU: gate and up read one tensor, or are one product
-        gated = found[ffn] == 2 * ffn or any(readers.count(t) >= 2 for t in readers)
-        parallel = not all(self._after_attention(t, core) for t in readers)  # (the LM head may be one)
-        return Ffn(ffn, gated, parallel)
+        return ffn, [downs[ffn]] if down else ups[found[ffn]], found[ffn] == 2 * ffn
 
     def _after_attention(self, tensor: str, core: AttentionCore) -> bool:
         """Whether ``tensor`` is computed from ``core``'s output projection: a sequential block. Not
@@ -397,8 +419,15 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     m = Matcher(graph)
     layers = _Layers(m)
     cores, failed = m.cores()
-    _check_cores(graph, cores, failed)
-    _check_causal(graph, m, cores)
+    check_cores(graph, cores, failed)
+    check_causal(graph, m, cores)
+    if (before := layers.before_attention(cores[0])) is not None:
+        raise InputError(
+            f"not a decoder-only transformer tessera decodes: a feed-forward block (its node {before}) "
+            f"comes before the first attention ({cores[0].softmax}): a layer without attention (a "
+            "recurrence, linear attention, a convolution) carries the sequence there",
+            source=graph.source,
+        )
     ffns: list[Ffn] = []
     for i, core in enumerate(cores):
         stop = (
@@ -425,10 +454,11 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         sizes = (core.hidden, core.heads, core.kv_heads, core.head_dim, core.rotary_dim or rotary, *ffn)
         want = (first.hidden, first.heads, first.kv_heads, first.head_dim, rotary, *kind)
         if sizes != want:
+            other = ffns.index(kind)  # the first layer of this FFN's kind; attention compares with layer 0
             raise InputError(
                 f"layers differ in size: layer {i} ({core.softmax}) has hidden, heads, kv_heads, head_dim, "
                 f"rotary dim, ffn, gated, parallel, experts, experts per token, shared FFN = {sizes}, "
-                f"layer {ffns.index(kind)} has {want}",
+                f"layer 0{f' (the FFN: layer {other})' if other else ''} has {want}",
                 source=graph.source,
             )
     if dense and (dense[0].gated, dense[0].parallel) != (experts.gated, experts.parallel):
@@ -475,104 +505,6 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
         norm=layers.norm(first),
         parallel_residual=experts.parallel,
         qkv="fused" if len(first.projections) == 1 else "separate",
-        fixed_length=_fixed_length(graph, m),
+        fixed_length=fixed_length(graph, m),
         position_constant=layers.added_positions(first.hidden),
     )
-
-
-def _check_causal(graph: Graph, m: Matcher, cores: list[AttentionCore]) -> None:
-    """Confirm on the whole graph what the cores' scores say: a later token must not move an
-    earlier position's outputs. Skipped where the graph does not run here (lazy or large weights)."""
-    if m.run is None:
-        return
-    tokens = m.probe_tokens(m.run.batch, m.run.length())
-    changed = tokens.copy()
-    changed[:, -1] = tokens[:, 0] if tokens[0, -1] != tokens[0, 0] else tokens[:, 1]
-    name = next(iter(graph.outputs))
-    try:
-        a, b = m.run.run(tokens)[name], m.run.run(changed)[name]
-    except Exception:  # noqa: BLE001 - the probe could not run: the evaluation's verdict stands
-        return
-    if a.ndim < 2 or a.shape[:2] != tokens.shape:
-        return
-    early_a, early_b = a[:, :-1].astype(np.float64), b[:, :-1].astype(np.float64)
-    moved = float(np.max(np.abs(early_a - early_b)))
-    if moved > 1e-4 * (1.0 + float(np.max(np.abs(early_a)))):
-        raise InputError(
-            f"not a causal decoder: changing the last token moves the earlier positions' {name!r} by "
-            f"{moved:.3g}, though attention {cores[0].softmax}'s scores were evaluated as causal "
-            "(something besides attention mixes positions)",
-            source=graph.source,
-        )
-
-
-def _fixed_length(graph: Graph, m: Matcher) -> int | None:
-    """The declared sequence length when the graph cannot follow another: the token input's axis 1
-    is a number and no ``Range``/``CumSum`` counts positions from a ``Shape`` (exporters bake the
-    positions of a fixed length into constants; tessera's zoo GPT computes them from the input)."""
-    token = next((n for n, info in graph.inputs.items() if info.dtype.startswith("int")), None)
-    declared = graph.declared_shapes.get(token) if token is not None else None
-    if not declared or len(declared) != 2 or not isinstance(declared[1], int):
-        return None
-    counters = [op for op in graph.ops() if op.op_type in ("Range", "CumSum")]
-    return None if any(_from_shape(m, op) for op in counters) else declared[1]
-
-
-def _from_shape(m: Matcher, op: OpNode) -> bool:
-    """Whether ``op``'s inputs are computed (within a few ops) from a ``Shape``."""
-    stack, seen = [(t, 0) for t in op.inputs if t], set()
-    while stack:
-        tensor, depth = stack.pop()
-        producer = m.producer(tensor)
-        if producer is None or depth > 8 or tensor in seen:
-            continue
-        seen.add(tensor)
-        if producer.op_type == "Shape":
-            return True
-        stack += [(t, depth + 1) for t in producer.inputs if t]
-    return False
-
-
-def _check_cores(graph: Graph, cores: list[AttentionCore], failed: list) -> None:
-    """Refuse a graph whose attention cores are not causal self-attention, naming the first fault."""
-    label = graph.source
-    if not cores:
-        if not failed:
-            raise InputError(
-                "not a decoder-only transformer: no self-attention found (no Softmax)", source=label
-            )
-        first = failed[0]
-        raise InputError(
-            f"not a decoder-only transformer: no self-attention found ({len(failed)} Softmax op(s); "
-            f"the first fails at node {first.node}: {first.why})",
-            source=label,
-        )
-    unknown = [c for c in cores if c.score_error is not None]
-    if unknown:
-        node, why = unknown[0].score_error  # type: ignore[misc]
-        raise InputError(
-            f"cannot decode attention {unknown[0].softmax} exactly: what the graph does to its scores "
-            f"is not reproduced, at node {node}: {why}",
-            source=label,
-        )
-    non_causal = [c for c in cores if not c.causal]
-    if len(non_causal) == len(cores):
-        raise InputError(
-            f"not a decoder-only transformer: no causal self-attention found ({len(cores)} attention "
-            f"block(s), none masks later positions before its Softmax {cores[0].softmax}, evaluated at "
-            f"several lengths; an encoder such as BERT?)",
-            source=label,
-        )
-    if non_causal:
-        raise InputError(
-            f"not a decoder-only transformer: {len(non_causal)} of {len(cores)} attention blocks have no "
-            f"causal mask (first: {non_causal[0].softmax}; an encoder-decoder?)",
-            source=label,
-        )
-    cross = [c for c in cores if not c.self_attention]
-    if cross:
-        raise InputError(
-            f"not a decoder-only transformer: attention {cross[0].softmax} takes Q and K/V from different "
-            "tensors (cross-attention)",
-            source=label,
-        )

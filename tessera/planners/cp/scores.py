@@ -25,6 +25,7 @@ from tessera.backends.model_run import ModelRun
 from tessera.core.cache_inputs import input_role
 from tessera.core.graph import Graph
 from tessera.core.weights import is_lazy_tensor, lazy_values
+from tessera.planners.cp.softmax_input import constant_value, softmax_scores
 
 __all__ = [
     "GraphRun", "OpScoreProbe", "ScoreError", "ScoreMod", "ScoreProbe", "bound_batch", "constant_value",
@@ -38,10 +39,6 @@ _LARGE = 1e5  # a raw score a soft-cap saturates at; less where the scores' dtyp
 _MASKED = -1e4  # a score at or below this after the path is masked (exporters use -inf, finfo.min, -1e9)
 _MAX_PROBE_ELEMENTS = 1 << 25  # scores of one probe run: 128 MiB of fp32
 _MAX_WINDOW = 1 << 20
-_AFFINE = frozenset(
-    {"Add", "Sub", "Mul", "Div", "Where", "Cast", "CastLike", "Identity", "Reshape", "Expand", "Squeeze",
-     "Unsqueeze", "Transpose", "Shape", "Neg"}
-)  # fmt: skip
 _AFFINE = frozenset(
     {"Add", "Sub", "Mul", "Div", "Where", "Cast", "CastLike", "Identity", "Reshape", "Expand", "Squeeze",
      "Unsqueeze", "Transpose", "Shape", "Neg"}
@@ -61,11 +58,18 @@ class ScoreMod:
     window: int | None = None  # a query sees the ``window`` most recent positions, itself included
     alibi: tuple[float, ...] | None = None  # per-head slopes of the linear position bias
     max_length: int | None = None  # the score path does not run past this many positions
+    sinks: tuple[float, ...] | None = None  # per-head logits of a sink: one more key, of value 0
 
     @property
     def plain(self) -> bool:
         """Causal attention with a scale alone: what every decode-attention kernel computes."""
-        return self.causal and self.softcap is None and self.window is None and self.alibi is None
+        return (
+            self.causal
+            and self.softcap is None
+            and self.window is None
+            and self.alibi is None
+            and self.sinks is None
+        )
 
 
 class ScoreError(Exception):
@@ -174,7 +178,7 @@ class ScoreProbe:
     def __init__(self, graph: Graph, qk: str, softmax: str) -> None:
         self.g, self.qk, self.softmax = graph, qk, softmax
         self.raw = graph.op(qk).outputs[0]
-        self.target = graph.op(softmax).inputs[0]
+        self.target = softmax_scores(graph, softmax).scores  # (a shift by the maximum changes nothing)
         self.nodes, self.inputs = self._subgraph()
         shape = graph.tensors.get(self.raw)
         if shape is None or shape.shape is None or not all(isinstance(d, int) for d in shape.shape):
@@ -462,29 +466,6 @@ class ScoreProbe:
                 if value.is_integer() and longest - 1 <= abs(value) <= _MAX_WINDOW:
                     values.add(int(abs(value)))
         return sorted(values)
-
-
-def constant_value(graph: Graph, tensor: str) -> np.ndarray | None:
-    """The value of an initializer or a ``Constant`` node's output; None when not constant, or kept
-    outside the model (lazy or external data: not read here)."""
-    if tensor in graph.initializer_protos:
-        proto = graph.initializer_protos[tensor]
-        return None if proto.data_location == onnx.TensorProto.EXTERNAL else _to_array(proto)
-    node = graph.producer.get(tensor)
-    if node is None or graph.op(node).op_type != "Constant":
-        return None
-    return _to_array(graph.op(node).attributes.get("value"))
-
-
-def _to_array(value: object) -> np.ndarray | None:
-    if value is None or isinstance(value, np.ndarray):
-        return value
-    if isinstance(value, list | int | float | bool):  # a Constant's value as the graph keeps it
-        return np.asarray(value)
-    try:
-        return numpy_helper.to_array(value)  # type: ignore[arg-type]
-    except Exception:  # noqa: BLE001 - not a tensor we can read
-        return None
 
 
 def _close_slopes(slopes: Sequence[tuple[float, ...] | None] | set) -> bool:

@@ -125,3 +125,61 @@ def test_scores_read_besides_the_softmax_are_refused_naming_the_reader() -> None
     model.graph.output.append(helper.make_tensor_value_info("lse", TensorProto.FLOAT, [1, 1, 1]))
     with pytest.raises(InputError, match=r"at node sink_lse: the scores are read by a ReduceLogSumExp"):
         recognize_llm(load_graph(model))
+
+
+def test_scores_shifted_by_their_maximum_are_the_same_attention() -> None:
+    """``s - max(s)`` before the Softmax (numerically careful attention, MiMo's) changes no
+    probability: the zoo GPT so written is recognized as the plain one and decodes what its whole
+    graph computes (the step check)."""
+    from onnx import helper
+
+    from tessera.executor.graph_decode_worker import graph_decoder
+
+    plain = build("gpt", "tiny", seed=3, kv_heads=2, seq=96)
+    model = onnx.ModelProto.FromString(plain.SerializeToString())
+    for at in [i for i, node in enumerate(model.graph.node) if node.op_type == "Softmax"][::-1]:
+        softmax = model.graph.node[at]
+        scores, name = softmax.input[0], softmax.name
+        model.graph.node.insert(
+            at, helper.make_node("Sub", [scores, f"{name}/max"], [f"{name}/shifted"], name=f"{name}/sub")
+        )
+        model.graph.node.insert(
+            at,
+            helper.make_node(
+                "ReduceMax", [scores], [f"{name}/max"], axes=[-1], keepdims=1, name=f"{name}/max"
+            ),
+        )
+        softmax.input[0] = f"{name}/shifted"
+    want = recognize_llm(load_graph(plain)).to_json()
+    assert {k: v for k, v in recognize_llm(load_graph(model)).to_json().items() if k != "name"} == {
+        k: v for k, v in want.items() if k != "name"
+    }
+    graph_decoder(model)  # NotStepwise, naming the node, were the step to part from the graph
+
+
+def test_a_block_before_the_first_attention_is_refused_naming_its_projection() -> None:
+    """A hybrid's first layer without attention (Qwen3.5's and OLMo-hybrid's linear attention: in and
+    out projections, then an FFN) was recognized as a decoder of fewer layers; plan's step check
+    refused it, but `inspect` reported the wrong count."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    model = build("gpt", "tiny", seed=3, kv_heads=2, seq=96)
+    graph, source, rng = model.graph, "embed/position/add", np.random.default_rng(0)
+    for name, shape in (("mix/up_w", (32, 64)), ("mix/down_w", (64, 32))):
+        graph.initializer.append(numpy_helper.from_array(rng.normal(0, 0.1, shape).astype(np.float32), name))
+    nodes = [
+        helper.make_node("MatMul", [source, "mix/up_w"], ["mix/up"], name="mix/up"),
+        helper.make_node("Relu", ["mix/up"], ["mix/act"], name="mix/act"),
+        helper.make_node("MatMul", ["mix/act", "mix/down_w"], ["mix/down"], name="mix/down"),
+        helper.make_node("Add", [source, "mix/down"], ["mix/sum"], name="mix/add"),
+    ]
+    at = next(i for i, node in enumerate(graph.node) if node.name == source) + 1
+    for node in graph.node[at:]:
+        node.input[:] = ["mix/sum" if name == source else name for name in node.input]
+    for offset, node in enumerate(nodes):
+        graph.node.insert(at + offset, node)
+    with pytest.raises(
+        InputError, match=r"a feed-forward block \(its node mix/down\) comes before the first"
+    ):
+        recognize_llm(load_graph(model))
