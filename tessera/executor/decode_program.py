@@ -168,6 +168,9 @@ class StepProgram:
                     a, b, v = (*held.pop(layer), args[1]) if layer in held else args[:3]
                     env[s.outputs[0]] = torch.ops.tessera.attend_core(a, b, v, handle, layer)
                     continue
+                if s.name in d.passed:  # a sink's scaling: attend applied the sink
+                    env[s.outputs[0]] = args[d.passed[s.name]]  # type: ignore[assignment]
+                    continue
                 if s.name in counts:  # positions counted from shapes: offset by the tokens cached
                     results = [counts[s.name]]
                 else:
@@ -246,6 +249,9 @@ def _fold(
             a, b, v = (*held.pop(layer), args[1]) if layer in held else (args[0], args[1], args[2])
             out = d.core_output(layer, a, b, v, self_attention, past, batch)  # type: ignore[arg-type]
             results = [out]
+            static[s.name] = False
+        elif s.name in d.passed:  # a sink's scaling: attend applied the sink
+            results = [args[d.passed[s.name]]]
             static[s.name] = False
         else:
             result = s.fn(args, s.attrs)

@@ -38,6 +38,7 @@ class _Core:
     qk: str  # the Q·Kᵀ MatMul: its inputs are Q [B, H, S, D] and Kᵀ [B, H, D, S]
     av: str  # the ·V MatMul: its output is replaced
     scores: ScoreMod  # what the graph does to Q·Kᵀ before the Softmax (evaluated at recognition)
+    sink_scale: tuple[str, int] | None = None  # a Mul by sigmoid(lse − sink): passes that input on
 
 
 class GraphDecoder:
@@ -67,9 +68,12 @@ class GraphDecoder:
             if core.qk_matmul == core.av_matmul
         }
         self.cores = [
-            _Core(core.qk_matmul, core.av_matmul, mod)
+            _Core(core.qk_matmul, core.av_matmul, mod, core.sink_scale)
             for core, mod in zip(decoder.cores, decoder.scores, strict=True)
         ]
+        # a sink's scaling Mul -> its input that is the attention's output, passed on (the sink is in
+        # the attention: ScoreMod.sinks)
+        self.passed = dict(core.sink_scale for core in self.cores if core.sink_scale is not None)
         self.needed = _needed(graph, decoder, self.logits_output)
         self.programs: dict[tuple[int, int], Any] = {}  # (batch, new tokens) -> its StepProgram
         gathers = {  # positions index some (a learned table, a rotary cache, GPT-J's sin/cos rows)
@@ -133,6 +137,8 @@ class GraphDecoder:
             held: dict[str, Tensor] = {}
             hooks[core.qk] = _keep(held)
             hooks[core.av] = _av_hook(self, layer, held, attend, past, batch)
+        for mul, kept in self.passed.items():  # attend applied the sink: the output passes on
+            hooks[mul] = lambda args, outs, kept=kept: (args[kept],)
         if observe is not None:
             hooks = {name: _observed(name, hooks.get(name), observe) for name in self.needed}
         out = self.module.run(
@@ -249,6 +255,7 @@ def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:
     """The nodes the logits need once each core's output is attention over Q, K and V: the masks,
     scores and Softmaxes of the graph's own attention are not run (nor the positions they index)."""
     replaced = {core.av_matmul: core.qk_matmul for core in decoder.cores}
+    scaled = dict(core.sink_scale for core in decoder.cores if core.sink_scale is not None)
     needed: set[str] = set()
     stack = [output]
     while stack:
@@ -262,6 +269,8 @@ def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:
         elif node in replaced:  # ·V: V, and the Q·Kᵀ MatMul that hands Q and Kᵀ to the hook
             needed.add(replaced[node])
             inputs = (inputs[1], *graph.op(replaced[node]).inputs)
+        elif node in scaled:  # a sink's scaling: the attention's output alone
+            inputs = (inputs[scaled[node]],)
         stack.extend(t for t in inputs if t)
     return frozenset(needed)
 

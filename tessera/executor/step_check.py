@@ -49,8 +49,12 @@ def check_stepwise(decoder: GraphDecoder) -> None:
     step: dict[str, Tensor] = {}
     order: list[str] = []
 
+    # A core whose sink the graph applies after it (o·sigmoid(lse − sink)) hands on what the graph's
+    # scaling Mul computes: compared there, not at the core.
+    scaled = {core.av for core in decoder.cores if core.sink_scale is not None}
+
     def keep(node: str, outs: Sequence[Tensor]) -> None:
-        if outs and outs[0] is not None and outs[0].is_floating_point():
+        if outs and outs[0] is not None and outs[0].is_floating_point() and node not in scaled:
             step[node] = outs[0]
             order.append(node)
 

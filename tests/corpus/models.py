@@ -110,6 +110,22 @@ def _rescaled(model: nn.Module, std: float) -> nn.Module:
     return model
 
 
+def _sinks_drawn(build: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    """``build``'s model with its attention sinks' logits drawn at std 1 (seeded; transformers starts
+    them at zero, where every head's would be the same)."""
+
+    def drawn() -> nn.Module:
+        model = build()
+        generator = torch.Generator().manual_seed(2)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("sinks"):
+                    p.copy_(torch.randn(p.shape, generator=generator))
+        return model
+
+    return drawn
+
+
 def _family(
     name: str,
     rescale: float | None = None,
@@ -207,6 +223,12 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
                              layer_types=["sliding_attention", "full_attention"], **_LAYERS),
                      {"experts": 4, "experts_per_token": 2, "layer_sinks": [True, True],
                       "layer_windows": [4, None], "window": None}),
+    # Granite's sliding-window variant: each head's sink applied after the attention, as
+    # o·sigmoid(logsumexp(scores) − sink); a window on the second layer.
+    "graniteswa-sinks": (_sinks_drawn(_family("GraniteSWA", hidden_size=64, num_attention_heads=4,
+                                              num_key_value_heads=2, intermediate_size=128, sliding_window=4,
+                                              layer_types=["full_attention", "sliding_attention"], **_LAYERS)),
+                         {"layer_sinks": [True, True], "layer_windows": [None, 4], "window": None}),
     # OPT: learned positions read at an offset of 2, ReLU FFN, tied head.
     "opt-learned": (_family("OPT", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
                             init_std=DECODER_INIT, **_LAYERS),
@@ -411,6 +433,7 @@ def configured(model: str, config: object) -> dict[str, object]:
             "dots1",
             "phimoe",
             "gpt_oss",
+            "granite_swa",
         ),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),

@@ -25,7 +25,7 @@ from tessera.planners.cp.scores import (
     bound_batch,
     constant_value,
 )
-from tessera.planners.cp.softmax_input import softmax_scores
+from tessera.planners.cp.softmax_input import LseSink, lse_sink, softmax_scores
 
 __all__ = ["AttentionCore", "Matcher", "NotAttention"]
 
@@ -77,6 +77,9 @@ class AttentionCore:
     self_attention: bool
     rotary_dim: int | None  # channels of each head the rotary embedding turns; None: no rotary
     dtype: str
+    # the Mul scaling the output by sigmoid(logsumexp(s) − sink), and which input is the output: the
+    # sink is then in the attention (scores.sinks), and the Mul passes that input on
+    sink_scale: tuple[str, int] | None = None
 
     @property
     def causal(self) -> bool:
@@ -248,18 +251,23 @@ class Matcher:
     def core(self, softmax: OpNode) -> AttentionCore:
         qk = self._scores(softmax)
         normalized = softmax_scores(self.g, softmax.name)
+        av = self._probabilities(softmax, sink=normalized.sink is not None)
+        after: LseSink | None = None  # a sink applied to the output: o·sigmoid(logsumexp(s) − sink)
         for name in self.g.consumers.get(normalized.scores, ()):
             reader = self.g.op(name)
-            if reader.name not in (softmax.name, *normalized.between) and reader.op_type not in (
-                "Shape",
-                "Size",
+            if reader.name in (softmax.name, *normalized.between) or reader.op_type in ("Shape", "Size"):
+                continue
+            if (
+                after is None
+                and normalized.sink is None
+                and (after := lse_sink(self.g, reader, av.outputs[0]))
             ):
-                raise NotAttention(
-                    reader.name,
-                    f"the scores are read by a {reader.op_type} besides the Softmax (an attention sink's "
-                    "log-sum-exp, a second normalization): tessera does not decode this attention",
-                )
-        av = self._probabilities(softmax, sink=normalized.sink is not None)
+                continue
+            raise NotAttention(
+                reader.name,
+                f"the scores are read by a {reader.op_type} besides the Softmax (not an attention sink's "
+                "sigmoid(logsumexp(s) − sink) scaling the output): tessera does not decode this attention",
+            )
         q = self._trace(qk.inputs[0], "Q")
         k = self._trace(qk.inputs[1], "K")
         v = self._trace(av.inputs[1], "V")
@@ -270,8 +278,9 @@ class Matcher:
         out = self._out_projection(av.outputs[0])
         rotary = q.rotary_dims | k.rotary_dims
         scores, error = self._evaluate(qk, softmax)
-        if scores is not None and normalized.sink is not None:
-            scores = dataclasses.replace(scores, sinks=self._sink_logits(normalized.sink, heads))
+        sink = normalized.sink or (after.sink if after else None)
+        if scores is not None and sink is not None:
+            scores = dataclasses.replace(scores, sinks=self._sink_logits(sink, heads))
         return AttentionCore(
             softmax=softmax.name,
             qk_matmul=qk.name,
@@ -289,6 +298,7 @@ class Matcher:
             self_attention=len({p.inputs[0] for p in (q_proj, k_proj, v_proj)}) == 1,
             rotary_dim=max(rotary) if rotary else None,
             dtype=_NUMPY_TO_DTYPE.get(self.g.initializers[weight[0]].dtype, "fp32"),
+            sink_scale=None if after is None else (after.mul, after.kept),
         )
 
     def _scores(self, softmax: OpNode) -> OpNode:

@@ -11,7 +11,7 @@ from onnx import numpy_helper
 
 from tessera.core.graph import Graph
 
-__all__ = ["SoftmaxInput", "constant_value", "softmax_scores"]
+__all__ = ["LseSink", "SoftmaxInput", "constant_value", "lse_sink", "softmax_scores"]
 
 
 class SoftmaxInput(NamedTuple):
@@ -44,6 +44,58 @@ def softmax_scores(graph: Graph, softmax: str) -> SoftmaxInput:
     return SoftmaxInput(tensor, frozenset(between), sink)
 
 
+class LseSink(NamedTuple):
+    """An attention sink applied after the attention, ``o·sigmoid(logsumexp(s) − sink)`` (Granite's
+    sliding-window variant): the sink logits' tensor, and the ``Mul`` that scales ``o`` with which
+    of its inputs is ``o``."""
+
+    sink: str
+    mul: str
+    kept: int
+
+
+def lse_sink(graph: Graph, lse: Any, output: str) -> LseSink | None:
+    """The sink ``lse`` (a ReduceLogSumExp of the scores over their last axis) feeds, when all it
+    feeds is ``Sigmoid(lse − sink)`` (through casts and reshapes) multiplying ``output``, the
+    attention's (through casts); None otherwise."""
+    if lse.op_type != "ReduceLogSumExp" or not _over_last(graph, lse, lse.inputs[0]):
+        return None
+    sub = _only_reader(graph, lse.outputs[0])
+    if sub is None or sub.op_type != "Sub" or sub.inputs[0] != lse.outputs[0]:
+        return None
+    sigmoid = _through(graph, sub.outputs[0], ("Cast",))
+    if sigmoid is None or sigmoid.op_type != "Sigmoid":
+        return None
+    mul = _through(graph, sigmoid.outputs[0], ("Cast", "Unsqueeze", "Reshape"))
+    if mul is None or mul.op_type != "Mul":
+        return None
+    for kept, factor in enumerate(mul.inputs[:2]):
+        source = factor
+        while (made := graph.producer.get(source)) is not None and graph.op(made).op_type in (
+            "Cast",
+            "Identity",
+        ):
+            source = graph.op(made).inputs[0]
+        if source == output:
+            return LseSink(sub.inputs[1], mul.name, kept)
+    return None
+
+
+def _only_reader(graph: Graph, tensor: str) -> Any:
+    readers = graph.consumers.get(tensor, ())
+    return graph.op(readers[0]) if len(readers) == 1 else None
+
+
+def _through(graph: Graph, tensor: str, passing: tuple[str, ...]) -> Any:
+    """The first single reader of ``tensor`` that is not one of ``passing``, following those."""
+    for _ in range(6):
+        op = _only_reader(graph, tensor)
+        if op is None or op.op_type not in passing:
+            return op
+        tensor = op.outputs[0]
+    return None
+
+
 def _last_axis(graph: Graph, tensor: str, op: Any) -> bool:
     axis = int(op.attributes.get("axis", 0))
     info = graph.tensors.get(tensor)
@@ -54,6 +106,11 @@ def _max_over_last(graph: Graph, op: Any, scores: str) -> bool:
     """Whether ``op`` is a ReduceMax of ``scores`` over their last axis, keeping it."""
     if op.op_type != "ReduceMax" or op.inputs[0] != scores or not op.attributes.get("keepdims", 1):
         return False
+    return _over_last(graph, op, scores)
+
+
+def _over_last(graph: Graph, op: Any, scores: str) -> bool:
+    """Whether the reduction ``op`` runs over the last axis of ``scores`` alone."""
     axes = op.attributes.get("axes")
     if axes is None and len(op.inputs) > 1 and op.inputs[1]:
         found = constant_value(graph, op.inputs[1])
