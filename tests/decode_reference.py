@@ -3,6 +3,7 @@ the growing sequence (fp32, no KV cache), each request alone."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 import torch
+from cli_runner import run_cli
 
 from tessera.core.plans import CpPlan
 from tessera.core.weights import materialize
@@ -115,3 +117,25 @@ def group_tokens(
     if graphed is not None and on.type == "cuda":
         assert graphed.graph is not None, graphed.why_not
     return [list(t) for t in zip(*steps, strict=True)]
+
+
+def assert_launches_decode(
+    model: str, prompts: list, want: list, strategies: tuple, tmp_path, batch: int = 4, new_tokens: int = 5
+) -> None:
+    """``plan --kind cp --batch batch`` of ``model`` for each strategy on 2 ranks, then ``launch``
+    with ``prompts``: the tokens are ``want``."""
+    lines = tmp_path / "prompts.txt"
+    lines.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
+    for strategy in strategies:
+        plan = tmp_path / f"{strategy}.json"
+        planned = run_cli(
+            "plan", model, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", str(batch),
+            "--context", "10", "--output-len", str(new_tokens), "--strategy", strategy, "--degree", "2", "-o", str(plan),
+        )  # fmt: skip
+        assert planned.code == 0, planned.err
+        launched = run_cli(
+            "launch", str(plan), "--model", model, "--prompts", str(lines), "--new-tokens", str(new_tokens),
+            "--json", "--timeout", "60",
+        )  # fmt: skip
+        assert launched.code == 0, launched.err
+        assert json.loads(launched.out)["tokens"] == want, strategy

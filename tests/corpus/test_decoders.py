@@ -14,7 +14,7 @@ import torch
 from cli_runner import run_cli
 from corpus.exports import ENTRIES, Corpus, form_export
 from corpus.models import MODELS, configured
-from decode_reference import greedy_tokens, torch_greedy
+from decode_reference import assert_launches_decode, greedy_tokens, torch_greedy
 
 from tessera.core.graph import load_graph
 from tessera.planners.cp.recognize import recognize_decoder
@@ -77,29 +77,7 @@ def test_cp_tp_and_dp_launches_continue_prompts_with_the_reference_tokens(
     made = corpus.entries[key]
     want = greedy_tokens(made.path, PROMPTS, NEW_TOKENS)
     assert len({t for tokens in want for t in tokens}) > 3  # varied tokens: a wrong decode shows
-    _assert_decodes(made.path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
-
-
-def _assert_decodes(
-    model: str, prompts: list, want: list, strategies: tuple, tmp_path, batch: int = 4
-) -> None:
-    """``plan --kind cp --batch batch`` of ``model`` for each strategy on 2 ranks, then ``launch``
-    with ``prompts``: the tokens are ``want``."""
-    lines = tmp_path / "prompts.txt"
-    lines.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
-    for strategy in strategies:
-        plan = tmp_path / f"{strategy}.json"
-        planned = run_cli(
-            "plan", model, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", str(batch),
-            "--context", "10", "--output-len", str(NEW_TOKENS), "--strategy", strategy, "--degree", "2", "-o", str(plan),
-        )  # fmt: skip
-        assert planned.code == 0, planned.err
-        launched = run_cli(
-            "launch", str(plan), "--model", model, "--prompts", str(lines), "--new-tokens", str(NEW_TOKENS),
-            "--json", "--timeout", "60",
-        )  # fmt: skip
-        assert launched.code == 0, launched.err
-        assert json.loads(launched.out)["tokens"] == want, strategy
+    assert_launches_decode(made.path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
 
 
 @pytest.mark.parametrize("key", [e for e in DECODERS if e[2] == "static"], ids=lambda e: "-".join(e))
@@ -133,7 +111,7 @@ def test_a_batch_fixed_at_one_decodes_one_request_and_refuses_more_with_the_caus
     assert refused.code == 2 and "fixed batch of 1" in refused.err, refused.err
     assert "example batch of 2 or more" in refused.err and not (tmp_path / "no.json").exists()
     want = greedy_tokens(batch1_export, PROMPTS[:1], NEW_TOKENS)
-    _assert_decodes(batch1_export, PROMPTS[:1], want, ("cp", "tp"), tmp_path, batch=1)
+    assert_launches_decode(batch1_export, PROMPTS[:1], want, ("cp", "tp"), tmp_path, batch=1)
 
 
 @pytest.mark.slow
@@ -149,7 +127,7 @@ def test_a_batch_fixed_at_one_decodes_one_request_and_refuses_more_with_the_caus
 def test_an_export_with_a_mask_input_decodes_exactly(family: str, form: str, tmp_path) -> None:
     path = str(form_export(family, form))
     want = greedy_tokens(path, PROMPTS, NEW_TOKENS)
-    _assert_decodes(path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
+    assert_launches_decode(path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
 
 
 @pytest.mark.slow
@@ -169,7 +147,7 @@ def test_a_bf16_export_decodes_as_its_torch_module(
     module = copy.deepcopy(corpus.reference(family)[0]).to(torch.bfloat16)  # the corpus's stays fp32
     want = torch_greedy(module, PROMPTS, NEW_TOKENS)
     assert len({t for tokens in want for t in tokens}) > 3
-    _assert_decodes(path, PROMPTS, want, strategies, tmp_path)
+    assert_launches_decode(path, PROMPTS, want, strategies, tmp_path)
 
 
 @pytest.mark.parametrize("family", ["opt-learned", "gptj-interleaved"])

@@ -18,7 +18,7 @@ from cli_runner import run_cli
 from corpus.exports import Corpus, form_export
 from corpus.models import FAMILIES, configured
 from corpus.train_checks import assert_plans_train_exactly
-from decode_reference import group_tokens, torch_greedy
+from decode_reference import assert_launches_decode, group_tokens, torch_greedy
 
 from tessera.core.graph import load_graph
 from tessera.executor.graph_decoder import GraphDecoder
@@ -75,6 +75,23 @@ def test_every_export_form_is_recognized_and_decodes_the_torch_modules_tokens(
     want_tokens = torch_greedy(module, prompts, NEW_TOKENS)
     assert len({t for tokens in want_tokens for t in tokens}) > 2  # varied: a wrong decode shows
     assert group_tokens(stepped, prompts, NEW_TOKENS, fixed=False) == want_tokens
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("family", "form"), CASES, ids=[f"{f}-{form}" for f, form in CASES])
+def test_every_export_form_decodes_the_torch_modules_tokens_on_two_cp_ranks(
+    family: str, form: str, corpus: Corpus, tmp_path
+) -> None:
+    """``plan --kind cp`` and ``launch`` on 2 ranks (the KV cache sharded, partials merged): the
+    same tokens as the in-process decode above. tp and dp launch the plain exports
+    (test_decoders.py)."""
+    module = corpus.reference(family)[0]
+    if form == "bf16":
+        module = copy.deepcopy(module).to(torch.bfloat16)
+    prompts = PROMPTS[1:] if form == "batch1" else PROMPTS
+    want = torch_greedy(module, prompts, NEW_TOKENS)
+    path = str(form_export(family, form))
+    assert_launches_decode(path, prompts, want, ("cp",), tmp_path, batch=len(prompts), new_tokens=NEW_TOKENS)
 
 
 # Training through a plan, one family per form (each ~25 s on 2 ranks): the mask as an input, a mask
