@@ -2,8 +2,8 @@
 attention mask as an input, an all-ones mask inside the forward by the legacy exporter, bf16 weights,
 an example of batch 1, position ids as an input, the KV cache returned beside the logits. Each is
 recognized with its configured sizes, its decode step computes what the whole graph computes
-(``check_stepwise``), and decoding with the KV cache gives the torch module's own greedy tokens. The
-launches on 2 ranks are tested on the plain exports (test_decoders.py): they run this same step.
+(``check_stepwise``), and decoding with the KV cache gives the torch module's own greedy tokens, in
+process and launched with cp on 2 ranks (tp and dp launch the plain exports: test_decoders.py).
 One family per form trains on a 1- and a 2-stage plan as one process does; a batch fixed at 1 is
 refused for training with the fix."""
 
