@@ -121,4 +121,13 @@ def _describe(decoder: dict[str, Any]) -> str:
         f"{decoder['norm'] or 'no norm found'}, {decoder['qkv']} QKV"
         + (", parallel residual" if decoder["parallel_residual"] else ""),
     ]
-    return "; ".join(parts)
+    windows = decoder.get("layer_windows") or []
+    windowed = [i for i, w in enumerate(windows) if w is not None]
+    scores = [
+        f"window {'/'.join(str(w) for w in dict.fromkeys(windows[i] for i in windowed))}"
+        + ("" if len(windowed) == len(windows) else f" on layer(s) {', '.join(map(str, windowed))}")
+    ] if windowed else []  # fmt: skip
+    scores += [f"soft-cap {decoder['softcap']}"] if decoder.get("softcap") else []
+    scores += ["ALiBi"] if decoder.get("alibi") else []
+    scores += ["attention sinks"] if any(decoder.get("layer_sinks") or ()) else []
+    return "; ".join(parts + ([", ".join(scores)] if scores else []))

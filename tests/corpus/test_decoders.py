@@ -48,6 +48,10 @@ def test_inspect_reports_the_decoder_and_plan_cp_accepts_it(key, corpus: Corpus,
     assert report.code == 0, report.err
     decoder = json.loads(report.out)["decoder"]
     assert decoder["recognized"] and decoder["kv_heads"] == _configured(corpus, made.model)["kv_heads"]
+    text = run_cli("inspect", made.path).out  # what modifies the scores, said in the text report too
+    assert ("attention sinks" in text) == any(decoder["layer_sinks"]), text
+    assert ("window " in text) == any(w is not None for w in decoder["layer_windows"]), text
+    assert (f"soft-cap {decoder['softcap']}" in text) == (decoder["softcap"] is not None), text
     plan = run_cli(
         "plan", made.path, "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "2", "--context", "24",
         "--output-len", "4", "-o", str(tmp_path / "cp.json"),
