@@ -44,7 +44,7 @@ def fusable(params: Sequence[torch.Tensor], name: str = "adamw") -> bool:
     """Whether optimizer ``name``'s fused kernel takes ``params`` and updates them as its loop does:
     floating-point tensors, all on one CPU or CUDA device. Not SGD over bf16 or fp16 tensors on a
     CPU: torch 2.13's fused CPU SGD updates only the last ``numel % 16`` elements of such a tensor
-    and leaves the rest as they were (tests/backends/test_torch_optim.py)."""
+    and leaves the rest as they were (tests/executor/test_training_options.py)."""
     import torch
 
     devices = {p.device for p in params}

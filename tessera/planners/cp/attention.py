@@ -305,7 +305,7 @@ class Matcher:
         """The Q·Kᵀ MatMul before ``softmax``: the one MatMul of two activations that the Softmax's
         input is computed from within a few ops, whatever those ops are (what they compute is
         evaluated: :meth:`_evaluate`)."""
-        tensor = softmax_scores(self.g, softmax.name)[0]
+        tensor = softmax_scores(self.g, softmax.name).scores
         for _ in range(_SCORE_DEPTH):
             op = self.producer(tensor)
             if op is None:
