@@ -74,7 +74,7 @@ def check_cores(graph: Graph, cores: list[AttentionCore], failed: list) -> None:
             raise InputError(
                 "not a decoder-only transformer: no self-attention found (no Softmax)", source=label
             )
-        first = failed[0]
+        first = next((why for why in failed if why.softmax is not None), failed[0])  # attention first
         raise InputError(
             f"not a decoder-only transformer: no self-attention found ({len(failed)} Softmax op(s); "
             f"the first fails at node {first.node}: {first.why})",
