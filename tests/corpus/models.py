@@ -229,6 +229,17 @@ FAMILIES: dict[str, tuple[Callable[[], nn.Module], dict[str, object]]] = {
                                               num_key_value_heads=2, intermediate_size=128, sliding_window=4,
                                               layer_types=["full_attention", "sliding_attention"], **_LAYERS)),
                          {"layer_sinks": [True, True], "layer_windows": [None, 4], "window": None}),
+    # MiMo-V2-Flash: scores shifted by their maximum, a sink on its windowed layer, which holds twice
+    # the KV heads of its global one; a dense FFN first, then 4 experts; rotary on a third of a head.
+    "mimo-sinks": (_sinks_drawn(_family("MiMoV2Flash", experts="batched_mm", hidden_size=64,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, v_head_dim=16,
+                                        intermediate_size=128, moe_intermediate_size=48, n_routed_experts=4,
+                                        num_experts_per_tok=2, sliding_window=4,
+                                        layer_types=["full_attention", "sliding_attention"],
+                                        mlp_layer_types=["dense", "sparse"], **_LAYERS)),
+                   {"kv_heads": 4, "layer_kv_heads": [2, 4], "layer_sinks": [False, True],
+                    "layer_windows": [None, 4], "window": None, "experts": 4, "experts_per_token": 2,
+                    "ffn": 48, "dense_layers": 1, "dense_ffn": 128, "rotary": {"dim": 6, "partial": True}}),
     # OPT: learned positions read at an offset of 2, ReLU FFN, tied head.
     "opt-learned": (_family("OPT", hidden_size=64, num_attention_heads=4, ffn_dim=128, word_embed_proj_dim=64,
                             init_std=DECODER_INIT, **_LAYERS),
@@ -434,6 +445,7 @@ def configured(model: str, config: object) -> dict[str, object]:
             "phimoe",
             "gpt_oss",
             "granite_swa",
+            "mimo_v2_flash",
         ),
         "vocab": config.vocab_size,
         "tied_embeddings": bool(config.tie_word_embeddings),

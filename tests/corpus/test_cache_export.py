@@ -14,7 +14,8 @@ import onnxruntime as ort
 import pytest
 import torch
 from corpus.exports import cache_dir
-from corpus.test_decoders import NEW_TOKENS, PROMPTS, _assert_decodes
+from corpus.test_decoders import NEW_TOKENS, PROMPTS
+from decode_reference import assert_launches_decode
 
 from tessera.core.graph import load_graph
 from tessera.planners.cp.recognize import recognize_decoder
@@ -126,4 +127,4 @@ def test_an_export_with_its_own_cache_decodes_the_models_tokens(cache_export, tm
     want = [_torch_tokens(model, p, NEW_TOKENS) for p in PROMPTS]
     assert want == [_own_cache_tokens(path, p, NEW_TOKENS) for p in PROMPTS]
     assert len({t for tokens in want for t in tokens}) > 3
-    _assert_decodes(path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
+    assert_launches_decode(path, PROMPTS, want, ("cp", "tp", "dp"), tmp_path)

@@ -13,8 +13,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from corpus.exports import Corpus
-from corpus.test_decoders import NEW_TOKENS, PROMPTS, _assert_decodes
-from decode_reference import greedy_tokens
+from corpus.test_decoders import NEW_TOKENS, PROMPTS
+from decode_reference import assert_launches_decode, greedy_tokens
 from onnx import helper
 
 from tessera.core.graph import load_graph
@@ -107,4 +107,4 @@ def test_a_fused_attention_decodes_with_cp_tp_and_dp(fused, tmp_path) -> None:
     _, path, _ = fused
     want = greedy_tokens(str(path), PROMPTS, NEW_TOKENS)
     assert len({t for tokens in want for t in tokens}) > 3
-    _assert_decodes(str(path), PROMPTS, want, ("cp", "tp", "dp"), tmp_path)
+    assert_launches_decode(str(path), PROMPTS, want, ("cp", "tp", "dp"), tmp_path)

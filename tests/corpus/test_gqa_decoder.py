@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import onnx
 import pytest
-from corpus.test_decoders import NEW_TOKENS, PROMPTS, _assert_decodes
+from corpus.test_decoders import NEW_TOKENS, PROMPTS
+from decode_reference import assert_launches_decode
 from gqa_decoder import cached_greedy, gqa_decoder, whole_greedy
 
 pytestmark = [pytest.mark.corpus, pytest.mark.slow]
@@ -31,4 +32,4 @@ def test_a_group_query_attention_decoder_decodes_onnxruntimes_own_cached_tokens(
     want = cached_greedy(model, PROMPTS, NEW_TOKENS)
     assert want == whole_greedy(model, PROMPTS, NEW_TOKENS)  # the graph's cache and no cache agree
     assert len({t for tokens in want for t in tokens}) > 3
-    _assert_decodes(str(path), PROMPTS, want, strategies, tmp_path)
+    assert_launches_decode(str(path), PROMPTS, want, strategies, tmp_path)

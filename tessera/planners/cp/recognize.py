@@ -82,6 +82,7 @@ class Decoder:
             "softcap": _shown(self.scores[0].softcap) if self.scores else None,
             "alibi": self.scores[0].alibi is not None if self.scores else False,
             "layer_sinks": [mod.sinks is not None for mod in self.scores],
+            "layer_kv_heads": [core.kv_heads for core in self.cores],
         }  # fmt: skip
 
     @property
@@ -449,14 +450,16 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
     # Llama 4's every other one): the layers then compare with the first of their own kind.
     experts = next((ffn for ffn in ffns if ffn.experts > 1), ffns[0])
     dense = [ffn for ffn in ffns if ffn.experts == 1] if experts.experts > 1 else []
+    # KV heads may differ between layers (MiMo's windowed layers hold twice its global ones'): the KV
+    # cache is held per layer as each writes it; the config counts the most any layer holds.
     for i, (core, ffn) in enumerate(zip(cores, ffns, strict=True)):
         kind = dense[0] if ffn.experts == 1 and dense else experts
-        sizes = (core.hidden, core.heads, core.kv_heads, core.head_dim, core.rotary_dim or rotary, *ffn)
-        want = (first.hidden, first.heads, first.kv_heads, first.head_dim, rotary, *kind)
+        sizes = (core.hidden, core.heads, core.head_dim, core.rotary_dim or rotary, *ffn)
+        want = (first.hidden, first.heads, first.head_dim, rotary, *kind)
         if sizes != want:
             other = ffns.index(kind)  # the first layer of this FFN's kind; attention compares with layer 0
             raise InputError(
-                f"layers differ in size: layer {i} ({core.softmax}) has hidden, heads, kv_heads, head_dim, "
+                f"layers differ in size: layer {i} ({core.softmax}) has hidden, heads, head_dim, "
                 f"rotary dim, ffn, gated, parallel, experts, experts per token, shared FFN = {sizes}, "
                 f"layer 0{f' (the FFN: layer {other})' if other else ''} has {want}",
                 source=graph.source,
@@ -474,7 +477,8 @@ def recognize_decoder(graph: Graph, *, name: str | None = None) -> Decoder:
             "cannot read the vocabulary size: no token-embedding Gather and no LM head", source=graph.source
         )
     found = {
-        "layers": len(cores), "hidden": first.hidden, "heads": first.heads, "kv_heads": first.kv_heads,
+        "layers": len(cores), "hidden": first.hidden, "heads": first.heads,
+        "kv_heads": max(core.kv_heads for core in cores),
         "head_dim": first.head_dim, "ffn": experts.width, "vocab": vocab,
     }  # fmt: skip
     meta = {p.key: p.value for p in graph.model.metadata_props}
