@@ -390,7 +390,8 @@ def position_limit(graph: Graph, hidden: int) -> int | None:
 
 def position_tables(graph: Graph, hidden: int) -> list[OpNode]:
     """The ``Gather``s that read a learned position table: from an initializer ``[P, hidden]`` other
-    than the token embedding (the one indexed by a graph input)."""
+    than the token embedding (the one indexed by a graph input), by indices no activation chose (an
+    expert's bias ``[E, hidden]`` gathered by the router's picks is no position table)."""
     token = _Layers(Matcher(graph)).embedding(hidden)
     return [
         op
@@ -402,7 +403,25 @@ def position_tables(graph: Graph, hidden: int) -> list[OpNode]:
         and info.shape is not None
         and len(info.shape) == 2
         and info.shape[1] == hidden
+        and not _chosen_by_activations(graph, op.inputs[1])
     ]
+
+
+def _chosen_by_activations(graph: Graph, tensor: str) -> bool:
+    """Whether ``tensor`` is computed from a product, a Softmax or a pick (TopK, ArgMax): indices a
+    model's values chose, not positions."""
+    stack, seen = [tensor], set()
+    while stack and len(seen) < 256:
+        node = graph.producer.get(stack.pop())
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        op = graph.op(node)
+        if op.op_type in ("MatMul", "Gemm", "Softmax", "TopK", "ArgMax"):
+            return True
+        if op.op_type not in _SHAPE_ONLY:  # a shape carries no values
+            stack.extend(t for t in op.inputs if t)
+    return False
 
 
 def recognize_llm(graph: Graph, *, name: str | None = None) -> LlmConfig:
