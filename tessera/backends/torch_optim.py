@@ -40,7 +40,7 @@ def torch_optimizer(
     raise ValueError(f"unknown optimizer {name!r}; expected one of {OPTIMIZERS}")
 
 
-def fusable(params: Sequence[torch.Tensor], name: str = "adamw") -> bool:
+def fusable(params: Sequence[torch.Tensor], name: str) -> bool:
     """Whether optimizer ``name``'s fused kernel takes ``params`` and updates them as its loop does:
     floating-point tensors, all on one CPU or CUDA device. Not SGD over bf16 or fp16 tensors on a
     CPU: torch 2.13's fused CPU SGD updates only the last ``numel % 16`` elements of such a tensor

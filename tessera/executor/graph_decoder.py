@@ -74,7 +74,7 @@ class GraphDecoder:
         # a sink's scaling Mul -> its input that is the attention's output, passed on (the sink is in
         # the attention: ScoreMod.sinks)
         self.passed = dict(core.sink_scale for core in self.cores if core.sink_scale is not None)
-        self.needed = _needed(graph, decoder, self.logits_output)
+        self.needed = _needed(graph, decoder, self.logits_output, self.passed)
         self.programs: dict[tuple[int, int], Any] = {}  # (batch, new tokens) -> its StepProgram
         gathers = {  # positions index some (a learned table, a rotary cache, GPT-J's sin/cos rows)
             op.name: int(op.attributes.get("axis", 0))
@@ -251,11 +251,11 @@ def _side_inputs(graph: Graph) -> dict[str, tuple[str, torch.dtype]]:
     }
 
 
-def _needed(graph: Graph, decoder: Decoder, output: str) -> frozenset[str]:
+def _needed(graph: Graph, decoder: Decoder, output: str, scaled: dict[str, int]) -> frozenset[str]:
     """The nodes the logits need once each core's output is attention over Q, K and V: the masks,
-    scores and Softmaxes of the graph's own attention are not run (nor the positions they index)."""
+    scores and Softmaxes of the graph's own attention are not run (nor the positions they index), nor
+    what a sink's scaling ``Mul`` (``scaled``: the input it passes on) multiplies by."""
     replaced = {core.av_matmul: core.qk_matmul for core in decoder.cores}
-    scaled = dict(core.sink_scale for core in decoder.cores if core.sink_scale is not None)
     needed: set[str] = set()
     stack = [output]
     while stack:

@@ -202,7 +202,7 @@ class _Layers:
         found = self._pairs(self.g.order[start:stop], own, core.hidden)
         if found is None:
             return None
-        ffn, readers, fused = found
+        ffn, readers, fused, _ = found
         # SwiGLU: gate and up read one tensor, or are one product
         gated = fused or any(readers.count(t) >= 2 for t in readers)
         parallel = not all(self._after_attention(t, core) for t in readers)  # (the LM head may be one)
@@ -212,15 +212,12 @@ class _Layers:
         """The down projection of a feed-forward block before ``core`` (the first attention): a layer
         with no attention (a recurrence, linear attention, a convolution) precedes it."""
         start = min(self.m.position[p] for p in core.projections)
-        found = self._pairs(self.g.order[:start], set(), core.hidden, down=True)
-        return None if found is None else found[1][0]
+        found = self._pairs(self.g.order[:start], set(), core.hidden)
+        return None if found is None else found[3]
 
-    def _pairs(
-        self, names: list[str], own: set, hidden: int, *, down: bool = False
-    ) -> tuple[int, list[str], bool] | None:
+    def _pairs(self, names: list[str], own: set, hidden: int) -> tuple[int, list[str], bool, str] | None:
         """The widest up (E×F, or E×2F fused) then down (F×E) pair among ``names``: F, the tensors the
-        up projections read (``down``: the down projection's name instead), and whether gate and up
-        are one product."""
+        up projections read, whether gate and up are one product, and the down projection."""
         ups: dict[int, list[str]] = {}  # F -> the tensors E×F projections read (so far)
         found: dict[int, int] = {}  # F of a down projection after its up -> the up's width (F or 2F)
         downs: dict[int, str] = {}
@@ -242,7 +239,7 @@ class _Layers:
         if not found:
             return None
         ffn = max(found)
-        return ffn, [downs[ffn]] if down else ups[found[ffn]], found[ffn] == 2 * ffn
+        return ffn, ups[found[ffn]], found[ffn] == 2 * ffn, downs[ffn]
 
     def _after_attention(self, tensor: str, core: AttentionCore) -> bool:
         """Whether ``tensor`` is computed from ``core``'s output projection: a sequential block. Not
