@@ -10,7 +10,7 @@ TORCH_CPU := torch==2.13.0
 TEST_EXTRAS := openvino,tvm,launch,kernels,viz,dev
 DEMO_DIR := build/demo
 
-.PHONY: demo test test-unit lint install-core install-test clean
+.PHONY: demo test test-unit test-exhaustive lint install-core install-test clean
 
 $(VENV)/bin/activate:
 	$(PYTHON) -m venv $(VENV)
@@ -61,8 +61,13 @@ demo: $(VENV)/.core
 # The tests run in one process per core (pytest-xdist; at most 4: each launch test starts its own ranks),
 # then those that measure this machine's speed (marked `alone`) in one process with nothing beside them.
 test: $(VENV)/.test
-	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not alone" --durations=30
+	$(PY) -m pytest -q -n auto --maxprocesses 4 -m "not alone and not exhaustive" --durations=30
 	$(PY) -m pytest -q -m alone
+
+# Every export form of the corpus on every strategy, beyond make test's sample (about 20 minutes on
+# 2 cores): each form launched with tp and dp, each form of a dynamic batch trained on 2 stages.
+test-exhaustive: $(VENV)/.test
+	$(PY) -m pytest -q -n auto --maxprocesses 4 -m exhaustive --durations=10
 
 # The quick loop while developing: the tests outside the real-export corpus (tests/corpus), less those
 # marked slow or alone (make test runs them all).

@@ -96,6 +96,35 @@ def shape_passing_chain(width: int = 8) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def routed_chain(width: int = 8) -> onnx.ModelProto:
+    """MatMul + Tanh, then the sum of its positive entries (``NonZero``, ``GatherND``: tensors of a
+    length the data chose, no shape inference can know) added back, and a second MatMul + Tanh:
+    an unrolled routing of experts in miniature."""
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(2)}
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w0"], ["m0"], name="matmul0"),
+        helper.make_node("Tanh", ["m0"], ["h0"], name="tanh0"),
+        helper.make_node("Greater", ["h0", "zero"], ["mask"], name="greater"),
+        helper.make_node("NonZero", ["mask"], ["where"], name="nonzero"),
+        helper.make_node("Transpose", ["where"], ["picks"], name="transpose", perm=[1, 0]),
+        helper.make_node("GatherND", ["h0", "picks"], ["picked"], name="gathernd"),
+        helper.make_node("ReduceSum", ["picked"], ["total"], name="reducesum", keepdims=1),
+        helper.make_node("Add", ["h0", "total"], ["shifted"], name="add"),
+        helper.make_node("MatMul", ["shifted", "w1"], ["m1"], name="matmul1"),
+        helper.make_node("Tanh", ["m1"], ["y"], name="tanh1"),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "routed",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
+        [*(numpy_helper.from_array(v, name) for name, v in weights.items()), zero],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def head_major_chain(width: int = 8, heads: int = 2) -> onnx.ModelProto:
     """MatMul, split into heads and moved head-major (``[heads, batch, width/heads]``, as Falcon's
     fused QKV is split), Tanh, then back and a MatMul: cut after the Tanh, the crossing tensor holds

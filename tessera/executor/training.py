@@ -185,8 +185,11 @@ def train_reference(
 
     options = options or TrainOptions(steps=steps, lr=lr, seed=seed, data=data)
     graph = model if isinstance(model, Graph) else load_graph(model)
-    module = to_torch(graph.model, label=graph.source, precision=options.precision)
-    if dtype != torch.float32:  # the float64 arbiter; a model's own dtypes (bf16 weights) stay
+    # the float64 arbiter computes every operator in float64, the graph's own casts included; else
+    # a model's own dtypes (bf16 weights) stay
+    precision = "fp64" if dtype == torch.float64 else options.precision
+    module = to_torch(graph.model, label=graph.source, precision=precision)
+    if dtype != torch.float32:
         module = module.to(dtype)
     params = [p for _, p in module.onnx_parameters()]
     opt, schedule = make_optimizer(params, options)

@@ -15,13 +15,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from tessera.executor.gradients import by_dtype
+
 __all__ = ["ZeroShard", "zero_shards"]
 
 
 class ZeroShard:
     """``params`` (one replica's weights of a stage) sharded over ``group``, where this replica is
     ``index`` of ``size``. The weights become views of one flat buffer (the stage's program keeps
-    reading them); ``shard`` is the leaf the optimizer steps, a view of this replica's part."""
+    reading them); ``shard`` is the leaf the optimizer steps, a view of this replica's part. One
+    dtype: :func:`zero_shards` makes a shard per dtype."""
 
     def __init__(self, params: list[Tensor], group: Any, index: int, size: int) -> None:
         self.group = group
@@ -64,14 +67,19 @@ def zero_shards(
     weights shard apart: the group's ranks all count their blocks, only the first its whole ones."""
     index, size = dist.get_rank(group), dist.get_world_size(group)
     if split is None:
-        shard = ZeroShard(params, group, index, size)
-        return [(name, shard)], [shard.shard]
+        parts = [("", params, True)]
+    else:
+        parts = [
+            (f"/tp{tp_index}/{kind}", [p for p in params if (id(p) in split) == mine], mine or tp_index == 0)
+            for kind, mine in (("split", True), ("whole", False))
+        ]
     shards, counted = [], []
-    for kind, mine in (("split", True), ("whole", False)):
-        part = [p for p in params if (id(p) in split) == mine]
-        if part:
-            shard = ZeroShard(part, group, index, size)
-            shards.append((f"{name}/tp{tp_index}/{kind}", shard))
-            if mine or tp_index == 0:
+    for suffix, part, counts in parts:
+        dtypes = by_dtype(part)  # one flat buffer a dtype: bf16 weights beside fp32 norms take two
+        for dtype, same in dtypes.items():
+            shard = ZeroShard(same, group, index, size)
+            kind = f"/{str(dtype).removeprefix('torch.')}" if len(dtypes) > 1 else ""
+            shards.append((f"{name}{suffix}{kind}", shard))
+            if counts:
                 counted.append(shard.shard)
     return shards, counted

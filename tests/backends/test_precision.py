@@ -100,3 +100,32 @@ def test_native_bf16_is_a_fact_of_the_device(kind: str) -> None:
     flags = open("/proc/cpuinfo").read() if kind == "cpu" else ""
     want = kind == "cpu" and ("avx512_bf16" in flags or "amx_bf16" in flags)
     assert native_bf16(torch.device(kind)) == want
+
+
+def test_fp64_computes_every_operator_in_float64_through_the_graphs_own_casts() -> None:
+    """The round-off arbiter (``train_reference(dtype=torch.float64)``): a bf16 export's casts to
+    bf16 and back round nothing, and its bf16 weights enter as float64."""
+    import ml_dtypes
+
+    w = RNG.standard_normal((8, 5))
+    nodes = [
+        helper.make_node("Cast", ["x"], ["xb"], to=TensorProto.BFLOAT16),
+        helper.make_node("MatMul", ["xb", "w"], ["yb"]),
+        helper.make_node("Cast", ["yb"], ["y"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "cast",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 8])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])],
+        [numpy_helper.from_array(w.astype(ml_dtypes.bfloat16), "w")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = RNG.standard_normal((3, 8))
+    module = to_torch(model, precision="fp64").to(torch.float64)
+    y = module.run({"x": torch.from_numpy(x)})["y"]
+    assert y.dtype == torch.float64
+    want = x @ w.astype(ml_dtypes.bfloat16).astype(np.float64)  # the weights as stored, x unrounded
+    np.testing.assert_allclose(y.detach().numpy(), want, rtol=1e-12)
+    as_exported = to_torch(model).run({"x": torch.from_numpy(x.astype(np.float32))})["y"]
+    assert not np.allclose(as_exported.detach().numpy(), want, rtol=1e-5)  # bf16 rounds x

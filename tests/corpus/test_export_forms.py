@@ -5,7 +5,9 @@ recognized with its configured sizes, its decode step computes what the whole gr
 (``check_stepwise``), and decoding with the KV cache gives the torch module's own greedy tokens, in
 process and launched with cp on 2 ranks (tp and dp launch the plain exports: test_decoders.py).
 One family per form trains on a 1- and a 2-stage plan as one process does; a batch fixed at 1 is
-refused for training with the fix."""
+refused for training with the fix. Marked ``exhaustive`` (``make test-exhaustive``, outside ``make
+test``'s time budget): every form launched with tp and dp too, and every form of a dynamic batch
+trained on a 2-stage plan."""
 
 from __future__ import annotations
 
@@ -84,14 +86,37 @@ def test_every_export_form_decodes_the_torch_modules_tokens_on_two_cp_ranks(
 ) -> None:
     """``plan --kind cp`` and ``launch`` on 2 ranks (the KV cache sharded, partials merged): the
     same tokens as the in-process decode above. tp and dp launch the plain exports
-    (test_decoders.py)."""
+    (test_decoders.py), and every form in the exhaustive pass below."""
+    _assert_form_launches(family, form, ("cp",), corpus, tmp_path)
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize(("family", "form"), CASES, ids=[f"{f}-{form}" for f, form in CASES])
+def test_every_export_form_decodes_the_torch_modules_tokens_on_two_tp_and_dp_ranks(
+    family: str, form: str, corpus: Corpus, tmp_path
+) -> None:
+    """tp and dp on 2 ranks; a batch fixed at 1 holds one request, which dp cannot share."""
+    if form == "batch1":
+        args = ["--cluster", "local-cpu-split", "--context", "10", "--output-len", "5", "--batch", "1"]
+        refused = run_cli("plan", str(form_export(family, form)), "--kind", "cp", *args, "--strategy", "dp",
+                          "--degree", "2", "-o", str(tmp_path / "dp.json"))  # fmt: skip
+        assert (
+            refused.code == 3
+            and "dp-2: data parallelism over 2 replicas needs at least 2 requests" in refused.err
+        ), refused.err
+    _assert_form_launches(family, form, ("tp",) if form == "batch1" else ("tp", "dp"), corpus, tmp_path)
+
+
+def _assert_form_launches(family: str, form: str, strategies: tuple, corpus: Corpus, tmp_path) -> None:
     module = corpus.reference(family)[0]
     if form == "bf16":
         module = copy.deepcopy(module).to(torch.bfloat16)
     prompts = PROMPTS[1:] if form == "batch1" else PROMPTS
     want = torch_greedy(module, prompts, NEW_TOKENS)
     path = str(form_export(family, form))
-    assert_launches_decode(path, prompts, want, ("cp",), tmp_path, batch=len(prompts), new_tokens=NEW_TOKENS)
+    assert_launches_decode(
+        path, prompts, want, strategies, tmp_path, batch=len(prompts), new_tokens=NEW_TOKENS
+    )
 
 
 # Training through a plan, one family per form (each ~25 s on 2 ranks): the mask as an input, a mask
@@ -115,6 +140,20 @@ def test_export_forms_train_exactly_on_one_and_two_stage_plans(family: str, form
     # every input (tokens, mask, positions) at batch 1 and 8 positions, as the plan binds it
     graph = load_graph(path, input_shapes={i.name: (1, 8) for i in model.graph.input})
     assert_plans_train_exactly(graph, path)
+
+
+DYNAMIC_FORMS = [(f, form) for f, form in CASES if form != "batch1" and (f, form) not in TRAINED]
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize(("family", "form"), DYNAMIC_FORMS, ids=[f"{f}-{form}" for f, form in DYNAMIC_FORMS])
+def test_every_export_form_of_a_dynamic_batch_trains_exactly_on_a_two_stage_plan(
+    family: str, form: str
+) -> None:
+    path = str(form_export(family, form))
+    model = onnx.load(path, load_external_data=False)
+    graph = load_graph(path, input_shapes={i.name: (1, 8) for i in model.graph.input})
+    assert_plans_train_exactly(graph, path, stages=(2,))
 
 
 @pytest.mark.slow

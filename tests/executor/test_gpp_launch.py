@@ -320,3 +320,14 @@ def test_bf16_products_train_as_one_process_in_bf16(tmp_path: Path) -> None:
     split = make_plan(graph, [(graph.order[:half], ["d0"], 2), (graph.order[half:], ["d1"], 4)], 8)
     run = run_gpp_plan(split, graph, str(path), options, LaunchOptions(timeout_s=60))
     np.testing.assert_allclose(run.losses, ref.losses, rtol=1e-4)
+
+
+def test_a_model_routing_by_its_data_trains_exactly_on_the_planners_two_stages(tmp_path) -> None:
+    """NonZero picks a data-dependent number of entries: the planner keeps those tensors inside one
+    stage (a stage cannot size a buffer for them), so its 2-stage plan launches and trains exactly."""
+    from corpus.train_checks import assert_plans_train_exactly
+    from onnx_builders import routed_chain
+
+    path = tmp_path / "routed.onnx"
+    graph = save_model(routed_chain(), path)
+    assert_plans_train_exactly(graph, str(path))

@@ -118,14 +118,15 @@ def _kv_shards(best: Estimate, workload: Workload, block: int) -> list[KvShard]:
 
 
 def _infeasible_message(estimates: list[Estimate], workload: Workload) -> str:
-    memory_bound = [e for e in estimates if e.memory_bytes > e.capacity_bytes] or estimates
+    memory_bound = [e for e in estimates if e.memory_bytes > e.capacity_bytes]
+    if not memory_bound:  # each fits in memory and cannot run for another reason: say that first
+        return "no strategy fits: " + "; ".join(f"{e.label}: {e.reason}" for e in estimates)
     smallest = min(memory_bound, key=lambda e: (e.memory_bytes, e.degree, STRATEGIES.index(e.strategy)))
     return (
         f"no strategy fits: batch {workload.batch} at up to {workload.max_kv_length} KV positions per request "
         f"needs at least {smallest.memory_bytes / 2**30:.2f} GiB per device ({smallest.label}: weights "
         f"{smallest.weights_bytes / 2**30:.2f} GiB, KV cache {smallest.kv_cache_bytes / 2**30:.2f} GiB); "
         f"the devices have {smallest.capacity_bytes / 2**30:.2f} GiB"
-        + ("" if smallest.memory_bytes > smallest.capacity_bytes else f" ({smallest.reason})")
     )
 
 

@@ -95,9 +95,19 @@ def decompose(
             "no operator reads a model input or an activation: nothing to pipeline", source=graph.source
         )
     cost_fn = op_cost or (lambda n: 1.0 + graph.op(n).flops / 1e6)
+    members = _bound_together(graph, dag, order)
+    if members:
+        dag = _contracted(dag, members)
+        first = {n: i for i, n in enumerate(order)}
+        order = list(nx.lexicographical_topological_sort(dag, key=first.__getitem__))
+
+    def leaf(n: str) -> SPNode:
+        ops = members.get(n, (n,))
+        return SPNode("leaf", ops=ops, cost=sum(cost_fn(o) for o in ops))
+
     position = {n: i for i, n in enumerate(order)}
     state = {"converted": 0}
-    root = _decompose(dag, order, position, cost_fn, state)
+    root = _decompose(dag, order, position, leaf, state)
     root = _flatten(root)
     threshold = root.cost / max(max_units, 1)
     cuts = CutBytes(graph)
@@ -114,37 +124,72 @@ def decompose(
     return SPTree(root=coarse, units=units, unit_of=unit_of, converted=state["converted"])
 
 
+def _bound_together(graph: Graph, dag: nx.DiGraph, order: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Operators no stage boundary may separate, by the first of each group: those joined by a
+    tensor whose shape inference could not resolve (a count a ``NonZero`` chose, as in the legacy
+    exporter's unrolled routing of experts), which a stage cannot size a buffer to receive, with
+    every operator on a path between them (the contracted DAG stays acyclic)."""
+    joined = nx.Graph()
+    for u, v, tensors in dag.edges(data="tensors"):
+        if any(t.shape is None for t in tensors):
+            joined.add_edge(u, v)
+    if not joined:
+        return {}
+    group = {n: i for i, part in enumerate(nx.connected_components(joined)) for n in part}
+    quotient = nx.DiGraph()
+    quotient.add_nodes_from(group.get(n, n) for n in dag)
+    quotient.add_edges_from((group.get(u, u), group.get(v, v)) for u, v in dag.edges)
+    condensed = nx.condensation(quotient)  # groups on a path between them join them
+    scc = condensed.graph["mapping"]
+    parts: dict[int, list[str]] = {}
+    for n in order:
+        parts.setdefault(scc[group.get(n, n)], []).append(n)
+    return {ops[0]: tuple(ops) for ops in parts.values() if len(ops) > 1}
+
+
+def _contracted(dag: nx.DiGraph, members: dict[str, tuple[str, ...]]) -> nx.DiGraph:
+    """``dag`` with each group of :func:`_bound_together` one node, named by its first operator."""
+    first = {op: head for head, ops in members.items() for op in ops}
+    out = nx.DiGraph()
+    out.add_nodes_from(first.get(n, n) for n in dag)
+    for u, v in dag.edges:
+        a, b = first.get(u, u), first.get(v, v)
+        if a != b:
+            out.add_edge(a, b)
+    return out
+
+
 def _decompose(
     dag: nx.DiGraph,
     nodes: Sequence[str],
     position: dict[str, int],
-    cost_fn: Callable[[str], float],
+    leaf: Callable[[str], SPNode],
     state: dict[str, int],
 ) -> SPNode:
     if len(nodes) == 1:
-        return SPNode("leaf", ops=(nodes[0],), cost=cost_fn(nodes[0]))
+        return leaf(nodes[0])
     sub = dag.subgraph(nodes)
     components = list(nx.weakly_connected_components(sub))
     if len(components) > 1:
         parts = [sorted(c, key=position.__getitem__) for c in components]
         parts.sort(key=lambda p: position[p[0]])
-        children = [_decompose(dag, p, position, cost_fn, state) for p in parts]
+        children = [_decompose(dag, p, position, leaf, state) for p in parts]
         return SPNode("parallel", children=children, cost=sum(c.cost for c in children))
     cuts = _cut_positions(sub, nodes)
     if not cuts:
         # Not series-parallel: linearize in topological order (ordering edges; module docstring).
         state["converted"] += 1
-        leaves = [SPNode("leaf", ops=(n,), cost=cost_fn(n)) for n in nodes]
+        leaves = [leaf(n) for n in nodes]
         return SPNode("series", children=leaves, cost=sum(c.cost for c in leaves))
     children: list[SPNode] = []
     start = 0
     for k in cuts:
         if k > start:
-            children.append(_decompose(dag, nodes[start:k], position, cost_fn, state))
-        children.append(SPNode("leaf", ops=(nodes[k],), cost=cost_fn(nodes[k])))
+            children.append(_decompose(dag, nodes[start:k], position, leaf, state))
+        children.append(leaf(nodes[k]))
         start = k + 1
     if start < len(nodes):
-        children.append(_decompose(dag, nodes[start:], position, cost_fn, state))
+        children.append(_decompose(dag, nodes[start:], position, leaf, state))
     if len(children) == 1:
         return children[0]
     return SPNode("series", children=children, cost=sum(c.cost for c in children))

@@ -94,3 +94,19 @@ def test_a_stage_edge_of_shapes_and_masks_takes_no_gradient(tmp_path) -> None:
         (1, 2): ["m1"],
     }
     assert {k: e.grads for k, e in edges.items()} == {(0, 1): True, (0, 2): False, (1, 2): True}
+
+
+def test_a_tensor_of_a_length_the_data_chose_never_crosses_a_stage_boundary() -> None:
+    """NonZero → Transpose → GatherND → ReduceSum carry tensors no shape inference resolves: a stage
+    could not size a buffer to receive one, so the four (and whatever lies on a path between them)
+    are one unit however finely the model is cut."""
+    from onnx_builders import routed_chain
+
+    graph = load_graph(routed_chain(), input_shapes={"x": (4, 8)})
+    assert graph.tensors["picked"].shape is None
+    tree = decompose(graph, max_units=100)
+    _covers(graph, tree)
+    routed = {tree.unit_of[op] for op in ("nonzero", "transpose", "gathernd", "reducesum")}
+    assert len(routed) == 1
+    assert len(tree.units) >= 5  # the rest is still cut operator by operator
+    assert tree.unit_of["matmul0"] not in routed and tree.unit_of["matmul1"] not in routed
