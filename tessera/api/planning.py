@@ -219,7 +219,7 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
     offset the graph adds; the recognized limit where the step is not built)."""
     if is_lazy(graph.model) or graph.param_bytes > MAX_COUNTED_BYTES:
         return None, decoder.position_limit
-    from tessera.executor.decode_program import step_operations
+    from tessera.executor.decode_program import GATHER_OPERATIONS, step_operations
     from tessera.executor.graph_decoder import GraphDecoder
     from tessera.executor.step_check import check_stepwise
     from tessera.planners.cp.cost import CostParams
@@ -230,7 +230,10 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
     stepped = GraphDecoder(graph, decoder)
     check_stepwise(stepped)
     operations = step_operations(stepped)
-    return (None if operations is None else CostParams(step_operations=operations)), stepped.max_positions
+    counted = (
+        CostParams(step_operations=operations, gather_operations=GATHER_OPERATIONS) if operations else None
+    )
+    return counted, stepped.max_positions
 
 
 def _fixed_batch_message(graph: Graph, batch: int) -> str | None:

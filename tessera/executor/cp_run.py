@@ -336,6 +336,8 @@ def serving_metrics(batch: int, prefill_s: float, step_s: list[float]) -> dict[s
 
 
 def _predicted(plan: CpPlan) -> dict[str, float]:
+    """The plan's prediction of this run: its ``launch`` step where it has one (tp and cp: the dense
+    part replicated on every rank, one gather a layer, as this executor runs them)."""
     predicted = {
         k: float(plan.predicted[k])
         for k in ("tokens_per_s", "per_token_latency_s", "step_time_s")
@@ -344,6 +346,16 @@ def _predicted(plan: CpPlan) -> dict[str, float]:
     breakdown = plan.predicted.get("breakdown") or {}
     if breakdown.get("communication_s") is not None:
         predicted["communication_s"] = float(breakdown["communication_s"])
+    launch = plan.predicted.get("launch") or {}
+    if launch.get("step_time_s"):
+        step = float(launch["step_time_s"])
+        batch = int(plan.workload.get("batch", 1))
+        predicted.update(
+            tokens_per_s=batch / step,
+            per_token_latency_s=step,
+            step_time_s=step,
+            communication_s=float(launch["communication_s"]),
+        )
     return predicted
 
 

@@ -174,6 +174,12 @@ def test_onnx_gpt_cp_on_2_ranks_through_the_cli(tmp_path: Path, gpt: Path, monke
     assert m["tokens_per_s"] > 0 and 0 < m["communication_fraction"] < 1
     assert r["tokens_per_s"] == pytest.approx(m["tokens_per_s"] / p["tokens_per_s"])
     assert r["per_token_latency"] == pytest.approx(m["per_token_latency_s"] / p["per_token_latency_s"])
+    # measured against the step this executor runs (the dense part on both ranks, a gather a layer)
+    launch = json.loads(plan.read_text())["predicted"]["launch"]
+    assert (
+        p["per_token_latency_s"] == launch["step_time_s"]
+        and p["communication_s"] == launch["communication_s"]
+    )
     text = _cp_summary(report)  # what the launch prints without --json
     assert "CP x2" in text and "measured/predicted" in text
 

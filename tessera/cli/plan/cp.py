@@ -227,6 +227,12 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = Fa
         out.print(
             f"  per layer: {c['op']} {human_bytes(c['bytes'])} over {len(c['group'])} devices ({c['what']})"
         )
+    if p.get("launch"):
+        launch = p["launch"]
+        out.print(
+            f"  tessera launch: {launch['step_time_s'] * 1e3:.4g} ms per token (the dense part on every "
+            f"device, one {launch['collective']['op']} a layer of the {launch['collective']['what']})"
+        )
     for engine, config in plan.serving.items():
         name, command = SERVE_COMMANDS.get(engine, (engine, engine))
         serve = " ".join([command, *config["args"]])

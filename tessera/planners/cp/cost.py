@@ -71,6 +71,10 @@ class CostParams:
     compiled: bool = False
     """The step runs compiled by torch.compile (``launch --compile``): each operation is charged the
     device's ``decode_compiled_op_overhead`` instead (``decode_op_overhead`` where it has none)."""
+    gather_operations: tuple[int, int] = (0, 0)
+    """(tp, cp): the operations, in the same units, a tp or a cp rank's attention adds a layer to a
+    dp rank's in tessera's launch (cp: the partial's log-sum-exp column and the merge; both: the
+    gather's copies in and out), charged to the ``launch`` step of the estimate."""
     dp_trials: int = 2048
     """Monte Carlo draws of the output lengths for the DP straggler (seeded, so deterministic)."""
     seed: int = 0
@@ -82,6 +86,7 @@ class CostParams:
             "kernels_per_layer": self.kernels_per_layer,
             **({"step_operations": self.step_operations} if self.step_operations else {}),
             **({"compiled": True} if self.compiled else {}),
+            **({"gather_operations": list(self.gather_operations)} if any(self.gather_operations) else {}),
             "dp_trials": self.dp_trials,
             "seed": self.seed,
         }
@@ -165,6 +170,10 @@ class Estimate:
     expert_split: str = ""  # how a mixture of experts' experts are held; "" for a dense FFN
     dp_straggler: float = 1.0
     extra: dict[str, Any] = field(default_factory=dict)
+    launch: dict[str, Any] = field(default_factory=dict)
+    """tp and cp on more than one device: the step as tessera's own ``launch`` runs it, the dense
+    part replicated on every rank and one gather of the attention outputs a layer (empty: the same
+    as the estimate)."""
 
     @property
     def memory_bytes(self) -> int:
@@ -201,6 +210,7 @@ class Estimate:
                 "capacity": self.capacity_bytes,
             },
             "dp_straggler": _sig(self.dp_straggler),
+            **({"launch": self.launch} if self.launch else {}),
         }
 
 
@@ -269,12 +279,12 @@ def estimate(
     collectives = _collectives(strategy, llm, cluster, group, batch, b)
 
     # Per device: the slowest device of the group sets the step.
-    def step_parts(device: Device, tokens: int) -> tuple[float, float]:
+    def step_parts(device: Device, tokens: int, share: float = at.weight_share) -> tuple[float, float]:
         peak = device.type.peak_flops(llm.dtype)
         bw = device.type.memory_bandwidth
         dense = max(
-            tokens * dense_flops_per_token * at.weight_share / peak,
-            llm.layer_read_params(tokens) * b * at.weight_share / bw,
+            tokens * dense_flops_per_token * share / peak,
+            llm.layer_read_params(tokens) * b * share / bw,
         )
         requests = at.attn_requests if strategy != "dp" else tokens
         attention = max(
@@ -284,8 +294,8 @@ def estimate(
         head = 0.0
         if with_head:
             head = max(
-                tokens * 2 * llm.vocab * llm.hidden * at.weight_share / peak,
-                head_read_bytes * at.weight_share / bw,
+                tokens * 2 * llm.vocab * llm.hidden * share / peak,
+                head_read_bytes * share / bw,
             )
         compute = num_layers * (dense + attention) + head
         if p.step_operations:  # the executor's own count, the layers' share of it per layer
@@ -303,6 +313,22 @@ def estimate(
         return compute + host + comm, compute, comm, host
 
     step, compute, comm, host = step_time(at.dense_tokens)
+    launch: dict[str, Any] = {}
+    if strategy != "dp" and n > 1:  # what tessera's own launch runs (docs/executor.md)
+        replicated = max(step_parts(d, batch, share=1.0) for d in group)
+        gather = _launch_gather(strategy, llm, cluster, group, batch)
+        launch_comm = num_layers * gather.time_s
+        added = p.gather_operations[STRATEGIES.index(strategy)] * num_layers
+        launch_host = replicated[1] + at.table_entries * p.block_table_entry_s
+        if p.step_operations and added:
+            launch_host += added * max(decode_op_overhead(d, compiled=p.compiled) for d in group)
+        launch = {
+            "step_time_s": _sig(replicated[0] + launch_host + launch_comm),
+            "compute_s": _sig(replicated[0]),
+            "communication_s": _sig(launch_comm),
+            "host_s": _sig(launch_host),
+            "collective": {**gather.to_json(), "per": "layer"},
+        }
     straggler = 1.0
     if strategy == "dp" and batch >= n:
         # Replicas finish their own requests' work (Σ output lengths / slots) at different times.
@@ -341,7 +367,22 @@ def estimate(
         kv_split=at.kv_split,
         expert_split=_expert_split(llm, strategy, n, at.dense_tokens),
         dp_straggler=straggler,
+        launch=launch,
     )
+
+
+def _launch_gather(
+    strategy: str, llm: LlmConfig, cluster: ClusterSpec, group: list[Device], batch: int
+) -> Collective:
+    """The one collective a layer of tessera's launch runs on tp and cp ranks: every rank's
+    attention output gathered, in fp32 (tp: its share of the heads; cp: every head's partial and
+    its log-sum-exp); each rank receives the others' ``n − 1`` parts."""
+    n, head_dim = len(group), int(llm.head_dim)
+    part = batch * (llm.heads // n * head_dim if strategy == "tp" else llm.heads * (head_dim + 1)) * 4
+    what = (
+        "attention outputs of the rank's heads" if strategy == "tp" else "partial attention o and log-sum-exp"
+    )
+    return _collective(cluster, group, "all_gather", (n - 1) * part, what)
 
 
 def _expert_split(llm: LlmConfig, strategy: str, n: int, tokens: int) -> str:

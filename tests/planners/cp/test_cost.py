@@ -236,3 +236,30 @@ def test_a_compiled_step_is_charged_the_compiled_overhead_per_operation() -> Non
     assert (
         CostParams(compiled=True).to_json()["compiled"] is True and "compiled" not in CostParams().to_json()
     )
+
+
+@pytest.mark.parametrize("strategy", ["tp", "cp"])
+def test_the_launch_step_runs_the_dense_part_on_every_rank_and_gathers_once_a_layer(strategy: str) -> None:
+    """tessera's launch replicates the dense part on tp and cp ranks and gathers the attention
+    outputs once a layer: the estimate's ``launch`` step charges exactly that (the thesis's split
+    dense part and its collectives stay the estimate), and dp, which launches as estimated, has none."""
+    llm, _ = load_llm_config("gpt2")
+    cluster = load_cluster("local-cpu-split")
+    work = Workload(8, 512, OutputLengths("fixed", 1, 1))
+    params = CostParams(step_operations=300, gather_operations=(6, 24))
+    two = estimate(llm, cluster, work, strategy, 2, params=params)
+    launch = two.launch
+    assert launch["compute_s"] > two.compute_s  # the dense part is not split
+    gather = launch["collective"]
+    assert gather["op"] == "all_gather"
+    assert launch["communication_s"] == pytest.approx(llm.layers * gather["time_s"], rel=1e-4)
+    per_rank = 8 * (llm.heads // 2 * llm.head_dim if strategy == "tp" else llm.heads * (llm.head_dim + 1)) * 4
+    assert gather["bytes"] == per_rank  # fp32, one other rank's part received
+    added = (6 if strategy == "tp" else 24) * llm.layers * 4.6e-6
+    assert launch["host_s"] == pytest.approx(two.host_s + added, rel=1e-4)
+    assert launch["step_time_s"] == pytest.approx(
+        launch["compute_s"] + launch["host_s"] + launch["communication_s"], rel=1e-4
+    )
+    assert two.summary()["launch"] == launch and "gather_operations" in params.to_json()
+    assert not estimate(llm, cluster, work, "dp", 2, params=params).launch
+    assert not estimate(llm, cluster, work, strategy, 1, params=params).launch
