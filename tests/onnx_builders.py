@@ -73,9 +73,6 @@ def shape_passing_chain(width: int = 8) -> onnx.ModelProto:
     """MatMul + Tanh, then a MatMul whose output is reshaped to the first Tanh's ``Shape`` (int64)
     and masked by its ``Greater`` than 0 (bool): cut after the first layer, three dtypes cross
     together, as an exporter's shape arithmetic crosses with the activations."""
-    rng = np.random.default_rng(0)
-    weights = {f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(2)}
-    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
     nodes = [
         helper.make_node("MatMul", ["x", "w0"], ["m0"], name="matmul0"),
         helper.make_node("Tanh", ["m0"], ["h0"], name="tanh0"),
@@ -86,12 +83,21 @@ def shape_passing_chain(width: int = 8) -> onnx.ModelProto:
         helper.make_node("Where", ["mask", "r1", "zero"], ["masked"], name="where"),
         helper.make_node("Tanh", ["masked"], ["y"], name="tanh1"),
     ]
+    return _two_layer_model("shapes", nodes, width)
+
+
+def _two_layer_model(name: str, nodes: list[onnx.NodeProto], width: int) -> onnx.ModelProto:
+    """``nodes`` from ``x`` ``[batch, width]`` to ``y``, with two ``width × width`` weights ``w0``,
+    ``w1`` (seeded) and a scalar ``zero``."""
+    rng = np.random.default_rng(0)
+    weights = {f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(2)}
+    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
     graph = helper.make_graph(
         nodes,
-        "shapes",
+        name,
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
-        [*(numpy_helper.from_array(v, name) for name, v in weights.items()), zero],
+        [*(numpy_helper.from_array(v, n) for n, v in weights.items()), zero],
     )
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
@@ -100,9 +106,6 @@ def routed_chain(width: int = 8) -> onnx.ModelProto:
     """MatMul + Tanh, then the sum of its positive entries (``NonZero``, ``GatherND``: tensors of a
     length the data chose, no shape inference can know) added back, and a second MatMul + Tanh:
     an unrolled routing of experts in miniature."""
-    rng = np.random.default_rng(0)
-    weights = {f"w{i}": rng.normal(0, 0.5, (width, width)).astype(np.float32) for i in range(2)}
-    zero = numpy_helper.from_array(np.zeros((), np.float32), "zero")
     nodes = [
         helper.make_node("MatMul", ["x", "w0"], ["m0"], name="matmul0"),
         helper.make_node("Tanh", ["m0"], ["h0"], name="tanh0"),
@@ -115,14 +118,7 @@ def routed_chain(width: int = 8) -> onnx.ModelProto:
         helper.make_node("MatMul", ["shifted", "w1"], ["m1"], name="matmul1"),
         helper.make_node("Tanh", ["m1"], ["y"], name="tanh1"),
     ]
-    graph = helper.make_graph(
-        nodes,
-        "routed",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", width])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", width])],
-        [*(numpy_helper.from_array(v, name) for name, v in weights.items()), zero],
-    )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _two_layer_model("routed", nodes, width)
 
 
 def head_major_chain(width: int = 8, heads: int = 2) -> onnx.ModelProto:
