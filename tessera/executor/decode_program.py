@@ -43,10 +43,10 @@ WEIGHT_NUMEL = 4096
 CORE_OPERATIONS = 12
 STEP_OPERATIONS = 6
 # What a tp and a cp rank's core adds to that (graph_decode_worker: the heads sliced and the outputs
-# concatenated; the log-sum-exp column, the partials stacked and merged), and the gather's copies:
-# 27 and 112 us a layer over a dp core's 9 us, timed apart on a 2-core AMD EPYC VM (torch 2.13.0,
+# concatenated; the log-sum-exp column and the merge), with the gather's copies in and out: 48 and
+# 74 us a layer over a dp core's 9 us, timed apart on a 2-core AMD EPYC VM (torch 2.13.0,
 # 2026-11-29), in operations of the decode step's own (4.6 us there).
-GATHER_OPERATIONS = (6, 24)
+GATHER_OPERATIONS = (10, 16)
 _SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed by the step's shapes
 _PROGRAMS: weakref.WeakValueDictionary[int, StepProgram] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()

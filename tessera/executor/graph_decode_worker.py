@@ -28,7 +28,7 @@ from tessera.executor.kv_cache import GroupCache, attention_partial, decode_part
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.shm_gather import ShmGather, usable
 from tessera.executor.step_check import check_stepwise
-from tessera.kernels import merge_partials
+from tessera.kernels import merge_outputs
 from tessera.models.gpt import llm_gpt
 from tessera.planners.cp.recognize import recognize_decoder
 from tessera.planners.cp.scores import ScoreMod
@@ -189,8 +189,8 @@ class DecodeWorker:
                 sink = self.rank == 0  # one rank's partial holds the sink (scores.sinks), once
                 o, lse = attention_partial(q, keys, values, q_pos, positions, scores, heads, sink=sink)
             # one exchange a layer: each rank's partial with its log-sum-exp as one more column
-            parts = torch.stack(self._all_gather(torch.cat([o.float(), lse.float()[..., None]], dim=-1)))
-            return merge_partials(parts[..., :-1], parts[..., -1])[0].to(o.dtype)
+            parts = self._gather_stacked(torch.cat([o.float(), lse.float()[..., None]], dim=-1))
+            return merge_outputs(parts[..., :-1], parts[..., -1]).to(o.dtype)
 
         return attend
 
@@ -206,12 +206,17 @@ class DecodeWorker:
         self.shm = ShmGather(self.rank, self.world, min(largest, MAX_SHM_BYTES), self.spec.timeout_s)
 
     def _all_gather(self, t: Tensor) -> list[Tensor]:
+        return list(self._gather_stacked(t).unbind(0))
+
+    def _gather_stacked(self, t: Tensor) -> Tensor:
+        """Every rank's ``t`` as ``[world, *t.shape]``: through shared memory where it fits, else gloo."""
         t0 = time.perf_counter()
         if self.shm is not None and self.shm.fits(t):
-            parts = self.shm.all_gather(t)
+            parts = self.shm.stacked(t)
         else:
-            parts = [torch.empty_like(t) for _ in range(self.world)]
-            dist.all_gather(parts, t.contiguous())
+            gathered = [torch.empty_like(t) for _ in range(self.world)]
+            dist.all_gather(gathered, t.contiguous())
+            parts = torch.stack(gathered)
         self.comm_s += time.perf_counter() - t0
         return parts
 

@@ -62,6 +62,11 @@ class ShmGather:
 
     def all_gather(self, t: Tensor) -> list[Tensor]:
         """Every rank's ``t`` (same shape and dtype on every rank), in rank order."""
+        return list(self.stacked(t).unbind(0))
+
+    def stacked(self, t: Tensor) -> Tensor:
+        """Every rank's ``t`` (same shape and dtype on every rank) stacked in rank order: ``[world,
+        *t.shape]``, one copy out of the shared buffers."""
         n = self.count + 1
         self._wait(n - 1)  # no peer still reads gather n - 2 from the buffer this one reuses
         mine = t.detach().contiguous().view(torch.uint8).numpy().reshape(-1)
@@ -70,7 +75,7 @@ class ShmGather:
         self.count = n
         self._wait(n)
         parts = torch.from_numpy(np.array(self._data[:, n % 2, : mine.size]))
-        return [p.view(t.dtype).reshape(t.shape) for p in parts]
+        return parts.view(t.dtype).reshape(self.world, *t.shape)
 
     def _wait(self, n: int) -> None:
         counters, deadline, spins = self._counters, None, 0

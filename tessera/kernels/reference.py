@@ -147,15 +147,16 @@ def merge_partials(
             f"{tuple(o_stack.shape)} and {tuple(lse_stack.shape)}"
         )
     lse_f = lse_stack.float()
-    lse_max = lse_f.amax(dim=0)
-    # Around a finite stand-in where every shard is empty: exp(-inf - 0) = 0, never exp(-inf + inf).
-    lse_max_safe = torch.where(torch.isfinite(lse_max), lse_max, torch.zeros_like(lse_max))
-    weights = torch.exp(lse_f - lse_max_safe)  # [N, B, Hq], 0 for empty shards
-    total = weights.sum(dim=0)
-    lse = lse_max_safe + torch.log(total)  # log(0) = -inf where all empty
-    o = (weights[..., None] * o_stack.float()).sum(dim=0)
-    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None]
-    return o.to(o_stack.dtype), lse
+    return merge_outputs(o_stack, lse_f), torch.logsumexp(lse_f, dim=0)  # -inf where all are empty
+
+
+def merge_outputs(os: torch.Tensor, lses: torch.Tensor) -> torch.Tensor:
+    """The merged output of :func:`merge_partials` alone, of stacked ``os`` ``[N, ..., D]`` and
+    ``lses`` ``[N, ...]``: what a cp decode step needs once a layer, in four operations."""
+    # exp(lse_n - lse) for each shard, computed around the largest (softmax): 0 for an empty shard;
+    # NaN where every shard is empty, which gets weight 0 (o = 0).
+    weights = torch.softmax(lses.float(), dim=0).nan_to_num_(0.0)
+    return (weights.unsqueeze(-1) * os.float()).sum(dim=0).to(os.dtype)
 
 
 def full_decode_attention(

@@ -19,6 +19,7 @@ rounds the softmax weights to the cache dtype for the tensor-core ``p·V`` produ
 
 from __future__ import annotations
 
+import math
 import os
 
 # Before anything imports triton: run Triton kernels with its CPU interpreter.
@@ -41,6 +42,7 @@ from tessera.kernels import (
     decode_attention_partial_triton,
     full_decode_attention,
     get_partial_attention,
+    merge_outputs,
     merge_partials,
     shard_sizes,
     split_kv,
@@ -174,6 +176,18 @@ def test_merge_all_empty_is_zero_without_nan():
     torch.testing.assert_close(o[0], os_[1, 0])
     torch.testing.assert_close(lse[0], torch.full((4,), 0.5))
     assert torch.equal(o[1], torch.zeros(4, 8)) and torch.isneginf(lse[1]).all()
+    assert torch.equal(merge_outputs(os_, lses), o)  # a cp decode step's merge: the same output
+
+
+def test_the_merge_weighs_each_shard_by_its_share_of_the_softmax_mass():
+    """Two shards of one head: keys scored [0, ln 3] in one and [ln 2] in the other merge to the
+    softmax over all three (weights 4/6 and 2/6 of the shards' own outputs)."""
+    os_ = torch.tensor([[[[1.0, 0.0]]], [[[0.0, 1.0]]]])  # [N=2, B=1, H=1, D=2]
+    lses = torch.tensor([[[math.log(1 + 3)]], [[math.log(2)]]])
+    o, lse = merge_partials(os_, lses)
+    torch.testing.assert_close(o, torch.tensor([[[4 / 6, 2 / 6]]]))
+    torch.testing.assert_close(lse, torch.tensor([[math.log(6)]]))
+    assert torch.equal(merge_outputs(os_, lses), o)
 
 
 def test_merge_accepts_lists_and_keeps_dtype():

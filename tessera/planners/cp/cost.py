@@ -320,8 +320,8 @@ def estimate(
         launch_comm = num_layers * gather.time_s
         added = p.gather_operations[STRATEGIES.index(strategy)] * num_layers
         launch_host = replicated[1] + at.table_entries * p.block_table_entry_s
-        if p.step_operations and added:
-            launch_host += added * max(decode_op_overhead(d, compiled=p.compiled) for d in group)
+        if p.step_operations and added:  # the core's callback runs eager, compiled step or not
+            launch_host += added * max(decode_op_overhead(d, compiled=False) for d in group)
         launch = {
             "step_time_s": _sig(replicated[0] + launch_host + launch_comm),
             "compute_s": _sig(replicated[0]),
