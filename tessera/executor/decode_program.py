@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "GATHER_OPERATIONS",
+    "SCORED_OPERATIONS",
     "StepProgram",
     "Untraceable",
     "compile_step",
@@ -47,6 +48,11 @@ STEP_OPERATIONS = 6
 # 74 us a layer over a dp core's 9 us, timed apart on a 2-core AMD EPYC VM (torch 2.13.0,
 # 2026-11-29), in operations of the decode step's own (4.6 us there).
 GATHER_OPERATIONS = (10, 16)
+# A core whose scores are not plain (a window, soft-capping, ALiBi, a sink) attends by the unfused
+# scored path (kv_cache.attention_partial), not torch's fused kernel: 81-96 us a layer against the
+# fused kernel's 9 us on the same VM (Mistral's window, Gemma2's soft-cap, BLOOM's ALiBi, GPT-OSS's
+# sink), 16 more operations.
+SCORED_OPERATIONS = 16
 _SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed by the step's shapes
 _PROGRAMS: weakref.WeakValueDictionary[int, StepProgram] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
@@ -84,12 +90,18 @@ def compile_step(decoder: GraphDecoder, batch: int, length: int, *, inductor: bo
 
 def step_operations(decoder: GraphDecoder) -> int | None:
     """The operations one batch-1 decode step of ``decoder`` runs (its traced program's, each core
-    and the step counted as above): what the cp cost model charges per step. None where the step
-    cannot be traced."""
+    and the step counted as above, a core of scored attention more): what the cp cost model
+    charges per step. None where the step cannot be traced."""
     if (1, 1) not in decoder.programs and compile_step(decoder, 1, 1) is not None:
         return None
     program = decoder.programs[(1, 1)]
-    return program.operations + len(decoder.cores) * (CORE_OPERATIONS - 1) + STEP_OPERATIONS
+    scored = sum(1 for core in decoder.cores if not core.scores.plain)
+    return (
+        program.operations
+        + len(decoder.cores) * (CORE_OPERATIONS - 1)
+        + scored * SCORED_OPERATIONS
+        + STEP_OPERATIONS
+    )
 
 
 def self_attention(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:

@@ -27,7 +27,7 @@ from tessera.cli.launch_cmd import _cp_summary
 from tessera.core.errors import InputError
 from tessera.core.plans import load_plan
 from tessera.executor.cp_run import check_cp_plan, run_cp_plan
-from tessera.executor.decode_program import compile_step
+from tessera.executor.decode_program import SCORED_OPERATIONS, compile_step, step_operations
 from tessera.executor.decode_worker import DecodeOptions
 from tessera.executor.graph_decode_worker import graph_decoder
 from tessera.executor.kv_cache import GroupCache, attention_partial
@@ -370,3 +370,17 @@ def test_a_plan_without_the_expert_fields_still_validates_as_a_dense_decoder(
     plan_path.write_text(json.dumps(plan))
     res = run_cli("validate", str(plan_path))
     assert res.code == 2 and "llm.experts is 4 but the model has 1" in res.err
+
+
+def test_a_step_of_scored_attention_counts_the_unfused_cores_operations(gpt: Path) -> None:
+    """A window, soft-capping, ALiBi or a sink takes the unfused scored attention, not torch's fused
+    kernel: the step's count (what the plan charges) has that much more a core."""
+    import dataclasses
+
+    decoder = graph_decoder(str(gpt))
+    plain = step_operations(decoder)
+    assert plain is not None and all(core.scores.plain for core in decoder.cores)
+    decoder.cores = [
+        dataclasses.replace(core, scores=dataclasses.replace(core.scores, window=4)) for core in decoder.cores
+    ]
+    assert step_operations(decoder) == plain + SCORED_OPERATIONS * len(decoder.cores)
