@@ -95,9 +95,8 @@ def decompose(
             "no operator reads a model input or an activation: nothing to pipeline", source=graph.source
         )
     cost_fn = op_cost or (lambda n: 1.0 + graph.op(n).flops / 1e6)
-    members = _bound_together(graph, dag, order)
+    dag, members = _contract_unroutable(graph, dag, order)
     if members:
-        dag = _contracted(dag, members)
         first = {n: i for i, n in enumerate(order)}
         order = list(nx.lexicographical_topological_sort(dag, key=first.__getitem__))
 
@@ -124,39 +123,30 @@ def decompose(
     return SPTree(root=coarse, units=units, unit_of=unit_of, converted=state["converted"])
 
 
-def _bound_together(graph: Graph, dag: nx.DiGraph, order: Sequence[str]) -> dict[str, tuple[str, ...]]:
-    """Operators no stage boundary may separate, by the first of each group: those joined by a
-    tensor whose shape inference could not resolve (a count a ``NonZero`` chose, as in the legacy
-    exporter's unrolled routing of experts), which a stage cannot size a buffer to receive, with
-    every operator on a path between them (the contracted DAG stays acyclic)."""
+def _contract_unroutable(
+    graph: Graph, dag: nx.DiGraph, order: Sequence[str]
+) -> tuple[nx.DiGraph, dict[str, tuple[str, ...]]]:
+    """``dag`` with the operators no stage boundary may separate contracted, and those groups by
+    their first operator (its name is the group's node): operators joined by a tensor whose shape
+    inference could not resolve (a count a ``NonZero`` chose, as in the legacy exporter's unrolled
+    routing of experts), which a stage cannot size a buffer to receive, with every operator on a
+    path between them (the strongly connected components of the contracted DAG: it stays acyclic)."""
     joined = nx.Graph()
     for u, v, tensors in dag.edges(data="tensors"):
         if any(t.shape is None for t in tensors):
             joined.add_edge(u, v)
     if not joined:
-        return {}
+        return dag, {}
     group = {n: i for i, part in enumerate(nx.connected_components(joined)) for n in part}
     quotient = nx.DiGraph()
     quotient.add_nodes_from(group.get(n, n) for n in dag)
     quotient.add_edges_from((group.get(u, u), group.get(v, v)) for u, v in dag.edges)
-    condensed = nx.condensation(quotient)  # groups on a path between them join them
-    scc = condensed.graph["mapping"]
+    condensed = nx.condensation(quotient)
     parts: dict[int, list[str]] = {}
     for n in order:
-        parts.setdefault(scc[group.get(n, n)], []).append(n)
-    return {ops[0]: tuple(ops) for ops in parts.values() if len(ops) > 1}
-
-
-def _contracted(dag: nx.DiGraph, members: dict[str, tuple[str, ...]]) -> nx.DiGraph:
-    """``dag`` with each group of :func:`_bound_together` one node, named by its first operator."""
-    first = {op: head for head, ops in members.items() for op in ops}
-    out = nx.DiGraph()
-    out.add_nodes_from(first.get(n, n) for n in dag)
-    for u, v in dag.edges:
-        a, b = first.get(u, u), first.get(v, v)
-        if a != b:
-            out.add_edge(a, b)
-    return out
+        parts.setdefault(condensed.graph["mapping"][group.get(n, n)], []).append(n)
+    contracted = nx.relabel_nodes(condensed, {i: ops[0] for i, ops in parts.items()})
+    return contracted, {ops[0]: tuple(ops) for ops in parts.values() if len(ops) > 1}
 
 
 def _decompose(
