@@ -178,7 +178,9 @@ class DecodeWorker:
             if self.strategy != "cp" or self.world == 1:  # every key of the request is here
                 o = _attention(q, keys, values, positions, past, scores, heads)
                 return (
-                    o if self.strategy == "dp" or self.world == 1 else torch.cat(self._all_gather(o), dim=1)
+                    o
+                    if self.strategy == "dp" or self.world == 1
+                    else torch.cat(tuple(self._gather_stacked(o)), dim=1)
                 )
             if q.shape[2] == 1 and scores.plain:  # every key held is at or before the query (--attention)
                 fused = decode_partial(q[:, :, 0], keys, values, scores.scale) if self.fused else None
@@ -204,9 +206,6 @@ class DecodeWorker:
             len(g) * heads * max(self.prompt_lens[g[0]], 1) * (head_dim + 1) * 4 for g in self.groups
         )
         self.shm = ShmGather(self.rank, self.world, min(largest, MAX_SHM_BYTES), self.spec.timeout_s)
-
-    def _all_gather(self, t: Tensor) -> list[Tensor]:
-        return list(self._gather_stacked(t).unbind(0))
 
     def _gather_stacked(self, t: Tensor) -> Tensor:
         """Every rank's ``t`` as ``[world, *t.shape]``: through shared memory where it fits, else gloo."""

@@ -36,8 +36,9 @@ def usable(world: int) -> bool:
 
 
 class ShmGather:
-    """``all_gather(t)`` among ``world`` ranks of this host (collective set-up: every rank constructs
-    it at the same point, after ``init_process_group``). ``capacity``: the largest tensor in bytes."""
+    """``stacked(t)``: an all-gather among ``world`` ranks of this host (collective set-up: every
+    rank constructs it at the same point, after ``init_process_group``). ``capacity``: the largest
+    tensor in bytes."""
 
     def __init__(self, rank: int, world: int, capacity: int, timeout_s: float) -> None:
         self.rank, self.world, self.capacity, self.timeout_s = rank, world, capacity, timeout_s
@@ -59,10 +60,6 @@ class ShmGather:
 
     def fits(self, t: Tensor) -> bool:
         return t.device.type == "cpu" and t.numel() * t.element_size() <= self.capacity
-
-    def all_gather(self, t: Tensor) -> list[Tensor]:
-        """Every rank's ``t`` (same shape and dtype on every rank), in rank order."""
-        return list(self.stacked(t).unbind(0))
 
     def stacked(self, t: Tensor) -> Tensor:
         """Every rank's ``t`` (same shape and dtype on every rank) stacked in rank order: ``[world,

@@ -40,7 +40,8 @@ def _rank(rank: int, world: int, port: int, results: dict) -> None:
                 t = t.reshape(1, -1, 1)
             want = [torch.empty_like(t) for _ in range(world)]
             dist.all_gather(want, t)
-            got = shm.all_gather(t)
+            got = shm.stacked(t)
+            same &= got.shape == (world, *t.shape)
             same &= all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, want, strict=True))
         results[rank] = (same, sorted(left), shm.fits(torch.zeros(1025)), shm.fits(torch.zeros(1024)))
     finally:
