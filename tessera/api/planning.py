@@ -219,7 +219,13 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
     offset the graph adds; the recognized limit where the step is not built)."""
     if is_lazy(graph.model) or graph.param_bytes > MAX_COUNTED_BYTES:
         return None, decoder.position_limit
-    from tessera.executor.decode_program import GATHER_OPERATIONS, step_operations
+    from tessera.executor.decode_program import (
+        GATHER_OPERATIONS,
+        REDUCE_OPERATIONS,
+        TP_DEGREES,
+        step_operations,
+        tp_launch,
+    )
     from tessera.executor.graph_decoder import GraphDecoder
     from tessera.executor.step_check import check_stepwise
     from tessera.planners.cp.cost import CostParams
@@ -230,8 +236,19 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
     stepped = GraphDecoder(graph, decoder)
     check_stepwise(stepped)
     operations = step_operations(stepped)
+    # What a tp launch splits at each degree the heads allow (the rest it runs whole on every rank).
+    split = tuple(
+        tp_launch(stepped, graph, decoder.config, t) for t in TP_DEGREES if decoder.config.heads % t == 0
+    )
     counted = (
-        CostParams(step_operations=operations, gather_operations=GATHER_OPERATIONS) if operations else None
+        CostParams(
+            step_operations=operations,
+            gather_operations=GATHER_OPERATIONS,
+            reduce_operations=REDUCE_OPERATIONS,
+            tp_launch=split,
+        )
+        if operations
+        else None
     )
     return counted, stepped.max_positions
 

@@ -104,14 +104,20 @@ class _Label:
     pieces: int = 1  # the rank holds its block of each of this many equal parts (shard())
 
 
-def tensor_parallel(graph: Graph, t: int) -> TpSplit:
-    """The ``t``-way tensor-parallel split of ``graph`` (see the module docstring)."""
+def tensor_parallel(
+    graph: Graph, t: int, *, within: Iterable[str] | None = None, outputs: Iterable[str] | None = None
+) -> TpSplit:
+    """The ``t``-way tensor-parallel split of ``graph`` (see the module docstring); ``within``: of
+    these nodes alone (the others are never run: a decode step's, what its logits need), ``outputs``
+    the tensors that must end whole (default: the graph's outputs)."""
     if t <= 1:
         return TpSplit(max(t, 1))
-    columns = {n for n in graph.order if _weight(graph, n) is not None}
+    members = None if within is None else frozenset(within)
+    ends = tuple(graph.outputs if outputs is None else outputs)
+    columns = {n for n in graph.order if _weight(graph, n) is not None and (members is None or n in members)}
     while True:
         dead: set[str] = set()
-        found = _Pass(graph, t, columns, dead).run()
+        found = _Pass(graph, t, columns, dead).run(members, ends)
         if not dead:
             return found
         columns -= dead
@@ -155,9 +161,11 @@ class _Pass:
         self.differentiable = {n for n, i in graph.inputs.items() if i.floating}
         self.piece = self.out_piece = 1  # the parts of the node's split inputs and outputs (_Label.pieces)
 
-    def run(self) -> TpSplit:
+    def run(self, members: frozenset[str] | None, outputs: Sequence[str]) -> TpSplit:
         g = self.g
         for name in g.order:
+            if members is not None and name not in members:
+                continue
             op = g.op(name)
             if any(
                 i in self.differentiable or _trainable(g, i) for i in (*op.inputs, *op.implicit_inputs) if i
@@ -167,7 +175,7 @@ class _Pass:
                 self._node(name)
             except _Conflict as c:
                 self.dead.update(c.seeds)
-        for out in g.outputs:
+        for out in outputs:
             if out in self.labels:
                 self.dead.update(self.labels[out].seeds)
         return self._regions() if not self.dead else TpSplit(self.t)

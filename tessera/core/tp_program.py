@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper
+from onnx import TensorProto, helper, numpy_helper
 
 from tessera.core.graph import Graph
 from tessera.core.tensor_parallel import TpSplit, shard
@@ -18,23 +18,32 @@ from tessera.core.weights import is_lazy_tensor, lazy_values
 
 __all__ = ["local_model"]
 
+_NARROW = {"bfloat16": TensorProto.BFLOAT16, "float16": TensorProto.FLOAT16}  # widened by ``widen``
+
 
 def local_model(
-    graph: Graph, nodes: Iterable[str], split: TpSplit, index: int, *, group: str = "tp"
+    graph: Graph, nodes: Iterable[str], split: TpSplit, index: int, *, group: str = "tp", widen: bool = False
 ) -> onnx.ModelProto:
     """The stage ``nodes`` of ``graph`` as rank ``index`` of ``split.t`` runs it (``split`` restricted
-    to the stage). Shapes are read at run time, so any micro-batch runs."""
+    to the stage). Shapes are read at run time, so any micro-batch runs. ``widen``: a row product of
+    bf16 or fp16 computes its partial sums in fp32 (its weight block held so) and they are summed so,
+    then rounded once, as one process's product is (a decode step's tokens stay the model's)."""
     model = graph.extract(list(nodes))
     if not split.regions:
         return model
     g = model.graph
     t = split.t
     weights = split.weights
-    inits = [_sharded(proto, weights.get(proto.name), t, index) for proto in g.initializer]
+    rows = {n for r in split.regions for n in r.rows}
+    kinds = {n: _NARROW.get(graph.tensors[graph.op(n).outputs[0]].dtype) for n in rows if widen}
+    narrow = {n: kind for n, kind in kinds.items() if kind is not None}
+    wide = {graph.op(n).inputs[1] for n in narrow}
+    inits = [
+        _sharded(proto, weights.get(proto.name), t, index, proto.name in wide) for proto in g.initializer
+    ]
     shapes = {n: s for r in split.regions for n, s in r.shapes.items()}
     constants = {n: s for r in split.regions for n, s in r.constants.items()}
     operands = {key: v for r in split.regions for key, v in r.operands.items()}
-    rows = {n for r in split.regions for n in r.rows}
     out_nodes: list[onnx.NodeProto] = []
     copies: dict[str, str] = {}  # whole tensor → its copy
     for node in g.node:
@@ -53,7 +62,7 @@ def local_model(
                 helper.make_node("TpLocal", [node.input[1]], [local], name=local, axis=shapes[node.name], t=t)
             )
             node.input[1] = local
-        out_nodes.extend(_row(node, group) if node.name in rows else [node])
+        out_nodes.extend(_row(node, group, narrow.get(node.name)) if node.name in rows else [node])
     del g.node[:]
     g.node.extend(out_nodes)
     del g.initializer[:]
@@ -62,12 +71,15 @@ def local_model(
     return model
 
 
-def _sharded(proto: onnx.TensorProto, split: tuple[int, int] | None, t: int, index: int) -> onnx.TensorProto:
+def _sharded(
+    proto: onnx.TensorProto, split: tuple[int, int] | None, t: int, index: int, wide: bool = False
+) -> onnx.TensorProto:
     if split is None:
         return proto
     array = lazy_values(proto) if is_lazy_tensor(proto) else numpy_helper.to_array(proto)
+    block = shard(array, *split[:1], t, index, split[1])
     return numpy_helper.from_array(
-        np.ascontiguousarray(shard(array, *split[:1], t, index, split[1])), proto.name
+        np.ascontiguousarray(block.astype(np.float32) if wide else block), proto.name
     )
 
 
@@ -108,10 +120,18 @@ def _copy_of(node: onnx.NodeProto) -> onnx.NodeProto:
     return out
 
 
-def _row(node: onnx.NodeProto, group: str) -> list[onnx.NodeProto]:
-    """A row-split product, its partial sums all-reduced; a Gemm's bias added once, after."""
+def _row(node: onnx.NodeProto, group: str, narrow: int | None = None) -> list[onnx.NodeProto]:
+    """A row-split product, its partial sums all-reduced; a Gemm's bias added once, after.
+    ``narrow``: the product's element type, its partial sums computed and summed in fp32 instead."""
     out = node.output[0]
     partial = f"{out}__tp_partial"
+    widened: list[onnx.NodeProto] = []
+    if narrow is not None:
+        wide_in = f"{node.input[0]}__tp_fp32_{node.name}"
+        widened.append(
+            helper.make_node("Cast", [node.input[0]], [wide_in], name=wide_in, to=TensorProto.FLOAT)
+        )
+        node.input[0] = wide_in
     bias = node.input[2] if node.op_type == "Gemm" and len(node.input) > 2 and node.input[2] else None
     if bias is not None:
         del node.input[2:]
@@ -121,7 +141,18 @@ def _row(node: onnx.NodeProto, group: str) -> list[onnx.NodeProto]:
         node.attribute.extend(kept)
     node.output[0] = partial
     reduced = f"{out}__tp_sum" if bias is not None else out
-    made = [node, helper.make_node("TpReduce", [partial], [reduced], name=f"{out}__tp_reduce", group=group)]
+    made = [*widened, node]
+    if narrow is not None:
+        made.append(
+            helper.make_node(
+                "TpReduce", [partial], [f"{out}__tp_fp32"], name=f"{out}__tp_reduce", group=group
+            )
+        )
+        made.append(
+            helper.make_node("Cast", [f"{out}__tp_fp32"], [reduced], name=f"{out}__tp_narrow", to=narrow)
+        )
+    else:
+        made.append(helper.make_node("TpReduce", [partial], [reduced], name=f"{out}__tp_reduce", group=group))
     if bias is not None:
         if beta != 1.0:
             raise NotImplementedError(f"{node.name}: a row-split Gemm with beta {beta}")

@@ -336,8 +336,9 @@ def serving_metrics(batch: int, prefill_s: float, step_s: list[float]) -> dict[s
 
 
 def _predicted(plan: CpPlan) -> dict[str, float]:
-    """The plan's prediction of this run: its ``launch`` step where it has one (tp and cp: the dense
-    part replicated on every rank, one gather a layer, as this executor runs them)."""
+    """The plan's prediction of this run: its ``launch`` step where it has one (tp: the layers'
+    split the model allows and its all-reduces; cp: the dense part on every rank, one gather a
+    layer; as this executor runs them)."""
     predicted = {
         k: float(plan.predicted[k])
         for k in ("tokens_per_s", "per_token_latency_s", "step_time_s")

@@ -20,19 +20,25 @@ from torch import Tensor, fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tessera.executor.kv_cache import attention_partial
+from tessera.planners.cp.cost import TpLaunch
 from tessera.planners.cp.scores import ScoreMod
 
 if TYPE_CHECKING:
+    from tessera.core.graph import Graph
     from tessera.executor.graph_decoder import Attend, GraphDecoder
+    from tessera.planners.cp.llm import LlmConfig
 
 __all__ = [
     "GATHER_OPERATIONS",
+    "REDUCE_OPERATIONS",
     "SCORED_OPERATIONS",
+    "TP_DEGREES",
     "StepProgram",
     "Untraceable",
     "compile_step",
     "self_attention",
     "step_operations",
+    "tp_launch",
 ]
 
 # Float initializers above this many elements are weights, read by the program; smaller ones
@@ -53,6 +59,10 @@ GATHER_OPERATIONS = (10, 16)
 # fused kernel's 9 us on the same VM (Mistral's window, Gemma2's soft-cap, BLOOM's ALiBi, GPT-OSS's
 # sink), 16 more operations.
 SCORED_OPERATIONS = 16
+# What each all-reduce of a sharded tp rank's partial sums adds (GraphDecoder.shard): the exchange's
+# copies in and out, the sum and its cast.
+REDUCE_OPERATIONS = 6
+TP_DEGREES = (2, 4, 8)  # the tp degrees a plan records what the launch splits at (tp_launch)
 _SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed by the step's shapes
 _PROGRAMS: weakref.WeakValueDictionary[int, StepProgram] = weakref.WeakValueDictionary()
 _HANDLES = itertools.count()
@@ -75,6 +85,22 @@ def _(a: Tensor, b: Tensor, v: Tensor, program: int, layer: int) -> Tensor:
 
 def _call_core(a: Tensor, b: Tensor, v: Tensor, program: int, layer: int) -> Tensor:
     return _PROGRAMS[program].core(layer, a, b, v)
+
+
+@torch.library.custom_op("tessera::reduce_partials", mutates_args=())
+def _reduce_partials(x: Tensor, program: int) -> Tensor:
+    """A tensor-parallel rank's partial sums, every rank's summed (GraphDecoder.shard): one node in
+    the traced graph, replaced by :func:`_call_reduce`."""
+    return _call_reduce(x, program)
+
+
+@_reduce_partials.register_fake
+def _(x: Tensor, program: int) -> Tensor:
+    return torch.empty_like(x)
+
+
+def _call_reduce(x: Tensor, program: int) -> Tensor:
+    return _PROGRAMS[program].decoder.reduce(x)
 
 
 def compile_step(decoder: GraphDecoder, batch: int, length: int, *, inductor: bool = False) -> str | None:
@@ -101,6 +127,20 @@ def step_operations(decoder: GraphDecoder) -> int | None:
         + len(decoder.cores) * (CORE_OPERATIONS - 1)
         + scored * SCORED_OPERATIONS
         + STEP_OPERATIONS
+    )
+
+
+def tp_launch(decoder: GraphDecoder, graph: Graph, llm: LlmConfig, t: int) -> TpLaunch:
+    """What a ``t``-way tp launch of ``decoder`` (built from ``graph``) splits
+    (:meth:`GraphDecoder.shard`), in the cost model's terms."""
+    _, split = decoder.tp_split(graph, t)
+    held = sum(graph.initializers[w].numel for w in split.weights)
+    sharded = sum(1 for core in decoder.cores if core.av in split.nodes)
+    return TpLaunch(
+        t,
+        whole=max(0.0, 1 - held / (llm.layers * llm.layer_params)),
+        gathered=1 - sharded / max(len(decoder.cores), 1),
+        reduces=sum(len(r.rows) for r in split.regions) / llm.layers,
     )
 
 
@@ -194,6 +234,9 @@ class StepProgram:
                     continue
                 if s.name in d.passed:  # a sink's scaling: attend applied the sink
                     env[s.outputs[0]] = args[d.passed[s.name]]  # type: ignore[assignment]
+                    continue
+                if s.name in d.reduces:  # a tensor-parallel rank's partial sums, every rank's summed
+                    env[s.outputs[0]] = torch.ops.tessera.reduce_partials(args[0], handle)
                     continue
                 if s.name in counts:  # positions counted from shapes: offset by the tokens cached
                     results = [counts[s.name]]
@@ -290,8 +333,8 @@ def _fold(
 
 
 def _finished(traced: fx.GraphModule, *, keep_cores: bool) -> fx.GraphModule:
-    """The traced program with each core's node calling back into the cache directly (unless
-    ``keep_cores``: torch.compile needs the operator), no per-run copies of its constants
+    """The traced program with each core's node calling back into the cache directly, and each
+    all-reduce into the ranks' exchange (unless ``keep_cores``: torch.compile needs the operators), no per-run copies of its constants
     (``lift_fresh_copy``: nothing writes to them), and small host constants that meet device
     tensors moved there once (no host-to-device copy per run, which a CUDA graph cannot hold)."""
     moved = itertools.count()
@@ -300,6 +343,8 @@ def _finished(traced: fx.GraphModule, *, keep_cores: bool) -> fx.GraphModule:
             continue
         if node.target is torch.ops.tessera.attend_core.default and not keep_cores:
             node.target = _call_core
+        elif node.target is torch.ops.tessera.reduce_partials.default and not keep_cores:
+            node.target = _call_reduce
         elif node.target is torch.ops.aten.lift_fresh_copy.default:
             node.replace_all_uses_with(node.args[0])
             traced.graph.erase_node(node)

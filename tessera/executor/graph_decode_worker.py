@@ -1,9 +1,11 @@
 """One rank's share of a greedy decode run from the model's own ONNX graph (:mod:`graph_decoder`).
 
 The graph's dense part runs as exported; each attention core attends over this rank's KV cache:
-``dp`` ranks decode their own requests whole; ``tp`` ranks decode every request and attend with
-their share of the heads (outputs all-gathered); ``cp`` ranks decode every request and attend over
-the positions their KV shard holds, the partials merged exactly (log-sum-exp) after an all-gather.
+``dp`` ranks decode their own requests whole; ``tp`` ranks decode every request with their shard of
+the projections the model's split reaches (GraphDecoder.shard: partial sums all-reduced, their own
+heads; other cores attend with their share of every head, outputs all-gathered); ``cp`` ranks decode
+every request and attend over the positions their KV shard holds, the partials merged exactly
+(log-sum-exp) after an all-gather.
 Requests at the same position run as one batch. See docs/executor.md ("Decoding from the graph").
 """
 
@@ -22,7 +24,7 @@ from torch import Tensor
 from tessera.core.graph import load_graph
 from tessera.core.weights import materialize
 from tessera.executor.decode_program import compile_step
-from tessera.executor.graph_decoder import GraphDecoder
+from tessera.executor.graph_decoder import GraphDecoder, Reduce
 from tessera.executor.graphed_step import GraphedStep, greedy
 from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
 from tessera.executor.kv_layout import KvLayout, request_slices
@@ -39,14 +41,22 @@ MAX_SHM_BYTES = 64 * 2**20  # per rank and buffer; larger exchanges (long prefil
 
 
 def graph_decoder(
-    model: str | onnx.ModelProto, *, label: str | None = None, check: bool = True
+    model: str | onnx.ModelProto,
+    *,
+    label: str | None = None,
+    check: bool = True,
+    shard: tuple[int, int, Reduce] | None = None,
 ) -> GraphDecoder:
     """The decode step of the decoder ``model`` (a path or a model; InputError when it is none),
-    recognized as loaded (symbolic dimensions bound to 1, as ``plan`` recognizes it); ``check``: and
+    recognized as loaded (symbolic dimensions bound to 1, as ``plan`` recognizes it); ``shard``:
+    (t, index, reduce) of a tensor-parallel rank (:meth:`GraphDecoder.shard`); ``check``: and
     checked to decode with a KV cache what the whole graph computes
     (:func:`~tessera.executor.step_check.check_stepwise`)."""
     graph = load_graph(model, label=label)
-    decoder = GraphDecoder(graph, recognize_decoder(graph))
+    recognized = recognize_decoder(graph)
+    decoder = GraphDecoder(graph, recognized)
+    if shard is not None:
+        decoder.shard(graph, recognized, *shard)
     if check:
         check_stepwise(decoder)
     return decoder
@@ -63,11 +73,14 @@ class DecodeWorker:
         self.kernel = get_partial_attention(spec.options.attention)  # a decode step's shard attention
         self.fused = spec.options.attention == "torch"  # torch's fused CPU kernel where it applies
         # Not checked again: the launcher checked the model file; an --llm plan's GPT is tessera's own.
+        # A tp rank holds its block of every product the dataflow split finds (GraphDecoder.shard).
+        shard = (self.world, rank, self._all_reduce) if self.strategy == "tp" and self.world > 1 else None
         if spec.model_path is not None:
-            self.decoder = graph_decoder(spec.model_path, check=False)
+            self.decoder = graph_decoder(spec.model_path, check=False, shard=shard)
         else:  # an --llm plan: the GPT of its config, seeded random weights
             model = materialize(llm_gpt(spec.llm, spec.options.seed))
-            self.decoder = graph_decoder(model, label=f"--llm {spec.llm.get('name', 'config')}", check=False)
+            label = f"--llm {spec.llm.get('name', 'config')}"
+            self.decoder = graph_decoder(model, label=label, check=False, shard=shard)
         self.decoder.module.to(device)
         self.weight_bytes = sum(p.numel() * p.element_size() for p in self.decoder.module.parameters())
         batch = len(spec.prompts)
@@ -167,8 +180,9 @@ class DecodeWorker:
 
     def _attend(self, cache: GroupCache) -> Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]:
         def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:
-            heads = slice(None)
-            if self.strategy == "tp":
+            heads = slice(None)  # a sharded core's heads and scores are this rank's alone (shard())
+            gather = self.strategy == "tp" and self.world > 1 and layer not in self.decoder.sharded
+            if gather:  # every head: this rank attends with its share, then gathers
                 heads = slice(*_share(q.shape[1], self.rank, self.world))
                 q = q[:, heads]
                 if k.shape[1] > 1:  # one K/V head (multi-query) is broadcast to every rank's heads
@@ -177,11 +191,7 @@ class DecodeWorker:
             keys, values, positions = cache.read(layer, held)
             if self.strategy != "cp" or self.world == 1:  # every key of the request is here
                 o = _attention(q, keys, values, positions, past, scores, heads)
-                return (
-                    o
-                    if self.strategy == "dp" or self.world == 1
-                    else torch.cat(tuple(self._gather_stacked(o)), dim=1)
-                )
+                return torch.cat(tuple(self._gather_stacked(o)), dim=1) if gather else o
             if q.shape[2] == 1 and scores.plain:  # every key held is at or before the query (--attention)
                 fused = decode_partial(q[:, :, 0], keys, values, scores.scale) if self.fused else None
                 o, lse = fused or self.kernel(q[:, :, 0], keys, values, scale=scores.scale)
@@ -202,10 +212,15 @@ class DecodeWorker:
         if self.strategy == "dp" or not usable(self.world) or self.device.type != "cpu":
             return
         heads, head_dim = int(self.spec.llm["heads"]), int(self.spec.llm["head_dim"])
-        largest = max(
-            len(g) * heads * max(self.prompt_lens[g[0]], 1) * (head_dim + 1) * 4 for g in self.groups
-        )
+        width = max(heads * (head_dim + 1), int(self.spec.llm["hidden"]))  # a core's output, a tp partial
+        largest = max(len(g) * max(self.prompt_lens[g[0]], 1) * width * 4 for g in self.groups)
         self.shm = ShmGather(self.rank, self.world, min(largest, MAX_SHM_BYTES), self.spec.timeout_s)
+
+    def _all_reduce(self, t: Tensor) -> Tensor:
+        """Every tp rank's partial sums ``t`` summed, in rank order (the same sum on every rank),
+        in fp32 at least."""
+        parts = self._gather_stacked(t)
+        return parts.sum(0, dtype=torch.promote_types(t.dtype, torch.float32)).to(t.dtype)
 
     def _gather_stacked(self, t: Tensor) -> Tensor:
         """Every rank's ``t`` as ``[world, *t.shape]``: through shared memory where it fits, else gloo."""

@@ -7,28 +7,34 @@ the tokens already cached. Matching and limits: docs/executor.md.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
+import networkx as nx
 import torch
 from torch import Tensor
 
 from tessera.backends.torch_module import NodeHook, OnnxModule, to_torch
 from tessera.backends.torch_ops.attention import heads_first
+from tessera.backends.torch_ops.collectives import use_group
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph
+from tessera.core.tensor_parallel import TpSplit, tensor_parallel
+from tessera.core.tp_program import local_model
 from tessera.core.weights import is_lazy, materialize
 from tessera.planners.cp.recognize import Decoder
 from tessera.planners.cp.scores import ScoreMod, input_role
 
-__all__ = ["Attend", "GraphDecoder"]
+__all__ = ["DECODE_GROUP", "Attend", "GraphDecoder", "Reduce"]
 
 # attend(layer, q, k, v, scores, past) -> o: q, k, v, o [B, H, S, D] (K and V as the graph hands them
 # to the core: rotary applied, grouped-query heads repeated, or one head to broadcast); ``scores``:
 # what the graph does to Q·Kᵀ (scale, soft-cap, ALiBi, window); S new tokens after ``past`` cached.
 Attend = Callable[[int, Tensor, Tensor, Tensor, ScoreMod, int], Tensor]
 Observer = Callable[[str, Sequence[Tensor]], None]
+Reduce = Callable[[Tensor], Tensor]  # every tensor-parallel rank's partial sums, summed
+DECODE_GROUP = "decode"  # the collectives' group name of a sharded decoder (shard())
 _POSITION_OPS = ("Range", "CumSum")
 _PROBES = (3, 5)  # the sequence lengths the graph is run at to find its positions
 
@@ -74,7 +80,12 @@ class GraphDecoder:
         # a sink's scaling Mul -> its input that is the attention's output, passed on (the sink is in
         # the attention: ScoreMod.sinks)
         self.passed = dict(core.sink_scale for core in self.cores if core.sink_scale is not None)
-        self.needed = _needed(graph, decoder, self.logits_output, self.passed)
+        self.needed = _needed(
+            graph.producer, lambda n: graph.op(n).inputs, decoder, self.logits_output, self.passed
+        )
+        self.sharded: frozenset[int] = frozenset()  # the cores whose heads this rank alone holds (shard())
+        self.reduces: frozenset[str] = frozenset()  # a sharded rank's all-reduces of partial sums
+        self.reduce: Reduce | None = None  # and what sums them
         self.programs: dict[tuple[int, int], Any] = {}  # (batch, new tokens) -> its StepProgram
         gathers = {  # positions index some (a learned table, a rotary cache, GPT-J's sin/cos rows)
             op.name: int(op.attributes.get("axis", 0))
@@ -113,6 +124,39 @@ class GraphDecoder:
         # limit; None: no limit.
         rows = [size - first for first, size in tables.values()]
         self.max_positions = min([*rows, *filter(None, [decoder.position_limit])], default=None)
+
+    def shard(self, graph: Graph, decoder: Decoder, t: int, index: int, reduce: Reduce) -> None:
+        """Make this decoder rank ``index`` of ``t`` tensor-parallel ranks: it holds its block of every
+        product the dataflow split finds among what the logits need (:mod:`tessera.core.tensor_parallel`:
+        column-parallel Q/K/V and up, row-parallel O and down), runs its copy of the graph
+        (:func:`~tessera.core.tp_program.local_model`), and sums the row products' partial sums with
+        ``reduce`` (every rank's, in one order; a bf16 model's in fp32, rounded once). The cores inside a split attend with this rank's heads
+        alone (``sharded``); the others see every head. ``graph``, ``decoder``: what it was built from."""
+        keep, split = self.tp_split(graph, t)
+        if not split.regions:
+            return
+        model = local_model(graph, keep, split, index, group=DECODE_GROUP, widen=True)
+        use_group(DECODE_GROUP, reduce)
+        self.reduce = reduce
+        device = next(iter(self.module.initializers().values())).device
+        self.module = to_torch(model, label=self.label).train(False).to(device)
+        producer = {o: node.name for node in model.graph.node for o in node.output if o}
+        inputs = {node.name: tuple(node.input) for node in model.graph.node}
+        self.needed = _needed(producer, inputs.__getitem__, decoder, self.logits_output, self.passed)
+        self.sharded = frozenset(layer for layer, core in enumerate(self.cores) if core.av in split.nodes)
+        self.reduces = frozenset(n.name for n in model.graph.node if n.op_type == "TpReduce") & self.needed
+        for layer in self.sharded:  # the core's per-head scores and an operator's head counts: this rank's
+            core = self.cores[layer]
+            self.cores[layer] = replace(core, scores=_heads_of(core.scores, t, index))
+            if core.av in self.op_heads:
+                self.op_heads[core.av] = tuple(h // t for h in self.op_heads[core.av])  # type: ignore[assignment]
+
+    def tp_split(self, graph: Graph, t: int) -> tuple[frozenset[str], TpSplit]:
+        """The nodes of ``graph`` the logits need (the graph's own attention included) and their
+        ``t``-way tensor-parallel split, the logits whole: what :meth:`shard` holds."""
+        end = graph.producer[self.logits_output]
+        keep = frozenset(nx.ancestors(graph.dag, end)) | {end}
+        return keep, tensor_parallel(graph, t, within=keep, outputs=(self.logits_output,))
 
     @torch.no_grad()
     def logits(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
@@ -240,6 +284,16 @@ class GraphDecoder:
         return [name for name, runs in seen.items() if len(runs) == 2 and all(runs)], first
 
 
+def _heads_of(scores: ScoreMod, t: int, index: int) -> ScoreMod:
+    """``scores`` of rank ``index``'s block of the heads (of ``t`` equal blocks): its slopes and sinks."""
+
+    def block(values: tuple[float, ...] | None) -> tuple[float, ...] | None:
+        per = None if values is None else len(values) // t
+        return None if values is None or per is None else values[index * per : (index + 1) * per]
+
+    return replace(scores, alibi=block(scores.alibi), sinks=block(scores.sinks))
+
+
 def _side_inputs(graph: Graph) -> dict[str, tuple[str, torch.dtype]]:
     """The inputs besides the token ids decoding feeds: ``{name: ("mask" | "positions", dtype)}``,
     told by name (attention_mask, position_ids as transformers exports them) and a ``[batch, seq]``
@@ -251,24 +305,31 @@ def _side_inputs(graph: Graph) -> dict[str, tuple[str, torch.dtype]]:
     }
 
 
-def _needed(graph: Graph, decoder: Decoder, output: str, scaled: dict[str, int]) -> frozenset[str]:
+def _needed(
+    producer: Mapping[str, str],
+    inputs_of: Callable[[str], Sequence[str]],
+    decoder: Decoder,
+    output: str,
+    scaled: dict[str, int],
+) -> frozenset[str]:
     """The nodes the logits need once each core's output is attention over Q, K and V: the masks,
     scores and Softmaxes of the graph's own attention are not run (nor the positions they index), nor
-    what a sink's scaling ``Mul`` (``scaled``: the input it passes on) multiplies by."""
+    what a sink's scaling ``Mul`` (``scaled``: the input it passes on) multiplies by. ``producer``:
+    tensor → node, ``inputs_of``: node → its inputs (the whole graph's, or a rank's copy of it)."""
     replaced = {core.av_matmul: core.qk_matmul for core in decoder.cores}
     needed: set[str] = set()
     stack = [output]
     while stack:
-        node = graph.producer.get(stack.pop())
+        node = producer.get(stack.pop())
         if node is None or node in needed:
             continue
         needed.add(node)
-        inputs = graph.op(node).inputs
+        inputs = inputs_of(node)
         if node in replaced and replaced[node] == node:  # an Attention operator: Q, K, V (no mask)
             inputs = inputs[:3]
         elif node in replaced:  # ·V: V, and the Q·Kᵀ MatMul that hands Q and Kᵀ to the hook
             needed.add(replaced[node])
-            inputs = (inputs[1], *graph.op(replaced[node]).inputs)
+            inputs = (inputs[1], *inputs_of(replaced[node]))
         elif node in scaled:  # a sink's scaling: the attention's output alone
             inputs = (inputs[scaled[node]],)
         stack.extend(t for t in inputs if t)

@@ -20,7 +20,9 @@ _GROUPS: dict[str, Any] = {}
 
 
 def use_group(name: str, group: Any) -> None:
-    """Make ``group`` (a torch.distributed process group) the one nodes naming ``name`` reduce over."""
+    """Make ``group`` the one nodes naming ``name`` reduce over: a torch.distributed process group,
+    or a function that sums every rank's tensor (a decode step's exchange through shared memory,
+    forward only)."""
     _GROUPS[name] = group
 
 
@@ -64,7 +66,8 @@ def tp_copy(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
 
 @extension("TpReduce")
 def tp_reduce(x: Inputs, attrs: Mapping[str, Any]) -> Tensor:
-    return _Reduce.apply(x[0], _group(attrs))
+    group = _group(attrs)
+    return group(x[0]) if callable(group) else _Reduce.apply(x[0], group)
 
 
 @extension("TpShard")

@@ -229,10 +229,13 @@ def _print_cp_plan(out: Any, plan: Any, output: str | None, *, pinned: bool = Fa
         )
     if p.get("launch"):
         launch = p["launch"]
-        out.print(
-            f"  tessera launch: {launch['step_time_s'] * 1e3:.4g} ms per token (the dense part on every "
-            f"device, one {launch['collective']['op']} a layer of the {launch['collective']['what']})"
+        held = (
+            "the dense part on every device"
+            if "weights_whole" not in launch
+            else f"{1 - launch['weights_whole']:.0%} of the layers' weights split, the LM head whole"
         )
+        per_layer = "; ".join(f"{c['per']}: {c['op']} of the {c['what']}" for c in launch["collectives"])
+        out.print(f"  tessera launch: {launch['step_time_s'] * 1e3:.4g} ms per token ({held}; {per_layer})")
     for engine, config in plan.serving.items():
         name, command = SERVE_COMMANDS.get(engine, (engine, engine))
         serve = " ".join([command, *config["args"]])

@@ -28,6 +28,7 @@ __all__ = [
     "Collective",
     "CostParams",
     "Estimate",
+    "TpLaunch",
     "cp_comm_elements",
     "decode_op_overhead",
     "degrees",
@@ -39,6 +40,27 @@ __all__ = [
 
 Strategy = Literal["tp", "cp", "dp"]
 STRATEGIES: tuple[Strategy, ...] = ("tp", "cp", "dp")
+
+
+@dataclass(frozen=True)
+class TpLaunch:
+    """What tessera's launch runs on ``t`` tensor-parallel ranks (``GraphDecoder.shard``): the share
+    of a layer's weights it keeps whole on every rank (where the dataflow split does not reach), the
+    share of the attention cores it runs with every head (each rank attending with its share, the
+    outputs gathered), and the all-reduces of partial sums a layer runs."""
+
+    t: int
+    whole: float = 0.0
+    gathered: float = 0.0
+    reduces: float = 2.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "t": self.t,
+            "whole": _sig(self.whole),
+            "gathered": _sig(self.gathered),
+            "reduces": self.reduces,
+        }
 
 
 @dataclass(frozen=True)
@@ -75,6 +97,12 @@ class CostParams:
     """(tp, cp): the operations, in the same units, a tp or a cp rank's attention adds a layer to a
     dp rank's in tessera's launch (cp: the partial's log-sum-exp column and the merge; both: the
     gather's copies in and out), charged to the ``launch`` step of the estimate."""
+    reduce_operations: int = 0
+    """The operations, in the same units, each all-reduce of a tp rank's partial sums adds in
+    tessera's launch (the exchange's copies in and out, the sum)."""
+    tp_launch: tuple[TpLaunch, ...] = ()
+    """What tessera's launch splits at each tp degree (the model's dataflow split); a degree not
+    listed is split as the thesis's tp (tessera's own GPT)."""
     dp_trials: int = 2048
     """Monte Carlo draws of the output lengths for the DP straggler (seeded, so deterministic)."""
     seed: int = 0
@@ -87,6 +115,8 @@ class CostParams:
             **({"step_operations": self.step_operations} if self.step_operations else {}),
             **({"compiled": True} if self.compiled else {}),
             **({"gather_operations": list(self.gather_operations)} if any(self.gather_operations) else {}),
+            **({"reduce_operations": self.reduce_operations} if self.reduce_operations else {}),
+            **({"tp_launch": [t.to_json() for t in self.tp_launch]} if self.tp_launch else {}),
             "dp_trials": self.dp_trials,
             "seed": self.seed,
         }
@@ -279,13 +309,16 @@ def estimate(
     collectives = _collectives(strategy, llm, cluster, group, batch, b)
 
     # Per device: the slowest device of the group sets the step.
-    def step_parts(device: Device, tokens: int, share: float = at.weight_share) -> tuple[float, float]:
+    def step_parts(
+        device: Device, tokens: int, share: float = at.weight_share, head_share: float | None = None
+    ) -> tuple[float, float]:
         peak = device.type.peak_flops(llm.dtype)
         bw = device.type.memory_bandwidth
         dense = max(
             tokens * dense_flops_per_token * share / peak,
             llm.layer_read_params(tokens) * b * share / bw,
         )
+        share = share if head_share is None else head_share
         requests = at.attn_requests if strategy != "dp" else tokens
         attention = max(
             requests * at.attn_positions * attn_flops_per_position * at.attn_share / peak,
@@ -315,19 +348,35 @@ def estimate(
     step, compute, comm, host = step_time(at.dense_tokens)
     launch: dict[str, Any] = {}
     if strategy != "dp" and n > 1:  # what tessera's own launch runs (docs/executor.md)
-        replicated = max(step_parts(d, batch, share=1.0) for d in group)
+        split = TpLaunch(n, whole=1.0, gathered=1.0, reduces=0.0)  # cp: the dense part on every rank
+        if strategy == "tp":
+            split = next((t for t in p.tp_launch if t.t == n), TpLaunch(n))
+        share = split.whole + (1 - split.whole) / n
+        ran = max(step_parts(d, batch, share=share, head_share=1.0) for d in group)
         gather = _launch_gather(strategy, llm, cluster, group, batch)
-        launch_comm = num_layers * gather.time_s
-        added = p.gather_operations[STRATEGIES.index(strategy)] * num_layers
-        launch_host = replicated[1] + at.table_entries * p.block_table_entry_s
-        if p.step_operations and added:  # the core's callback runs eager, compiled step or not
+        reduce = _collective(
+            cluster, group, "all_gather", (n - 1) * batch * llm.hidden * 4, "partial sums, fp32 (all-reduce)"
+        )
+        launch_comm = num_layers * (split.gathered * gather.time_s + split.reduces * reduce.time_s)
+        added = num_layers * (
+            split.gathered * p.gather_operations[STRATEGIES.index(strategy)]
+            + split.reduces * p.reduce_operations
+        )
+        launch_host = ran[1] + at.table_entries * p.block_table_entry_s
+        if p.step_operations and added:  # the callbacks run eager, compiled step or not
             launch_host += added * max(decode_op_overhead(d, compiled=False) for d in group)
+        ran_collectives = [
+            {**c.to_json(), "per": f"{k:.3g} a layer"}
+            for c, k in ((gather, split.gathered), (reduce, split.reduces))
+            if k
+        ]
         launch = {
-            "step_time_s": _sig(replicated[0] + launch_host + launch_comm),
-            "compute_s": _sig(replicated[0]),
+            "step_time_s": _sig(ran[0] + launch_host + launch_comm),
+            "compute_s": _sig(ran[0]),
             "communication_s": _sig(launch_comm),
             "host_s": _sig(launch_host),
-            "collective": {**gather.to_json(), "per": "layer"},
+            "collectives": ran_collectives,
+            **({"weights_whole": _sig(split.whole)} if strategy == "tp" else {}),
         }
     straggler = 1.0
     if strategy == "dp" and batch >= n:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from tessera.core.specs import ClusterSpec, load_cluster
 from tessera.executor.cp_memory import weight_elements
 from tessera.planners.cp.cost import (
     CostParams,
+    TpLaunch,
     cp_comm_elements,
     degrees,
     dp_replica_steps,
@@ -238,19 +241,25 @@ def test_a_compiled_step_is_charged_the_compiled_overhead_per_operation() -> Non
     )
 
 
-@pytest.mark.parametrize("strategy", ["tp", "cp"])
-def test_the_launch_step_runs_the_dense_part_on_every_rank_and_gathers_once_a_layer(strategy: str) -> None:
-    """tessera's launch replicates the dense part on tp and cp ranks and gathers the attention
-    outputs once a layer: the estimate's ``launch`` step charges exactly that (the thesis's split
-    dense part and its collectives stay the estimate), and dp, which launches as estimated, has none."""
+@pytest.mark.parametrize(
+    ("strategy", "split"),
+    [("cp", None), ("tp", TpLaunch(2, whole=1.0, gathered=1.0, reduces=0.0))],
+)
+def test_the_launch_step_runs_the_dense_part_on_every_rank_and_gathers_once_a_layer(
+    strategy: str, split: TpLaunch | None
+) -> None:
+    """tessera's launch runs the dense part whole on cp ranks (and on tp ranks where the model's
+    split reaches nothing) and gathers the attention outputs once a layer: the estimate's ``launch``
+    step charges exactly that (the thesis's split dense part and its collectives stay the
+    estimate), and dp, which launches as estimated, has none."""
     llm, _ = load_llm_config("gpt2")
     cluster = load_cluster("local-cpu-split")
     work = Workload(8, 512, OutputLengths("fixed", 1, 1))
-    params = CostParams(step_operations=300, gather_operations=(6, 24))
+    params = CostParams(step_operations=300, gather_operations=(6, 24), tp_launch=(split,) if split else ())
     two = estimate(llm, cluster, work, strategy, 2, params=params)
     launch = two.launch
     assert launch["compute_s"] > two.compute_s  # the dense part is not split
-    gather = launch["collective"]
+    [gather] = launch["collectives"]
     assert gather["op"] == "all_gather"
     assert launch["communication_s"] == pytest.approx(llm.layers * gather["time_s"], rel=1e-4)
     per_rank = 8 * (llm.heads // 2 * llm.head_dim if strategy == "tp" else llm.heads * (llm.head_dim + 1)) * 4
@@ -263,3 +272,31 @@ def test_the_launch_step_runs_the_dense_part_on_every_rank_and_gathers_once_a_la
     assert two.summary()["launch"] == launch and "gather_operations" in params.to_json()
     assert not estimate(llm, cluster, work, "dp", 2, params=params).launch
     assert not estimate(llm, cluster, work, strategy, 1, params=params).launch
+
+
+def test_a_sharded_tp_launch_splits_the_layers_and_all_reduces_twice_a_layer() -> None:
+    """Where the model's split reaches every projection, a tp rank of tessera's launch holds its
+    shard of the layers (the LM head whole) and sums partial sums twice a layer: its compute lies
+    between the thesis's split step and the whole model's, its communication is the two exchanges,
+    each charged its operations; a split that keeps part of the layers whole costs more compute."""
+    llm, _ = load_llm_config("gpt2")
+    cluster = load_cluster("local-cpu-split")
+    work = Workload(1, 512, OutputLengths("fixed", 1, 1))
+    params = CostParams(step_operations=300, gather_operations=(6, 24), reduce_operations=5)
+    two = estimate(llm, cluster, work, "tp", 2, params=params)
+    whole = estimate(llm, cluster, work, "tp", 2, params=dataclasses.replace(
+        params, tp_launch=(TpLaunch(2, whole=1.0, gathered=1.0, reduces=0.0),)))  # fmt: skip
+    half = estimate(llm, cluster, work, "tp", 2, params=dataclasses.replace(
+        params, tp_launch=(TpLaunch(2, whole=0.5, gathered=0.0, reduces=1.0),)))  # fmt: skip
+    launch = two.launch
+    assert two.compute_s < launch["compute_s"] < whole.launch["compute_s"]
+    assert launch["compute_s"] < half.launch["compute_s"] < whole.launch["compute_s"]
+    [reduce] = launch["collectives"]
+    assert reduce["bytes"] == llm.hidden * 4 and "partial sums" in reduce["what"]
+    assert launch["communication_s"] == pytest.approx(2 * llm.layers * reduce["time_s"], rel=1e-4)
+    assert launch["host_s"] == pytest.approx(two.host_s + 2 * 5 * llm.layers * 4.6e-6, rel=1e-4)
+    assert launch["weights_whole"] == 0.0 and half.launch["weights_whole"] == 0.5
+    assert params.to_json()["reduce_operations"] == 5
+    assert dataclasses.replace(params, tp_launch=(TpLaunch(2, 0.5),)).to_json()["tp_launch"] == [
+        {"t": 2, "whole": 0.5, "gathered": 0.0, "reduces": 2.0}
+    ]
