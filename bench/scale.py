@@ -104,12 +104,16 @@ def run_point(model: str, n: int) -> dict:
     return point_process(__file__, model, str(n))
 
 
-def point_process(script: str, *args: str) -> dict:
+def point_process(script: str, *args: str, timeout_s: float = 1200) -> dict:
     """``script --point ARGS`` in a process of its own (its peak memory its own): the JSON it
-    prints last, or ``{"error": its last line}``."""
-    out = subprocess.run(
-        [sys.executable, script, "--point", *args], capture_output=True, text=True, check=False
-    )
+    prints last, or ``{"error": its last line}`` (or the time it ran past)."""
+    try:
+        out = subprocess.run(
+            [sys.executable, script, "--point", *args], capture_output=True, text=True, check=False,
+            timeout=timeout_s,
+        )  # fmt: skip
+    except subprocess.TimeoutExpired:
+        return {"error": f"not done within {timeout_s:g} s"}
     if out.returncode != 0:
         return {"error": (out.stderr.strip().splitlines() or ["failed"])[-1]}
     return json.loads(out.stdout.strip().splitlines()[-1])

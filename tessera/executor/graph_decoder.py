@@ -130,8 +130,9 @@ class GraphDecoder:
         product the dataflow split finds among what the logits need (:mod:`tessera.core.tensor_parallel`:
         column-parallel Q/K/V and up, row-parallel O and down), runs its copy of the graph
         (:func:`~tessera.core.tp_program.local_model`), and sums the row products' partial sums with
-        ``reduce`` (every rank's, in one order; a bf16 model's in fp32, rounded once). The cores inside a split attend with this rank's heads
-        alone (``sharded``); the others see every head. ``graph``, ``decoder``: what it was built from."""
+        ``reduce`` (every rank's, in one order; a bf16 model's in fp32, rounded once). The cores inside
+        a split attend with this rank's heads alone (``sharded``); the others see every head.
+        ``graph``, ``decoder``: what it was built from."""
         keep, split = self.tp_split(graph, t)
         if not split.regions:
             return
