@@ -333,10 +333,11 @@ def _fold(
 
 
 def _finished(traced: fx.GraphModule, *, keep_cores: bool) -> fx.GraphModule:
-    """The traced program with each core's node calling back into the cache directly, and each
-    all-reduce into the ranks' exchange (unless ``keep_cores``: torch.compile needs the operators), no per-run copies of its constants
-    (``lift_fresh_copy``: nothing writes to them), and small host constants that meet device
-    tensors moved there once (no host-to-device copy per run, which a CUDA graph cannot hold)."""
+    """The traced program with each core's node calling back into the cache directly and each
+    all-reduce into the ranks' exchange (unless ``keep_cores``: torch.compile needs the operators),
+    no per-run copies of its constants (``lift_fresh_copy``: nothing writes to them), and small host
+    constants that meet device tensors moved there once (no host-to-device copy per run, which a
+    CUDA graph cannot hold)."""
     moved = itertools.count()
     for node in list(traced.graph.nodes):
         if node.op != "call_function":

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 import numpy as np
@@ -55,12 +55,7 @@ class TpLaunch:
     reduces: float = 2.0
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "t": self.t,
-            "whole": _sig(self.whole),
-            "gathered": _sig(self.gathered),
-            "reduces": self.reduces,
-        }
+        return {k: _sig(v) if isinstance(v, float) else v for k, v in asdict(self).items()}
 
 
 @dataclass(frozen=True)
