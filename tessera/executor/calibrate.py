@@ -204,7 +204,8 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
     received = [x["receive_s"] for x in loaded if "receive_s" in x]
     allreduce_bytes = raw[0]["allreduce"]["bytes"]
     allreduce = [max(r["allreduce"]["seconds"][i] for r in raw) for i in range(len(allreduce_bytes))]
-    zero_sync = [max(r["allreduce"]["zero_seconds"][i] for r in raw) for i in range(len(allreduce_bytes))]
+    zero_measured = [max(r["allreduce"]["zero_seconds"][i] for r in raw) for i in range(len(allreduce_bytes))]
+    zero_sync = non_decreasing(zero_measured)  # a larger exchange is never faster: a dip is noise
     ring_latency, ring_bandwidth = fit_ring(allreduce_bytes, allreduce, ranks)
     from tessera.core.cost import allreduce_time
 
@@ -244,6 +245,7 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "ring_model_s": [allreduce_time(n, ranks, link) for n in allreduce_bytes],
             # A ZeRO-1 step's reduce-scatter then all-gather of the same buffers.
             "zero_seconds": zero_sync,
+            "zero_measured_s": zero_measured,
             "latency_s": ring_latency,
             "bandwidth_bytes_per_s": ring_bandwidth,
         },
@@ -256,6 +258,19 @@ def fit_ring(nbytes: Sequence[float], seconds: Sequence[float], ranks: int) -> t
     a, inverse_b = fit_link(nbytes, seconds)  # t = a + n / inverse_b
     steps = 2 * (ranks - 1)
     return a / steps, steps / ranks * inverse_b
+
+
+def non_decreasing(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in squared error (isotonic regression, pool
+    adjacent violators): each run that falls is replaced by its mean."""
+    blocks: list[tuple[float, int]] = []  # (mean, count)
+    for v in values:
+        mean, count = float(v), 1
+        while blocks and blocks[-1][0] > mean:
+            m, c = blocks.pop()
+            mean, count = (m * c + mean * count) / (c + count), c + count
+        blocks.append((mean, count))
+    return [mean for mean, count in blocks for _ in range(count)]
 
 
 def fit_link(nbytes: Sequence[float], seconds: Sequence[float]) -> tuple[float, float]:
@@ -422,10 +437,17 @@ def _comments(cal: Calibration) -> list[str]:
         "    bandwidth for other sizes and rank counts:",
         *(f"    {size_text(n)} {seconds_text(t)} (ring model {seconds_text(p)})" for n, t, p in reduces),
         "  zero_sync_curve: a ZeRO-1 step's reduce-scatter then all-gather of the same buffers (the",
-        "    slowest rank's median), which ZeRO-1 stages pay in place of the all-reduce: "
+        "    slowest rank's median; where a larger size measured faster, the pooled mean of the run, as",
+        "    a larger exchange is never faster), which ZeRO-1 stages pay in place of the all-reduce: "
         + ", ".join(
             f"{size_text(n)} {seconds_text(t)}"
-            for n, t in zip(reduce["bytes"], reduce["zero_seconds"], strict=True)
+            + (f" (measured {seconds_text(raw)})" if abs(raw - t) > 1e-9 else "")
+            for n, t, raw in zip(
+                reduce["bytes"],
+                reduce["zero_seconds"],
+                reduce.get("zero_measured_s", reduce["zero_seconds"]),
+                strict=True,
+            )  # fmt: skip
         ),
     ]
     if cal.shares_cores:
