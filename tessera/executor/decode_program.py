@@ -49,8 +49,8 @@ WEIGHT_NUMEL = 4096
 # step's own (the positions tensor, the argmax, the tokens read back).
 CORE_OPERATIONS = 12
 STEP_OPERATIONS = 6
-# What a tp and a cp rank's core adds to that (graph_decode_worker: the heads sliced and the outputs
-# concatenated; the log-sum-exp column and the merge), with the gather's copies in and out: 48 and
+# What a gathered tp core (one the model's split does not reach) and a cp rank's core add to that
+# (graph_decode_worker: the heads sliced and the outputs concatenated; the log-sum-exp column and the merge), with the gather's copies in and out: 48 and
 # 74 us a layer over a dp core's 9 us, timed apart on a 2-core AMD EPYC VM (torch 2.13.0,
 # 2026-11-29), in operations of the decode step's own (4.6 us there).
 GATHER_OPERATIONS = (10, 16)
@@ -60,7 +60,8 @@ GATHER_OPERATIONS = (10, 16)
 # sink), 16 more operations.
 SCORED_OPERATIONS = 16
 # What each all-reduce of a sharded tp rank's partial sums adds (GraphDecoder.shard): the exchange's
-# copies in and out, the sum and its cast.
+# copies in and out, the stack's view, the sum and its cast, counted (not timed apart); with it the
+# tp x2 rows of bench/results/decode_launch.md are predicted within 25% on 8 of 8 traced, 7 compiled.
 REDUCE_OPERATIONS = 6
 TP_DEGREES = (2, 4, 8)  # the tp degrees a plan records what the launch splits at (tp_launch)
 _SHAPE_OPS = ("Shape", "Size")  # their outputs are fixed by the step's shapes

@@ -418,9 +418,9 @@ def estimate(
 def _launch_gather(
     strategy: str, llm: LlmConfig, cluster: ClusterSpec, group: list[Device], batch: int
 ) -> Collective:
-    """The one collective a layer of tessera's launch runs on tp and cp ranks: every rank's
-    attention output gathered, in fp32 (tp: its share of the heads; cp: every head's partial and
-    its log-sum-exp); each rank receives the others' ``n − 1`` parts."""
+    """The collective a gathered core of tessera's launch runs on tp and cp ranks: every rank's
+    attention output gathered, in fp32 (tp, a core the split does not reach: its share of the heads;
+    cp: every head's partial and its log-sum-exp); each rank receives the others' ``n − 1`` parts."""
     n, head_dim = len(group), int(llm.head_dim)
     part = batch * (llm.heads // n * head_dim if strategy == "tp" else llm.heads * (head_dim + 1)) * 4
     what = (
