@@ -289,8 +289,8 @@ def _heads_of(scores: ScoreMod, t: int, index: int) -> ScoreMod:
     """``scores`` of rank ``index``'s block of the heads (of ``t`` equal blocks): its slopes and sinks."""
 
     def block(values: tuple[float, ...] | None) -> tuple[float, ...] | None:
-        per = None if values is None else len(values) // t
-        return None if values is None or per is None else values[index * per : (index + 1) * per]
+        per = len(values) // t if values is not None else 0
+        return values[index * per : (index + 1) * per] if values is not None else None
 
     return replace(scores, alibi=block(scores.alibi), sinks=block(scores.sinks))
 

@@ -313,7 +313,7 @@ def estimate(
             tokens * dense_flops_per_token * share / peak,
             llm.layer_read_params(tokens) * b * share / bw,
         )
-        share = share if head_share is None else head_share
+        head_share = share if head_share is None else head_share  # the LM head's (tessera's tp: whole)
         requests = at.attn_requests if strategy != "dp" else tokens
         attention = max(
             requests * at.attn_positions * attn_flops_per_position * at.attn_share / peak,
@@ -322,8 +322,8 @@ def estimate(
         head = 0.0
         if with_head:
             head = max(
-                tokens * 2 * llm.vocab * llm.hidden * share / peak,
-                head_read_bytes * share / bw,
+                tokens * 2 * llm.vocab * llm.hidden * head_share / peak,
+                head_read_bytes * head_share / bw,
             )
         compute = num_layers * (dense + attention) + head
         if p.step_operations:  # the executor's own count, the layers' share of it per layer
