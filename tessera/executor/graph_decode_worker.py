@@ -26,7 +26,7 @@ from tessera.core.weights import materialize
 from tessera.executor.decode_program import compile_step
 from tessera.executor.graph_decoder import GraphDecoder, Reduce
 from tessera.executor.graphed_step import GraphedStep, greedy
-from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
+from tessera.executor.kv_cache import GroupCache, decode_partial, scored_partial, whole_decode
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.shm_gather import ShmGather, usable
 from tessera.executor.step_check import check_stepwise
@@ -199,7 +199,7 @@ class DecodeWorker:
             else:
                 q_pos = torch.arange(past, past + q.shape[2], device=q.device)
                 sink = self.rank == 0  # one rank's partial holds the sink (scores.sinks), once
-                o, lse = attention_partial(q, keys, values, q_pos, positions, scores, heads, sink=sink)
+                o, lse = scored_partial(q, keys, values, q_pos, positions, scores, heads, sink=sink)
             # one exchange a layer: each rank's partial with its log-sum-exp as one more column
             parts = self._gather_stacked(torch.cat([o.float(), lse.float()[..., None]], dim=-1))
             return merge_outputs(parts[..., :-1], parts[..., -1]).to(o.dtype)
@@ -268,16 +268,20 @@ def _share(n: int, rank: int, world: int) -> tuple[int, int]:
 def _attention(
     q: Tensor, keys: Tensor, values: Tensor, positions: Tensor, past: int, scores: ScoreMod, heads: slice
 ) -> Tensor:
-    """Attention over every key of the requests (dp, tp, one rank): one fused call where the
-    scores are plain and every key is visible (a decode step, or a prefill with nothing cached)."""
+    """Attention over every key of the requests (dp, tp, one rank; the cache whole, in position
+    order): one fused call where the scores are plain and every key is visible (a decode step, or a
+    prefill with nothing cached), or a decode step's scores are a window or a bias."""
     s_len, t_len = q.shape[2], keys.shape[2]
     if scores.plain and (s_len == 1 or (past == 0 and s_len == t_len)):
         return torch.nn.functional.scaled_dot_product_attention(
             q, keys.to(q.dtype), values.to(q.dtype), is_causal=s_len > 1, scale=scores.scale,
             enable_gqa=keys.shape[1] != q.shape[1],
         )  # fmt: skip
+    fused = whole_decode(q, keys, values, positions, scores, heads)
+    if fused is not None:
+        return fused
     q_pos = torch.arange(past, past + s_len, device=q.device)
-    return attention_partial(q, keys, values, q_pos, positions, scores, heads)[0]
+    return scored_partial(q, keys, values, q_pos, positions, scores, heads)[0]
 
 
 def time_decode_step(decoder: GraphDecoder, steps: int, context: int = 64) -> float:

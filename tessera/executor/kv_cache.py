@@ -5,7 +5,8 @@
 decode step, the KV layout), and writes each new position in place, in the next free slot. Keys
 the graph repeats for grouped-query attention are stored once per KV head (checked on the first
 write, not assumed). :func:`attention_partial` attends over any subset of positions, scored as the
-graph scores them, as a mergeable partial. See docs/executor.md ("Decoding from the graph").
+graph scores them, as a mergeable partial; :func:`scored_partial` computes the same in torch's fused
+CPU kernel where the scores are a bias (ALiBi, a window). See docs/executor.md ("Decoding from the graph").
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import Tensor
 
 from tessera.planners.cp.scores import ScoreMod
 
-__all__ = ["GroupCache", "attention_partial", "decode_partial"]
+__all__ = ["GroupCache", "attention_partial", "decode_partial", "scored_partial", "whole_decode"]
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -79,6 +80,92 @@ def attention_partial(
     return (p @ v.float()).reshape(b, h, s_len, v.shape[-1]), lse
 
 
+def scored_partial(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    scores: ScoreMod,
+    heads: slice = slice(None),
+    *,
+    sink: bool = True,
+) -> tuple[Tensor, Tensor]:
+    """:func:`attention_partial`, in one call of torch's fused CPU kernel where the scores are the
+    scaled product plus a bias (ALiBi's slopes; the causal and window masks as ``-inf``): a few
+    operations where the unfused path runs 15. Computed in fp32, as :func:`attention_partial`;
+    soft-capping, sinks, K and V of different head sizes and other devices take the unfused path."""
+    fused = (
+        _FLASH_CPU is not None and q.device.type == "cpu" and k.shape[2] > 0 and k.shape[-1] == v.shape[-1]
+    )
+    if not fused or scores.softcap is not None or (scores.sinks is not None and sink):
+        return attention_partial(q, k, v, q_pos, k_pos, scores, heads, sink=sink)
+    b, h, s_len, d = q.shape
+    hc = k.shape[1]
+    distance = k_pos[None, :] - q_pos[:, None]  # j - i, [S, T]
+    hidden = distance > 0
+    if scores.window is not None:
+        hidden = hidden | (distance <= -scores.window)
+    if scores.alibi is not None:
+        bias = _slopes(scores.alibi, q.device)[heads][:, None, None] * distance.float()
+    else:
+        bias = torch.zeros(1, *distance.shape, device=q.device)
+    bias = bias.masked_fill(hidden, float("-inf")).expand(h, s_len, -1)
+    group = q.float().reshape(b, hc, h // hc * s_len, d)  # a KV head's query heads, row after row
+    mask = bias.reshape(1, hc, h // hc * s_len, -1)
+    o, lse = _FLASH_CPU(group, k.float(), v.float(), attn_mask=mask, scale=scores.scale)
+    # A query that sees none of these keys: the kernel's o is 0 and its lse 0, a partial's is -inf.
+    lse = lse.reshape(b, h, s_len).masked_fill(hidden.all(-1), float("-inf"))
+    return o.reshape(b, h, s_len, v.shape[-1]), lse
+
+
+def whole_decode(
+    q: Tensor, k: Tensor, v: Tensor, positions: Tensor, scores: ScoreMod, heads: slice
+) -> Tensor | None:
+    """One new token's attention (``q`` ``[B, H, 1, D]``) over a whole cache, ``positions`` ``0 ..
+    T - 1``, in one call of torch's fused kernel: a window is the last ``window`` keys; ALiBi's
+    bias ``slope·(j − i)`` is passed as ``slope·j`` (a row's constant ``−slope·i`` leaves its softmax
+    as it is, and BLOOM's graph adds ``slope·j`` itself). Soft-capped scores take a softmax in
+    fp32 (6 operations, not the partial's 15). None for sinks, or ALiBi in another dtype than fp32
+    (the unfused path computes those in fp32)."""
+    if scores.sinks is not None or q.shape[2] != 1:
+        return None
+    if (
+        scores.alibi is not None
+        and scores.softcap is None
+        and not q.dtype == k.dtype == v.dtype == torch.float32
+    ):
+        return None
+    if scores.window is not None:
+        k, v, positions = k[:, :, -scores.window :], v[:, :, -scores.window :], positions[-scores.window :]
+    bias = (
+        None if scores.alibi is None else _slopes(scores.alibi, q.device)[heads][:, None] * positions.float()
+    )
+    b, h, _, d = q.shape
+    hc = k.shape[1]
+    if scores.softcap is not None:
+        s = (q.float().reshape(b, hc, h // hc, d) @ k.float().transpose(-1, -2)) * scores.scale
+        s = torch.tanh(s / scores.softcap) * scores.softcap
+        if bias is not None:
+            s = s + bias.reshape(hc, h // hc, -1)
+        return (torch.softmax(s, dim=-1) @ v.float()).reshape(b, h, 1, v.shape[-1])
+    if (
+        _FLASH_CPU is not None
+        and q.device.type == "cpu"
+        and d == v.shape[-1]
+        and q.dtype == k.dtype == v.dtype
+    ):
+        # each KV head's query heads as its queries (torch's own dispatch to this kernel costs
+        # twice the kernel where there is a mask)
+        mask = None if bias is None else bias.reshape(1, hc, h // hc, -1)
+        o, _ = _FLASH_CPU(q.reshape(b, hc, h // hc, d), k, v, attn_mask=mask, scale=scores.scale)
+        return o.reshape(b, h, 1, d)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if bias is None else bias[:, None, :],
+        scale=scores.scale, enable_gqa=hc != h,
+    )  # fmt: skip
+
+
 @functools.cache
 def _slopes(alibi: tuple[float, ...], device: torch.device) -> Tensor:
     """Per-head values (ALiBi's slopes, sink logits) on ``device``, made once (a captured step may
@@ -93,7 +180,8 @@ class GroupCache:
     def __init__(self, owner: np.ndarray, rank: int, device: torch.device) -> None:
         self.owner, self.rank, self.device = owner, rank, device
         self.slots = int(np.count_nonzero(owner == rank))  # positions this rank will hold
-        self.positions = torch.zeros(self.slots, dtype=torch.long, device=device)
+        self.whole = self.slots == len(owner)  # every position here: slot p holds position p
+        self.positions = torch.arange(self.slots, dtype=torch.long, device=device)
         self.held: dict[int, int] = {}  # layer -> slots written
         self.layers: dict[int, tuple[Tensor, Tensor]] = {}
         self.folds: dict[int, int] = {}  # layer -> query heads per stored head of the graph's K
@@ -101,14 +189,22 @@ class GroupCache:
     def write(self, layer: int, k: Tensor, v: Tensor, past: int) -> int:
         """Store the positions ``past .. past + S - 1`` of ``k``/``v`` ``[B, H, S, D]`` this rank holds,
         in place; return how many slots ``layer`` now holds."""
-        mine = np.flatnonzero(self.owner[past : past + k.shape[2]] == self.rank)
         if layer not in self.layers:
             self._allocate(layer, k, v)
-        start = self.held.get(layer, 0)
+        keys, values = self.layers[layer]
+        fold, start = self.folds[layer], self.held.get(layer, 0)
+        if self.whole or k.shape[2] == 1:  # every position (slot p holds p) or one: a slice in place
+            end = start + k.shape[2] if self.whole or self.owner[past] == self.rank else start
+            if end > start:
+                keys[:, :, start:end] = k[:, ::fold]
+                values[:, :, start:end] = v[:, ::fold]
+                if not self.whole:  # (a whole cache's positions already hold their numbers)
+                    self.positions[start] = past
+            self.held[layer] = end
+            return end
+        mine = np.flatnonzero(self.owner[past : past + k.shape[2]] == self.rank)
         end = start + len(mine)
         if len(mine):
-            keys, values = self.layers[layer]
-            fold = self.folds[layer]
             index = torch.from_numpy(mine).to(k.device)
             keys[:, :, start:end] = k[:, ::fold].index_select(2, index)
             values[:, :, start:end] = v[:, ::fold].index_select(2, index)

@@ -11,7 +11,13 @@ import torch
 
 from tessera.executor.decode_program import compile_step, self_attention
 from tessera.executor.graph_decode_worker import graph_decoder
-from tessera.executor.kv_cache import GroupCache, attention_partial, decode_partial
+from tessera.executor.kv_cache import (
+    GroupCache,
+    attention_partial,
+    decode_partial,
+    scored_partial,
+    whole_decode,
+)
 from tessera.kernels import merge_partials
 from tessera.models import build
 from tessera.planners.cp.scores import ScoreMod
@@ -167,6 +173,81 @@ def test_the_fused_decode_partial_is_the_reference_partial() -> None:
     # GPT-J scores in fp32 whatever its weights: bf16 values beside fp32 queries and keys (the fused
     # kernel takes one dtype; it failed the worker) go to the caller's kernel
     assert decode_partial(q, k, v.to(torch.bfloat16), 0.25) is None
+
+
+SCORED = [
+    ScoreMod(0.3, True, window=5),
+    ScoreMod(0.3, True, alibi=SLOPES),
+    ScoreMod(0.3, True, window=3, alibi=SLOPES),
+    ScoreMod(0.3, True, softcap=2.0),
+    ScoreMod(0.3, True, softcap=2.0, window=4, alibi=SLOPES),
+    ScoreMod(0.3, True, window=4, sinks=(0.5, -1.0, 2.0, 0.0)),
+]
+SCORED_IDS = ["window", "alibi", "window-alibi", "softcap", "softcap-window-alibi", "sinks"]
+
+
+@pytest.mark.parametrize("mod", SCORED, ids=SCORED_IDS)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_the_fused_scored_partial_is_the_reference_partial_on_any_shard(mod: ScoreMod, kv_heads: int) -> None:
+    """A window and ALiBi as an additive mask in torch's fused kernel: the reference's output and
+    log-sum-exp on any shard of positions, a shard whose keys the queries cannot see (past the
+    window) an empty partial (lse -inf, as the merge needs), and a heads slice its own slopes."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 3, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, 12, 8, generator=g) for _ in range(2))
+    q_pos = torch.arange(19, 22)
+    for k_pos in (torch.arange(12) + 10, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20])):
+        for heads, hq in ((slice(None), q), (slice(2, 4), q[:, 2:4])):
+            hk, hv = (k, v) if kv_heads < 4 else (k[:, heads], v[:, heads])
+            want = attention_partial(hq, hk, hv, q_pos, k_pos, mod, heads)
+            got = scored_partial(hq, hk, hv, q_pos, k_pos, mod, heads)
+            assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
+            torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
+            seen = torch.isfinite(want[1])
+            torch.testing.assert_close(got[1][seen], want[1][seen], rtol=1e-5, atol=1e-6)
+    far = scored_partial(
+        q[:, :, :1], k, v, torch.tensor([40]), torch.arange(12), ScoreMod(0.3, True, window=5)
+    )
+    assert not far[0].any() and torch.isinf(far[1]).all()
+
+
+@pytest.mark.parametrize("mod", SCORED, ids=SCORED_IDS)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_decode_step_over_a_whole_cache_is_the_reference_attention(
+    mod: ScoreMod, kv_heads: int, dtype: torch.dtype
+) -> None:
+    """One new token over every position (dp, tp): the last ``window`` keys, ALiBi as ``slope·j``
+    and soft-capping by softmax give the reference's output; sinks, and ALiBi outside fp32, are
+    left to the reference."""
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 4, 1, 8, generator=g).to(dtype)
+    k, v = (torch.randn(2, kv_heads, 20, 8, generator=g).to(dtype) for _ in range(2))
+    got = whole_decode(q, k, v, torch.arange(20), mod, slice(None))
+    if mod.sinks is not None or (mod.alibi is not None and mod.softcap is None and dtype != torch.float32):
+        assert got is None
+        return
+    want = attention_partial(q, k, v, torch.tensor([19]), torch.arange(20), mod)[0]
+    tol = (
+        {"rtol": 1e-5, "atol": 1e-6}
+        if dtype == torch.float32 or mod.softcap
+        else {"rtol": 2e-2, "atol": 2e-2}
+    )
+    torch.testing.assert_close(got.float(), want, **tol)
+
+
+def test_a_cache_holding_every_position_writes_a_slice_in_place() -> None:
+    """dp and tp ranks hold every position: slot p is position p, written in place, repeated KV
+    heads once."""
+    cache = GroupCache(np.zeros(10, dtype=np.int64), 0, torch.device("cpu"))
+    kv = torch.randn(1, 2, 10, 4).repeat_interleave(2, dim=1)
+    assert cache.write(0, kv[:, :, :6], kv[:, :, :6], 0) == 6
+    buffer = cache.layers[0][0]
+    assert cache.write(0, kv[:, :, 6:7], kv[:, :, 6:7], 6) == 7
+    keys, values, positions = cache.read(0, 7)
+    assert cache.layers[0][0] is buffer and positions.tolist() == list(range(7))
+    torch.testing.assert_close(keys, kv[:, ::2, :7])
+    torch.testing.assert_close(values, kv[:, ::2, :7])
 
 
 def test_a_step_near_the_end_of_a_position_table_is_traced_and_checked_within_it() -> None:
