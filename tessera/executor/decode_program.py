@@ -36,6 +36,7 @@ __all__ = [
     "StepProgram",
     "Untraceable",
     "compile_step",
+    "scored_operations",
     "self_attention",
     "step_operations",
     "tp_launch",
@@ -54,11 +55,11 @@ STEP_OPERATIONS = 6
 # 74 us a layer over a dp core's 9 us, timed apart on a 2-core AMD EPYC VM (torch 2.13.0,
 # 2026-11-29), in operations of the decode step's own (4.6 us there).
 GATHER_OPERATIONS = (10, 16)
-# A core whose scores are not plain (a window, soft-capping, ALiBi, a sink) attends by the unfused
-# scored path (kv_cache.attention_partial), not torch's fused kernel: 81-96 us a layer against the
-# fused kernel's 9 us on the same VM (Mistral's window, Gemma2's soft-cap, BLOOM's ALiBi, GPT-OSS's
-# sink), 16 more operations.
-SCORED_OPERATIONS = 16
+# What a core whose scores are not plain adds on a dp rank (kv_cache.whole_decode): a window reads
+# the last slots (2 operations), ALiBi passes its bias to the fused kernel (6), soft-capping takes a
+# softmax in fp32 (8), a sink the unfused scored path (16); timed on a 2-core AMD EPYC VM (torch
+# 2.13.0, 2026-11-30) against the fused kernel's plain core, in operations of the step's own.
+SCORED_OPERATIONS = {"sinks": 16, "softcap": 8, "alibi": 6, "window": 2}
 # What each all-reduce of a sharded tp rank's partial sums adds (GraphDecoder.shard): the exchange's
 # copies in and out, the stack's view, the sum and its cast, counted (not timed apart); with it the
 # tp x2 rows of bench/results/decode_launch.md are predicted within 25% on 8 of 8 traced, 7 compiled.
@@ -119,13 +120,19 @@ def step_operations(decoder: GraphDecoder) -> int | None:
     if (1, 1) not in decoder.programs and compile_step(decoder, 1, 1) is not None:
         return None
     program = decoder.programs[(1, 1)]
-    scored = sum(1 for core in decoder.cores if not core.scores.plain)
-    return (
-        program.operations
-        + len(decoder.cores) * (CORE_OPERATIONS - 1)
-        + scored * SCORED_OPERATIONS
-        + STEP_OPERATIONS
+    scored = sum(scored_operations(core.scores) for core in decoder.cores)
+    return program.operations + len(decoder.cores) * (CORE_OPERATIONS - 1) + scored + STEP_OPERATIONS
+
+
+def scored_operations(scores: ScoreMod) -> int:
+    """What a core scored as ``scores`` adds to a plain one (the costliest of its modifications)."""
+    kinds = (
+        ("sinks", scores.sinks),
+        ("softcap", scores.softcap),
+        ("alibi", scores.alibi),
+        ("window", scores.window),
     )
+    return next((SCORED_OPERATIONS[k] for k, present in kinds if present is not None), 0)
 
 
 def tp_launch(decoder: GraphDecoder, graph: Graph, llm: LlmConfig, t: int) -> TpLaunch:

@@ -372,15 +372,20 @@ def test_a_plan_without_the_expert_fields_still_validates_as_a_dense_decoder(
     assert res.code == 2 and "llm.experts is 4 but the model has 1" in res.err
 
 
-def test_a_step_of_scored_attention_counts_the_unfused_cores_operations(gpt: Path) -> None:
-    """A window, soft-capping, ALiBi or a sink takes the unfused scored attention, not torch's fused
-    kernel: the step's count (what the plan charges) has that much more a core."""
+@pytest.mark.parametrize(
+    ("change", "kind"),
+    [({"window": 4}, "window"), ({"alibi": (0.5,) * 4}, "alibi"), ({"softcap": 2.0, "window": 4}, "softcap"),
+     ({"sinks": (0.0,) * 4, "alibi": (0.5,) * 4}, "sinks")],
+)  # fmt: skip
+def test_a_step_of_scored_attention_counts_what_its_cores_add(gpt: Path, change: dict, kind: str) -> None:
+    """A window, ALiBi, soft-capping or a sink costs a core more than torch's fused kernel with a
+    plain score: the step's count (what the plan charges) has what the costliest of them adds, per core."""
     import dataclasses
 
     decoder = graph_decoder(str(gpt))
     plain = step_operations(decoder)
     assert plain is not None and all(core.scores.plain for core in decoder.cores)
     decoder.cores = [
-        dataclasses.replace(core, scores=dataclasses.replace(core.scores, window=4)) for core in decoder.cores
+        dataclasses.replace(core, scores=dataclasses.replace(core.scores, **change)) for core in decoder.cores
     ]
-    assert step_operations(decoder) == plain + SCORED_OPERATIONS * len(decoder.cores)
+    assert step_operations(decoder) == plain + SCORED_OPERATIONS[kind] * len(decoder.cores)
