@@ -43,6 +43,7 @@ OUT_COMPILED = Path(__file__).parent / "results" / "decode_compiled.md"
 TESSERA = [sys.executable, "-m", "tessera"]
 STRATEGIES = (("dp", 1), ("cp", 2), ("tp", 2))
 NEW_TOKENS = 32
+LAUNCHES = 3  # launches of each plan; the table keeps the fastest
 
 
 def prompts_of(vocab: int, batch: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -86,7 +87,8 @@ def tessera_run(
     compile_: bool = False,
     cluster: str = "local-cpu-split",
 ) -> dict:
-    """``tessera plan --kind cp`` then ``tessera launch --json`` of ``path`` on ``prompts``."""
+    """``tessera plan --kind cp`` then ``tessera launch --json`` of ``path`` on ``prompts``, the
+    fastest of ``LAUNCHES`` launches."""
     lines = work / "prompts.txt"
     lines.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
     plan = work / f"{strategy}{degree}.json"
@@ -98,14 +100,23 @@ def tessera_run(
     )  # fmt: skip
     if planned.returncode:
         return {"error": planned.stderr.strip().splitlines()[-1]}
-    launched = subprocess.run(
-        [*TESSERA, "launch", str(plan), "--model", path, "--prompts", str(lines), "--new-tokens", str(new),
-         "--json", "--timeout", "300", *(["--compile"] if compile_ else [])],
-        capture_output=True, text=True, check=False,
-    )  # fmt: skip
-    if launched.returncode:
-        return {"error": launched.stderr.strip().splitlines()[-1]}
-    return json.loads(launched.stdout)
+    best: dict = {}
+    for _ in range(LAUNCHES):  # the fastest launch, as generate() gets the best of three runs
+        launched = subprocess.run(
+            [*TESSERA, "launch", str(plan), "--model", path, "--prompts", str(lines), "--new-tokens", str(new),
+             "--json", "--timeout", "300", *(["--compile"] if compile_ else [])],
+            capture_output=True, text=True, check=False,
+        )  # fmt: skip
+        if launched.returncode:
+            return {"error": launched.stderr.strip().splitlines()[-1]}
+        report = json.loads(launched.stdout)
+        if not best or _per_token(report) < _per_token(best):
+            best = report
+    return best
+
+
+def _per_token(report: dict) -> float:
+    return report["measured"]["per_token_latency_s"]
 
 
 def big_llama() -> tuple[torch.nn.Module, str]:
@@ -234,7 +245,8 @@ def main() -> None:
         f"{__import__('transformers').__version__}, Python {platform.python_version()}. transformers "
         "runs eager on one thread; each tessera rank is one process on one core (planned on "
         f"{'a spec `tessera calibrate --seconds 10` measured at the start of the run' if args.calibrate else '`local-cpu-split`'}). "
-        "ms: milliseconds per decode step (one token per request) after the prefill; ratio: tessera's "
+        "ms: milliseconds per decode step (one token per request) after the prefill (generate(): the "
+        f"best of three runs; tessera: the fastest of {LAUNCHES} launches of the plan); ratio: tessera's "
         "over generate()'s faster cache; error: measured against the plan's predicted per-token latency. "
         "`-compiled`: `launch --compile` (torch.compile of the decode step; its compile time is "
         "excluded) of a plan made with `plan --compile` (its prediction the compiled step's). Regenerate "

@@ -26,7 +26,7 @@ from tessera.core.weights import materialize
 from tessera.executor.decode_program import compile_step
 from tessera.executor.graph_decoder import GraphDecoder, Reduce
 from tessera.executor.graphed_step import GraphedStep, greedy
-from tessera.executor.kv_cache import GroupCache, decode_partial, scored_partial, whole_decode
+from tessera.executor.kv_cache import GroupCache, decode_partial, decode_scored, scored_partial, whole_decode
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.shm_gather import ShmGather, usable
 from tessera.executor.step_check import check_stepwise
@@ -197,9 +197,16 @@ class DecodeWorker:
                 o, lse = fused or self.kernel(q[:, :, 0], keys, values, scale=scores.scale)
                 o, lse = o[:, :, None], lse[:, :, None]
             else:
-                q_pos = torch.arange(past, past + q.shape[2], device=q.device)
                 sink = self.rank == 0  # one rank's partial holds the sink (scores.sinks), once
-                o, lse = scored_partial(q, keys, values, q_pos, positions, scores, heads, sink=sink)
+                one = (
+                    decode_scored(q, keys, values, positions, past, scores, heads, sink=sink)
+                    if q.shape[2] == 1
+                    else None
+                )
+                if one is None:
+                    q_pos = torch.arange(past, past + q.shape[2], device=q.device)
+                    one = scored_partial(q, keys, values, q_pos, positions, scores, heads, sink=sink)
+                o, lse = one
             # one exchange a layer: each rank's partial with its log-sum-exp as one more column
             parts = self._gather_stacked(torch.cat([o.float(), lse.float()[..., None]], dim=-1))
             return merge_outputs(parts[..., :-1], parts[..., -1]).to(o.dtype)

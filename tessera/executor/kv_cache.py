@@ -19,7 +19,14 @@ from torch import Tensor
 
 from tessera.planners.cp.scores import ScoreMod
 
-__all__ = ["GroupCache", "attention_partial", "decode_partial", "scored_partial", "whole_decode"]
+__all__ = [
+    "GroupCache",
+    "attention_partial",
+    "decode_partial",
+    "decode_scored",
+    "scored_partial",
+    "whole_decode",
+]
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
@@ -164,6 +171,53 @@ def whole_decode(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if bias is None else bias[:, None, :],
         scale=scores.scale, enable_gqa=hc != h,
     )  # fmt: skip
+
+
+def decode_scored(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    positions: Tensor,
+    past: int,
+    scores: ScoreMod,
+    heads: slice,
+    *,
+    sink: bool,
+) -> tuple[Tensor, Tensor] | None:
+    """One new token (``q`` ``[B, H, 1, D]``, at position ``past``) over a shard of the cache held at
+    ``positions`` (all at or before ``past``), as :func:`attention_partial`'s mergeable partial in a
+    few operations: ALiBi's bias as ``slope·j`` (the ``−slope·i`` every rank leaves out is one
+    constant of the query's row: the merged output is the same), a window as which keys are
+    visible, soft-capping by hand in fp32, the rest in torch's fused CPU kernel. None for a sink
+    this partial holds, and off the CPU."""
+    if (scores.sinks is not None and sink) or q.device.type != "cpu" or _FLASH_CPU is None:
+        return None
+    b, h, _, d = q.shape
+    hc, dv = k.shape[1], v.shape[-1]
+    visible = None if scores.window is None else positions > past - scores.window
+    if k.shape[2] == 0 or (visible is not None and not bool(visible.any())):  # no key this query sees
+        return q.new_zeros(b, h, 1, dv, dtype=torch.float32), q.new_full(
+            (b, h, 1), float("-inf"), dtype=torch.float32
+        )
+    bias = (
+        None if scores.alibi is None else _slopes(scores.alibi, q.device)[heads][:, None] * positions.float()
+    )
+    if visible is not None:
+        hidden = torch.where(visible, 0.0, float("-inf"))
+        bias = hidden if bias is None else bias + hidden
+    group = q.float().reshape(b, hc, h // hc, d)  # a KV head's query heads as its queries
+    mask = None if bias is None else bias.expand(h, -1).reshape(1, hc, h // hc, -1)
+    if scores.softcap is None and d == dv:
+        o, lse = _FLASH_CPU(group, k.float(), v.float(), attn_mask=mask, scale=scores.scale)
+        return o.reshape(b, h, 1, dv), lse.reshape(b, h, 1)
+    s = (group @ k.float().transpose(-1, -2)) * scores.scale
+    if scores.softcap is not None:
+        s = torch.tanh(s / scores.softcap) * scores.softcap
+    if mask is not None:
+        s = s + mask
+    lse = torch.logsumexp(s, dim=-1)
+    o = torch.exp(s - lse[..., None]) @ v.float()
+    return o.reshape(b, h, 1, dv), lse.reshape(b, h, 1)
 
 
 @functools.cache

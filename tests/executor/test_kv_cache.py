@@ -15,6 +15,7 @@ from tessera.executor.kv_cache import (
     GroupCache,
     attention_partial,
     decode_partial,
+    decode_scored,
     scored_partial,
     whole_decode,
 )
@@ -234,6 +235,37 @@ def test_a_decode_step_over_a_whole_cache_is_the_reference_attention(
         else {"rtol": 2e-2, "atol": 2e-2}
     )
     torch.testing.assert_close(got.float(), want, **tol)
+
+
+@pytest.mark.parametrize("mod", SCORED, ids=SCORED_IDS)
+@pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_a_cp_ranks_decode_step_merges_to_the_whole_caches_attention(mod: ScoreMod, kv_heads: int) -> None:
+    """A cp decode step's scored partials (``decode_scored``: ALiBi as ``slope·j``, a window as the
+    visible keys, soft-capping by hand) merge to the reference's attention over the whole cache,
+    a shard past the window included (an empty partial); the rank that holds a sink defers."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 4, 1, 8, generator=g)
+    k, v = (torch.randn(2, kv_heads, 20, 8, generator=g) for _ in range(2))
+    past = 19
+    whole = attention_partial(q, k, v, torch.tensor([past]), torch.arange(20), mod)[0]
+    for shards in (
+        [torch.arange(0, 8), torch.arange(8, 20)],
+        [torch.arange(0, 20, 2), torch.arange(1, 20, 2)],
+    ):
+        parts = []
+        for i, s in enumerate(shards):
+            got = decode_scored(q, k[:, :, s], v[:, :, s], s, past, mod, slice(None), sink=i == 0)
+            if mod.sinks is not None and i == 0:
+                assert got is None
+                got = attention_partial(q, k[:, :, s], v[:, :, s], torch.tensor([past]), s, mod, sink=True)
+            parts.append(got)
+        o, _ = merge_partials(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]))
+        torch.testing.assert_close(o, whole, rtol=1e-5, atol=1e-6)
+    if mod.window is not None:  # no key within the window: an empty partial
+        o, lse = decode_scored(
+            q, k[:, :, :4], v[:, :, :4], torch.arange(4), past, mod, slice(None), sink=False
+        )
+        assert not o.any() and torch.isinf(lse).all()
 
 
 def test_a_cache_holding_every_position_writes_a_slice_in_place() -> None:
