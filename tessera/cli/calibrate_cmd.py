@@ -128,6 +128,17 @@ def summary(report: dict[str, Any]) -> str:
             f"{seconds_text(m['decode_op']['compiled_step_s'])} a step / {m['decode_op']['operations']} operations",
             f"decode_compiled_op_overhead {seconds_text(device.get('decode_compiled_op_overhead') or 0.0)}",
         ),
+        *(
+            [
+                (
+                    "decode exchange",
+                    f"{seconds_text(m['decode_exchange'])} an all-gather between computing ranks",
+                    f"decode_exchange_overhead {seconds_text(device.get('decode_exchange_overhead') or 0.0)}",
+                )
+            ]
+            if m.get("decode_exchange")
+            else []
+        ),
         (
             "p2p one way",
             f"{seconds_text(p2p['latency_s'])} + bytes / {bandwidth_text(p2p['bandwidth_bytes_per_s'])}",

@@ -161,6 +161,11 @@ class DeviceType(_SpecModel):
     """The same, of the step compiled by torch.compile's inductor (``launch --compile``; ``tessera
     calibrate`` measures it on CPU ranks): charged per operation of the traced step by plans made
     with ``--compile``. None: ``decode_op_overhead``."""
+    decode_exchange_overhead: Seconds | None = None
+    """One exchange of a decode step between ranks of one host (tessera's shared-memory all-gather,
+    the wait for the later rank included, while both compute; ``tessera calibrate`` measures it on
+    CPU ranks): what a tp or cp launch's collective costs there, plus its bytes at the memory
+    bandwidth. None: the intra-node link's collective."""
     replica_contention: float = Field(default=0.0, ge=0.0, le=10.0)
     """Replicas of one data-parallel stage on the same node run the same operators at the same
     moment: each forward and backward takes this fraction longer than on one rank alone (instead of
@@ -468,6 +473,11 @@ class ClusterSpec(_SpecModel):
                     **(
                         {"decode_compiled_op_overhead": dtype.decode_compiled_op_overhead}
                         if dtype.decode_compiled_op_overhead
+                        else {}
+                    ),
+                    **(
+                        {"decode_exchange_overhead": dtype.decode_exchange_overhead}
+                        if dtype.decode_exchange_overhead
                         else {}
                     ),
                 }

@@ -223,6 +223,7 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "compiled_step_s": statistics.median(r["decode_op"]["compiled_step_s"] for r in raw),
             "compiled_op_s": statistics.median(r["decode_op"]["compiled_op_s"] for r in raw),
         },
+        "decode_exchange": _median_of(raw, "decode_exchange", "exchange_s"),
         "per_op": {
             "nodes": list(CHAIN_NODES),
             "forward_s": statistics.median(r["per_op"]["forward_s"] for r in raw),
@@ -250,6 +251,12 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "bandwidth_bytes_per_s": ring_bandwidth,
         },
     }
+
+
+def _median_of(raw: list[dict[str, Any]], phase: str, key: str) -> float | None:
+    """The median over the ranks of a phase's number; None where a rank did not measure it."""
+    values = [r[phase][key] for r in raw if r.get(phase)]
+    return statistics.median(values) if values and len(values) == len(raw) else None
 
 
 def fit_ring(nbytes: Sequence[float], seconds: Sequence[float], ranks: int) -> tuple[float, float]:
@@ -422,6 +429,15 @@ def _comments(cal: Calibration) -> list[str]:
         f"    {seconds_text(m['decode_op']['step_s'])} a step over its {m['decode_op']['operations']} operations",
         "  decode_compiled_op_overhead: the same step compiled by torch.compile's inductor (launch --compile):",
         f"    {seconds_text(m['decode_op']['compiled_step_s'])} a step over the same operations",
+        *(
+            [
+                "  decode_exchange_overhead: a decode step's all-gather of [1, 4, 1, 33] fp32 between the ranks",
+                "    through shared memory (as tp and cp launches exchange) after a burst of small operations,",
+                f"    the wait for the later rank included: {seconds_text(m['decode_exchange'])}",
+            ]
+            if m.get("decode_exchange")
+            else []
+        ),
         f"  memory: {MEMORY_FRACTION:.0%} of this machine's {bytes_text(cal.memory_total)} over {cal.ranks} ranks",
         f"  links.intra_node: gloo send/recv between ranks {pairs} (pairs at once), half the round trip:",
         f"    {p2p_text(p2p)};",
@@ -537,6 +553,11 @@ def _spec_yaml(cal: Calibration) -> str:
         f"    kernel_launch_overhead: {seconds_text(m['per_op']['kernel_launch_overhead_s'])}",
         f"    decode_op_overhead: {seconds_text(m['decode_op']['op_s'])}",
         f"    decode_compiled_op_overhead: {seconds_text(m['decode_op']['compiled_op_s'])}",
+        *(
+            [f"    decode_exchange_overhead: {seconds_text(m['decode_exchange'])}"]
+            if m.get("decode_exchange")
+            else []
+        ),
         *(
             [
                 f"    action_overhead: {seconds_text(m['pipeline']['action_overhead_s'])}",

@@ -20,11 +20,13 @@ BUDGET = {
     "bandwidth": 0.15,
     "per_op": 0.15,
     "decode_op": 0.05,
-    "p2p": 0.2,
+    "p2p": 0.15,
     "p2p_loaded": 0.1,
+    "decode_exchange": 0.05,
     "allreduce": 0.15,
 }
 MIN_REPEATS = 3
+DECODE_BURST = 20  # pairs of element-wise operations between two exchanges of measure_decode_exchange
 MAX_REPEATS = 1000
 MATMUL_SIZES = (256, 512, 1024, 2048)
 MATMUL_MIN_S = 0.01  # the first size whose product takes this long is timed (tens of ms)
@@ -66,6 +68,7 @@ def calibrate_worker(spec: CalibrateWorkerSpec) -> dict[str, Any]:
         "decode_op": measure_decode_op,
         "p2p": lambda budget: measure_p2p(rank, spec.world_size, budget),
         "p2p_loaded": lambda budget: measure_p2p_loaded(rank, spec.world_size, budget),
+        "decode_exchange": lambda budget: measure_decode_exchange(rank, spec.world_size, budget),
         "allreduce": lambda budget: measure_allreduce(rank, budget),
     }
     result: dict[str, Any] = {"rank": rank, "threads": torch.get_num_threads()}
@@ -348,6 +351,35 @@ def measure_p2p_loaded(rank: int, world_size: int, budget_s: float) -> dict[str,
     return {"bytes": LOADED_BYTES, "receive_s": post + statistics.median(waited[1:]), "pair": [peer, rank]}
 
 
+def measure_decode_exchange(rank: int, world_size: int, budget_s: float) -> dict[str, Any] | None:
+    """A decode step's exchange between the ranks of this host as tp and cp launches run it
+    (``executor.shm_gather``): each rank runs a burst of small operations (about a layer's share of
+    a small decoder's traced step), then all-gathers a core's partial ([1, 4, 1, 33] fp32); the
+    median seconds of the exchange, the wait for the later rank included. None where the ranks
+    cannot share memory."""
+    import torch
+
+    from tessera.executor.shm_gather import ShmGather, usable
+
+    if not usable(world_size):
+        return None
+    gather = ShmGather(rank, world_size, 1 << 16, 60.0)
+    x, part = torch.randn(1, 128), torch.randn(1, 4, 1, 33)
+
+    def exchange() -> float:
+        y = x
+        for _ in range(DECODE_BURST):
+            y = y * 1.0001 + 0.0001
+        t0 = time.perf_counter()
+        gather.stacked(part)
+        return time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    exchange()  # warm-up
+    repeats = _agree_repeats(rank, time.perf_counter() - t0, budget_s, 0, None)
+    return {"exchange_s": statistics.median(exchange() for _ in range(repeats))}
+
+
 def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:
     """Sum all-reduces of :data:`ALLREDUCE_BYTES` over every rank (gloo), back to back, and a
     ZeRO-1 step's pair on the same buffers (reduce-scatter, then all-gather of the shards, as
@@ -356,6 +388,8 @@ def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
+    from tessera.executor.zero import gather_shards, scatter_sum
+
     ranks = dist.get_world_size()
     seconds, pairs = [], []
     for nbytes in ALLREDUCE_BYTES:
@@ -363,8 +397,8 @@ def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:
         shard = torch.zeros(buf.numel() // ranks)
 
         def pair(buf: torch.Tensor = buf, shard: torch.Tensor = shard) -> None:
-            dist.reduce_scatter_single(shard, buf)
-            dist.all_gather_single(buf, shard.clone())
+            scatter_sum(shard, buf)
+            gather_shards(buf, shard)
 
         for call, into in ((lambda buf=buf: dist.all_reduce(buf), seconds), (pair, pairs)):
             t0 = time.perf_counter()

@@ -562,7 +562,7 @@ class StageWorker:
         for z in self.zeros:
             z.all_gather()
             z.zero_grad()
-            allreduce += time.perf_counter() - t2
+        allreduce += time.perf_counter() - t2
         if self.timeline is not None:
             if self.buckets or self.zeros:
                 name = "reduce-scatter" if self.zeros else "all-reduce"

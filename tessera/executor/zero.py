@@ -17,7 +17,34 @@ from torch import Tensor
 
 from tessera.executor.gradients import by_dtype
 
-__all__ = ["ZeroShard", "zero_shards"]
+__all__ = ["ZeroShard", "gather_shards", "scatter_sum", "zero_shards"]
+
+
+def scatter_sum(out: Tensor, full: Tensor, group: Any = None) -> None:
+    """Reduce-scatter: ``out`` gets this rank's shard (``full`` in equal parts, by rank in
+    ``group``) of ``full`` summed over the group. On gloo an all-reduce of ``full`` (its
+    reduce-scatter of a flat tensor costs 10x as much and varies from run to run; docs/executor.md,
+    "ZeRO-1"); ``full`` then holds the sums."""
+    if dist.get_backend(group) != "gloo":
+        dist.reduce_scatter_single(out, full, group=group)
+        return
+    dist.all_reduce(full, group=group)
+    lo = dist.get_rank(group) * out.numel()
+    out.copy_(full[lo : lo + out.numel()])
+
+
+def gather_shards(full: Tensor, shard: Tensor, group: Any = None) -> None:
+    """All-gather: every rank's ``shard`` into its place in ``full``. On gloo the other ranks'
+    places zeroed and ``full`` all-reduced (each element the sum of its owner's value and zeros:
+    exactly that value)."""
+    if dist.get_backend(group) != "gloo":
+        dist.all_gather_single(full, shard.detach().clone(), group=group)
+        return
+    lo = dist.get_rank(group) * shard.numel()
+    full[lo : lo + shard.numel()].copy_(shard.detach())
+    full[:lo].zero_()
+    full[lo + shard.numel() :].zero_()
+    dist.all_reduce(full, group=group)
 
 
 class ZeroShard:
@@ -46,11 +73,13 @@ class ZeroShard:
 
     def reduce_scatter(self) -> None:
         """This replica's shard of the gradients, summed over the group, into ``shard.grad``."""
-        dist.reduce_scatter_single(self.shard.grad, self.grads, group=self.group)
+        assert self.shard.grad is not None
+        scatter_sum(self.shard.grad, self.grads, self.group)
 
     def all_gather(self) -> None:
         """Every replica's updated shard into every replica's weights."""
-        dist.all_gather_single(self.weights, self.shard.detach().clone(), group=self.group)
+        with torch.no_grad():
+            gather_shards(self.weights, self.shard, self.group)
 
     def zero_grad(self) -> None:
         self.grads.zero_()

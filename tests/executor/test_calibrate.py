@@ -63,6 +63,9 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     assert device.decode_compiled_op_overhead == pytest.approx(
         decode["compiled_step_s"] / decode["operations"], rel=1e-3
     )
+    # a decode launch's exchange between the two ranks of this host, through shared memory
+    assert device.decode_exchange_overhead == pytest.approx(report["measured"]["decode_exchange"], rel=1e-3)
+    assert 1e-7 < device.decode_exchange_overhead < 1e-2
     link = spec.links.intra_node
     assert 1e-6 <= link.latency <= 1e-2
     assert 1e7 <= link.bandwidth <= 1e11

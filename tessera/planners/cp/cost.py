@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -60,19 +60,9 @@ class TpLaunch:
 
 @dataclass(frozen=True)
 class CostParams:
-    """The cost model's constants that the cluster spec does not give.
-
-    ``block_table_entry_s``: host time per block-table entry per decode step (thesis §4.5.2,
-    §4.5.4: PagedAttention block-table management is the CPU overhead that grows with batch and
-    sequence, and TP pays it for every request's whole table on every device). vLLM, which the
-    thesis builds on (§4.5.1), rebuilds each running sequence's block table as a Python list every
-    step, pads it and converts it to a tensor (``_prepare_decode``): CPython work per element. On
-    tessera's 2-core development VM that path measured 160 ns per entry (a bare list-comprehension
-    element: 43 ns), i.e. about 45 ns on a server core 3-4x faster. The default, 20 ns, lies in the
-    range the thesis's own breakdown (Fig. 4.5: CPU overhead DP > TP > CP at long context) implies
-    for its machine; predictions scale linearly with it, and above about 30 ns the model ranks TP
-    below DP at long contexts on the thesis's setup. Every plan records it (``predicted.cost_model``).
-    """
+    """The cost model's constants that the cluster spec does not give. ``block_table_entry_s``:
+    host time per block-table entry per decode step (thesis §4.5.2, §4.5.4); its default, 20 ns, is
+    derived in docs/cp.md ("The cost model"). Every plan records them (``predicted.cost_model``)."""
 
     kv_block: int = 16
     """Tokens per paged KV-cache block (vLLM's default; also the kernels' shard alignment)."""
@@ -349,8 +339,8 @@ def estimate(
         share = split.whole + (1 - split.whole) / n
         ran = max(step_parts(d, batch, share=share, head_share=1.0) for d in group)
         gather = _launch_gather(strategy, llm, cluster, group, batch)
-        reduce = _collective(
-            cluster, group, "all_gather", (n - 1) * batch * llm.hidden * 4, "partial sums, fp32 (all-reduce)"
+        reduce = _launch_exchange(
+            cluster, group, (n - 1) * batch * llm.hidden * 4, "partial sums, fp32 (all-reduce)"
         )
         launch_comm = num_layers * (split.gathered * gather.time_s + split.reduces * reduce.time_s)
         added = num_layers * (
@@ -426,7 +416,17 @@ def _launch_gather(
     what = (
         "attention outputs of the rank's heads" if strategy == "tp" else "partial attention o and log-sum-exp"
     )
-    return _collective(cluster, group, "all_gather", (n - 1) * part, what)
+    return _launch_exchange(cluster, group, (n - 1) * part, what)
+
+
+def _launch_exchange(cluster: ClusterSpec, group: list[Device], nbytes: float, what: str) -> Collective:
+    """An all-gather of tessera's decode launch: through shared memory where the group shares a
+    host and the spec measured that exchange (``decode_exchange_overhead``), else over the link."""
+    c = _collective(cluster, group, "all_gather", nbytes, what)
+    kind = group[0].type
+    if kind.decode_exchange_overhead is None or len({d.node_index for d in group}) > 1:
+        return c
+    return replace(c, time_s=kind.decode_exchange_overhead + c.bytes / kind.memory_bandwidth)
 
 
 def _expert_split(llm: LlmConfig, strategy: str, n: int, tokens: int) -> str:

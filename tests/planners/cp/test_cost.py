@@ -300,3 +300,26 @@ def test_a_sharded_tp_launch_splits_the_layers_and_all_reduces_twice_a_layer() -
     assert dataclasses.replace(params, tp_launch=(TpLaunch(2, 0.5),)).to_json()["tp_launch"] == [
         {"t": 2, "whole": 0.5, "gathered": 0.0, "reduces": 2.0}
     ]
+
+
+@pytest.mark.parametrize("strategy", ["cp", "tp"])
+def test_a_launch_on_one_host_exchanges_at_the_measured_decode_exchange(strategy: str) -> None:
+    """Ranks of one host exchange through shared memory: where the spec measured that exchange
+    (``decode_exchange_overhead``, calibrate), each of the launch's collectives costs it plus its
+    bytes at the memory bandwidth, not the pipeline link's latency; without it, the link's."""
+    llm, _ = load_llm_config("gpt2")
+    data = load_cluster("local-cpu-split").to_json_dict()
+    work = Workload(1, 512, OutputLengths("fixed", 1, 1))
+    params = CostParams(step_operations=300, gather_operations=(6, 24), reduce_operations=5)
+    linked = estimate(llm, ClusterSpec.from_json_dict(data), work, strategy, 2, params=params).launch
+    for t in data["device_types"].values():
+        t["decode_exchange_overhead"] = 20e-6
+    cluster = ClusterSpec.from_json_dict(data)
+    (kind,) = cluster.device_types.values()
+    shm = estimate(llm, cluster, work, strategy, 2, params=params).launch
+    [c] = shm["collectives"]
+    assert c["time_s"] == pytest.approx(20e-6 + c["bytes"] / kind.memory_bandwidth, rel=1e-3)
+    assert [x["bytes"] for x in linked["collectives"]] == [c["bytes"]]
+    assert linked["collectives"][0]["time_s"] != pytest.approx(c["time_s"], rel=1e-2)
+    assert shm["compute_s"] == linked["compute_s"] and shm["host_s"] == linked["host_s"]
+    assert ClusterSpec.from_json_dict(cluster.to_json_dict()) == cluster  # the field round-trips
