@@ -22,29 +22,13 @@ __all__ = ["ZeroShard", "gather_shards", "scatter_sum", "zero_shards"]
 
 def scatter_sum(out: Tensor, full: Tensor, group: Any = None) -> None:
     """Reduce-scatter: ``out`` gets this rank's shard (``full`` in equal parts, by rank in
-    ``group``) of ``full`` summed over the group. On gloo an all-reduce of ``full`` (its
-    reduce-scatter of a flat tensor costs 10x as much and varies from run to run; docs/executor.md,
-    "ZeRO-1"); ``full`` then holds the sums."""
-    if dist.get_backend(group) != "gloo":
-        dist.reduce_scatter_single(out, full, group=group)
-        return
-    dist.all_reduce(full, group=group)
-    lo = dist.get_rank(group) * out.numel()
-    out.copy_(full[lo : lo + out.numel()])
+    ``group``) of ``full`` summed over the group."""
+    dist.reduce_scatter_single(out, full, group=group)
 
 
 def gather_shards(full: Tensor, shard: Tensor, group: Any = None) -> None:
-    """All-gather: every rank's ``shard`` into its place in ``full``. On gloo the other ranks'
-    places zeroed and ``full`` all-reduced (each element the sum of its owner's value and zeros:
-    exactly that value)."""
-    if dist.get_backend(group) != "gloo":
-        dist.all_gather_single(full, shard.detach().clone(), group=group)
-        return
-    lo = dist.get_rank(group) * shard.numel()
-    full[lo : lo + shard.numel()].copy_(shard.detach())
-    full[:lo].zero_()
-    full[lo + shard.numel() :].zero_()
-    dist.all_reduce(full, group=group)
+    """All-gather: every rank's ``shard`` into its place in ``full``."""
+    dist.all_gather_single(full, shard.detach().clone(), group=group)
 
 
 class ZeroShard:
