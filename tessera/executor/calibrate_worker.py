@@ -388,17 +388,18 @@ def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
-    from tessera.executor.zero import gather_shards, scatter_sum
+    from tessera.executor.zero import gather_shards, host_exchange, scatter_sum
 
     ranks = dist.get_world_size()
     seconds, pairs = [], []
+    shm = host_exchange(max(ALLREDUCE_BYTES), None, 60.0)  # the pair as a ZeRO-1 stage runs it
     for nbytes in ALLREDUCE_BYTES:
         buf = torch.zeros(max(ranks, nbytes // 4 // ranks * ranks))
         shard = torch.zeros(buf.numel() // ranks)
 
         def pair(buf: torch.Tensor = buf, shard: torch.Tensor = shard) -> None:
-            scatter_sum(shard, buf)
-            gather_shards(buf, shard)
+            scatter_sum(shard, buf, shm=shm)
+            gather_shards(buf, shard, shm=shm)
 
         for call, into in ((lambda buf=buf: dist.all_reduce(buf), seconds), (pair, pairs)):
             t0 = time.perf_counter()

@@ -1,5 +1,6 @@
 """All-gather between the ranks of one host through shared memory: a decode step's per-layer
-exchange in microseconds, where gloo's TCP round trip costs 0.6-0.9 ms on a small VM.
+exchange in microseconds, where gloo's TCP round trip costs 0.6-0.9 ms on a small VM, and a ZeRO-1
+step's reduce-scatter and all-gather (executor/zero.py).
 
 One file in /dev/shm, mapped by every rank and unlinked as soon as all have it (nothing is left
 behind, even by a killed run). It holds one counter per rank and two buffers per rank, used in
@@ -17,6 +18,7 @@ import platform
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -36,22 +38,22 @@ def usable(world: int) -> bool:
 
 
 class ShmGather:
-    """``stacked(t)``: an all-gather among ``world`` ranks of this host (collective set-up: every
-    rank constructs it at the same point, after ``init_process_group``). ``capacity``: the largest
-    tensor in bytes."""
+    """``stacked(t)``: an all-gather among ``world`` ranks of this host, ``rank`` this one's index
+    in ``group`` (collective set-up: every rank of the group constructs it at the same point,
+    after ``init_process_group``). ``capacity``: the largest tensor in bytes."""
 
-    def __init__(self, rank: int, world: int, capacity: int, timeout_s: float) -> None:
+    def __init__(self, rank: int, world: int, capacity: int, timeout_s: float, group: Any = None) -> None:
         self.rank, self.world, self.capacity, self.timeout_s = rank, world, capacity, timeout_s
         size = world * _HEADER + world * 2 * capacity
         names = [f"tessera-gather-{uuid.uuid4().hex}" if rank == 0 else ""]
-        dist.broadcast_object_list(names, src=0)
+        dist.broadcast_object_list(names, group=group, group_src=0)
         path = SHM_DIR / names[0]
         if rank == 0:
             with path.open("wb") as f:
                 f.truncate(size)
-        dist.barrier()
+        dist.barrier(group=group)
         self._map = np.memmap(path, dtype=np.uint8, mode="r+", shape=(size,))
-        dist.barrier()  # every rank has it mapped: the name is no longer needed
+        dist.barrier(group=group)  # every rank has it mapped: the name is no longer needed
         if rank == 0:
             path.unlink(missing_ok=True)
         self._counters = np.ndarray((world,), dtype=np.int64, buffer=self._map, offset=0, strides=(_HEADER,))
@@ -61,9 +63,10 @@ class ShmGather:
     def fits(self, t: Tensor) -> bool:
         return t.device.type == "cpu" and t.numel() * t.element_size() <= self.capacity
 
-    def stacked(self, t: Tensor) -> Tensor:
+    def stacked(self, t: Tensor, part: tuple[int, int] | None = None) -> Tensor:
         """Every rank's ``t`` (same shape and dtype on every rank) stacked in rank order: ``[world,
-        *t.shape]``, one copy out of the shared buffers."""
+        *t.shape]``, one copy out of the shared buffers; ``part``: elements ``[lo, hi)`` of each
+        rank's ``t`` flattened alone, ``[world, hi - lo]`` (a reduce-scatter's shard)."""
         n = self.count + 1
         self._wait(n - 1)  # no peer still reads gather n - 2 from the buffer this one reuses
         mine = t.detach().contiguous().view(torch.uint8).numpy().reshape(-1)
@@ -71,8 +74,9 @@ class ShmGather:
         self._counters[self.rank] = n
         self.count = n
         self._wait(n)
-        parts = torch.from_numpy(np.array(self._data[:, n % 2, : mine.size]))
-        return parts.view(t.dtype).reshape(self.world, *t.shape)
+        lo, hi = (0, mine.size) if part is None else (part[0] * t.element_size(), part[1] * t.element_size())
+        parts = torch.from_numpy(np.array(self._data[:, n % 2, lo:hi])).view(t.dtype)
+        return parts.reshape(self.world, *t.shape) if part is None else parts
 
     def _wait(self, n: int) -> None:
         counters, deadline, spins = self._counters, None, 0

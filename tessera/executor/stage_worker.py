@@ -187,6 +187,7 @@ class StageWorker:
                 self.dp_group,
                 self.tp_index,
                 f"zero/stage{self.stage_id}/replica{self.replica}",
+                spec.timeout_s,
             )
             self.zeros = [z for _, z in named]
             self.sharded = [(n, z.shard) for n, z in named]
