@@ -26,7 +26,13 @@ from tessera.core.weights import materialize
 from tessera.executor.decode_program import compile_step
 from tessera.executor.graph_decoder import GraphDecoder, Reduce
 from tessera.executor.graphed_step import GraphedStep, greedy
-from tessera.executor.kv_cache import GroupCache, decode_partial, decode_scored, scored_partial, whole_decode
+from tessera.executor.kv_cache import (
+    GroupCache,
+    attention_partial,
+    decode_partial,
+    decode_scored,
+    whole_decode,
+)
 from tessera.executor.kv_layout import KvLayout, request_slices
 from tessera.executor.shm_gather import ShmGather, usable
 from tessera.executor.step_check import check_stepwise
@@ -205,7 +211,9 @@ class DecodeWorker:
                 )
                 if one is None:
                     q_pos = torch.arange(past, past + q.shape[2], device=q.device)
-                    one = scored_partial(q, keys, values, q_pos, positions, scores, heads, sink=sink)
+                    one = attention_partial(
+                        q, keys, values, q_pos, positions, scores, heads, sink=sink, fused=True
+                    )
                 o, lse = one
             # one exchange a layer: each rank's partial with its log-sum-exp as one more column
             parts = self._gather_stacked(torch.cat([o.float(), lse.float()[..., None]], dim=-1))
@@ -288,7 +296,7 @@ def _attention(
     if fused is not None:
         return fused
     q_pos = torch.arange(past, past + s_len, device=q.device)
-    return scored_partial(q, keys, values, q_pos, positions, scores, heads)[0]
+    return attention_partial(q, keys, values, q_pos, positions, scores, heads, fused=True)[0]
 
 
 def time_decode_step(decoder: GraphDecoder, steps: int, context: int = 64) -> float:

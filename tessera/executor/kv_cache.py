@@ -5,8 +5,9 @@
 decode step, the KV layout), and writes each new position in place, in the next free slot. Keys
 the graph repeats for grouped-query attention are stored once per KV head (checked on the first
 write, not assumed). :func:`attention_partial` attends over any subset of positions, scored as the
-graph scores them, as a mergeable partial; :func:`scored_partial` computes the same in torch's fused
-CPU kernel where the scores are a bias (ALiBi, a window). See docs/executor.md ("Decoding from the graph").
+graph scores them, as a mergeable partial (in torch's fused CPU kernel where the scores are a bias:
+ALiBi, a window); :func:`whole_decode` and :func:`decode_scored` attend a decode step's one token in a
+few operations. See docs/executor.md ("Decoding from the graph").
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ __all__ = [
     "attention_partial",
     "decode_partial",
     "decode_scored",
-    "scored_partial",
     "whole_decode",
 ]
 
@@ -44,7 +44,7 @@ def decode_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tenso
     return o.reshape(b, h, v.shape[-1]), lse.reshape(b, h)
 
 
-def attention_partial(
+def attention_partial(  # noqa: PLR0913 - the positions, the scores and how, beside q, k, v
     q: Tensor,
     k: Tensor,
     v: Tensor,
@@ -54,6 +54,7 @@ def attention_partial(
     heads: slice = slice(None),
     *,
     sink: bool = True,
+    fused: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Attention of queries ``q`` ``[B, H, S, D]`` at positions ``q_pos`` ``[S]`` over keys and values
     ``[B, Hc, T, D]`` at ``k_pos`` ``[T]`` (``H`` a multiple of ``Hc``: each KV head serves ``H/Hc``
@@ -63,7 +64,10 @@ def attention_partial(
     :func:`~tessera.kernels.merge_partials`. Masks and biases use absolute positions, so any shard
     of the cache attends exactly as the whole would. A per-head attention sink (``scores.sinks``) is
     one more key of value 0 at no position: ``sink`` says this partial holds it (exactly one of
-    the partials merged for a query does)."""
+    the partials merged for a query does). ``fused``: in torch's fused CPU kernel where it applies
+    (:func:`_fused_partial`); False is the reference the fused paths are tested against."""
+    if fused and (done := _fused_partial(q, k, v, q_pos, k_pos, scores, heads, sink=sink)) is not None:
+        return done
     b, h, s_len, d = q.shape
     hc = k.shape[1]
     group = q.float().reshape(b, hc, h // hc * s_len, d)  # a KV head's query heads, row after row
@@ -87,26 +91,26 @@ def attention_partial(
     return (p @ v.float()).reshape(b, h, s_len, v.shape[-1]), lse
 
 
-def scored_partial(
+def _fused_partial(
     q: Tensor,
     k: Tensor,
     v: Tensor,
     q_pos: Tensor,
     k_pos: Tensor,
     scores: ScoreMod,
-    heads: slice = slice(None),
+    heads: slice,
     *,
-    sink: bool = True,
-) -> tuple[Tensor, Tensor]:
-    """:func:`attention_partial`, in one call of torch's fused CPU kernel where the scores are the
+    sink: bool,
+) -> tuple[Tensor, Tensor] | None:
+    """:func:`attention_partial` in one call of torch's fused CPU kernel where the scores are the
     scaled product plus a bias (ALiBi's slopes; the causal and window masks as ``-inf``): a few
-    operations where the unfused path runs 15. Computed in fp32, as :func:`attention_partial`;
-    soft-capping, sinks, K and V of different head sizes and other devices take the unfused path."""
+    operations where the unfused path runs 15, in fp32 as it computes. None (the unfused path) for
+    soft-capping, a sink this partial holds, K and V of different head sizes, other devices."""
     fused = (
         _FLASH_CPU is not None and q.device.type == "cpu" and k.shape[2] > 0 and k.shape[-1] == v.shape[-1]
     )
     if not fused or scores.softcap is not None or (scores.sinks is not None and sink):
-        return attention_partial(q, k, v, q_pos, k_pos, scores, heads, sink=sink)
+        return None
     b, h, s_len, d = q.shape
     hc = k.shape[1]
     distance = k_pos[None, :] - q_pos[:, None]  # j - i, [S, T]

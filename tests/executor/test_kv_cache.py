@@ -16,7 +16,6 @@ from tessera.executor.kv_cache import (
     attention_partial,
     decode_partial,
     decode_scored,
-    scored_partial,
     whole_decode,
 )
 from tessera.kernels import merge_partials
@@ -189,7 +188,9 @@ SCORED_IDS = ["window", "alibi", "window-alibi", "softcap", "softcap-window-alib
 
 @pytest.mark.parametrize("mod", SCORED, ids=SCORED_IDS)
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-def test_the_fused_scored_partial_is_the_reference_partial_on_any_shard(mod: ScoreMod, kv_heads: int) -> None:
+def test_the_fused_partial_of_scored_attention_is_the_reference_on_any_shard(
+    mod: ScoreMod, kv_heads: int
+) -> None:
     """A window and ALiBi as an additive mask in torch's fused kernel: the reference's output and
     log-sum-exp on any shard of positions, a shard whose keys the queries cannot see (past the
     window) an empty partial (lse -inf, as the merge needs), and a heads slice its own slopes."""
@@ -201,13 +202,13 @@ def test_the_fused_scored_partial_is_the_reference_partial_on_any_shard(mod: Sco
         for heads, hq in ((slice(None), q), (slice(2, 4), q[:, 2:4])):
             hk, hv = (k, v) if kv_heads < 4 else (k[:, heads], v[:, heads])
             want = attention_partial(hq, hk, hv, q_pos, k_pos, mod, heads)
-            got = scored_partial(hq, hk, hv, q_pos, k_pos, mod, heads)
+            got = attention_partial(hq, hk, hv, q_pos, k_pos, mod, heads, fused=True)
             assert torch.equal(torch.isinf(got[1]), torch.isinf(want[1]))
             torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-6)
             seen = torch.isfinite(want[1])
             torch.testing.assert_close(got[1][seen], want[1][seen], rtol=1e-5, atol=1e-6)
-    far = scored_partial(
-        q[:, :, :1], k, v, torch.tensor([40]), torch.arange(12), ScoreMod(0.3, True, window=5)
+    far = attention_partial(
+        q[:, :, :1], k, v, torch.tensor([40]), torch.arange(12), ScoreMod(0.3, True, window=5), fused=True
     )
     assert not far[0].any() and torch.isinf(far[1]).all()
 
