@@ -66,8 +66,8 @@ def attention_partial(  # noqa: PLR0913 - the positions, the scores and how, bes
     one more key of value 0 at no position: ``sink`` says this partial holds it (exactly one of
     the partials merged for a query does). ``fused``: in torch's fused CPU kernel where it applies
     (:func:`_fused_partial`); False is the reference the fused paths are tested against."""
-    if fused and (done := _fused_partial(q, k, v, q_pos, k_pos, scores, heads, sink=sink)) is not None:
-        return done
+    if fused and _fuses(q, k, v, scores, sink):
+        return _fused_partial(q, k, v, q_pos, k_pos, scores, heads)
     b, h, s_len, d = q.shape
     hc = k.shape[1]
     group = q.float().reshape(b, hc, h // hc * s_len, d)  # a KV head's query heads, row after row
@@ -91,26 +91,25 @@ def attention_partial(  # noqa: PLR0913 - the positions, the scores and how, bes
     return (p @ v.float()).reshape(b, h, s_len, v.shape[-1]), lse
 
 
-def _fused_partial(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    q_pos: Tensor,
-    k_pos: Tensor,
-    scores: ScoreMod,
-    heads: slice,
-    *,
-    sink: bool,
-) -> tuple[Tensor, Tensor] | None:
-    """:func:`attention_partial` in one call of torch's fused CPU kernel where the scores are the
-    scaled product plus a bias (ALiBi's slopes; the causal and window masks as ``-inf``): a few
-    operations where the unfused path runs 15, in fp32 as it computes. None (the unfused path) for
-    soft-capping, a sink this partial holds, K and V of different head sizes, other devices."""
-    fused = (
-        _FLASH_CPU is not None and q.device.type == "cpu" and k.shape[2] > 0 and k.shape[-1] == v.shape[-1]
+def _fuses(q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, sink: bool) -> bool:
+    """Whether torch's fused CPU kernel computes this partial: scores that are the scaled product
+    plus a bias (not soft-capped, no sink held here), K and V of one head size, on the CPU."""
+    fusable = scores.softcap is None and (scores.sinks is None or not sink)
+    return (
+        fusable
+        and _FLASH_CPU is not None
+        and q.device.type == "cpu"
+        and 0 < k.shape[2]
+        and k.shape[-1] == v.shape[-1]
     )
-    if not fused or scores.softcap is not None or (scores.sinks is not None and sink):
-        return None
+
+
+def _fused_partial(
+    q: Tensor, k: Tensor, v: Tensor, q_pos: Tensor, k_pos: Tensor, scores: ScoreMod, heads: slice
+) -> tuple[Tensor, Tensor]:
+    """:func:`attention_partial` in one call of torch's fused CPU kernel: ALiBi's slopes and the
+    causal and window masks (``-inf``) as one additive mask, in fp32 as the unfused path computes;
+    a few operations where that path runs 15."""
     b, h, s_len, d = q.shape
     hc = k.shape[1]
     distance = k_pos[None, :] - q_pos[:, None]  # j - i, [S, T]
