@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["ShmGather", "usable"]
+__all__ = ["SHM_DIR", "ShmGather", "usable"]
 
 SHM_DIR = Path("/dev/shm")
 _HEADER = 64  # bytes per rank counter (a cache line each)

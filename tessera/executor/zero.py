@@ -9,6 +9,7 @@ See docs/executor.md ("ZeRO-1").
 from __future__ import annotations
 
 import math
+import shutil
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tessera.executor.gradients import by_dtype
-from tessera.executor.shm_gather import ShmGather, usable
+from tessera.executor.shm_gather import SHM_DIR, ShmGather, usable
 
 __all__ = ["ZeroShard", "gather_shards", "host_exchange", "scatter_sum", "zero_shards"]
 
@@ -43,12 +44,15 @@ def gather_shards(full: Tensor, shard: Tensor, group: Any = None, shm: ShmGather
 def host_exchange(nbytes: int, group: Any, timeout_s: float) -> ShmGather | None:
     """A shared-memory exchange for a ZeRO-1 pair of ``nbytes`` over ``group`` where every rank of
     the job is on this host, on the CPU (collective: every rank of ``group`` calls it at the same
-    point); None elsewhere (torch.distributed's collectives). gloo's reduce-scatter and all-gather
-    cost 3-4 ms from 16 KiB to 1 MiB on a 2-core VM and vary by half from run to run
-    (docs/executor.md, "ZeRO-1")."""
+    point), with room for twice its buffers in /dev/shm; None elsewhere (torch.distributed's
+    collectives). gloo's reduce-scatter and all-gather cost 3-4 ms from 16 KiB to 1 MiB on a 2-core
+    VM and vary by half from run to run (docs/executor.md, "ZeRO-1")."""
     if not usable(dist.get_world_size()) or dist.get_backend(group) != "gloo":
         return None
-    return ShmGather(dist.get_rank(group), dist.get_world_size(group), nbytes, timeout_s, group=group)
+    world = dist.get_world_size(group)
+    room = [shutil.disk_usage(SHM_DIR).free > 2 * world * 2 * nbytes]  # the group's first rank decides
+    dist.broadcast_object_list(room, group=group, group_src=0)
+    return ShmGather(dist.get_rank(group), world, nbytes, timeout_s, group=group) if room[0] else None
 
 
 class ZeroShard:
