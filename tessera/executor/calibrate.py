@@ -452,7 +452,8 @@ def _comments(cal: Calibration) -> list[str]:
         f"    interpolate between them for {cal.ranks} ranks), fitted as the ring's per-step latency and",
         "    bandwidth for other sizes and rank counts:",
         *(f"    {size_text(n)} {seconds_text(t)} (ring model {seconds_text(p)})" for n, t, p in reduces),
-        "  zero_sync_curve: a ZeRO-1 step's reduce-scatter then all-gather of the same buffers (the",
+        "  zero_sync_curve: a ZeRO-1 step's reduce-scatter then all-gather of the same buffers, as",
+        "    executor/zero.py runs them (through shared memory where the ranks share a host) (the",
         "    slowest rank's median; where a larger size measured faster, the pooled mean of the run, as",
         "    a larger exchange is never faster), which ZeRO-1 stages pay in place of the all-reduce: "
         + ", ".join(

@@ -383,7 +383,7 @@ def measure_decode_exchange(rank: int, world_size: int, budget_s: float) -> dict
 def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:
     """Sum all-reduces of :data:`ALLREDUCE_BYTES` over every rank (gloo), back to back, and a
     ZeRO-1 step's pair on the same buffers (reduce-scatter, then all-gather of the shards, as
-    ``executor.zero`` calls them); each rank's median per call (the launcher reports the slowest
+    ``executor.zero`` runs them: through shared memory where the ranks share a host); each rank's median per call (the launcher reports the slowest
     rank's)."""
     import torch
     import torch.distributed as dist
