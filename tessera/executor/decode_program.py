@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, fx
+from torch._library.custom_ops import get_library_allowing_overwrite
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from tessera.executor.kv_cache import attention_partial
@@ -74,14 +75,6 @@ class Untraceable(Exception):
     """The step cannot be compiled (the message says why); the graph is interpreted instead."""
 
 
-# The two operators a traced step calls back through (their Python kernels below), defined with
-# torch.library's low-level API: a call costs 3 us where torch.library.custom_op's checked wrapper
-# costs 10 (a decode step calls one a core and one an all-reduce).
-_LIBRARY = torch.library.Library("tessera", "DEF")
-_LIBRARY.define("attend_core(Tensor a, Tensor b, Tensor v, int program, int layer) -> Tensor")
-_LIBRARY.define("reduce_partials(Tensor x, int program) -> Tensor")
-
-
 def _call_core(a: Tensor, b: Tensor, v: Tensor, program: int, layer: int) -> Tensor:
     """A core's output: attention over the cache through the running step's ``attend``."""
     return _PROGRAMS[program].core(layer, a, b, v)
@@ -96,10 +89,33 @@ def _core_shape(a: Tensor, b: Tensor, v: Tensor, program: int, layer: int) -> Te
     return _PROGRAMS[program].core_shape(layer, a, b, v)
 
 
-_LIBRARY.impl("attend_core", _call_core, "CompositeExplicitAutograd")
-_LIBRARY.impl("reduce_partials", _call_reduce, "CompositeExplicitAutograd")
-torch.library.register_fake("tessera::attend_core", _core_shape, lib=_LIBRARY)
-torch.library.register_fake("tessera::reduce_partials", lambda x, program: torch.empty_like(x), lib=_LIBRARY)
+def _operator(name: str, schema: str, kernel: Any, fake: Any) -> torch.library.Library:
+    """``tessera::name``, whose kernel is ``kernel`` (Python), defined with torch.library's
+    low-level API: a call costs 3 us where torch.library.custom_op's checked wrapper costs 10 (a
+    decode step calls one a core and one an all-reduce). A module imported again replaces its
+    operators, as custom_op does (through the same registry)."""
+    lib = get_library_allowing_overwrite("tessera", name)
+    lib.define(name + schema)
+    lib.impl(name, kernel, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"tessera::{name}", fake, lib=lib)
+    return lib
+
+
+# The two operators a traced step calls back through.
+_LIBRARIES = (
+    _operator(
+        "attend_core",
+        "(Tensor a, Tensor b, Tensor v, int program, int layer) -> Tensor",
+        _call_core,
+        _core_shape,
+    ),
+    _operator(
+        "reduce_partials",
+        "(Tensor x, int program) -> Tensor",
+        _call_reduce,
+        lambda x, program: torch.empty_like(x),
+    ),
+)
 
 
 def compile_step(decoder: GraphDecoder, batch: int, length: int, *, inductor: bool = False) -> str | None:
