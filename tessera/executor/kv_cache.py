@@ -31,16 +31,22 @@ __all__ = [
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-def decode_partial(q: Tensor, k: Tensor, v: Tensor, scale: float) -> tuple[Tensor, Tensor] | None:
-    """One new token's plain attention over these keys as a mergeable partial, in one fused call:
-    ``q`` ``[B, H, D]``, ``k``/``v`` ``[B, Hc, T, D]`` → ``(o [B, H, Dv], lse [B, H])`` (natural log),
-    each KV head's query heads taken as its queries. None where torch's fused CPU kernel does not
-    apply (another device, no keys, no such kernel): the caller's kernel does it."""
+def decode_partial(
+    q: Tensor, k: Tensor, v: Tensor, scale: float, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor] | None:
+    """One new token's attention over these keys as a mergeable partial, in one fused call: ``q``
+    ``[B, H, D]``, ``k``/``v`` ``[B, Hc, T, D]`` → ``(o [B, H, Dv], lse [B, H])`` (natural log), each
+    KV head's query heads taken as its queries; ``bias``: added to the scores, ``[H, T]`` or ``[T]``
+    (``-inf`` hides a key). None where torch's fused CPU kernel does not apply (another device, no
+    keys, mixed dtypes or head sizes, no such kernel): the caller's kernel does it."""
     if _FLASH_CPU is None or q.device.type != "cpu" or k.shape[2] == 0 or not q.dtype == k.dtype == v.dtype:
+        return None
+    if k.shape[-1] != v.shape[-1]:
         return None
     b, h, d = q.shape
     hc = k.shape[1]
-    o, lse = _FLASH_CPU(q.reshape(b, hc, h // hc, d), k, v, scale=scale)
+    mask = None if bias is None else bias.expand(h, -1).reshape(1, hc, h // hc, -1)
+    o, lse = _FLASH_CPU(q.reshape(b, hc, h // hc, d), k, v, attn_mask=mask, scale=scale)
     return o.reshape(b, h, v.shape[-1]), lse.reshape(b, h)
 
 
@@ -148,9 +154,7 @@ def whole_decode(
         return None
     if scores.window is not None:
         k, v, positions = k[:, :, -scores.window :], v[:, :, -scores.window :], positions[-scores.window :]
-    bias = (
-        None if scores.alibi is None else _slopes(scores.alibi, q.device)[heads][:, None] * positions.float()
-    )
+    bias = _alibi(scores, heads, positions)
     b, h, _, d = q.shape
     hc = k.shape[1]
     if scores.softcap is not None:
@@ -159,17 +163,10 @@ def whole_decode(
         if bias is not None:
             s = s + bias.reshape(hc, h // hc, -1)
         return (torch.softmax(s, dim=-1) @ v.float()).reshape(b, h, 1, v.shape[-1])
-    if (
-        _FLASH_CPU is not None
-        and q.device.type == "cpu"
-        and d == v.shape[-1]
-        and q.dtype == k.dtype == v.dtype
-    ):
-        # each KV head's query heads as its queries (torch's own dispatch to this kernel costs
-        # twice the kernel where there is a mask)
-        mask = None if bias is None else bias.reshape(1, hc, h // hc, -1)
-        o, _ = _FLASH_CPU(q.reshape(b, hc, h // hc, d), k, v, attn_mask=mask, scale=scores.scale)
-        return o.reshape(b, h, 1, d)
+    # torch's own dispatch to the fused kernel costs twice the kernel where there is a mask
+    fused = decode_partial(q[:, :, 0], k, v, scores.scale, bias)
+    if fused is not None:
+        return fused[0][:, :, None]
     return torch.nn.functional.scaled_dot_product_attention(
         q, k.to(q.dtype), v.to(q.dtype), attn_mask=None if bias is None else bias[:, None, :],
         scale=scores.scale, enable_gqa=hc != h,
@@ -202,17 +199,19 @@ def decode_scored(
         return q.new_zeros(b, h, 1, dv, dtype=torch.float32), q.new_full(
             (b, h, 1), float("-inf"), dtype=torch.float32
         )
-    bias = (
-        None if scores.alibi is None else _slopes(scores.alibi, q.device)[heads][:, None] * positions.float()
-    )
+    bias = _alibi(scores, heads, positions)
     if visible is not None:
         hidden = torch.where(visible, 0.0, float("-inf"))
         bias = hidden if bias is None else bias + hidden
+    fused = (
+        None
+        if scores.softcap is not None
+        else decode_partial(q.float()[:, :, 0], k.float(), v.float(), scores.scale, bias)
+    )
+    if fused is not None:
+        return fused[0][:, :, None], fused[1][:, :, None]
     group = q.float().reshape(b, hc, h // hc, d)  # a KV head's query heads as its queries
     mask = None if bias is None else bias.expand(h, -1).reshape(1, hc, h // hc, -1)
-    if scores.softcap is None and d == dv:
-        o, lse = _FLASH_CPU(group, k.float(), v.float(), attn_mask=mask, scale=scores.scale)
-        return o.reshape(b, h, 1, dv), lse.reshape(b, h, 1)
     s = (group @ k.float().transpose(-1, -2)) * scores.scale
     if scores.softcap is not None:
         s = torch.tanh(s / scores.softcap) * scores.softcap
@@ -221,6 +220,16 @@ def decode_scored(
     lse = torch.logsumexp(s, dim=-1)
     o = torch.exp(s - lse[..., None]) @ v.float()
     return o.reshape(b, h, 1, dv), lse.reshape(b, h, 1)
+
+
+def _alibi(scores: ScoreMod, heads: slice, positions: Tensor) -> Tensor | None:
+    """ALiBi's bias of keys at ``positions`` for these heads as ``slope·j`` ``[H, T]`` (the query's
+    ``−slope·i`` left out: one constant of its row); None without ALiBi."""
+    return (
+        None
+        if scores.alibi is None
+        else _slopes(scores.alibi, positions.device)[heads][:, None] * positions.float()
+    )
 
 
 @functools.cache
