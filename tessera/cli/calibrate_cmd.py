@@ -132,9 +132,14 @@ def summary(report: dict[str, Any]) -> str:
             [
                 (
                     "decode exchange",
-                    f"{seconds_text(m['decode_exchange'])} an all-gather between computing ranks",
+                    f"{seconds_text(m['decode_exchange'])} a gather in a step",
                     f"decode_exchange_overhead {seconds_text(device.get('decode_exchange_overhead') or 0.0)}",
-                )
+                ),
+                (
+                    "",
+                    f"+{m['decode_rank_skew']:.1%} a step, in step with the later rank",
+                    f"decode_rank_skew {device.get('decode_rank_skew') or 0.0:.3g}",
+                ),
             ]
             if m.get("decode_exchange")
             else []

@@ -166,6 +166,10 @@ class DeviceType(_SpecModel):
     the wait for the later rank included, while both compute; ``tessera calibrate`` measures it on
     CPU ranks): what a tp or cp launch's collective costs there, plus its bytes at the memory
     bandwidth. None: the intra-node link's collective."""
+    decode_rank_skew: float = Field(default=0.0, ge=0.0, le=10.0)
+    """Ranks of one host that exchange once a layer run in step with the slowest: a tp or cp decode
+    step's own work takes this fraction longer than on one rank (``tessera calibrate`` measures it
+    on CPU ranks, beside ``decode_exchange_overhead``)."""
     replica_contention: float = Field(default=0.0, ge=0.0, le=10.0)
     """Replicas of one data-parallel stage on the same node run the same operators at the same
     moment: each forward and backward takes this fraction longer than on one rank alone (instead of
@@ -480,6 +484,7 @@ class ClusterSpec(_SpecModel):
                         if dtype.decode_exchange_overhead
                         else {}
                     ),
+                    **({"decode_rank_skew": dtype.decode_rank_skew} if dtype.decode_rank_skew else {}),
                 }
                 for name, dtype in sorted(self.device_types.items())
             },

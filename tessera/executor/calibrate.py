@@ -224,6 +224,7 @@ def summarize(raw: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
             "compiled_op_s": statistics.median(r["decode_op"]["compiled_op_s"] for r in raw),
         },
         "decode_exchange": _median_of(raw, "decode_exchange", "exchange_s"),
+        "decode_rank_skew": _median_of(raw, "decode_exchange", "rank_skew"),
         "per_op": {
             "nodes": list(CHAIN_NODES),
             "forward_s": statistics.median(r["per_op"]["forward_s"] for r in raw),
@@ -431,9 +432,9 @@ def _comments(cal: Calibration) -> list[str]:
         f"    {seconds_text(m['decode_op']['compiled_step_s'])} a step over the same operations",
         *(
             [
-                "  decode_exchange_overhead: a decode step's all-gather of [1, 4, 1, 33] fp32 between the ranks",
-                "    through shared memory (as tp and cp launches exchange) after a burst of small operations,",
-                f"    the wait for the later rank included: {seconds_text(m['decode_exchange'])}",
+                "  decode_exchange_overhead, decode_rank_skew: the compiled step's cores' outputs gathered between",
+                f"    ranks (as tp and cp launches): {seconds_text(m['decode_exchange'])} a gather, and the first of a "
+                f"layer waits for the later rank: +{m['decode_rank_skew']:.1%} of the step",
             ]
             if m.get("decode_exchange")
             else []
@@ -556,6 +557,7 @@ def _spec_yaml(cal: Calibration) -> str:
         f"    decode_compiled_op_overhead: {seconds_text(m['decode_op']['compiled_op_s'])}",
         *(
             [f"    decode_exchange_overhead: {seconds_text(m['decode_exchange'])}"]
+            + [f"    decode_rank_skew: {m['decode_rank_skew']:.4g}"]
             if m.get("decode_exchange")
             else []
         ),

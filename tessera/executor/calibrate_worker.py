@@ -7,6 +7,7 @@ executor's cost per operator, gloo point-to-point round trips between rank pairs
 from __future__ import annotations
 
 import contextlib
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -20,13 +21,13 @@ BUDGET = {
     "bandwidth": 0.15,
     "per_op": 0.15,
     "decode_op": 0.05,
-    "p2p": 0.15,
+    "p2p": 0.12,
     "p2p_loaded": 0.1,
-    "decode_exchange": 0.05,
+    "decode_exchange": 0.08,
     "allreduce": 0.15,
 }
 MIN_REPEATS = 3
-DECODE_BURST = 20  # pairs of element-wise operations between two exchanges of measure_decode_exchange
+DECODE_ROUNDS = 6  # measure_decode_exchange's alternate rounds with and without the exchange
 MAX_REPEATS = 1000
 MATMUL_SIZES = (256, 512, 1024, 2048)
 MATMUL_MIN_S = 0.01  # the first size whose product takes this long is timed (tens of ms)
@@ -203,30 +204,37 @@ def measure_per_op(budget_s: float) -> dict[str, Any]:
     return {"nodes": [short, long], "forward_s": slope(0), "forward_backward_s": slope(1)}
 
 
+@functools.cache
+def _zoo_decoder(compiled: bool) -> Any:
+    """The zoo's tiny GPT as a decode rank runs it, traced, or compiled by torch.compile's inductor
+    as ``launch --compile`` runs it (built once per process: the decode phases share it)."""
+    from tessera.core.weights import materialize
+    from tessera.executor.decode_program import compile_step
+    from tessera.executor.graph_decode_worker import graph_decoder
+    from tessera.models import build
+
+    decoder = graph_decoder(materialize(build("gpt", "tiny", seed=0, seq=512)), label="zoo gpt tiny")
+    if compile_step(decoder, 1, 1, inductor=compiled) is not None:
+        raise RuntimeError("the zoo GPT's decode step did not compile")
+    return decoder
+
+
 def measure_decode_op(budget_s: float) -> dict[str, Any]:
     """The host time of one operation of a decode step: the zoo's tiny GPT decoded as a dp rank
     decodes it, its median step over the operations the cp cost model counts for it; traced
     (``op_s``) and compiled by torch.compile's inductor as ``launch --compile`` runs it
     (``compiled_op_s``; its compilation, seconds, comes on top of the budget)."""
-    from tessera.core.weights import materialize
-    from tessera.executor.decode_program import compile_step, step_operations
-    from tessera.executor.graph_decode_worker import graph_decoder, time_decode_step
-    from tessera.models import build
-
-    def decoder() -> Any:
-        return graph_decoder(materialize(build("gpt", "tiny", seed=0, seq=512)), label="zoo gpt tiny")
+    from tessera.executor.decode_program import step_operations
+    from tessera.executor.graph_decode_worker import time_decode_step
 
     def timed(stepped: Any) -> float:
-        time_decode_step(stepped, 1)  # where the program is compiled
         t0 = time.perf_counter()
         time_decode_step(stepped, 8)  # warm-up, and how long a step takes
         steps = max(8, min(256, int(budget_s / 2 / max(time.perf_counter() - t0, 1e-6) * 8)))
         return time_decode_step(stepped, steps)
 
-    traced, compiled = decoder(), decoder()
+    traced, compiled = _zoo_decoder(False), _zoo_decoder(True)
     operations = step_operations(traced) or 1
-    if compile_step(compiled, 1, 1, inductor=True) is not None:
-        raise RuntimeError("the zoo GPT's decode step did not compile")
     step_s, compiled_s = timed(traced), timed(compiled)
     return {
         "operations": operations,
@@ -352,32 +360,40 @@ def measure_p2p_loaded(rank: int, world_size: int, budget_s: float) -> dict[str,
 
 
 def measure_decode_exchange(rank: int, world_size: int, budget_s: float) -> dict[str, Any] | None:
-    """A decode step's exchange between the ranks of this host as tp and cp launches run it
-    (``executor.shm_gather``): each rank runs a burst of small operations (about a layer's share of
-    a small decoder's traced step), then all-gathers a core's partial ([1, 4, 1, 33] fp32); the
-    median seconds of the exchange, the wait for the later rank included. None where the ranks
-    cannot share memory."""
+    """A decode step's exchanges between the ranks of this host as tp and cp launches run them
+    (``executor.shm_gather``), measured inside a decode step: the zoo's tiny GPT, compiled, decoded
+    on every rank at once, its cores' outputs all-gathered between the ranks once a layer, twice a
+    layer, or not at all, in alternate rounds. The second gather of a layer, back to back with the
+    first, is what one exchange costs (``exchange_s``); the first costs more: it waits for the later
+    rank, whose step the VM stretches now and then, a fraction of the step (``rank_skew``: of the
+    step without exchanges). Each the median over the rounds; None where the ranks cannot share
+    memory."""
     import torch
 
+    from tessera.executor.graph_decode_worker import time_decode_step
     from tessera.executor.shm_gather import ShmGather, usable
 
     if not usable(world_size):
         return None
-    gather = ShmGather(rank, world_size, 1 << 16, 60.0)
-    x, part = torch.randn(1, 128), torch.randn(1, 4, 1, 33)
+    gather = ShmGather(rank, world_size, 1 << 20, 60.0)  # a prefill's core output fits
+    decoder = _zoo_decoder(True)
+    layers = len(decoder.cores)
 
-    def exchange() -> float:
-        y = x
-        for _ in range(DECODE_BURST):
-            y = y * 1.0001 + 0.0001
-        t0 = time.perf_counter()
-        gather.stacked(part)
-        return time.perf_counter() - t0
+    def once(o: torch.Tensor) -> torch.Tensor:
+        return gather.stacked(o)[rank]
+
+    def twice(o: torch.Tensor) -> torch.Tensor:
+        return once(once(o))
 
     t0 = time.perf_counter()
-    exchange()  # warm-up
-    repeats = _agree_repeats(rank, time.perf_counter() - t0, budget_s, 0, None)
-    return {"exchange_s": statistics.median(exchange() for _ in range(repeats))}
+    time_decode_step(decoder, 8, exchange=twice)  # warm-up, and how long a step takes
+    steps = _agree_repeats(rank, (time.perf_counter() - t0) / 8, budget_s / 3 / DECODE_ROUNDS, 0, None)
+    exchange, skew = [], []
+    for _ in range(DECODE_ROUNDS):  # a round's differences: the VM's slower moments move all three
+        alone, one, two = (time_decode_step(decoder, steps, exchange=e) for e in (None, once, twice))
+        exchange.append(max(two - one, 0.0) / layers)
+        skew.append(max(one - alone - layers * exchange[-1], 0.0) / alone)
+    return {"exchange_s": statistics.median(exchange), "rank_skew": statistics.median(skew)}
 
 
 def measure_allreduce(rank: int, budget_s: float) -> dict[str, Any]:

@@ -299,17 +299,21 @@ def _attention(
     return attention_partial(q, keys, values, q_pos, positions, scores, heads, fused=True)[0]
 
 
-def time_decode_step(decoder: GraphDecoder, steps: int, context: int = 64) -> float:
+def time_decode_step(
+    decoder: GraphDecoder, steps: int, context: int = 64, exchange: Callable[[Tensor], Tensor] | None = None
+) -> float:
     """Median seconds of one batch-1 decode step of ``decoder`` as a dp rank runs it (its traced
     program, a static cache, the fused attention), after a ``context``-token prefill: what
-    ``calibrate`` divides by the step's operations."""
+    ``calibrate`` divides by the step's operations. ``exchange``: each core's output goes through it
+    (a gather between ranks, as a tp or cp step exchanges once a layer)."""
     cache = GroupCache(np.zeros(context + steps + 1, dtype=np.int64), 0, torch.device("cpu"))
     if (1, 1) not in decoder.programs:
         compile_step(decoder, 1, 1)
 
     def attend(layer: int, q: Tensor, k: Tensor, v: Tensor, scores: ScoreMod, past: int) -> Tensor:
         keys, values, positions = cache.read(layer, cache.write(layer, k, v, past))
-        return _attention(q, keys, values, positions, past, scores, slice(None))
+        o = _attention(q, keys, values, positions, past, scores, slice(None))
+        return o if exchange is None else exchange(o)
 
     tokens = torch.arange(context)[None] % decoder.vocab
     last = int(torch.argmax(decoder.logits(tokens, 0, attend)[0, -1]))

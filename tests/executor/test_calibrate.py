@@ -66,6 +66,11 @@ def test_the_spec_loads_with_sane_numbers(calibrated):
     # a decode launch's exchange between the two ranks of this host, through shared memory
     assert device.decode_exchange_overhead == pytest.approx(report["measured"]["decode_exchange"], rel=1e-3)
     assert 1e-7 < device.decode_exchange_overhead < 1e-2
+    # and how much longer a step's own work takes in step with the later rank
+    assert device.decode_rank_skew == pytest.approx(
+        report["measured"]["decode_rank_skew"], rel=1e-3, abs=1e-9
+    )
+    assert 0.0 <= device.decode_rank_skew < 3.0
     link = spec.links.intra_node
     assert 1e-6 <= link.latency <= 1e-2
     assert 1e7 <= link.bandwidth <= 1e11

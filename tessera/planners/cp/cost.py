@@ -2,10 +2,9 @@
 
 Only attention grows with the KV cache (§4.3). TP splits every weight and all-reduces twice per layer;
 DP replicates and straggles on unknown output lengths; CP splits the KV cache along the sequence for
-attention (all-gather of Q/K/V, all-to-all of partials) and is DP elsewhere. Per device and step: a
-roofline of dense and attention compute, collectives at the §4.4 volumes (:func:`cp_comm_elements`,
-:func:`tp_comm_elements`), and PagedAttention block-table overhead (§4.5). Weights plus KV cache beyond
-device memory is infeasible.
+attention and is DP elsewhere. Per device and step: a roofline of dense and attention compute,
+collectives at the §4.4 volumes, and PagedAttention block-table overhead (§4.5). Weights plus KV
+cache beyond device memory is infeasible.
 
 References: thesis ch. 4, §4.2.3–4.5, Fig. 4.5. Derivation: docs/cp.md.
 """
@@ -355,8 +354,9 @@ def estimate(
             for c, k in ((gather, split.gathered), (reduce, split.reduces))
             if k
         ]
-        launch = {
-            "step_time_s": _sig(ran[0] + launch_host + launch_comm),
+        skew = group[0].type.decode_rank_skew if len({d.node_index for d in group}) == 1 else 0.0
+        launch = {  # ranks exchanging every layer run at the slowest one's pace (decode_rank_skew)
+            "step_time_s": _sig((ran[0] + launch_host) * (1 + skew) + launch_comm),
             "compute_s": _sig(ran[0]),
             "communication_s": _sig(launch_comm),
             "host_s": _sig(launch_host),

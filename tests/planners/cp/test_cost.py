@@ -323,3 +323,35 @@ def test_a_launch_on_one_host_exchanges_at_the_measured_decode_exchange(strategy
     assert linked["collectives"][0]["time_s"] != pytest.approx(c["time_s"], rel=1e-2)
     assert shm["compute_s"] == linked["compute_s"] and shm["host_s"] == linked["host_s"]
     assert ClusterSpec.from_json_dict(cluster.to_json_dict()) == cluster  # the field round-trips
+
+
+@pytest.mark.parametrize("strategy", ["cp", "tp"])
+def test_ranks_of_one_host_that_exchange_every_layer_run_at_the_slowest_ones_pace(strategy: str) -> None:
+    """``decode_rank_skew`` (calibrate): a launch's ranks on one host meet at every exchange, so the
+    step's own work (compute and host) takes that fraction longer; its exchanges do not. Ranks on
+    two nodes exchange over the link and are not charged it."""
+    llm, _ = load_llm_config("gpt2")
+    data = load_cluster("local-cpu-split").to_json_dict()
+    work = Workload(1, 512, OutputLengths("fixed", 1, 1))
+    params = CostParams(step_operations=300, gather_operations=(6, 24), reduce_operations=5)
+    (kind,) = data["device_types"].values()
+    kind["decode_exchange_overhead"] = 12e-6
+    even = estimate(llm, ClusterSpec.from_json_dict(data), work, strategy, 2, params=params).launch
+    kind["decode_rank_skew"] = 0.25
+    cluster = ClusterSpec.from_json_dict(data)
+    skewed = estimate(llm, cluster, work, strategy, 2, params=params).launch
+    assert even["step_time_s"] == pytest.approx(
+        even["compute_s"] + even["host_s"] + even["communication_s"], rel=1e-4
+    )
+    own = skewed["compute_s"] + skewed["host_s"]
+    assert skewed["step_time_s"] == pytest.approx(1.25 * own + skewed["communication_s"], rel=1e-4)
+    assert {k: v for k, v in skewed.items() if k != "step_time_s"} == {
+        k: v for k, v in even.items() if k != "step_time_s"
+    }
+    assert ClusterSpec.from_json_dict(cluster.to_json_dict()) == cluster  # the field round-trips
+    data["nodes"] = [{"name": "local", "count": 2, "devices": [{"type": "cpu-core", "count": 1}]}]
+    data["links"]["inter_node"] = data["links"]["intra_node"]
+    two_nodes = estimate(llm, ClusterSpec.from_json_dict(data), work, strategy, 2, params=params).launch
+    assert two_nodes["step_time_s"] == pytest.approx(
+        two_nodes["compute_s"] + two_nodes["host_s"] + two_nodes["communication_s"], rel=1e-4
+    )
