@@ -244,7 +244,7 @@ def main() -> None:
         f"{os.cpu_count()} cores, torch {torch.__version__}, transformers "
         f"{__import__('transformers').__version__}, Python {platform.python_version()}. transformers "
         "runs eager on one thread; each tessera rank is one process on one core (planned on "
-        f"{'a spec `tessera calibrate --seconds 10` measured at the start of the run' if args.calibrate else '`local-cpu-split`'}). "
+        f"{'a spec `tessera calibrate --seconds 20` measured at the start of the run' if args.calibrate else '`local-cpu-split`'}). "
         "ms: milliseconds per decode step (one token per request) after the prefill (generate(): the "
         f"best of three runs; tessera: the fastest of {LAUNCHES} launches of the plan); ratio: tessera's "
         "over generate()'s faster cache; error: measured against the plan's predicted per-token latency. "
@@ -266,7 +266,7 @@ def main() -> None:
         cluster = "local-cpu-split"
         if args.calibrate:  # the user's workflow: this machine measured now, then planned on
             cluster = str(work / "calibrated.yaml")
-            subprocess.run([*TESSERA, "calibrate", "--seconds", "10", "--out", cluster], check=True)
+            subprocess.run([*TESSERA, "calibrate", "--seconds", "20", "--out", cluster], check=True)
         for (name, _, _), made in corpus.entries.items():
             if made.path is None:
                 continue

@@ -11,7 +11,9 @@ trace would have frozen refuses the program. Details: docs/executor.md ("Compile
 
 from __future__ import annotations
 
+import copy
 import itertools
+import types
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -189,6 +191,22 @@ class StepProgram:
         if inductor:  # C++ kernels for everything between the cores (torch.compile, fixed shapes)
             self.program = torch.compile(self.graph_module, fullgraph=True, dynamic=False)
         self._check(device)
+        if not inductor:
+            self.program = self._bound(device)
+
+    def _bound(self, device: torch.device) -> fx.GraphModule:
+        """The program calling torch's own bindings of its operators (:func:`_bindings`), where
+        they compute the same bits as the traced program; else the traced program."""
+        bound = _bindings(self.graph_module)
+        tokens, past = self._example(0, device)
+        with torch.no_grad():
+            want = self.run(tokens, int(past), self_attention)
+            self.program = bound
+            try:
+                same = torch.equal(self.run(tokens, int(past), self_attention), want)
+            except RuntimeError:
+                same = False
+        return bound if same else self.graph_module
 
     def run(self, tokens: Tensor, past: int, attend: Attend) -> Tensor:
         return self.run_at(tokens, torch.tensor(past, device=tokens.device), past, attend)
@@ -380,6 +398,32 @@ def _finished(traced: fx.GraphModule, *, keep_cores: bool) -> fx.GraphModule:
     traced.graph.eliminate_dead_code()
     traced.recompile()
     return traced
+
+
+def _bindings(traced: fx.GraphModule) -> fx.GraphModule:
+    """``traced`` (sharing its weights) with each aten operator called through the binding torch
+    generates for it from the same schema (``torch.mm``, ``torch._C._nn.gelu``, a tensor method),
+    the same kernel without ``OpOverload``'s generic argument handling: 1.2-1.6 µs less a call on a
+    2-core AMD EPYC VM (torch 2.13.0), a fifth of a traced step's host time. Operators without
+    one (``slice``, ``_to_copy``) stay as they are."""
+    graph = copy.deepcopy(traced.graph)
+    for node in graph.nodes:
+        op = node.target
+        if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload) or op.namespace != "aten":
+            continue
+        name = _SAME_VALUES.get(op.overloadpacket.__name__, op.overloadpacket.__name__)
+        function = getattr(torch._C._VariableFunctions, name, None)
+        if isinstance(function, types.BuiltinFunctionType) and getattr(torch, name, None) is function:
+            node.target = function
+        elif isinstance(getattr(torch._C._nn, name, None), types.BuiltinFunctionType):
+            node.target = getattr(torch._C._nn, name)
+        elif isinstance(getattr(torch._C.TensorBase, name, None), types.MethodDescriptorType):
+            node.op, node.target = "call_method", name
+    return fx.GraphModule(traced, graph)
+
+
+# Operators whose binding has another name: the same values (a step's tensors need no autograd).
+_SAME_VALUES = {"_unsafe_view": "reshape"}
 
 
 def _host_constant(traced: fx.GraphModule, node: Any) -> bool:
