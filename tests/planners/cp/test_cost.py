@@ -227,8 +227,8 @@ def test_a_compiled_step_is_charged_the_compiled_overhead_per_operation() -> Non
     work = Workload(1, 128, OutputLengths("fixed", 1, 1))
     traced = estimate(llm, cluster, work, "dp", 1, params=CostParams(step_operations=200))
     compiled = estimate(llm, cluster, work, "dp", 1, params=CostParams(step_operations=200, compiled=True))
-    assert (kind.decode_op_overhead, kind.decode_compiled_op_overhead) == (4.6e-6, 2.6e-6)
-    assert traced.host_s - compiled.host_s == pytest.approx(200 * (4.6e-6 - 2.6e-6))
+    assert (kind.decode_op_overhead, kind.decode_compiled_op_overhead) == (2.9e-6, 1.9e-6)
+    assert traced.host_s - compiled.host_s == pytest.approx(200 * (2.9e-6 - 1.9e-6))
     assert compiled.compute_s == traced.compute_s
     # a device without a compiled overhead: the traced one, not a silent zero
     for t in data["device_types"].values():
@@ -264,7 +264,7 @@ def test_the_launch_step_runs_the_dense_part_on_every_rank_and_gathers_once_a_la
     assert launch["communication_s"] == pytest.approx(llm.layers * gather["time_s"], rel=1e-4)
     per_rank = 8 * (llm.heads // 2 * llm.head_dim if strategy == "tp" else llm.heads * (llm.head_dim + 1)) * 4
     assert gather["bytes"] == per_rank  # fp32, one other rank's part received
-    added = (6 if strategy == "tp" else 24) * llm.layers * 4.6e-6
+    added = (6 if strategy == "tp" else 24) * llm.layers * 2.9e-6
     assert launch["host_s"] == pytest.approx(two.host_s + added, rel=1e-4)
     assert launch["step_time_s"] == pytest.approx(
         launch["compute_s"] + launch["host_s"] + launch["communication_s"], rel=1e-4
@@ -294,7 +294,7 @@ def test_a_sharded_tp_launch_splits_the_layers_and_all_reduces_twice_a_layer() -
     [reduce] = launch["collectives"]
     assert reduce["bytes"] == llm.hidden * 4 and "partial sums" in reduce["what"]
     assert launch["communication_s"] == pytest.approx(2 * llm.layers * reduce["time_s"], rel=1e-4)
-    assert launch["host_s"] == pytest.approx(two.host_s + 2 * 5 * llm.layers * 4.6e-6, rel=1e-4)
+    assert launch["host_s"] == pytest.approx(two.host_s + 2 * 5 * llm.layers * 2.9e-6, rel=1e-4)
     assert launch["weights_whole"] == 0.0 and half.launch["weights_whole"] == 0.5
     assert params.to_json()["reduce_operations"] == 5
     assert dataclasses.replace(params, tp_launch=(TpLaunch(2, 0.5),)).to_json()["tp_launch"] == [
