@@ -65,7 +65,7 @@ class ShmGather:
             world, 2, capacity
         )
         self._peers = [r * _WORDS for r in range(world) if r != rank]
-        self._views: dict[tuple[int, int, int], tuple[Tensor, Tensor]] = {}
+        self._views: dict[tuple[int, int, int, int], tuple[Tensor, Tensor]] = {}  # (parity, size, lo, hi)
         self.count = 0
 
     def fits(self, t: Tensor) -> bool:
