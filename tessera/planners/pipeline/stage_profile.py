@@ -13,7 +13,7 @@ import functools
 import statistics
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
@@ -29,6 +29,7 @@ from tessera.planners.pipeline.tensor_parallel import group_devices
 from tessera.planners.pipeline.types import Pipeline, PipelineStage
 
 if TYPE_CHECKING:
+    import onnx
     import torch
 
     from tessera.backends.profile_cache import ProfileCache
@@ -36,6 +37,8 @@ if TYPE_CHECKING:
 
 # A tensor-parallel stage's rows: its ranks' processes, a step's part the slowest rank's.
 SPLIT_RECIPE = "on its ranks, each step's slowest"
+# A stage measured beside its replicas' ranks (each a whole copy): a step's part the slowest replica's.
+BESIDE_RECIPE = "at once, each step's slowest"
 STAGE_BACKENDS = ("torch-train.stage.forward", "torch-train.stage.backward", "torch-train.stage.step")
 # In the cache key: rows measured another way are not reused.
 RECIPE = "in context: the data drawn, the schedule's actions, the optimizer step (fused where it can be)"
@@ -113,27 +116,51 @@ class StageProfiler:
         if tensor_parallel > 1 and not split_measurable(self.device, tensor_parallel):
             return list(pipes)
         t = tensor_parallel
-        times = iter(self._times([self._request(st, p.mini_batch_size, t) for p in pipes for st in p.stages]))
-        # Stages are measured one at a time; a rank that shares its node with other ranks of the
-        # plan computes each action slower by the device's contention_overhead, and replicas of
-        # one stage on a node (in lockstep: the same operators at once) by its replica_contention,
-        # a fraction of the action (docs/executor.md).
+        placed = [(p, *self._sharing(p, t)) for p in pipes]
+        requests = [
+            self._request(st, p.mini_batch_size, t, self._beside(replicas.get(st.id, 1), t))
+            for p, _, replicas in placed
+            for st in p.stages
+        ]
+        times = iter(self._times(requests))
+        beside = iter(r.replicas > 1 for r in requests)
+        # A stage is measured alone, or with its replicas that share a node beside it where this
+        # machine runs them (each on cores of its own, in lockstep): their contention for the
+        # caches and memory is in its times then, and depends on the stage (+0-8% for
+        # compute-bound products, +20-30% for memory-bound ones here). Measured alone, a rank
+        # that shares its node with other ranks of the plan computes each action slower by the
+        # device's contention_overhead, and replicas on a node by its replica_contention, a
+        # fraction of the action (docs/executor.md).
         refined = []
-        for pipe in pipes:
-            sharing, replicated = self._sharing(pipe, t)
+        for pipe, sharing, replicas in placed:
             stages = [
-                self._refined(st, next(times), *self._contention(st.id, sharing, replicated))
+                self._refined(
+                    st,
+                    next(times),
+                    *((0.0, 0.0) if next(beside) else self._contention(st.id, sharing, replicas)),
+                )
                 for st in pipe.stages
             ]
             refined.append(dataclasses.replace(pipe, stages=stages))
         return refined
 
-    def _sharing(self, pipe: Pipeline, t: int) -> tuple[set[int], set[int]]:
+    def _beside(self, replicas: int, t: int) -> int:
+        """The replicas a stage is measured with (itself included): all of a node's, where this
+        machine's cores run them at once at the device's threads (a CPU stage, not tensor-parallel),
+        else 1."""
+        import os
+
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        fits = self.device == "cpu" and t == 1 and replicas * (self.threads or 1) <= cores
+        return replicas if replicas > 1 and fits else 1
+
+    def _sharing(self, pipe: Pipeline, t: int) -> tuple[set[int], dict[int, int]]:
         """The stages with a rank on a node where another rank of ``pipe`` runs, and those with
-        two replicas on one node (none without the cluster, which says where each device is);
-        ``t`` > 1: ``pipe``'s devices are t-device groups, each on its first device's node."""
+        two replicas or more on one node, each with the most replicas a node holds (none without
+        the cluster, which says where each device is); ``t`` > 1: ``pipe``'s devices are t-device
+        groups, each on its first device's node."""
         if self.cluster is None:
-            return set(), set()
+            return set(), {}
         node = {
             d: self.cluster.device(d if t == 1 else group_devices([d], t)[0]).node
             for st in pipe.stages
@@ -141,10 +168,10 @@ class StageProfiler:
         }
         ranks = Counter(node.values())
         sharing = {st.id for st in pipe.stages if any(ranks[node[d]] > 1 for d in st.devices)}
-        replicated = {st.id for st in pipe.stages if len({node[d] for d in st.devices}) < len(st.devices)}
-        return sharing, replicated
+        most = {st.id: max(Counter(node[d] for d in st.devices).values()) for st in pipe.stages}
+        return sharing, {stage: n for stage, n in most.items() if n > 1}
 
-    def _contention(self, stage: int, sharing: set[int], replicated: set[int]) -> tuple[float, float]:
+    def _contention(self, stage: int, sharing: set[int], replicated: Container[int]) -> tuple[float, float]:
         """What ``stage``'s actions add: (seconds, fraction of the action). A spec calibrated
         before replica_contention was measured charges replicas the per-action seconds."""
         if stage in replicated and self.replica_contention:
@@ -161,10 +188,10 @@ class StageProfiler:
             action_overhead=self.action_overhead,
         )
 
-    def _request(self, st: PipelineStage, mini_batch: int, t: int) -> _Request:
+    def _request(self, st: PipelineStage, mini_batch: int, t: int, replicas: int = 1) -> _Request:
         samples = per_device_samples(st.micro_batch_size, len(st.devices))
         actions = tuple(st.schedule or gpipe(mini_batch // st.micro_batch_size))
-        return _Request(tuple(st.nodes), samples, actions, mini_batch, t)
+        return _Request(tuple(st.nodes), samples, actions, mini_batch, t, replicas)
 
     def times(self, nodes: list[str], samples: int, actions: tuple[str, ...], mini_batch: int) -> StageTimes:
         """The stage of ``nodes`` running ``actions`` (``F0``, ``B0``, … a step) at ``samples``
@@ -172,10 +199,11 @@ class StageProfiler:
         return self._times([_Request(tuple(nodes), samples, actions, mini_batch)])[0]
 
     def _key(self, request: _Request) -> str:
-        nodes, samples, actions, mini_batch, t = request
+        nodes, samples, actions, mini_batch, t, replicas = request
         recipe = RECIPE + "".join(f" ({x})" for x in (self.optimizer, self.loss) if x not in ("sgd", "mse"))
         recipe += " (clipped)" if self.max_grad_norm is not None else ""
         recipe += f" (tensor-parallel {t}: {SPLIT_RECIPE})" if t > 1 else ""
+        recipe += f" ({replicas} replicas: {BESIDE_RECIPE})" if replicas > 1 else ""
         return digest([self._model_key(), sorted(nodes), samples, list(actions), mini_batch, recipe])
 
     def _cached(self, request: _Request) -> StageTimes | None:
@@ -195,10 +223,13 @@ class StageProfiler:
 
         found = {r: self._cached(r) for r in requests}
         missing = [r for r, t in found.items() if t is None]
-        whole = [r for r in missing if r.tensor_parallel == 1]
+        whole = [r for r in missing if r.tensor_parallel == r.replicas == 1]
         split = [r for r in missing if r.tensor_parallel > 1]  # on their ranks (one t per call)
+        beside = sorted({r.replicas for r in missing if r.replicas > 1})  # on their replicas' ranks
+        groups = [[r for r in missing if r.replicas == n] for n in beside]
         taken = (self._measure(whole) if whole else []) + (self._measure_split(split) if split else [])
-        for request, measured in zip(whole + split, taken, strict=True):
+        taken += [b for group in groups for b in self._measure_beside(group)]
+        for request, measured in zip(whole + split + [r for g in groups for r in g], taken, strict=True):
             self.measured += 1
             seconds = [statistics.median(statistics.median(b[part]) for b in measured) for part in range(3)]
             repeats = sum(len(b[0]) for b in measured)
@@ -240,15 +271,37 @@ class StageProfiler:
 
         t = requests[0].tensor_parallel
         whole = tensor_parallel(self.graph, t)
+        return self._on_ranks(
+            requests,
+            t,
+            lambda nodes: [local_model(self.graph, nodes, whole.restrict(nodes), i) for i in range(t)],
+        )
+
+    def _measure_beside(self, requests: list[_Request]) -> list[list[tuple[list[float], ...]]]:
+        """As :meth:`_measure_split`, each request's stage whole on each of its ``replicas`` ranks
+        (a step's part: the slowest replica's; the ranks meet after every step, as replicas do at
+        their gradients' all-reduce, which the plan's all-reduce time counts)."""
+        n = requests[0].replicas
+        return self._on_ranks(requests, n, lambda nodes: [self.graph.extract(list(nodes))] * n)
+
+    def _on_ranks(
+        self,
+        requests: list[_Request],
+        ranks: int,
+        models_of: Callable[[tuple[str, ...]], list[onnx.ModelProto]],
+    ) -> list[list[tuple[list[float], ...]]]:
+        """Per request, per burst, each timed step's parts (the slowest rank's) of its stage run
+        on ``ranks`` processes at once, rank i running ``models_of(nodes)[i]``."""
         stages = []
-        for nodes, samples, actions, mini_batch, _ in requests:
-            models = [local_model(self.graph, nodes, whole.restrict(nodes), i) for i in range(t)]
+        for nodes, samples, actions, mini_batch, *_ in requests:
+            models = models_of(nodes)
             kept = {i.name for i in models[0].graph.initializer}
             names = tuple(i.name for i in models[0].graph.input if i.name not in kept)
             values = [x.detach().cpu() for x in self._inputs(names, samples)]
+            serialized = {id(m): m.SerializeToString() for m in models}  # a copy each serialized once
             stages.append(
                 SplitStage(
-                    models=[m.SerializeToString() for m in models],
+                    models=[serialized[id(m)] for m in models],
                     feeds=dict(zip(names, values, strict=True)),
                     grads=frozenset(n for n in names if n not in self.graph.inputs),
                     actions=actions,
@@ -264,7 +317,7 @@ class StageProfiler:
             device=self.device,
             options=self.options,
         )
-        per_rank = run_ranks(job, t)
+        per_rank = run_ranks(job, ranks)
         return [
             [
                 tuple(
@@ -279,7 +332,7 @@ class StageProfiler:
     def _runner(self, request: _Request) -> StageRun:
         from tessera.backends.torch_module import to_torch
 
-        nodes, samples, actions, mini_batch, _ = request
+        nodes, samples, actions, mini_batch, *_ = request
         module = to_torch(self.graph.extract(list(nodes)), label="stage").to(self.device)
         return stage_run(
             module,
@@ -340,6 +393,7 @@ class _Request(NamedTuple):
     actions: tuple[str, ...]
     mini_batch: int
     tensor_parallel: int = 1
+    replicas: int = 1  # measured with this many replicas at once (itself included)
 
 
 class RefineFn(Protocol):

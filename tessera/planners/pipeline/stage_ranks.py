@@ -81,7 +81,7 @@ def run_ranks(job: SplitJob, t: int) -> list[list[tuple[list[float], ...]]]:
     failed = {r: v for r, v in results.items() if isinstance(v, str)}
     if failed:
         rank, why = min(failed.items())
-        raise TesseraError(f"measuring a tensor-parallel stage on {t} ranks: rank {rank} failed: {why}")
+        raise TesseraError(f"measuring a stage on {t} ranks: rank {rank} failed: {why}")
     return [results[r] for r in range(t)]
 
 

@@ -110,7 +110,11 @@ def test_a_recomputing_stage_pays_its_forward_again_in_the_backward(zoo_graph, t
 def test_ranks_sharing_a_node_pay_its_contention_on_every_action(zoo_graph, tmp_path: Path) -> None:
     """Stages are measured one at a time; a plan's ranks on one node compute at once, each action
     slower by the device type's contention_overhead (tessera calibrate measures it)."""
-    graph, cluster, _, pipe = _pipe(zoo_graph)
+    graph, cluster, _, replicated = _pipe(zoo_graph)
+    (st,) = replicated.stages  # its two devices as two stages of one rank each, on one node
+    pipe = dataclasses.replace(
+        replicated, stages=[dataclasses.replace(st, id=i, devices=[d]) for i, d in enumerate(st.devices)]
+    )
     _, _, _, alone = _pipe(zoo_graph, devices=1)
     device = cluster.devices()[0].type
     assert len({cluster.device(d).node for st in pipe.stages for d in st.devices}) == 1
@@ -128,12 +132,16 @@ def test_ranks_sharing_a_node_pay_its_contention_on_every_action(zoo_graph, tmp_
 
 
 def test_replicas_on_one_node_pay_its_replica_contention_as_a_fraction_of_each_action(
-    zoo_graph, tmp_path: Path
+    zoo_graph, tmp_path: Path, monkeypatch
 ) -> None:
-    """Replicas of a data-parallel stage compute the same operators at the same moment: each action
-    slower by the device type's replica_contention, a fraction (instead of contention_overhead);
-    a spec without it (calibrated before) charges them contention_overhead, and stages of one rank
-    each (here: the same operators twice) keep it."""
+    """Where this machine cannot run a node's replicas at once (here: one core), a data-parallel
+    stage is measured alone, and its replicas, computing the same operators at the same moment,
+    each action slower by the device type's replica_contention, a fraction (instead of
+    contention_overhead); a spec without it (calibrated before) charges them contention_overhead,
+    and stages of one rank each (here: the same operators twice) keep it."""
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
     graph, cluster, _, replicated = _pipe(zoo_graph)
     (st,) = replicated.stages
     assert len(st.devices) == 2 and len({cluster.device(d).node for d in st.devices}) == 1
@@ -378,6 +386,34 @@ def test_plan_records_the_clipping_charges_its_all_reduce_and_launch_warns_witho
     assert run.code == 0 and "timed with gradient clipping, this run trains without it" in run.err
     run = run_cli("launch", str(profiled), "--steps", "1", "--max-grad-norm", "5")
     assert run.code == 0 and "timed with" not in run.err
+
+
+def test_replicas_on_one_node_are_measured_beside_each_other(zoo_graph, tmp_path: Path) -> None:
+    """A data-parallel stage whose node's replicas this machine runs at once (two ranks of one
+    thread on two cores) is measured on two ranks computing it together: their contention is in
+    its times (no replica_contention added), cached apart from the stage measured alone."""
+    import os
+
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("two cores needed to run two replicas at once")
+    graph, cluster, _, replicated = _pipe(zoo_graph)
+    (st,) = replicated.stages
+    device = cluster.devices()[0].type
+    assert len(st.devices) == 2 and (device.cores or 1) == 1
+    cache = ProfileCache(tmp_path / "p.sqlite")
+    profiler = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    (beside,) = profiler.refine(replicated).stages
+    assert profiler.measured == 1 and beside.forward_time > 0 and beside.backward_time > 0
+    # The spec's fraction is not charged on top of what the replicas measured together.
+    loaded = StageProfiler(
+        graph, device.model_copy(update={"replica_contention": 0.25}), cache, QUICK, cluster=cluster
+    )
+    assert loaded.refine(replicated).stages == [beside] and loaded.measured == 0
+    # The same nodes and micro-batch as one rank alone: another row, measured.
+    alone = dataclasses.replace(replicated, stages=[dataclasses.replace(st, devices=st.devices[:1])])
+    single = StageProfiler(graph, device, cache, QUICK, cluster=cluster)
+    single.refine(alone)
+    assert single.measured == 1
 
 
 def test_a_tensor_parallel_stage_is_measured_on_its_ranks(zoo_graph, tmp_path: Path) -> None:
