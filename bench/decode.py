@@ -6,7 +6,8 @@ vocab 8192) at batch 1 and 8, prompts 128 and 1024. For each: transformers' ``ge
 same weights (greedy, its dynamic KV cache and its static one, eager, one thread), then ``tessera
 plan --kind cp`` and ``tessera launch`` of the export for dp x1, cp x2 and tp x2 on the
 ``local-cpu-split`` cluster (one core per rank; ``--calibrate``: on a spec ``tessera calibrate``
-measures at the start of the run, as a user plans). Per-token latency is the mean decode step after the
+measures at the start of the run, as a user plans; ``--profile``: each plan made with ``plan
+--profile``, the model's own decode step timed). Per-token latency is the mean decode step after the
 prefill; the table gives it as a ratio to transformers' faster cache, the plan's predicted
 per-token latency and its error, and whether tessera's tokens equal the export's own greedy tokens
 (onnxruntime running the whole graph, no cache: the reference the tests use) and transformers'.
@@ -85,15 +86,15 @@ def tessera_run(
     work: Path,
     *,
     compile_: bool = False,
-    cluster: str = "local-cpu-split",
+    planning: tuple[str, ...] = ("--cluster", "local-cpu-split"),
 ) -> dict:
-    """``tessera plan --kind cp`` then ``tessera launch --json`` of ``path`` on ``prompts``, the
-    fastest of ``LAUNCHES`` launches."""
+    """``tessera plan --kind cp`` (with ``planning``: the cluster, ``--profile``) then ``tessera
+    launch --json`` of ``path`` on ``prompts``, the fastest of ``LAUNCHES`` launches."""
     lines = work / "prompts.txt"
     lines.write_text("".join(" ".join(map(str, p)) + "\n" for p in prompts))
     plan = work / f"{strategy}{degree}.json"
     planned = subprocess.run(
-        [*TESSERA, "plan", path, "--kind", "cp", "--cluster", cluster, "--batch", str(len(prompts)),
+        [*TESSERA, "plan", path, "--kind", "cp", *planning, "--batch", str(len(prompts)),
          "--context", str(len(prompts[0])), "--output-len", str(new), "--strategy", strategy,
          "--degree", str(degree), "-o", str(plan), *(["--compile"] if compile_ else [])],
         capture_output=True, text=True, check=False,
@@ -151,7 +152,7 @@ def row(  # noqa: PLR0913 - the bench's grid
     vocab: int,
     *,
     traced: bool = True,
-    cluster: str = "local-cpu-split",
+    planning: tuple[str, ...] = ("--cluster", "local-cpu-split"),
 ) -> dict:
     prompts = prompts_of(vocab, batch, prompt)
     hf = {}
@@ -161,14 +162,14 @@ def row(  # noqa: PLR0913 - the bench's grid
         except Exception as exc:  # noqa: BLE001 - a model without a static cache in transformers
             hf[cache] = (None, f"{type(exc).__name__}")
     runs = {
-        f"{s}{d}": tessera_run(path, prompts, new, s, d, work, cluster=cluster)
+        f"{s}{d}": tessera_run(path, prompts, new, s, d, work, planning=planning)
         for s, d in STRATEGIES
         if traced
     }
     if batch == 1:
         for s, d in STRATEGIES:
             runs[f"{s}{d}-compiled"] = tessera_run(
-                path, prompts, new, s, d, work, compile_=True, cluster=cluster
+                path, prompts, new, s, d, work, compile_=True, planning=planning
             )
     from decode_reference import greedy_tokens
 
@@ -232,6 +233,11 @@ def main() -> None:
         action="store_true",
         help="plan on a spec tessera calibrate measures first, in this run (not local-cpu-split's)",
     )
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="plan with --profile: each model's own decode step timed, its operations charged that",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -244,14 +250,16 @@ def main() -> None:
         f"{os.cpu_count()} cores, torch {torch.__version__}, transformers "
         f"{__import__('transformers').__version__}, Python {platform.python_version()}. transformers "
         "runs eager on one thread; each tessera rank is one process on one core (planned on "
-        f"{'a spec `tessera calibrate --seconds 20` measured at the start of the run' if args.calibrate else '`local-cpu-split`'}). "
+        f"{'a spec `tessera calibrate --seconds 20` measured at the start of the run' if args.calibrate else '`local-cpu-split`'}"
+        f"{'; `plan --profile`: each model its own decode step timed when planned' if args.profile else ''}). "
         "ms: milliseconds per decode step (one token per request) after the prefill (generate(): the "
         f"best of three runs; tessera: the fastest of {LAUNCHES} launches of the plan); ratio: tessera's "
         "over generate()'s faster cache; error: measured against the plan's predicted per-token latency. "
         "`-compiled`: `launch --compile` (torch.compile of the decode step; its compile time is "
         "excluded) of a plan made with `plan --compile` (its prediction the compiled step's). Regenerate "
         f"with `.venv/bin/python bench/decode.py{' --compiled-only' if args.compiled_only else ''}"
-        f"{' --calibrate' if args.calibrate else ''}{f' --models {args.models}' if args.models else ''}"
+        f"{' --calibrate' if args.calibrate else ''}{' --profile' if args.profile else ''}"
+        f"{f' --models {args.models}' if args.models else ''}"
         f"{f' --out {args.out}' if args.out else ''}`.",
         "",
     ]
@@ -267,6 +275,9 @@ def main() -> None:
         if args.calibrate:  # the user's workflow: this machine measured now, then planned on
             cluster = str(work / "calibrated.yaml")
             subprocess.run([*TESSERA, "calibrate", "--seconds", "20", "--out", cluster], check=True)
+        planning: tuple[str, ...] = ("--cluster", cluster)
+        if args.profile:  # each model's own step timed by plan (a cache of the run's own)
+            planning += ("--profile", "--cache", str(work / "profiles.sqlite"))
         for (name, _, _), made in corpus.entries.items():
             if made.path is None:
                 continue
@@ -288,7 +299,7 @@ def main() -> None:
                     work,
                     vocab,
                     traced=not args.compiled_only,
-                    cluster=cluster,
+                    planning=planning,
                 )
             )
             print(table(rows)[-1], flush=True)
@@ -298,7 +309,17 @@ def main() -> None:
             for batch in (1, 8):
                 for prompt in (128, 1024):
                     rows.append(
-                        row("llama-4x256", module.model, path, batch, prompt, 32, work, 8192, cluster=cluster)
+                        row(
+                            "llama-4x256",
+                            module.model,
+                            path,
+                            batch,
+                            prompt,
+                            32,
+                            work,
+                            8192,
+                            planning=planning,
+                        )
                     )
                     print(table(rows)[-1], flush=True)
                     save(rows)

@@ -153,7 +153,8 @@ def plan(  # noqa: PLR0913
     plan`` makes it. ``kind`` ``gpp`` or ``spp``: a training pipeline of ``model`` at ``mini_batch``
     samples; ``cp``: decoding ``batch`` requests of ``context`` tokens (``output_len``: a number, or a
     distribution as ``plan --output-len`` takes it) with the decoder ``model`` or the LLM config
-    ``llm``; ``compile``: its decode step predicted as ``launch(compile=True)`` runs it.
+    ``llm``; ``compile``: its decode step predicted as ``launch(compile=True)`` runs it; ``profile``:
+    the training stages, or the decode step, measured on this machine (cached in ``cache``).
     InfeasibleError when nothing fits, InputError on bad input."""
     spec = cluster if isinstance(cluster, ClusterSpec) else load_cluster(cluster)
     if kind == "cp":
@@ -162,7 +163,8 @@ def plan(  # noqa: PLR0913
         graph = None if model is None else load(model, input_shapes=input_shapes)
         planned = plan_decoding(
             spec, graph=graph, llm=llm, batch=batch, context=context, output_len=output_len,
-            layers=layers, dtype=dtype, strategy=strategy, degree=degree, compile=compile,
+            layers=layers, dtype=dtype, strategy=strategy, degree=degree, compile=compile, profile=profile,
+            cache=cache,
         )  # fmt: skip
         for line in planned.warnings:
             warnings.warn(line, TesseraWarning, stacklevel=2)

@@ -166,10 +166,13 @@ def plan_decoding(  # noqa: PLR0913
     strategy: str = "auto",
     degree: int | None = None,
     compile: bool = False,  # noqa: A002 - launch's flag
+    profile: bool = False,
+    cache: str | os.PathLike[str] | None = None,
 ) -> DecodePlanning:
     """A cp plan of the decoder ``graph`` or of the LLM config ``llm`` (a file or a preset): the
     decoder recognized (InputError naming the node otherwise), then planned; ``compile``: its decode
-    step predicted as ``launch --compile`` runs it."""
+    step predicted as ``launch --compile`` runs it; ``profile``: that step timed on this machine
+    first (:func:`_profiled`), cached in the profile cache at ``cache``."""
     from tessera.planners.cp.llm import LlmSource, load_llm_config
     from tessera.planners.cp.plan import plan_cp_request
     from tessera.planners.cp.recognize import recognize_decoder
@@ -194,7 +197,7 @@ def plan_decoding(  # noqa: PLR0913
         assert llm is not None
         config, source = load_llm_config(llm)
     config = config.with_dtype(dtype)
-    warnings = []
+    warnings: list[str] = []
     if compile:
         from tessera.planners.cp.cost import CostParams
 
@@ -204,6 +207,12 @@ def plan_decoding(  # noqa: PLR0913
                 f"cluster {cluster.name}: no decode_compiled_op_overhead for its devices (tessera calibrate "
                 "measures it): the compiled step is predicted at the traced step's cost per operation"
             )
+    if profile:
+        if graph is None:
+            raise InputError("--profile times the decode step of a model: it needs MODEL, not --llm")
+        at = context if context is not None else (sweep_contexts or [1])[0]
+        params, why = _profiled(graph, decoder, config, cluster, params, cache, at, positions, compile)
+        warnings += why
     plan, rows = plan_cp_request(
         config, cluster, batch=batch, context=context, output_lengths=parse_output_lengths(output_len),
         sweep_contexts=sweep_contexts or [], layers=layers, model=model_ref, source=source,
@@ -251,6 +260,54 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
         else None
     )
     return counted, stepped.max_positions
+
+
+def _profiled(  # noqa: PLR0913
+    graph: Graph,
+    decoder: Decoder,
+    config: LlmConfig,
+    cluster: ClusterSpec,
+    params: CostParams | None,
+    cache: str | os.PathLike[str] | None,
+    context: int,
+    positions: int | None,
+    compiled: bool,
+) -> tuple[CostParams | None, list[str]]:
+    """``params`` with the host time of an operation measured on this model's own decode step
+    (traced; compiled too with ``compiled``) at ``context`` (within the model's ``positions``): the step less the compute the cost
+    model gives a batch-1 dp step there, over the step's operations. Where it cannot be measured
+    here (the step not traced, devices other than this machine's CPUs), ``params`` and why."""
+    from tessera.backends.profile_cache import ProfileCache
+    from tessera.executor.decode_profile import STEPS, measured_step
+    from tessera.planners.cp.cost import estimate
+    from tessera.planners.cp.workload import OutputLengths, Workload
+
+    if params is None or not params.step_operations:
+        return params, [
+            f"--profile: {graph.source}'s decode step is not traced here: predicted from the spec"
+        ]
+    types = list(cluster.device_types.values())
+    if any(t.kind != "cpu" for t in types):
+        return params, [
+            f"--profile: cluster {cluster.name} has devices other than CPUs, which this machine cannot time: "
+            "its decode step predicted from the spec"
+        ]
+    store = ProfileCache(None if cache is None else os.fspath(cache))
+    store.check()
+    threads = min(t.cores or 1 for t in types)
+    at = max(1, min(context, (positions or context + STEPS + 1) - STEPS - 1))
+    measured = []
+    for on in (False, True) if compiled else (False,):
+        step = measured_step(graph, decoder, store, context=at, compiled=on, threads=threads)
+        modeled = estimate(
+            config, cluster, Workload(1, at + STEPS // 2, OutputLengths("fixed", 1, 1)), "dp", 1,
+            params=dataclasses.replace(params, compiled=on),
+        )  # fmt: skip
+        compute = modeled.step_time_s - modeled.host_s
+        measured.append(max(step - compute, 0.0) / params.step_operations)
+    return dataclasses.replace(
+        params, measured_op_overhead=(measured[0], measured[-1] if compiled else 0.0)
+    ), []
 
 
 def _fixed_batch_message(graph: Graph, batch: int) -> str | None:

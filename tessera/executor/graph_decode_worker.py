@@ -300,12 +300,18 @@ def _attention(
 
 
 def time_decode_step(
-    decoder: GraphDecoder, steps: int, context: int = 64, exchange: Callable[[Tensor], Tensor] | None = None
+    decoder: GraphDecoder,
+    steps: int,
+    context: int = 64,
+    exchange: Callable[[Tensor], Tensor] | None = None,
+    *,
+    mean: bool = False,
 ) -> float:
     """Median seconds of one batch-1 decode step of ``decoder`` as a dp rank runs it (its traced
     program, a static cache, the fused attention), after a ``context``-token prefill: what
     ``calibrate`` divides by the step's operations. ``exchange``: each core's output goes through it
-    (a gather between ranks, as a tp or cp step exchanges once a layer)."""
+    (a gather between ranks, as a tp or cp step exchanges once a layer). ``mean``: the mean step
+    (what ``launch`` reports per token), not the median."""
     cache = GroupCache(np.zeros(context + steps + 1, dtype=np.int64), 0, torch.device("cpu"))
     if (1, 1) not in decoder.programs:
         compile_step(decoder, 1, 1)
@@ -323,4 +329,4 @@ def time_decode_step(
         logits = decoder.logits(torch.tensor([[last]]), context + k, attend)
         last = int(torch.argmax(logits[0, -1]))
         times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    return float(np.mean(times) if mean else np.median(times))

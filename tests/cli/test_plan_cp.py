@@ -96,6 +96,46 @@ def test_a_plan_for_the_compiled_step_predicts_it_and_says_where_it_cannot(
     assert json.loads(out)["predicted"]["cost_model"]["compiled"] is True
 
 
+def test_a_profiled_plan_charges_the_models_own_step_and_a_warm_rerun_is_byte_identical(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--profile``: the model's decode step is timed here (traced, and compiled with --compile);
+    each operation is charged what it measured (its step less the modeled compute, over its
+    operations) in place of the cluster's decode_op_overhead, so the one-rank plan predicts the
+    step measured; cached, a second run writes the same bytes."""
+    import sqlite3
+
+    path, cache = tmp_path / "gpt.onnx", tmp_path / "p.sqlite"
+    path.write_bytes(build("gpt", "tiny", seed=0, seq=256).SerializeToString())
+    args = ["plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "1", "--context", "128",
+            "--output-len", "32", "--strategy", "dp", "--degree", "1", "--profile", "--cache", str(cache)]  # fmt: skip
+    code, _, err = run([*args, "--compile", "-o", str(tmp_path / "a.json")], capsys)
+    assert code == 0 and "warning" not in err, err
+    plan = json.loads((tmp_path / "a.json").read_text())["predicted"]
+    traced_op, compiled_op = plan["cost_model"]["measured_op_overhead"]
+    assert 0 < compiled_op and 0 < traced_op
+    operations = plan["cost_model"]["step_operations"]
+    # The step's host time is the measured operations' (plus the block table's few entries).
+    assert plan["breakdown"]["host_s"] == pytest.approx(operations * compiled_op, rel=0.01)
+    with sqlite3.connect(cache) as conn:
+        rows = conn.execute("SELECT backend, median_s FROM profiles").fetchall()
+    assert sorted(b for b, _ in rows) == ["torch-decode.compiled-step", "torch-decode.step"]
+    assert all(0 < seconds < 1 for _, seconds in rows)
+    assert run([*args, "--compile", "-o", str(tmp_path / "b.json")], capsys)[0] == 0
+    assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+    # Another model's plan is not this one's measurement; traced alone, the traced one is charged.
+    code, out, _ = run([*args, "--json"], capsys)
+    traced = json.loads(out)["predicted"]
+    assert code == 0 and traced["cost_model"]["measured_op_overhead"] == [traced_op, 0.0]
+    # A GPU cluster's step cannot be timed here: said, and predicted from its spec.
+    code, out, err = run([*args[:5], "h200", *args[6:], "--json"], capsys)
+    assert code == 0 and "warning: --profile: cluster h200 has devices other than CPUs" in err
+    assert "measured_op_overhead" not in json.loads(out)["predicted"]["cost_model"]
+    # An LLM config has no step to time.
+    code, _, err = run([*THESIS, "--context", "1K", "--profile"], capsys)
+    assert code == 2 and "--profile times the decode step of a model" in err
+
+
 def test_not_a_decoder_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bert.onnx"
     path.write_bytes(build("bert", "tiny", seed=0).SerializeToString())

@@ -30,7 +30,7 @@ class PlanKind:
 EXPORTS = {"megatron": ("gpp", "spp"), "vllm": ("cp",), "sglang": ("cp",), "trtllm": ("cp",)}  # -> kinds
 
 KINDS: dict[str, PlanKind] = {
-    "cp": PlanKind(cp.run, cp.OPTIONS.names),
+    "cp": PlanKind(cp.run, cp.OPTIONS.names | {"profile", "cache_path"}),
     "gpp": PlanKind(pipeline.runner("gpp"), pipeline.OPTIONS.names),
     "spp": PlanKind(pipeline.runner("spp"), pipeline.OPTIONS.names - {"no_baseline"}),  # spp is the baseline
 }

@@ -93,6 +93,8 @@ def run(  # noqa: PLR0913
     degree: int | None = None,
     export: str | None = None,
     compile_: bool = False,
+    profile: bool = False,
+    cache_path: str | None = None,
 ) -> None:
     """Cache-parallel decode plan: load the decoder (or its config), plan, write, print."""
     spec = load_cluster(cluster)
@@ -117,6 +119,8 @@ def run(  # noqa: PLR0913
         strategy=strategy,
         degree=degree,
         compile=compile_,
+        profile=profile,
+        cache=cache_path,
     )
     for line in planned.warnings:
         click.echo(f"tessera: warning: {line}", err=True)

@@ -157,14 +157,17 @@ OPTIONS = OptionGroup(
     click.option(
         "--profile",
         is_flag=True,
-        help="[gpp/spp] Measure every operator's forward and backward on this machine (torch) instead of the roofline model; cached.",
+        help="Measure on this machine instead of the roofline model; cached. [gpp/spp] Every operator's forward "
+        "and backward (torch), then the chosen plan's stages as the workers run them. [cp] MODEL's own decode "
+        "step (traced; compiled too with --compile): its operations' host time in place of the cluster's "
+        "decode_op_overhead (CPU clusters).",
     ),
     click.option(
         "--cache",
         "cache_path",
         type=click.Path(dir_okay=False, path_type=str),
         default=None,
-        help="[gpp/spp] Profile cache of --profile (SQLite; default ~/.cache/tessera/profiles.sqlite).",
+        help="Profile cache of --profile (SQLite; default ~/.cache/tessera/profiles.sqlite).",
     ),
 )
 

@@ -11,7 +11,6 @@ References: thesis ch. 4, §4.2.3–4.5, Fig. 4.5. Derivation: docs/cp.md.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
@@ -20,7 +19,7 @@ import numpy as np
 
 from tessera.core.specs import ClusterSpec, Device
 from tessera.planners.cp.llm import LlmConfig
-from tessera.planners.cp.workload import OutputLengths, Workload
+from tessera.planners.cp.workload import Workload, dp_replica_steps
 
 __all__ = [
     "STRATEGIES",
@@ -77,6 +76,10 @@ class CostParams:
     compiled: bool = False
     """The step runs compiled by torch.compile (``launch --compile``): each operation is charged the
     device's ``decode_compiled_op_overhead`` instead (``decode_op_overhead`` where it has none)."""
+    measured_op_overhead: tuple[float, float] = (0.0, 0.0)
+    """(traced, compiled): seconds an operation of this model's own decode step, measured on this
+    machine by ``plan --profile`` (its step less the modeled compute, over ``step_operations``), in
+    place of the device's ``decode_op_overhead`` and ``decode_compiled_op_overhead`` (0: the device's)."""
     gather_operations: tuple[int, int] = (0, 0)
     """(tp, cp): the operations, in the same units, a tp or a cp rank's attention adds a layer to a
     dp rank's in tessera's launch (cp: the partial's log-sum-exp column and the merge; both: the
@@ -98,6 +101,11 @@ class CostParams:
             "kernels_per_layer": self.kernels_per_layer,
             **({"step_operations": self.step_operations} if self.step_operations else {}),
             **({"compiled": True} if self.compiled else {}),
+            **(
+                {"measured_op_overhead": [_sig(x) for x in self.measured_op_overhead]}
+                if any(self.measured_op_overhead)
+                else {}
+            ),
             **({"gather_operations": list(self.gather_operations)} if any(self.gather_operations) else {}),
             **({"reduce_operations": self.reduce_operations} if self.reduce_operations else {}),
             **({"tp_launch": [t.to_json() for t in self.tp_launch]} if self.tp_launch else {}),
@@ -316,7 +324,7 @@ def estimate(
             )
         compute = num_layers * (dense + attention) + head
         if p.step_operations:  # the executor's own count, the layers' share of it per layer
-            op = decode_op_overhead(device, compiled=p.compiled)
+            op = p.measured_op_overhead[p.compiled] or decode_op_overhead(device, compiled=p.compiled)
             return compute, p.step_operations * num_layers / llm.layers * op
         launches = (num_layers * kernels + (1 if with_head else 0)) * device.type.kernel_launch_overhead
         return compute, launches
@@ -348,7 +356,8 @@ def estimate(
         )
         launch_host = ran[1] + at.table_entries * p.block_table_entry_s
         if p.step_operations and added:  # the callbacks run eager, compiled step or not
-            launch_host += added * max(decode_op_overhead(d, compiled=False) for d in group)
+            eager = p.measured_op_overhead[0] or max(decode_op_overhead(d, compiled=False) for d in group)
+            launch_host += added * eager
         ran_collectives = [
             {**c.to_json(), "per": f"{k:.3g} a layer"}
             for c, k in ((gather, split.gathered), (reduce, split.reduces))
@@ -557,36 +566,6 @@ def _collective(
         what=what,
         time_s=steps * latency + nbytes_int / bandwidth,
     )
-
-
-@functools.lru_cache(maxsize=256)
-def _replica_steps(output: OutputLengths, batch: int, replicas: int, trials: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    lengths = output.sample(rng, (trials, batch))  # int64; batch <= MAX_BATCH keeps it bounded
-    # Round-robin (lengths are unknown when requests are placed): replica r owns requests r, r+N, …
-    # Integer sums over strided views: exact, and no float copy of the whole array.
-    counts = np.bincount(np.arange(batch) % replicas, minlength=replicas).astype(np.float64)
-    work = np.zeros((trials, replicas))
-    for r in range(replicas):
-        work[:, r] = lengths[:, r::replicas].sum(axis=1)
-    steps = work / counts
-    steps.setflags(write=False)
-    return steps
-
-
-def dp_replica_steps(
-    output: OutputLengths, batch: int, replicas: int, *, trials: int = 2048, seed: int = 0
-) -> np.ndarray:
-    """Decode steps each DP replica needs, ``[trials, replicas]``, by seeded Monte Carlo.
-
-    ``batch`` requests are dealt round-robin to the replicas (their output lengths are unknown when
-    they are placed, thesis §4.3) and each replica serves its requests with continuous batching in
-    its ``batch / replicas`` slots, so it needs ``Σ output lengths / slots`` steps. The job takes
-    the maximum over replicas; a balanced strategy (TP, CP) takes the mean. Deterministic for a seed.
-    """
-    if replicas < 1 or batch < replicas:
-        raise ValueError(f"need 1 <= replicas <= batch; got {replicas} replicas for batch {batch}")
-    return _replica_steps(output, batch, replicas, trials, seed)
 
 
 def _sig(x: float, digits: int = 6) -> float:

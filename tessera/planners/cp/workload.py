@@ -9,6 +9,7 @@ References: thesis §4.1, §4.3. Details: docs/cp.md.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -27,6 +28,7 @@ __all__ = [
     "MAX_TOKENS",
     "OutputLengths",
     "Workload",
+    "dp_replica_steps",
     "parse_output_lengths",
     "parse_token_count",
     "parse_token_counts",
@@ -237,3 +239,33 @@ class Workload:
             "mean_kv_length": round(self.mean_kv_length, 3),
             "max_kv_length": self.max_kv_length,
         }
+
+
+@functools.lru_cache(maxsize=256)
+def _replica_steps(output: OutputLengths, batch: int, replicas: int, trials: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    lengths = output.sample(rng, (trials, batch))  # int64; batch <= MAX_BATCH keeps it bounded
+    # Round-robin (lengths are unknown when requests are placed): replica r owns requests r, r+N, …
+    # Integer sums over strided views: exact, and no float copy of the whole array.
+    counts = np.bincount(np.arange(batch) % replicas, minlength=replicas).astype(np.float64)
+    work = np.zeros((trials, replicas))
+    for r in range(replicas):
+        work[:, r] = lengths[:, r::replicas].sum(axis=1)
+    steps = work / counts
+    steps.setflags(write=False)
+    return steps
+
+
+def dp_replica_steps(
+    output: OutputLengths, batch: int, replicas: int, *, trials: int = 2048, seed: int = 0
+) -> np.ndarray:
+    """Decode steps each DP replica needs, ``[trials, replicas]``, by seeded Monte Carlo.
+
+    ``batch`` requests are dealt round-robin to the replicas (their output lengths are unknown when
+    they are placed, thesis §4.3) and each replica serves its requests with continuous batching in
+    its ``batch / replicas`` slots, so it needs ``Σ output lengths / slots`` steps. The job takes
+    the maximum over replicas; a balanced strategy (TP, CP) takes the mean. Deterministic for a seed.
+    """
+    if replicas < 1 or batch < replicas:
+        raise ValueError(f"need 1 <= replicas <= batch; got {replicas} replicas for batch {batch}")
+    return _replica_steps(output, batch, replicas, trials, seed)
