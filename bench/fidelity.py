@@ -342,6 +342,9 @@ def render(rows: list[dict], spec_text: str, split: bool = False) -> str:
         "one stage after another"
         if split
         else "a model's seven plans' stages measured together, their bursts in turns"
+    ) + (
+        "; a data-parallel stage's 2 replicas on 2 ranks computing at once, each step's part the "
+        "slower replica's"
     )
     lines = [
         "# Fidelity: predicted against launched (CPU, gloo)"
