@@ -126,8 +126,8 @@ class StageProfiler:
         beside = iter(r.replicas > 1 for r in requests)
         # A stage is measured alone, or with its replicas that share a node beside it where this
         # machine runs them (each on cores of its own, in lockstep): their contention for the
-        # caches and memory is in its times then, and depends on the stage (+0-8% for
-        # compute-bound products, +20-30% for memory-bound ones here). Measured alone, a rank
+        # caches and memory is in its times then, and depends on the stage (-7% to +8% for
+        # compute-bound products, +21-31% for memory-bound ones on a 2-core VM). Measured alone, a rank
         # that shares its node with other ranks of the plan computes each action slower by the
         # device's contention_overhead, and replicas on a node by its replica_contention, a
         # fraction of the action (docs/executor.md).
