@@ -274,9 +274,10 @@ def _profiled(  # noqa: PLR0913
     compiled: bool,
 ) -> tuple[CostParams | None, list[str]]:
     """``params`` with the host time of an operation measured on this model's own decode step
-    (traced; compiled too with ``compiled``) at ``context`` (within the model's ``positions``): the step less the compute the cost
-    model gives a batch-1 dp step there, over the step's operations. Where it cannot be measured
-    here (the step not traced, devices other than this machine's CPUs), ``params`` and why."""
+    (traced; compiled too with ``compiled``) at ``context`` (within the model's ``positions``): the
+    step less the compute the cost model gives a batch-1 dp step there, over the step's operations.
+    Where it cannot be measured here (the step not traced or not built, devices other than this
+    machine's CPUs), ``params`` and why."""
     from tessera.backends.profile_cache import ProfileCache
     from tessera.executor.decode_profile import STEPS, measured_step
     from tessera.planners.cp.cost import estimate
@@ -298,7 +299,10 @@ def _profiled(  # noqa: PLR0913
     at = max(1, min(context, (positions or context + STEPS + 1) - STEPS - 1))
     measured = []
     for on in (False, True) if compiled else (False,):
-        step = measured_step(graph, decoder, store, context=at, compiled=on, threads=threads)
+        try:
+            step = measured_step(graph, decoder, store, context=at, compiled=on, threads=threads)
+        except ValueError as exc:
+            return params, [f"--profile: {graph.source}: {exc}: its decode step predicted from the spec"]
         modeled = estimate(
             config, cluster, Workload(1, at + STEPS // 2, OutputLengths("fixed", 1, 1)), "dp", 1,
             params=dataclasses.replace(params, compiled=on),

@@ -1,7 +1,7 @@
 """A decoder's own decode step timed on this machine (``plan --kind cp --profile``): the step a dp
 rank runs (its traced program, or compiled by inductor as ``launch --compile`` runs it; a static
-cache after a prefill), at batch 1, the mean step of each round, the median round; cached in the profile cache, so a warm run plans
-the same bytes. Why: docs/cp.md ("Profiled decode plans")."""
+cache after a prefill), at batch 1, the mean step of each round, the median round; cached in the
+profile cache, so a warm run plans the same bytes. Why: docs/cp.md ("Profiled decode plans")."""
 
 from __future__ import annotations
 
@@ -31,8 +31,9 @@ def measured_step(
 ) -> float:
     """Seconds of one batch-1 decode step of ``graph`` after a ``context``-token prefill, with
     ``threads`` torch threads: cached, else measured (the median over :data:`ROUNDS` rounds of
-    each round's mean step: ``launch`` reports the mean). ``compiled``: the step compiled by torch.compile's inductor (its
-    compilation not counted). Raises ValueError where the step cannot be built."""
+    each round's mean step: ``launch`` reports the mean). ``compiled``: the step compiled by
+    torch.compile's inductor (its compilation not counted). ValueError where the step cannot be
+    built."""
     import torch
 
     from tessera.backends.profile_cache import Profile, device_fingerprint

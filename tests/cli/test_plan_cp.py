@@ -136,6 +136,27 @@ def test_a_profiled_plan_charges_the_models_own_step_and_a_warm_rerun_is_byte_id
     assert code == 2 and "--profile times the decode step of a model" in err
 
 
+def test_a_step_the_profile_cannot_build_is_said_and_predicted_from_the_spec(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tessera.executor import decode_program
+
+    path = tmp_path / "gpt.onnx"
+    path.write_bytes(build("gpt", "tiny", seed=0, seq=256).SerializeToString())
+    traced = decode_program.compile_step
+
+    def compile_step(*args, inductor: bool = False, **kwargs):  # inductor fails; the traced step builds
+        return "inductor failed" if inductor else traced(*args, **kwargs)
+
+    monkeypatch.setattr(decode_program, "compile_step", compile_step)
+    code, out, err = run(["plan", str(path), "--kind", "cp", "--cluster", "local-cpu-split", "--batch", "1",
+                          "--context", "128", "--output-len", "32", "--profile", "--cache", str(tmp_path / "p.sqlite"),
+                          "--compile", "--json"], capsys)  # fmt: skip
+    assert code == 0 and "warning: --profile:" in err and "inductor failed" in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert "measured_op_overhead" not in json.loads(out)["predicted"]["cost_model"]
+
+
 def test_not_a_decoder_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "bert.onnx"
     path.write_bytes(build("bert", "tiny", seed=0).SerializeToString())
