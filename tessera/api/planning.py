@@ -172,7 +172,7 @@ def plan_decoding(  # noqa: PLR0913
     """A cp plan of the decoder ``graph`` or of the LLM config ``llm`` (a file or a preset): the
     decoder recognized (InputError naming the node otherwise), then planned; ``compile``: its decode
     step predicted as ``launch --compile`` runs it; ``profile``: that step timed on this machine
-    first (:func:`_profiled`), cached in the profile cache at ``cache``."""
+    first (:func:`_decode_profiled`), cached in the profile cache at ``cache``."""
     from tessera.planners.cp.llm import LlmSource, load_llm_config
     from tessera.planners.cp.plan import plan_cp_request
     from tessera.planners.cp.recognize import recognize_decoder
@@ -211,7 +211,7 @@ def plan_decoding(  # noqa: PLR0913
         if graph is None:
             raise InputError("--profile times the decode step of a model: it needs MODEL, not --llm")
         at = context if context is not None else (sweep_contexts or [1])[0]
-        params, why = _profiled(graph, decoder, config, cluster, params, cache, at, positions, compile)
+        params, why = _decode_profiled(graph, decoder, config, cluster, params, cache, at, positions, compile)
         warnings += why
     plan, rows = plan_cp_request(
         config, cluster, batch=batch, context=context, output_lengths=parse_output_lengths(output_len),
@@ -262,7 +262,7 @@ def _counted(graph: Graph, decoder: Decoder) -> tuple[CostParams | None, int | N
     return counted, stepped.max_positions
 
 
-def _profiled(  # noqa: PLR0913
+def _decode_profiled(  # noqa: PLR0913
     graph: Graph,
     decoder: Decoder,
     config: LlmConfig,
