@@ -278,10 +278,10 @@ def _decode_profiled(  # noqa: PLR0913
     step less the compute the cost model gives a batch-1 dp step there, over the step's operations.
     Where it cannot be measured here (the step not traced or not built, devices other than this
     machine's CPUs), ``params`` and why."""
-    from tessera.backends.profile_cache import ProfileCache
     from tessera.executor.decode_profile import STEPS, measured_step
     from tessera.planners.cp.cost import estimate
     from tessera.planners.cp.workload import OutputLengths, Workload
+    from tessera.planners.pipeline.profile import open_cache
 
     if params is None or not params.step_operations:
         return params, [
@@ -293,8 +293,7 @@ def _decode_profiled(  # noqa: PLR0913
             f"--profile: cluster {cluster.name} has devices other than CPUs, which this machine cannot time: "
             "its decode step predicted from the spec"
         ]
-    store = ProfileCache(None if cache is None else os.fspath(cache))
-    store.check()
+    store = open_cache(cache)
     threads = min(t.cores or 1 for t in types)
     at = max(1, min(context, (positions or context + STEPS + 1) - STEPS - 1))
     measured = []

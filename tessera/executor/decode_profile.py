@@ -6,12 +6,11 @@ profile cache, so a warm run plans the same bytes. Why: docs/cp.md ("Profiled de
 from __future__ import annotations
 
 import statistics
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from collections.abc import Iterator
+from tessera.backends.base import torch_threads
 
+if TYPE_CHECKING:
     from tessera.backends.profile_cache import ProfileCache
     from tessera.core.graph import Graph
     from tessera.planners.cp.recognize import Decoder
@@ -47,7 +46,7 @@ def measured_step(
     found = cache.get(backend, version, fingerprint, key)
     if found is not None and found.ok:
         return found.median_s
-    with _threads(threads):
+    with torch_threads(threads):
         seconds = _measure(graph, decoder, context, compiled)
     cache.put(Profile(backend, version, fingerprint, key, seconds, 0.0, ROUNDS * STEPS))
     return seconds
@@ -64,15 +63,3 @@ def _measure(graph: Graph, decoder: Decoder, context: int, compiled: bool) -> fl
         raise ValueError(f"the decode step could not be built: {why}")
     time_decode_step(stepped, 4, context)  # warm-up: the first steps pay allocation and caches
     return statistics.median(time_decode_step(stepped, STEPS, context, mean=True) for _ in range(ROUNDS))
-
-
-@contextmanager
-def _threads(n: int) -> Iterator[None]:
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)

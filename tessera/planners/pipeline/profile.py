@@ -11,8 +11,7 @@ import math
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
+from tessera.backends.base import torch_threads
 from tessera.core.errors import InputError
 from tessera.core.graph import Graph, OpNode
 from tessera.core.specs import DeviceType
@@ -236,7 +236,7 @@ class _Profiler:
             except _Unsupported as exc:
                 fallback[name] = f"{op.op_type}: {exc}"
         self.report.distinct = len(groups)
-        with self._threads():
+        with torch_threads(self.threads):
             if groups:
                 self._warm_up()
             for i, (sig, ops) in enumerate(groups.items()):
@@ -264,17 +264,6 @@ class _Profiler:
             "operators": self.report.operators,
         }
         return MeasuredCosts(g, lines, fallback, source, self.report)
-
-    @contextmanager
-    def _threads(self) -> Iterator[None]:
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
 
     def _warm_up(self) -> None:
         """Start torch's thread pool and autograd engine, so the first operator is not charged."""

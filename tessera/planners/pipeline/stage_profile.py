@@ -17,6 +17,7 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
+from tessera.backends.base import cpu_cores, torch_threads
 from tessera.core.cost import per_device_samples
 from tessera.core.data import TrainingData
 from tessera.core.graph import Graph
@@ -122,8 +123,7 @@ class StageProfiler:
             for p, _, replicas in placed
             for st in p.stages
         ]
-        times = iter(self._times(requests))
-        beside = iter(r.replicas > 1 for r in requests)
+        measured = iter(zip(requests, self._times(requests), strict=True))
         # A stage is measured alone, or with its replicas that share a node beside it where this
         # machine runs them (each on cores of its own, in lockstep): their contention for the
         # caches and memory is in its times then, and depends on the stage (-7% to +8% for
@@ -133,14 +133,11 @@ class StageProfiler:
         # fraction of the action (docs/executor.md).
         refined = []
         for pipe, sharing, replicas in placed:
-            stages = [
-                self._refined(
-                    st,
-                    next(times),
-                    *((0.0, 0.0) if next(beside) else self._contention(st.id, sharing, replicas)),
-                )
-                for st in pipe.stages
-            ]
+            stages = []
+            for st in pipe.stages:
+                request, times = next(measured)
+                added = (0.0, 0.0) if request.replicas > 1 else self._contention(st.id, sharing, replicas)
+                stages.append(self._refined(st, times, *added))
             refined.append(dataclasses.replace(pipe, stages=stages))
         return refined
 
@@ -148,10 +145,7 @@ class StageProfiler:
         """The replicas a stage is measured with (itself included): all of a node's, where this
         machine's cores run them at once at the device's threads (a CPU stage, not tensor-parallel),
         else 1."""
-        import os
-
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        fits = self.device == "cpu" and t == 1 and replicas * (self.threads or 1) <= cores
+        fits = self.device == "cpu" and t == 1 and replicas * (self.threads or 1) <= cpu_cores()
         return replicas if replicas > 1 and fits else 1
 
     def _sharing(self, pipe: Pipeline, t: int) -> tuple[set[int], dict[int, int]]:
@@ -246,19 +240,12 @@ class StageProfiler:
 
     def _measure(self, requests: list[_Request]) -> list[list[tuple[list[float], ...]]]:
         """Per request, per burst, the seconds of each timed step: (forwards, backwards, own parts)."""
-        import torch
-
         runs = [self._runner(r) for r in requests]
-        before = torch.get_num_threads()
-        if self.threads:
-            torch.set_num_threads(self.threads)
         bursts: list[list[tuple[list[float], ...]]] = [[] for _ in runs]
-        try:
+        with torch_threads(self.threads):
             for burst in range(self.options.bursts):
                 for run, taken in zip(runs, bursts, strict=True):
                     taken.append(self._burst(run, warmup=self.options.warmup if burst == 0 else 0))
-        finally:
-            torch.set_num_threads(before)
         return bursts
 
     def _measure_split(self, requests: list[_Request]) -> list[list[tuple[list[float], ...]]]:
